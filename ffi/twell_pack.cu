@@ -1,0 +1,152 @@
+// twell_pack: dense activation g [M, f] -> TwELL (values, cols, counts).
+//
+// Grid: one warp per (row, tile) pair, 8 warps per block. A lane reads V consecutive
+// elements (16 bytes) per step, so one warp step covers 32*V columns of its tile with a
+// single coalesced load; a warp-wide prefix sum of per-lane non-zero counts gives each
+// non-zero its slot, so entries stay in column order and the output is deterministic.
+// Entries past `capacity` are not stored; the true count is, which flags the tile for
+// exact recomputation by its consumer (nothing is dropped silently).
+// Traffic: reads M*f elements once; writes M*n_tiles*(capacity*(elem+2) + 4) bytes.
+#include <cstdint>
+
+#include "common.h"
+
+namespace jax_twell {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Elements are moved as raw bits; a value is a non-zero unless all bits but the sign are
+// clear (so -0 counts as zero and NaN as non-zero, as `g != 0` does in the reference).
+template <typename Bits>
+__device__ __forceinline__ bool IsNonZero(Bits bits) {
+  constexpr Bits kMagnitude = static_cast<Bits>(~(Bits(1) << (8 * sizeof(Bits) - 1)));
+  return (bits & kMagnitude) != 0;
+}
+
+template <typename Bits>
+__global__ void TwellPackKernel(const Bits* __restrict__ g, Bits* __restrict__ values,
+                                int16_t* __restrict__ cols, int32_t* __restrict__ counts,
+                                int64_t rows, int64_t f, int tile, int capacity,
+                                int n_tiles, bool vector_loads) {
+  constexpr int V = 16 / sizeof(Bits);
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= rows * n_tiles) return;  // uniform per warp
+  const int64_t row = warp / n_tiles;
+  const int64_t col0 = static_cast<int64_t>(warp % n_tiles) * tile;
+  const int64_t tile_end = min(col0 + tile, f);
+  const Bits* g_row = g + row * f;
+  Bits* out_values = values + warp * capacity;
+  int16_t* out_cols = cols + warp * capacity;
+
+  int count = 0;
+  for (int64_t base = col0; base < tile_end; base += 32 * V) {
+    const int64_t c = base + static_cast<int64_t>(lane) * V;
+    Bits v[V];
+    if (vector_loads && c + V <= tile_end) {
+      const uint4 packed = *reinterpret_cast<const uint4*>(g_row + c);
+      const Bits* unpacked = reinterpret_cast<const Bits*>(&packed);
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = unpacked[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < V; ++i) v[i] = (c + i < tile_end) ? g_row[c + i] : Bits(0);
+    }
+    unsigned nonzero = 0;
+#pragma unroll
+    for (int i = 0; i < V; ++i) nonzero |= IsNonZero(v[i]) ? (1u << i) : 0u;
+    const int mine = __popc(nonzero);
+    int inclusive = mine;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int other = __shfl_up_sync(kFullMask, inclusive, offset);
+      if (lane >= offset) inclusive += other;
+    }
+    int slot = count + inclusive - mine;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      if ((nonzero >> i) & 1u) {
+        if (slot < capacity) {
+          out_values[slot] = v[i];
+          out_cols[slot] = static_cast<int16_t>(c + i - col0);
+        }
+        ++slot;
+      }
+    }
+    count += __shfl_sync(kFullMask, inclusive, 31);
+  }
+  // Unused slots are zero-filled so the format never holds uninitialised memory.
+  for (int p = count + lane; p < capacity; p += 32) {
+    out_values[p] = Bits(0);
+    out_cols[p] = 0;
+  }
+  if (lane == 0) counts[warp] = count;
+}
+
+template <typename Bits>
+ffi::Error LaunchPack(cudaStream_t stream, const void* g, void* values, int16_t* cols,
+                      int32_t* counts, int64_t rows, int64_t f, int tile, int capacity,
+                      int n_tiles) {
+  constexpr int V = 16 / sizeof(Bits);
+  const bool vector_loads = (f % V == 0) && (tile % V == 0) &&
+                            (reinterpret_cast<uintptr_t>(g) % 16 == 0);
+  const int64_t warps = rows * n_tiles;
+  const int64_t blocks = CeilDiv(warps, kWarpsPerBlock);
+  TwellPackKernel<Bits><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+      static_cast<const Bits*>(g), static_cast<Bits*>(values), cols, counts, rows, f, tile,
+      capacity, n_tiles, vector_loads);
+  return LaunchStatus("twell_pack");
+}
+
+ffi::Error TwellPackImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> values,
+                         ffi::Result<ffi::Buffer<ffi::S16>> cols,
+                         ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t tile,
+                         int32_t capacity) {
+  auto g_dims = g.dimensions();
+  if (g_dims.size() != 2) return Invalid("twell_pack: g must be rank 2 [M, f]");
+  const int64_t rows = g_dims[0], f = g_dims[1];
+  if (tile <= 0 || tile % 32 != 0 || tile > 32768)
+    return Invalid("twell_pack: tile must be a positive multiple of 32, at most 32768");
+  if (capacity <= 0 || capacity > tile)
+    return Invalid("twell_pack: capacity must be in [1, tile]");
+  const int64_t n_tiles = CeilDiv(f, tile);
+  auto v_dims = values->dimensions();
+  auto c_dims = cols->dimensions();
+  auto n_dims = counts->dimensions();
+  if (v_dims.size() != 3 || v_dims[0] != rows || v_dims[1] != n_tiles || v_dims[2] != capacity ||
+      c_dims.size() != 3 || c_dims[0] != rows || c_dims[1] != n_tiles || c_dims[2] != capacity ||
+      n_dims.size() != 2 || n_dims[0] != rows || n_dims[1] != n_tiles)
+    return Invalid("twell_pack: outputs must be values/cols [M, ceil(f/tile), capacity] and "
+                   "counts [M, ceil(f/tile)]");
+  if (values->element_type() != g.element_type())
+    return Invalid("twell_pack: values must have the dtype of g");
+  if (rows == 0 || f == 0) return ffi::Error::Success();
+  switch (g.element_type()) {
+    case ffi::DataType::BF16:
+    case ffi::DataType::F16:
+      return LaunchPack<uint16_t>(stream, g.untyped_data(), values->untyped_data(),
+                                  cols->typed_data(), counts->typed_data(), rows, f, tile,
+                                  capacity, static_cast<int>(n_tiles));
+    case ffi::DataType::F32:
+      return LaunchPack<uint32_t>(stream, g.untyped_data(), values->untyped_data(),
+                                  cols->typed_data(), counts->typed_data(), rows, f, tile,
+                                  capacity, static_cast<int>(n_tiles));
+    default:
+      return Invalid("twell_pack: g must be bf16, f16 or f32");
+  }
+}
+
+}  // namespace
+}  // namespace jax_twell
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellPack, jax_twell::TwellPackImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S16>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("capacity"));

@@ -1,0 +1,1 @@
+"""jax-twell: sparse FFN blocks for JAX."""
