@@ -1,4 +1,4 @@
-// twell_pack: dense activation g [M, f] -> TwELL (values, cols, counts).
+// twell_pack: dense activation g [..., M, f] -> TwELL (values, cols, counts).
 //
 // Grid: one warp per (row, tile) pair, 8 warps per block. A lane reads V consecutive
 // elements (16 bytes) per step, so one warp step covers 32*V columns of its tile with a
@@ -104,9 +104,12 @@ ffi::Error TwellPackImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Result<ffi:
                          ffi::Result<ffi::Buffer<ffi::S16>> cols,
                          ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t tile,
                          int32_t capacity) {
+  // Leading dimensions are flattened: g is [..., f] and the outputs [..., n_tiles, capacity].
   auto g_dims = g.dimensions();
-  if (g_dims.size() != 2) return Invalid("twell_pack: g must be rank 2 [M, f]");
-  const int64_t rows = g_dims[0], f = g_dims[1];
+  if (g_dims.size() < 1) return Invalid("twell_pack: g must have rank >= 1 [..., f]");
+  const int64_t f = g_dims.back();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < g_dims.size(); ++i) rows *= g_dims[i];
   if (tile <= 0 || tile % 32 != 0 || tile > 32768)
     return Invalid("twell_pack: tile must be a positive multiple of 32, at most 32768");
   if (capacity <= 0 || capacity > tile)
@@ -115,11 +118,15 @@ ffi::Error TwellPackImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Result<ffi:
   auto v_dims = values->dimensions();
   auto c_dims = cols->dimensions();
   auto n_dims = counts->dimensions();
-  if (v_dims.size() != 3 || v_dims[0] != rows || v_dims[1] != n_tiles || v_dims[2] != capacity ||
-      c_dims.size() != 3 || c_dims[0] != rows || c_dims[1] != n_tiles || c_dims[2] != capacity ||
-      n_dims.size() != 2 || n_dims[0] != rows || n_dims[1] != n_tiles)
-    return Invalid("twell_pack: outputs must be values/cols [M, ceil(f/tile), capacity] and "
-                   "counts [M, ceil(f/tile)]");
+  const size_t rank = g_dims.size();
+  bool shapes_ok = v_dims.size() == rank + 1 && c_dims.size() == rank + 1 && n_dims.size() == rank;
+  for (size_t i = 0; shapes_ok && i + 1 < rank; ++i)
+    shapes_ok = v_dims[i] == g_dims[i] && c_dims[i] == g_dims[i] && n_dims[i] == g_dims[i];
+  shapes_ok = shapes_ok && v_dims[rank - 1] == n_tiles && v_dims[rank] == capacity &&
+              c_dims[rank - 1] == n_tiles && c_dims[rank] == capacity && n_dims[rank - 1] == n_tiles;
+  if (!shapes_ok)
+    return Invalid("twell_pack: outputs must be values/cols [..., ceil(f/tile), capacity] and "
+                   "counts [..., ceil(f/tile)] for g [..., f]");
   if (values->element_type() != g.element_type())
     return Invalid("twell_pack: values must have the dtype of g");
   if (rows == 0 || f == 0) return ffi::Error::Success();

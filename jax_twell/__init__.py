@@ -1,1 +1,28 @@
-"""jax-twell: sparse FFN blocks for JAX."""
+"""jax-twell: sparse feed-forward blocks for JAX/Flax transformers.
+
+A ReLU-gated FFN trained with a small L1 penalty on its hidden activations becomes over
+99% sparse; jax-twell stores those activations in the TwELL (inference) and hybrid
+(training) formats and computes the FFN on them with CUDA kernels exposed as XLA FFI
+custom calls, with pure-JAX references that run anywhere.
+"""
+
+from jax_twell._kernels import KernelStatus, kernel_status, kernels_available
+from jax_twell.formats import Hybrid, TwELL
+from jax_twell.ops import FFNAux, gate_twell, pack_hybrid, pack_twell, sparse_ffn, sparse_ffn_train, twell_ffn
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FFNAux",
+    "Hybrid",
+    "KernelStatus",
+    "TwELL",
+    "gate_twell",
+    "kernel_status",
+    "kernels_available",
+    "pack_hybrid",
+    "pack_twell",
+    "sparse_ffn",
+    "sparse_ffn_train",
+    "twell_ffn",
+]

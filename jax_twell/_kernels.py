@@ -1,0 +1,143 @@
+"""Finding, checking and registering the CUDA FFI library.
+
+The handlers live in ``libjax_twell_cuda.so``, a plain shared library (no Python
+extension), so one build serves every Python version. It is looked up, in order, at
+``$JAX_TWELL_CUDA_LIB`` and in each directory of the ``jax_twell`` package path.
+
+Before any handler is registered the library's build facts are checked: its handler ABI
+must match this Python package, and the XLA FFI API version of the headers it was
+compiled against must not be newer than the running jaxlib's (such a library would fail
+later with an opaque "no handler registered" or a crash).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+import re
+from pathlib import Path
+
+import jax
+
+__all__ = ["kernels_available", "kernel_status", "KernelStatus", "HANDLERS"]
+
+LIBRARY_NAME = "libjax_twell_cuda.so"
+# Bumped together with jax_twell_abi_version() in ffi/version.cc.
+ABI_VERSION = 1
+
+# FFI target name -> exported handler symbol. The one registration table.
+HANDLERS = {
+    "jax_twell_pack": "JaxTwellPack",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatus:
+    """Whether the CUDA kernels can run here, and if not, why.
+
+    Attributes:
+      available: kernels are loaded, registered, and a supported CUDA device is present.
+      reason: a sentence saying what is missing when ``available`` is False.
+      library: path of the library that was found (None if none).
+      ffi_api: XLA FFI API version (major, minor) the library was built against.
+      device: the CUDA device the check looked at.
+    """
+
+    available: bool
+    reason: str
+    library: str | None = None
+    ffi_api: tuple[int, int] | None = None
+    device: str | None = None
+
+
+def _candidate_paths() -> list[Path]:
+    env = os.environ.get("JAX_TWELL_CUDA_LIB")
+    if env:
+        return [Path(env)]
+    import jax_twell
+
+    return [Path(p) / LIBRARY_NAME for p in jax_twell.__path__]
+
+
+def _running_ffi_api() -> tuple[int, int] | None:
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+    try:
+        text = header.read_text()
+    except OSError:
+        return None
+    major = re.search(r"#define XLA_FFI_API_MAJOR (\d+)", text)
+    minor = re.search(r"#define XLA_FFI_API_MINOR (\d+)", text)
+    if not (major and minor):
+        return None
+    return int(major.group(1)), int(minor.group(1))
+
+
+def _cuda_device():
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    cuda = [d for d in devices if d.platform == "gpu" and "rocm" not in d.client.platform_version.lower()]
+    return cuda[0] if cuda else None
+
+
+@functools.cache
+def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
+    paths = [p for p in _candidate_paths() if p.is_file()]
+    if not paths:
+        return KernelStatus(
+            False,
+            f"{LIBRARY_NAME} was not built: it needs nvcc at install time "
+            "(and JAX_TWELL_CUDA not set to OFF); the reference ops still run",
+        ), None
+    path = paths[0]
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return KernelStatus(False, f"could not load {path}: {e}", library=str(path)), None
+    abi = lib.jax_twell_abi_version()
+    if abi != ABI_VERSION:
+        return KernelStatus(
+            False,
+            f"{path} has handler ABI {abi} but this jax_twell expects {ABI_VERSION}: "
+            "rebuild the library (pip install -e . again)",
+            library=str(path),
+        ), None
+    built = (lib.jax_twell_ffi_api_major(), lib.jax_twell_ffi_api_minor())
+    running = _running_ffi_api()
+    if running is not None and (built[0] != running[0] or built[1] > running[1]):
+        return KernelStatus(
+            False,
+            f"{path} was built against XLA FFI API {built[0]}.{built[1]}, newer than the "
+            f"running jaxlib {jax.lib.__version__} supports ({running[0]}.{running[1]}): "
+            "rebuild it against this jaxlib's headers or an older one (0.10.x gives API 0.3)",
+            library=str(path),
+            ffi_api=built,
+        ), None
+    device = _cuda_device()
+    if device is None:
+        return KernelStatus(False, "no CUDA device is visible to JAX", library=str(path), ffi_api=built), lib
+    capability = getattr(device, "compute_capability", "")
+    if not str(capability).startswith("9."):
+        return KernelStatus(
+            False,
+            f"kernels are built for sm_90a (Hopper); {device.device_kind} has compute capability {capability}",
+            library=str(path),
+            ffi_api=built,
+            device=device.device_kind,
+        ), lib
+    for target, symbol in HANDLERS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+    return KernelStatus(True, "", library=str(path), ffi_api=built, device=device.device_kind), lib
+
+
+def kernel_status() -> KernelStatus:
+    """Loads and registers the CUDA kernels once; returns what happened (see KernelStatus)."""
+    return _load()[0]
+
+
+def kernels_available() -> bool:
+    """True when the CUDA kernels are loaded, registered and a Hopper GPU is present."""
+    return kernel_status().available

@@ -1,0 +1,277 @@
+"""Flax NNX feed-forward blocks: ``SparseFFN`` (ReLU gate, sparse kernels) and ``DenseFFN``.
+
+``SparseFFN`` is a drop-in replacement for a SwiGLU MLP whose gate uses ReLU, so that an L1
+penalty on the hidden activations drives them to exact zeros; its math runs through
+``jax_twell.sparse_ffn_train`` / ``jax_twell.sparse_ffn``. ``DenseFFN`` is the plain XLA
+baseline (SiLU or ReLU gate) with the same interface and the same statistics, so
+telemetry and the trainer treat both alike.
+
+Math, per token row ``x`` (``d`` features, ``f`` hidden neurons)::
+
+    gated:      h = act(x @ w_gate) * (x @ w_up)      y = h @ w_down
+    non-gated:  h = act(x @ w_up)                     y = h @ w_down
+
+``act`` is ReLU for ``SparseFFN``; ``DenseFFN`` takes ``activation="relu" | "silu"``.
+
+Three entry points on both modules (same shapes: ``x [..., d]`` in, ``y [..., d]`` out,
+dtype of ``x``):
+
+- ``forward_with_stats(x) -> (y, FFNAux)``: the training forward; the L1 term
+  ``aux.l1`` is differentiable (mean over tokens of the per-token *sum* over ``f`` of
+  ``|h|``, the convention of the public training code; the paper's text writes a
+  per-element mean, ``f`` times weaker).
+- ``__call__(x) -> y``: the same training forward, recording its ``FFNAux`` with
+  ``self.sow(nnx.Intermediate, "ffn_stats", aux)`` for code that expects a plain MLP
+  (collect with ``nnx.pop(model, nnx.Intermediate)``).
+- ``infer(x) -> y``: inference, no statistics (``jax_twell.sparse_ffn``): prefill and
+  decode use this.
+
+Parameter layout (``nnx.Param`` of ``param_dtype``, cast to the input dtype at use;
+logical axis names in each Param's ``out_sharding`` metadata, not sharded eagerly: map
+them to a mesh with rules such as ``jax_twell.models.LOGICAL_AXIS_RULES``)::
+
+    w_gate  [d, f]  ("embed", "mlp")   None when non-gated
+    w_up    [d, f]  ("embed", "mlp")
+    w_down  [f, d]  ("mlp", "embed")
+
+Initialisation: truncated normal (cut at 2 std, rescaled so the std is exact) with
+std ``1/sqrt(fan_in)`` (LeCun normal): ``d**-0.5`` for ``w_gate`` and ``w_up``,
+``f**-0.5`` for ``w_down``.
+
+Telemetry: models stack each layer's ``FFNAux`` into ``FFNStats`` (``stack_stats``);
+``summarize_stats`` turns either into Python floats for logging. All statistics come
+out of the FFN's own pass over ``h``, cheap enough to leave on.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jax_twell as jt
+from jax_twell.ops.common import FFNAux, ffn_aux
+
+__all__ = [
+    "SparseFFN",
+    "DenseFFN",
+    "FFNAux",
+    "FFNStats",
+    "stack_stats",
+    "summarize_stats",
+    "logical_param",
+    "truncated_normal",
+]
+
+# Standard deviation of a unit normal truncated to [-2, 2]: dividing by it makes the
+# truncated draw's std exactly the one asked for.
+_TRUNCATED_STD = 0.87962566103423978
+
+
+def truncated_normal(key: jax.Array, shape: Sequence[int], std: float, dtype) -> jax.Array:
+    """Normal draw truncated at +-2 std, rescaled so its std is exactly ``std``.
+
+    Returns ``shape`` of ``dtype``.
+    """
+    draw = jax.random.truncated_normal(key, -2.0, 2.0, tuple(shape), jnp.float32)
+    return (draw * (std / _TRUNCATED_STD)).astype(dtype)
+
+
+def logical_param(value: jax.Array, axes: tuple[str | None, ...]) -> nnx.Param:
+    """``nnx.Param`` holding ``value`` with logical axis names ``axes`` (one per dim).
+
+    The names live in the ``out_sharding`` metadata (``nnx.get_partition_spec`` reads
+    them); eager sharding is off, so modules build anywhere and the trainer places
+    parameters by mapping the names to mesh axes.
+    """
+    if len(axes) != value.ndim:
+        raise ValueError(f"need one logical axis name per dimension of {value.shape}, got {axes}")
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class FFNStats(NamedTuple):
+    """Per-layer FFN statistics of a model, each ``FFNAux`` field stacked on axis 0.
+
+    Attributes:
+      l1: ``[L]`` f32, per-layer L1 term (differentiable); the training loss adds
+        ``l1_coef * l1.mean()``.
+      nnz_mean: ``[L]`` f32, mean active neurons per token.
+      nnz_max: ``[L]`` int32, max active neurons of any token.
+      rows_over_capacity: ``[L]`` int32, tokens past the sparse format's row width.
+      neuron_fired: ``[L, f]`` bool, neuron active for at least one token of the batch.
+    """
+
+    l1: jax.Array
+    nnz_mean: jax.Array
+    nnz_max: jax.Array
+    rows_over_capacity: jax.Array
+    neuron_fired: jax.Array
+
+
+def stack_stats(auxes: Sequence[FFNAux]) -> FFNStats:
+    """Stacks one ``FFNAux`` per layer (all with the same ``f``) into ``FFNStats``."""
+    return FFNStats(*(jnp.stack(field) for field in zip(*auxes)))
+
+
+def summarize_stats(stats: FFNStats | FFNAux) -> dict[str, float]:
+    """Python floats for logging, overall and per layer (``layer{i}/...``).
+
+    Keys: ``l1`` (mean over layers), ``nnz_mean`` (mean over layers), ``nnz_max`` (max
+    over layers), ``active_fraction`` (``nnz_mean / f``), ``dead_fraction`` (mean over
+    layers of the fraction of neurons that fired for no token), ``rows_over_capacity``
+    (sum over layers); per layer ``nnz_mean``, ``nnz_max``, ``dead_fraction``,
+    ``rows_over_capacity``. Dead fractions here are for the batch the stats came from;
+    OR ``neuron_fired`` over steps for neurons dead across training.
+
+    Args:
+      stats: ``FFNStats`` (``[L]`` fields) or a single layer's ``FFNAux``.
+    """
+    host = jax.device_get(stats)
+    l1 = np.atleast_1d(np.asarray(host.l1, np.float64))
+    nnz_mean = np.atleast_1d(np.asarray(host.nnz_mean, np.float64))
+    nnz_max = np.atleast_1d(np.asarray(host.nnz_max))
+    over = np.atleast_1d(np.asarray(host.rows_over_capacity))
+    fired = np.asarray(host.neuron_fired).reshape(len(l1), -1)
+    dead = 1.0 - fired.mean(axis=1)
+    summary = {
+        "l1": float(l1.mean()),
+        "nnz_mean": float(nnz_mean.mean()),
+        "nnz_max": float(nnz_max.max()),
+        "active_fraction": float(nnz_mean.mean() / fired.shape[1]),
+        "dead_fraction": float(dead.mean()),
+        "rows_over_capacity": float(over.sum()),
+    }
+    for i in range(len(l1)):
+        summary[f"layer{i}/nnz_mean"] = float(nnz_mean[i])
+        summary[f"layer{i}/nnz_max"] = float(nnz_max[i])
+        summary[f"layer{i}/dead_fraction"] = float(dead[i])
+        summary[f"layer{i}/rows_over_capacity"] = float(over[i])
+    return summary
+
+
+class _FFN(nnx.Module):
+    """Parameters and the sow-ing ``__call__`` shared by ``SparseFFN`` and ``DenseFFN``."""
+
+    def __init__(self, d_model: int, d_ff: int, *, gated: bool, param_dtype, rngs: nnx.Rngs):
+        self.d_model = d_model
+        self.d_ff = d_ff
+        self.gated = gated
+        up_std, down_std = d_model**-0.5, d_ff**-0.5
+        self.w_gate = (
+            logical_param(truncated_normal(rngs.params(), (d_model, d_ff), up_std, param_dtype), ("embed", "mlp"))
+            if gated
+            else None
+        )
+        self.w_up = logical_param(truncated_normal(rngs.params(), (d_model, d_ff), up_std, param_dtype), ("embed", "mlp"))
+        self.w_down = logical_param(
+            truncated_normal(rngs.params(), (d_ff, d_model), down_std, param_dtype), ("mlp", "embed")
+        )
+
+    def _weights(self, dtype) -> tuple[jax.Array | None, jax.Array, jax.Array]:
+        """(w_gate, w_up, w_down) cast to the compute ``dtype``."""
+        w_gate = None if self.w_gate is None else self.w_gate[...].astype(dtype)
+        return w_gate, self.w_up[...].astype(dtype), self.w_down[...].astype(dtype)
+
+    def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
+        raise NotImplementedError
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Training forward ``y [..., d]`` for ``x [..., d]``; sows ``FFNAux`` as ``ffn_stats``."""
+        y, aux = self.forward_with_stats(x)
+        self.sow(nnx.Intermediate, "ffn_stats", aux)
+        return y
+
+
+class SparseFFN(_FFN):
+    """ReLU-gated (or non-gated ReLU) FFN on jax-twell's sparse ops.
+
+    Args:
+      d_model: ``d``, input and output features.
+      d_ff: ``f``, hidden neurons.
+      gated: ``h = relu(x Wg) * (x Wu)`` when True, ``h = relu(x Wu)`` when False.
+      implementation: passed to ``jax_twell.sparse_ffn_train`` / ``sparse_ffn``
+        (None picks CUDA kernels on GPU when available, else dense XLA math).
+      param_dtype: parameter storage dtype (f32 default); compute runs in ``x.dtype``.
+      rngs: ``nnx.Rngs`` with a ``params`` stream.
+
+    See the module docstring for the parameter layout, initialisation and entry points.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        gated: bool = True,
+        implementation: str | None = None,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        super().__init__(d_model, d_ff, gated=gated, param_dtype=param_dtype, rngs=rngs)
+        self.implementation = implementation
+
+    def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
+        """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""
+        return jt.sparse_ffn_train(x, *self._weights(x.dtype), implementation=self.implementation)
+
+    def infer(self, x: jax.Array) -> jax.Array:
+        """Inference forward, no statistics: ``x [..., d]`` -> ``y [..., d]`` of ``x.dtype``."""
+        return jt.sparse_ffn(x, *self._weights(x.dtype), implementation=self.implementation)
+
+
+class DenseFFN(_FFN):
+    """Dense FFN baseline through XLA, gate ``silu`` (SwiGLU) or ``relu``.
+
+    Same parameters, entry points and statistics as ``SparseFFN``: a neuron is active
+    where ``act(pre-activation) != 0``, which for SiLU is (almost) every neuron, and
+    ``rows_over_capacity`` counts rows past ``width``, the sparse format's row width.
+
+    Args:
+      d_model, d_ff, gated, param_dtype, rngs: as ``SparseFFN``.
+      activation: ``"silu"`` or ``"relu"``.
+      width: row width used for ``rows_over_capacity`` (default: the sparse ops').
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        gated: bool = True,
+        activation: str = "silu",
+        width: int | None = None,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if activation not in ("silu", "relu"):
+            raise ValueError(f"DenseFFN activation must be 'silu' or 'relu', got {activation!r}")
+        super().__init__(d_model, d_ff, gated=gated, param_dtype=param_dtype, rngs=rngs)
+        self.activation = activation
+        self.width = jt.HYBRID_WIDTH if width is None else width
+
+    def _hidden(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(h [..., f], active [..., f] bool)`` for ``x [..., d]``; h in ``x.dtype``."""
+        w_gate, w_up, _ = self._weights(x.dtype)
+        act = jax.nn.relu if self.activation == "relu" else jax.nn.silu
+        pre = jnp.matmul(x, w_up if w_gate is None else w_gate, preferred_element_type=jnp.float32)
+        g = act(pre).astype(x.dtype)
+        if w_gate is None:
+            return g, g != 0
+        u = jnp.matmul(x, w_up, preferred_element_type=jnp.float32).astype(x.dtype)
+        return g * u, g != 0
+
+    def _down(self, h: jax.Array, dtype) -> jax.Array:
+        return jnp.matmul(h, self.w_down[...].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+
+    def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
+        """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""
+        h, active = self._hidden(x)
+        f = h.shape[-1]
+        return self._down(h, x.dtype), ffn_aux(h.reshape(-1, f), active.reshape(-1, f), self.width)
+
+    def infer(self, x: jax.Array) -> jax.Array:
+        """Inference forward: ``x [..., d]`` -> ``y [..., d]`` of ``x.dtype``."""
+        return self._down(self._hidden(x)[0], x.dtype)

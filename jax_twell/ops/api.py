@@ -1,0 +1,257 @@
+"""Public ops. One function per op, each with an ``implementation=`` choice:
+
+- ``"reference"``: pure JAX on the sparse formats; defines the semantics; any backend.
+- ``"xla"``: dense math through XLA; the baseline, and the path where sparsity can't pay.
+- ``"cuda"``: the CUDA kernels (XLA FFI custom calls); needs a Hopper GPU and the library
+  (see :func:`jax_twell.kernel_status`).
+- ``None`` (default): "cuda" on CUDA devices when the kernels are available and the op has
+  them, otherwise the op's portable default (named in each docstring). The choice is made
+  per lowering platform, so a jitted function placed on CPU still runs there.
+
+Leading batch dimensions are accepted everywhere (``x: [..., d]``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jax_twell import _kernels
+from jax_twell.formats import Hybrid, TwELL, pack_hybrid_reference, pack_twell_reference, relu_matmul
+from jax_twell.ops import cuda, reference, xla
+from jax_twell.ops.common import IMPLEMENTATIONS, FFNAux, check_activation, check_ffn_args
+
+__all__ = [
+    "pack_twell",
+    "pack_hybrid",
+    "gate_twell",
+    "twell_ffn",
+    "sparse_ffn",
+    "sparse_ffn_train",
+]
+
+DEFAULT_TILE = 256
+DEFAULT_CAPACITY = 32
+DEFAULT_WIDTH = 128
+
+
+def _choose(op: str, implementation: str | None, kernels: dict, portable: str):
+    """Returns the callable for ``implementation`` among ``kernels`` (name -> fn)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation is None:
+        fallback = kernels[portable]
+        if "cuda" in kernels and _kernels.kernels_available():
+            cuda_fn = kernels["cuda"]
+
+            def auto(*args):
+                return jax.lax.platform_dependent(*args, cuda=cuda_fn, default=fallback)
+
+            return auto
+        return fallback
+    if implementation not in kernels:
+        raise NotImplementedError(f"{op}: no {implementation!r} implementation; available: {sorted(kernels)}")
+    if implementation == "cuda" and not _kernels.kernels_available():
+        raise RuntimeError(f"{op}: implementation='cuda' but the kernels are unavailable: {_kernels.kernel_status().reason}")
+    return kernels[implementation]
+
+
+def _check_tiling(tile: int, capacity: int) -> None:
+    if not isinstance(tile, int) or tile <= 0 or tile % 32 or tile > 32768:
+        raise ValueError(f"tile must be a positive multiple of 32 and at most 32768, got {tile!r}")
+    if not isinstance(capacity, int) or not 1 <= capacity <= tile:
+        raise ValueError(f"capacity must be an int in [1, tile={tile}], got {capacity!r}")
+
+
+def _flatten_tokens(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+def pack_twell(
+    a: jax.Array,
+    *,
+    tile: int = DEFAULT_TILE,
+    capacity: int = DEFAULT_CAPACITY,
+    implementation: str | None = None,
+) -> TwELL:
+    """Packs a dense activation into TwELL.
+
+    Args:
+      a: ``[..., M, f]`` bf16, f16 or f32, mostly exact zeros.
+      tile: columns per tile, a multiple of 32 (default 256).
+      capacity: entries kept per (row, tile), at most ``tile`` (default 32).
+      implementation: "reference", "cuda" or None (cuda where available, else reference).
+    Returns:
+      :class:`jax_twell.TwELL` with values ``[..., M, ceil(f/tile), capacity]``.
+      Tiles with more than ``capacity`` non-zeros keep their true count (flagged).
+    """
+    check_activation("a", a)
+    _check_tiling(tile, capacity)
+    kernels = dict(
+        reference=functools.partial(pack_twell_reference, tile=tile, capacity=capacity),
+        cuda=functools.partial(cuda.pack_twell, tile=tile, capacity=capacity),
+    )
+    return _choose("pack_twell", implementation, kernels, "reference")(a)
+
+
+def pack_hybrid(
+    a: jax.Array,
+    *,
+    width: int = DEFAULT_WIDTH,
+    backup_capacity: int | None = None,
+    implementation: str | None = None,
+) -> Hybrid:
+    """Packs a dense activation into the hybrid ELL + dense-backup format.
+
+    Args:
+      a: ``[..., M, f]`` bf16, f16 or f32.
+      width: ELL entries per row (default 128).
+      backup_capacity: dense backup rows; default ``M`` (always complete).
+      implementation: "reference" or None.
+    Returns:
+      :class:`jax_twell.Hybrid`; see its docs for rows past the width and the backup.
+    """
+    check_activation("a", a)
+    if a.ndim < 2:
+        raise ValueError(f"a must have shape [..., M, f], got {tuple(a.shape)}")
+    if not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be a positive int, got {width!r}")
+    if backup_capacity is not None and (not isinstance(backup_capacity, int) or backup_capacity < 0):
+        raise ValueError(f"backup_capacity must be a non-negative int or None, got {backup_capacity!r}")
+    kernels = dict(reference=functools.partial(pack_hybrid_reference, width=width, backup_capacity=backup_capacity))
+    return _choose("pack_hybrid", implementation, kernels, "reference")(a)
+
+
+def gate_twell(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    tile: int = DEFAULT_TILE,
+    capacity: int = DEFAULT_CAPACITY,
+    implementation: str | None = None,
+) -> TwELL:
+    """``relu(x @ w)`` packed as TwELL (the gate projection of the sparse FFN).
+
+    Args:
+      x: ``[..., M, d]`` bf16 or f32.  w: ``[d, f]`` same dtype.
+      tile, capacity, implementation: as in :func:`pack_twell`.
+    Returns:
+      TwELL of the ``[..., M, f]`` activation.
+    """
+    check_ffn_args(x, None, w, w.T if hasattr(w, "T") else w)
+    return pack_twell(relu_matmul(x, w), tile=tile, capacity=capacity, implementation=implementation)
+
+
+def twell_ffn(
+    x: jax.Array,
+    act: TwELL,
+    w_act: jax.Array,
+    w_up: jax.Array | None,
+    w_down: jax.Array,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """FFN output from a packed activation ``act = relu(x @ w_act)``.
+
+    Gated (``w_up`` given): ``y = (act * (x @ w_up)) @ w_down``; non-gated (``w_up=None``):
+    ``y = act @ w_down``. Tiles flagged as overflowed are recomputed exactly from
+    ``(x, w_act)``.
+
+    Args:
+      x: ``[..., M, d]``; act: TwELL of ``[..., M, f]``; w_act, w_up: ``[d, f]``;
+      w_down: ``[f, d]``; implementation: "reference" or None.
+    Returns:
+      y: ``[..., M, d]`` dtype of x.
+    """
+    check_ffn_args(x, w_act if w_up is not None else None, w_up if w_up is not None else w_act, w_down)
+    if not isinstance(act, TwELL):
+        raise TypeError(f"act must be a TwELL, got {type(act).__name__}")
+    if act.f != w_act.shape[1] or act.values.shape[:-2] != x.shape[:-1]:
+        raise ValueError(
+            f"act holds [..., M, f] = {act.values.shape[:-2]} x {act.f} but x and w_act give "
+            f"{x.shape[:-1]} x {w_act.shape[1]}"
+        )
+    kernels = dict(reference=reference.twell_ffn)
+    fn = _choose("twell_ffn", implementation, kernels, "reference")
+    return fn(x, act, w_act, w_up, w_down)
+
+
+def sparse_ffn(
+    x: jax.Array,
+    w_gate: jax.Array | None,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    tile: int = DEFAULT_TILE,
+    capacity: int = DEFAULT_CAPACITY,
+    implementation: str | None = None,
+) -> jax.Array:
+    """Inference FFN with a ReLU gate, computed on the sparse activation.
+
+    Gated: ``y = (relu(x @ w_gate) * (x @ w_up)) @ w_down``; non-gated (``w_gate=None``):
+    ``y = relu(x @ w_up) @ w_down``.
+
+    Args:
+      x: ``[..., d]`` bf16 (fast path) or f32.
+      w_gate: ``[d, f]`` or None.  w_up: ``[d, f]``.  w_down: ``[f, d]``; all x's dtype.
+      tile, capacity: TwELL layout (see :func:`pack_twell`).
+      implementation: "reference" (TwELL in pure JAX), "xla" (dense) or None
+        (default: "xla" until the fused kernels are available).
+    Returns:
+      y: ``[..., d]`` dtype of x.
+    """
+    check_ffn_args(x, w_gate, w_up, w_down)
+    _check_tiling(tile, capacity)
+    kernels = dict(
+        reference=functools.partial(reference.ffn, tile=tile, capacity=capacity),
+        xla=xla.ffn,
+    )
+    fn = _choose("sparse_ffn", implementation, kernels, "xla")
+    x2, lead = _flatten_tokens(x)
+    return fn(x2, w_gate, w_up, w_down).reshape(*lead, x.shape[-1])
+
+
+def sparse_ffn_train(
+    x: jax.Array,
+    w_gate: jax.Array | None,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    width: int = DEFAULT_WIDTH,
+    backup_capacity: int | None = None,
+    implementation: str | None = None,
+) -> tuple[jax.Array, FFNAux]:
+    """Training FFN: output, L1 term and sparsity statistics, differentiable.
+
+    Same math as :func:`sparse_ffn`. The L1 term is ``mean over tokens of sum_f |h|``
+    (the per-token sum; DESIGN note: the paper's per-element mean is f times weaker);
+    add ``coefficient * aux.l1`` to the loss. Gradients equal ``jax.grad`` of the dense
+    formula plus that term.
+
+    Args:
+      x: ``[..., d]`` bf16 or f32.  w_gate: ``[d, f]`` or None (non-gated).
+      w_up: ``[d, f]``.  w_down: ``[f, d]``.
+      width: hybrid-format ELL width; rows with more active neurons go to the dense backup
+        (and count in ``aux.rows_over_capacity``).
+      backup_capacity: dense backup rows (default: all tokens). When more rows overflow,
+        the op takes the dense path for that call (exact, and faster at that density).
+      implementation: "reference" (hybrid format, sparse custom_vjp backward in pure JAX),
+        "xla" (dense, JAX autodiff) or None (default "xla" until the training kernels
+        are available).
+    Returns:
+      ``(y [..., d], FFNAux)``.
+    """
+    check_ffn_args(x, w_gate, w_up, w_down)
+    if not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be a positive int, got {width!r}")
+    if backup_capacity is not None and (not isinstance(backup_capacity, int) or backup_capacity < 0):
+        raise ValueError(f"backup_capacity must be a non-negative int or None, got {backup_capacity!r}")
+    kernels = dict(
+        reference=functools.partial(reference.ffn_with_aux, width=width, backup_capacity=backup_capacity),
+        xla=functools.partial(xla.ffn_with_aux, width=width),
+    )
+    fn = _choose("sparse_ffn_train", implementation, kernels, "xla")
+    x2, lead = _flatten_tokens(x)
+    y, aux = fn(x2, w_gate, w_up, w_down)
+    return y.reshape(*lead, x.shape[-1]), aux

@@ -1,0 +1,38 @@
+"""Dense implementations through XLA: the baseline every kernel is measured against, and
+the path the ops take where sparsity would not pay (no kernels, CPU, dense activations)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_twell.ops.common import FFNAux, ffn_aux
+
+__all__ = ["ffn", "ffn_with_aux"]
+
+
+def _hidden(x, w_gate, w_up):
+    """(h, active) for x [M, d]: gated h = relu(x Wg) * (x Wu), else relu(x Wu)."""
+    act_w = w_gate if w_gate is not None else w_up
+    pre = jnp.matmul(x, act_w, preferred_element_type=jnp.float32)
+    g = jax.nn.relu(pre).astype(x.dtype)
+    if w_gate is None:
+        return g, g != 0
+    u = jnp.matmul(x, w_up, preferred_element_type=jnp.float32).astype(x.dtype)
+    return g * u, g != 0
+
+
+def ffn(x, w_gate, w_up, w_down):
+    """Dense ReLU FFN ``y [..., d]`` for ``x [..., d]`` (see jax_twell.sparse_ffn)."""
+    h, _ = _hidden(x, w_gate, w_up)
+    return jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def ffn_with_aux(x, w_gate, w_up, w_down, width: int) -> tuple[jax.Array, FFNAux]:
+    """Dense ReLU FFN with its statistics; differentiable by JAX's own autodiff.
+
+    x: ``[M, d]``; returns ``(y [M, d], FFNAux)``.
+    """
+    h, active = _hidden(x, w_gate, w_up)
+    y = jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y, ffn_aux(h, active, width)
