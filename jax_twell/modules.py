@@ -52,8 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jax_twell as jt
-from jax_twell.ops.common import FFNAux, ffn_aux
+from jax_twell.ops import FFNAux, sparse_ffn, sparse_ffn_train
+from jax_twell.ops.api import DEFAULT_WIDTH
+from jax_twell.ops.common import ffn_aux
 
 __all__ = [
     "SparseFFN",
@@ -155,10 +156,11 @@ def summarize_stats(stats: FFNStats | FFNAux) -> dict[str, float]:
 class _FFN(nnx.Module):
     """Parameters and the sow-ing ``__call__`` shared by ``SparseFFN`` and ``DenseFFN``."""
 
-    def __init__(self, d_model: int, d_ff: int, *, gated: bool, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, d_model: int, d_ff: int, *, gated: bool, width: int, param_dtype, rngs: nnx.Rngs):
         self.d_model = d_model
         self.d_ff = d_ff
         self.gated = gated
+        self.width = width
         up_std, down_std = d_model**-0.5, d_ff**-0.5
         self.w_gate = (
             logical_param(truncated_normal(rngs.params(), (d_model, d_ff), up_std, param_dtype), ("embed", "mlp"))
@@ -174,9 +176,6 @@ class _FFN(nnx.Module):
         """(w_gate, w_up, w_down) cast to the compute ``dtype``."""
         w_gate = None if self.w_gate is None else self.w_gate[...].astype(dtype)
         return w_gate, self.w_up[...].astype(dtype), self.w_down[...].astype(dtype)
-
-    def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
-        raise NotImplementedError
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Training forward ``y [..., d]`` for ``x [..., d]``; sows ``FFNAux`` as ``ffn_stats``."""
@@ -194,6 +193,8 @@ class SparseFFN(_FFN):
       gated: ``h = relu(x Wg) * (x Wu)`` when True, ``h = relu(x Wu)`` when False.
       implementation: passed to ``jax_twell.sparse_ffn_train`` / ``sparse_ffn``
         (None picks CUDA kernels on GPU when available, else dense XLA math).
+      width: ELL row width of the training format (``sparse_ffn_train``'s ``width``);
+        tokens with more active neurons count in ``rows_over_capacity``.
       param_dtype: parameter storage dtype (f32 default); compute runs in ``x.dtype``.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
@@ -207,19 +208,20 @@ class SparseFFN(_FFN):
         *,
         gated: bool = True,
         implementation: str | None = None,
+        width: int = DEFAULT_WIDTH,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        super().__init__(d_model, d_ff, gated=gated, param_dtype=param_dtype, rngs=rngs)
+        super().__init__(d_model, d_ff, gated=gated, width=width, param_dtype=param_dtype, rngs=rngs)
         self.implementation = implementation
 
     def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
         """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""
-        return jt.sparse_ffn_train(x, *self._weights(x.dtype), implementation=self.implementation)
+        return sparse_ffn_train(x, *self._weights(x.dtype), width=self.width, implementation=self.implementation)
 
     def infer(self, x: jax.Array) -> jax.Array:
         """Inference forward, no statistics: ``x [..., d]`` -> ``y [..., d]`` of ``x.dtype``."""
-        return jt.sparse_ffn(x, *self._weights(x.dtype), implementation=self.implementation)
+        return sparse_ffn(x, *self._weights(x.dtype), implementation=self.implementation)
 
 
 class DenseFFN(_FFN):
@@ -230,9 +232,8 @@ class DenseFFN(_FFN):
     ``rows_over_capacity`` counts rows past ``width``, the sparse format's row width.
 
     Args:
-      d_model, d_ff, gated, param_dtype, rngs: as ``SparseFFN``.
+      d_model, d_ff, gated, width, param_dtype, rngs: as ``SparseFFN``.
       activation: ``"silu"`` or ``"relu"``.
-      width: row width used for ``rows_over_capacity`` (default: the sparse ops').
     """
 
     def __init__(
@@ -242,15 +243,14 @@ class DenseFFN(_FFN):
         *,
         gated: bool = True,
         activation: str = "silu",
-        width: int | None = None,
+        width: int = DEFAULT_WIDTH,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         if activation not in ("silu", "relu"):
             raise ValueError(f"DenseFFN activation must be 'silu' or 'relu', got {activation!r}")
-        super().__init__(d_model, d_ff, gated=gated, param_dtype=param_dtype, rngs=rngs)
+        super().__init__(d_model, d_ff, gated=gated, width=width, param_dtype=param_dtype, rngs=rngs)
         self.activation = activation
-        self.width = jt.HYBRID_WIDTH if width is None else width
 
     def _hidden(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """``(h [..., f], active [..., f] bool)`` for ``x [..., d]``; h in ``x.dtype``."""

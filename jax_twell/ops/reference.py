@@ -84,7 +84,7 @@ def _sparse_backward(x, w_gate, w_up, w_down, act: Hybrid, u_ell, u_backup, dy, 
     w_act = w_gate if gated else w_up
     cols = act.cols
     # ELL entries: dh = dy . w_down[j] + dl1/M * sign(h), only at active positions.
-    h_ell = act.values * u_ell if gated else act.values
+    h_ell = jnp.where(valid, act.values * u_ell if gated else act.values, jnp.zeros((), dt))
     dh = jnp.einsum("md,mkd->mk", dy.astype(f32), w_down[cols].astype(f32))
     dh = dh + (dl1 / m) * jnp.sign(h_ell.astype(f32))
     dh = jnp.where(valid, dh, 0.0)

@@ -1,0 +1,129 @@
+"""Reference packing and unpacking of TwELL and Hybrid: exact for every input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_twell as jt
+from jax_twell.formats import relu_matmul
+from jax_twell.testing import synthetic_ffn_inputs
+
+
+def adversarial_activation(key, m, f, dtype=jnp.float32, tile=64):
+    """[m, f] with empty rows, fully dense rows, one fully active tile, rows far over any
+    capacity, sparse rows; values are non-zero where active (signs mixed on purpose)."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    vals = jax.random.uniform(k1, (m, f), minval=0.5, maxval=2.0) * jnp.where(jax.random.bernoulli(k3, 0.2, (m, f)), -1, 1)
+    keep = jax.random.bernoulli(k2, 0.03, (m, f))
+    keep = keep.at[0].set(False)  # empty row
+    keep = keep.at[1].set(True)  # fully dense row
+    keep = keep.at[2, :tile].set(True)  # one fully active tile
+    keep = keep.at[3, ::2].set(True)  # far over capacity in every tile
+    return jnp.where(keep, vals, 0).astype(dtype)
+
+
+def twell_invariants(t: jt.TwELL, a):
+    a = np.asarray(a, np.float32)
+    m, f = a.shape[-2:]
+    tiles = np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, t.n_tiles * t.tile - f)]).reshape(*a.shape[:-1], t.n_tiles, t.tile)
+    counts = (tiles != 0).sum(-1)
+    np.testing.assert_array_equal(np.asarray(t.counts), counts)
+    vals, cols = np.asarray(t.values, np.float32), np.asarray(t.cols)
+    slot = np.arange(t.capacity)
+    used = slot < counts[..., None]
+    # Stored entries are the first non-zeros in column order; unused slots are zero.
+    assert np.all(np.where(used[..., 1:] & used[..., :-1], np.diff(cols, axis=-1) > 0, True))
+    np.testing.assert_array_equal(np.where(used, 0, vals), 0)
+    np.testing.assert_array_equal(np.where(used, 0, cols), 0)
+    np.testing.assert_array_equal(np.where(used, np.take_along_axis(tiles, cols.astype(np.int64), -1), 0), np.where(used, vals, 0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tile,capacity", [(64, 8), (32, 32), (256, 32), (96, 1)])
+def test_twell_pack_exact_with_recompute(dtype, tile, capacity):
+    inp = synthetic_ffn_inputs(jax.random.key(tile + capacity), 45, 24, 333, density=0.05, pattern="heavy", dtype=dtype)
+    a = relu_matmul(inp.x, inp.w_gate)
+    t = jt.pack_twell(a, tile=tile, capacity=capacity)
+    assert t.values.shape == (45, -(-333 // tile), capacity) and t.values.dtype == dtype
+    twell_invariants(t, a)
+    np.testing.assert_array_equal(t.to_dense(inp.x, inp.w_gate), a)
+
+
+def test_twell_adversarial_rows():
+    a = adversarial_activation(jax.random.key(0), 9, 200, tile=64)
+    t = jt.pack_twell(a, tile=64, capacity=4)
+    twell_invariants(t, a)
+    over = np.asarray(t.overflowed)
+    assert over[1].all() and over[3, :3].all() and over[2, 0] and not over[0].any()
+    dense = np.asarray(t.to_dense())
+    # Without the source, exactly the overflowed tiles are NaN; everything else is exact.
+    tile_nan = np.isnan(np.pad(dense, [(0, 0), (0, 56)]).reshape(9, 4, 64)).all(-1)
+    np.testing.assert_array_equal(tile_nan, over)
+    ok = ~np.isnan(dense)
+    np.testing.assert_array_equal(dense[ok], np.asarray(a)[ok])
+    # With a capacity that fits every tile, nothing is flagged and to_dense is exact.
+    full = jt.pack_twell(a, tile=64, capacity=64)
+    assert not np.asarray(full.overflowed).any()
+    np.testing.assert_array_equal(full.to_dense(), a)
+
+
+def test_twell_leading_dims_jit_vmap():
+    a = adversarial_activation(jax.random.key(1), 24, 130, tile=32).reshape(2, 3, 4, 130)
+    t = jax.jit(lambda a: jt.pack_twell(a, tile=32, capacity=8))(a)
+    assert t.values.shape == (2, 3, 4, 5, 8)
+    twell_invariants(t, a)
+    tv = jax.vmap(lambda a: jt.pack_twell(a, tile=32, capacity=8))(a.reshape(6, 4, 130))
+    np.testing.assert_array_equal(tv.values.reshape(t.values.shape), t.values)
+    full = jt.pack_twell(a, tile=32, capacity=32)
+    np.testing.assert_array_equal(jax.jit(lambda t: t.to_dense())(full), a)
+
+
+@pytest.mark.parametrize("width,backup", [(4, None), (4, 2), (300, 0), (1, 0)])
+def test_hybrid_pack_exact(width, backup):
+    a = adversarial_activation(jax.random.key(2), 12, 150)
+    h = jt.pack_hybrid(a, width=width, backup_capacity=backup)
+    counts = np.asarray((a != 0).sum(-1))
+    np.testing.assert_array_equal(h.counts, counts)
+    over = counts > width
+    assert int(h.n_overflow) == over.sum()
+    b = h.backup_capacity
+    assert bool(h.complete) == (over.sum() <= b)
+    # The backup holds the first overflowing rows in row order.
+    expected_rows = np.flatnonzero(over)[:b]
+    np.testing.assert_array_equal(np.asarray(h.backup_rows)[: len(expected_rows)], expected_rows)
+    assert np.all(np.asarray(h.backup_rows)[len(expected_rows):] == a.shape[0])
+    dense = np.asarray(h.to_dense())
+    missing = over.copy()
+    missing[expected_rows] = False
+    assert np.isnan(dense[missing]).all() and not np.isnan(dense[~missing]).any()
+    np.testing.assert_array_equal(dense[~missing], np.asarray(a)[~missing])
+
+
+def test_hybrid_recompute_from_source_and_batch():
+    inp = synthetic_ffn_inputs(jax.random.key(3), 40, 16, 100, density=0.1, pattern="heavy")
+    a = relu_matmul(inp.x, inp.w_gate)
+    h = jt.pack_hybrid(a, width=5, backup_capacity=1)
+    assert not bool(h.complete)
+    np.testing.assert_array_equal(h.to_dense(inp.x, inp.w_gate), a)
+    batched = jt.pack_hybrid(a.reshape(4, 10, 100), width=5, backup_capacity=10)
+    assert batched.values.shape == (4, 10, 5) and batched.backup_values.shape == (4, 10, 100)
+    np.testing.assert_array_equal(batched.to_dense(), a.reshape(4, 10, 100))
+
+
+def test_pack_bad_inputs():
+    a = jnp.ones((4, 64))
+    with pytest.raises(ValueError, match="tile must be a positive multiple of 32"):
+        jt.pack_twell(a, tile=48)
+    with pytest.raises(ValueError, match="capacity must be an int in"):
+        jt.pack_twell(a, tile=32, capacity=33)
+    with pytest.raises(TypeError, match="a must be bf16, f16 or f32"):
+        jt.pack_twell(jnp.ones((4, 64), jnp.int32))
+    with pytest.raises(ValueError, match="a must have shape"):
+        jt.pack_twell(jnp.float32(1.0))
+    with pytest.raises(ValueError, match=r"a must have shape \[..., M, f\]"):
+        jt.pack_hybrid(jnp.ones((64,)))
+    with pytest.raises(ValueError, match="width must be a positive int"):
+        jt.pack_hybrid(a, width=0)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        jt.pack_twell(a, implementation="triton")
