@@ -58,7 +58,7 @@ def test_twell_adversarial_rows():
     assert over[1].all() and over[3, :3].all() and over[2, 0] and not over[0].any()
     dense = np.asarray(t.to_dense())
     # Without the source, exactly the overflowed tiles are NaN; everything else is exact.
-    tile_nan = np.isnan(np.pad(dense, [(0, 0), (0, 56)]).reshape(9, 4, 64)).all(-1)
+    tile_nan = np.isnan(np.pad(dense, [(0, 0), (0, 56)]).reshape(9, 4, 64)).any(-1)
     np.testing.assert_array_equal(tile_nan, over)
     ok = ~np.isnan(dense)
     np.testing.assert_array_equal(dense[ok], np.asarray(a)[ok])
