@@ -22,7 +22,8 @@ dtype of ``x``):
   per-element mean, ``f`` times weaker).
 - ``__call__(x) -> y``: the same training forward, recording its ``FFNAux`` with
   ``self.sow(nnx.Intermediate, "ffn_stats", aux)`` for code that expects a plain MLP
-  (collect with ``nnx.pop(model, nnx.Intermediate)``).
+  (collect with ``y, inter = nnx.capture(model, nnx.Intermediate)(x)``; one ``FFNAux``
+  per call in ``inter["ffn_stats"]``).
 - ``infer(x) -> y``: inference, no statistics (``jax_twell.sparse_ffn``): prefill and
   decode use this.
 

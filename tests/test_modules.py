@@ -1,0 +1,211 @@
+"""SparseFFN / DenseFFN (NNX), the Linen SparseFFN and the telemetry helpers."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_twell import linen
+from jax_twell.modules import DenseFFN, FFNStats, SparseFFN, stack_stats, summarize_stats
+
+D, F = 16, 48
+IMPLEMENTATIONS = ["xla", "reference"]
+
+
+def dense_formula(x, w_gate, w_up, w_down, act):
+    """(y, h) in float64 numpy: the FFN every module must compute."""
+    x, w_up, w_down = (np.asarray(a, np.float64) for a in (x, w_up, w_down))
+    if w_gate is None:
+        h = act(x @ w_up)
+    else:
+        h = act(x @ np.asarray(w_gate, np.float64)) * (x @ w_up)
+    return h @ w_down, h
+
+
+def relu(a):
+    return np.maximum(a, 0.0)
+
+
+def silu(a):
+    return a / (1.0 + np.exp(-a))
+
+
+def weights(module):
+    w_gate = None if module.w_gate is None else module.w_gate[...]
+    return w_gate, module.w_up[...], module.w_down[...]
+
+
+def inputs(shape=(2, 5, D), seed=1, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+def check_aux(aux, h, width):
+    h = np.asarray(h).reshape(-1, h.shape[-1])
+    counts = (h != 0).sum(-1)
+    np.testing.assert_allclose(aux.l1, np.abs(h).sum(-1).mean(), rtol=1e-5)
+    np.testing.assert_allclose(aux.nnz_mean, counts.mean(), rtol=1e-6)
+    assert int(aux.nnz_max) == counts.max()
+    assert int(aux.rows_over_capacity) == (counts > width).sum()
+    np.testing.assert_array_equal(aux.neuron_fired, (h != 0).any(0))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("gated", [True, False])
+def test_sparse_ffn_matches_dense_formula(gated, implementation):
+    width = 20  # below the typical count (~F/2 active), so some rows are past capacity
+    ffn = SparseFFN(D, F, gated=gated, implementation=implementation, width=width, rngs=nnx.Rngs(0))
+    assert (ffn.w_gate is None) == (not gated)
+    x = inputs()
+    want_y, h = dense_formula(x, *weights(ffn), relu)
+
+    y, aux = ffn.forward_with_stats(x)
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    check_aux(aux, h, width)
+    assert 0 < int(aux.rows_over_capacity) < 10
+
+    np.testing.assert_allclose(ffn.infer(x), want_y, rtol=1e-5, atol=1e-5)
+
+
+def test_call_sows_stats():
+    ffn = SparseFFN(D, F, rngs=nnx.Rngs(0))
+    x = inputs()
+    y, intermediates = nnx.capture(ffn, nnx.Intermediate)(x)
+    np.testing.assert_allclose(y, ffn.forward_with_stats(x)[0], rtol=1e-6)
+    (aux,) = intermediates["ffn_stats"].get_value()
+    check_aux(aux, dense_formula(x, *weights(ffn), relu)[1], ffn.width)
+
+
+@pytest.mark.parametrize("activation", ["silu", "relu"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_dense_ffn_matches_formula(gated, activation):
+    ffn = DenseFFN(D, F, gated=gated, activation=activation, width=20, rngs=nnx.Rngs(0))
+    x = inputs()
+    want_y, h = dense_formula(x, *weights(ffn), relu if activation == "relu" else silu)
+    y, aux = ffn.forward_with_stats(x)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ffn.infer(x), want_y, rtol=1e-5, atol=1e-5)
+    check_aux(aux, h, 20)
+    if activation == "silu":
+        assert float(aux.nnz_mean) == F  # SiLU is (almost) never exactly zero
+
+
+def test_dense_relu_equals_sparse():
+    sparse = SparseFFN(D, F, rngs=nnx.Rngs(3))
+    dense = DenseFFN(D, F, activation="relu", rngs=nnx.Rngs(3))
+    x = inputs()
+    y_s, aux_s = sparse.forward_with_stats(x)
+    y_d, aux_d = dense.forward_with_stats(x)
+    np.testing.assert_allclose(y_s, y_d, rtol=1e-6)
+    for a, b in zip(aux_s, aux_d):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_bfloat16_input():
+    ffn = SparseFFN(D, F, rngs=nnx.Rngs(0))
+    x = inputs(dtype=jnp.bfloat16)
+    y, aux = ffn.forward_with_stats(x)
+    assert y.dtype == jnp.bfloat16 and aux.l1.dtype == jnp.float32
+    want_y, _ = dense_formula(x.astype(jnp.float32), *weights(ffn), relu)
+    np.testing.assert_allclose(y.astype(jnp.float32), want_y, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_grads_match_dense_formula(gated):
+    """Gradients of (output + L1 term) through the module's custom_vjp equal jax.grad of the formula."""
+    coef = 0.1
+    ffn = SparseFFN(D, F, gated=gated, implementation="reference", rngs=nnx.Rngs(0))
+    x = inputs()
+    cot = inputs(seed=2)
+
+    def module_loss(ffn, x):
+        y, aux = ffn.forward_with_stats(x)
+        return jnp.sum(y * cot) + coef * aux.l1
+
+    def formula_loss(w, x):
+        g = x @ (w["w_up"] if w["w_gate"] is None else w["w_gate"])
+        h = jax.nn.relu(g) if w["w_gate"] is None else jax.nn.relu(g) * (x @ w["w_up"])
+        return jnp.sum((h @ w["w_down"]) * cot) + coef * jnp.abs(h).sum(-1).mean()
+
+    grads, dx = nnx.grad(module_loss, argnums=(0, 1))(ffn, x)
+    w = dict(zip(("w_gate", "w_up", "w_down"), weights(ffn)))
+    want_w, want_dx = jax.grad(formula_loss, argnums=(0, 1))(w, x)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-5)
+    for name in ("w_gate", "w_up", "w_down") if gated else ("w_up", "w_down"):
+        np.testing.assert_allclose(grads[name][...], want_w[name], rtol=1e-4, atol=1e-5)
+
+
+def test_jit():
+    ffn = SparseFFN(D, F, rngs=nnx.Rngs(0))
+    x = inputs()
+    y, aux = nnx.jit(lambda m, x: m.forward_with_stats(x))(ffn, x)
+    np.testing.assert_allclose(y, ffn.forward_with_stats(x)[0], rtol=1e-6)
+    assert aux.neuron_fired.shape == (F,)
+
+
+def test_parameter_layout_and_init():
+    d, f = 256, 512
+    ffn = SparseFFN(d, f, rngs=nnx.Rngs(0))
+    specs = nnx.get_partition_spec(nnx.state(ffn, nnx.Param))
+    assert specs["w_gate"].get_value() == jax.sharding.PartitionSpec("embed", "mlp")
+    assert specs["w_up"].get_value() == jax.sharding.PartitionSpec("embed", "mlp")
+    assert specs["w_down"].get_value() == jax.sharding.PartitionSpec("mlp", "embed")
+    assert ffn.w_up.shape == (d, f) and ffn.w_down.shape == (f, d) and ffn.w_up.dtype == jnp.float32
+    np.testing.assert_allclose(np.std(ffn.w_up[...]), d**-0.5, rtol=0.03)
+    np.testing.assert_allclose(np.std(ffn.w_down[...]), f**-0.5, rtol=0.03)
+    assert np.abs(ffn.w_gate[...]).max() <= 2 * d**-0.5 / 0.8796 + 1e-6  # truncated at 2 std
+
+
+def test_dense_ffn_rejects_unknown_activation():
+    with pytest.raises(ValueError, match="activation must be 'silu' or 'relu'"):
+        DenseFFN(D, F, activation="gelu", rngs=nnx.Rngs(0))
+
+
+def test_summarize_stats():
+    fired = np.zeros((2, 4), bool)
+    fired[0, :3] = True
+    fired[1, :] = True
+    stats = FFNStats(
+        l1=jnp.array([1.0, 3.0]),
+        nnz_mean=jnp.array([1.0, 2.0]),
+        nnz_max=jnp.array([5, 7], jnp.int32),
+        rows_over_capacity=jnp.array([0, 2], jnp.int32),
+        neuron_fired=jnp.asarray(fired),
+    )
+    s = summarize_stats(stats)
+    assert all(isinstance(v, float) for v in s.values())
+    assert s["l1"] == 2.0 and s["nnz_mean"] == 1.5 and s["nnz_max"] == 7.0
+    assert s["active_fraction"] == 1.5 / 4 and s["rows_over_capacity"] == 2.0
+    assert s["dead_fraction"] == 0.125 and s["layer0/dead_fraction"] == 0.25 and s["layer1/dead_fraction"] == 0.0
+    assert s["layer1/nnz_max"] == 7.0 and s["layer1/rows_over_capacity"] == 2.0
+
+
+def test_stack_stats_and_single_layer_summary():
+    ffn = SparseFFN(D, F, rngs=nnx.Rngs(0))
+    _, aux = ffn.forward_with_stats(inputs())
+    stats = stack_stats([aux, aux, aux])
+    assert stats.l1.shape == (3,) and stats.nnz_max.dtype == jnp.int32 and stats.neuron_fired.shape == (3, F)
+    one = summarize_stats(aux)
+    assert one["nnz_mean"] == summarize_stats(stats)["nnz_mean"] and "layer0/nnz_mean" in one
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_linen_matches_nnx(gated):
+    x = inputs()
+    module = linen.SparseFFN(d_ff=F, gated=gated, width=20)
+    variables = module.init(jax.random.key(0), x)
+    boxed = variables["params"]
+    assert boxed["w_up"].names == ("embed", "mlp") and boxed["w_down"].names == ("mlp", "embed")
+    assert ("w_gate" in boxed) == gated
+    params = nn.meta.unbox(boxed)
+
+    y, state = module.apply({"params": params}, x, mutable=["intermediates"])
+    (aux,) = state["intermediates"]["ffn_stats"]
+    w_gate = params["w_gate"] if gated else None
+    want_y, h = dense_formula(x, w_gate, params["w_up"], params["w_down"], relu)
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    check_aux(aux, h, 20)
+    y_infer = module.apply({"params": params}, x, inference=True)
+    np.testing.assert_allclose(y_infer, want_y, rtol=1e-5, atol=1e-5)
