@@ -31,6 +31,7 @@ ABI_VERSION = 1
 HANDLERS = {
     "jax_twell_pack": "JaxTwellPack",
 }
+_REGISTERED: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,9 @@ def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
             device=device.device_kind,
         ), lib
     for target, symbol in HANDLERS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+        if target not in _REGISTERED:  # registration is process-wide; once per target
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+            _REGISTERED.add(target)
     return KernelStatus(True, "", library=str(path), ffi_api=built, device=device.device_kind), lib
 
 
