@@ -41,7 +41,7 @@ def test_pack_kernel_adversarial(dtype):
             got = jt.pack_twell(a, tile=tile, capacity=capacity, implementation="cuda")
             want = jt.pack_twell(a, tile=tile, capacity=capacity, implementation="reference")
             assert_same_twell(got, want)
-            assert bool(got.overflowed.any())
+            assert bool(got.overflowed.any()) == (m >= 4)  # rows 1 and 3 overflow
 
 
 def test_pack_kernel_leading_dims_vmap_and_auto():
