@@ -30,6 +30,8 @@ ABI_VERSION = 1
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
     "jax_twell_pack": "JaxTwellPack",
+    "jax_twell_ffn_gated": "JaxTwellFfnGated",
+    "jax_twell_ffn": "JaxTwellFfn",
 }
 _REGISTERED: set[str] = set()
 

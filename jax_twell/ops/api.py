@@ -160,7 +160,8 @@ def twell_ffn(
 
     Args:
       x: ``[..., M, d]``; act: TwELL of ``[..., M, f]``; w_act, w_up: ``[d, f]``;
-      w_down: ``[f, d]``; implementation: "reference" or None.
+      w_down: ``[f, d]``; implementation: "reference", "cuda" (fused kernel, always
+      sparse: the caller chose the format) or None (cuda where available).
     Returns:
       y: ``[..., M, d]`` dtype of x.
     """
@@ -172,7 +173,9 @@ def twell_ffn(
             f"act holds [..., M, f] = {act.values.shape[:-2]} x {act.f} but x and w_act give "
             f"{x.shape[:-1]} x {w_act.shape[1]}"
         )
-    kernels = dict(reference=reference.twell_ffn)
+    kernels = dict(reference=reference.twell_ffn, cuda=cuda.twell_ffn)
+    if implementation is None and not cuda.supports(x.shape[-1], x.dtype):
+        del kernels["cuda"]
     fn = _choose("twell_ffn", implementation, kernels, "reference")
     return fn(x, act, w_act, w_up, w_down)
 
@@ -196,17 +199,26 @@ def sparse_ffn(
       x: ``[..., d]`` bf16 (fast path) or f32.
       w_gate: ``[d, f]`` or None.  w_up: ``[d, f]``.  w_down: ``[f, d]``; all x's dtype.
       tile, capacity: TwELL layout (see :func:`pack_twell`).
-      implementation: "reference" (TwELL in pure JAX), "xla" (dense) or None
-        (default: "xla" until the fused kernels are available).
+      implementation: "reference" (TwELL in pure JAX), "xla" (dense), "cuda" (XLA gate
+        matmul, TwELL pack kernel, fused up+down kernel) or None ("cuda" where the
+        kernels are available, else "xla").
     Returns:
       y: ``[..., d]`` dtype of x.
+
+    Dense crossover: "cuda" checks each call's true number of active pairs on the device
+    and runs the up and down projections dense through XLA where the fused kernel would
+    be slower (rule: :class:`jax_twell.ops.cuda.DenseCrossover`; inspect it with
+    ``jax_twell.ops.cuda.dense_crossover()``, replace it with ``set_dense_crossover``).
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     _check_tiling(tile, capacity)
     kernels = dict(
         reference=functools.partial(reference.ffn, tile=tile, capacity=capacity),
         xla=xla.ffn,
+        cuda=functools.partial(cuda.sparse_ffn, tile=tile, capacity=capacity),
     )
+    if implementation is None and not cuda.supports(x.shape[-1], x.dtype):
+        del kernels["cuda"]  # shapes the kernel does not take run dense
     fn = _choose("sparse_ffn", implementation, kernels, "xla")
     x2, lead = _flatten_tokens(x)
     return fn(x2, w_gate, w_up, w_down).reshape(*lead, x.shape[-1])

@@ -1,0 +1,169 @@
+"""Inference FFN benchmark: the sparse op against XLA's dense FFN, same process, same inputs.
+
+Protocol (DESIGN.md §7): synthetic sparsity with a real gate matmul (one feature per row
+sets the firing rate), uniform and heavy-tailed row patterns; bf16; every timing is the
+median of many runs after warm-up, synchronised with block_until_ready; never on zeros.
+
+Two clocks:
+- "call": R back-to-back calls of the jitted op, then one block_until_ready, divided by R
+  (the GPU stays busy when each call outlasts its dispatch; the clock for M >= 2048);
+- "loop": the op run L times inside one jitted fori_loop (each iteration's x perturbed by
+  a carried zero so nothing is hoisted but the loop-invariant weight transpose), divided
+  by L: device time per call as inside a model's decode step (the clock for M <= 64).
+
+Variants timed per configuration:
+- dense: jax_twell.ops.xla.ffn (gate, up, down matmuls through XLA);
+- sparse: jax_twell.ops.cuda.sparse_ffn forced sparse (gate matmul, pack kernel, fused
+  up+down kernel; the up weight transposed inside the call);
+- auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get).
+
+Usage: python benchmarks/bench_inference.py [--quick] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import jax_twell as jt
+from jax_twell.ops import cuda, xla
+from jax_twell.testing import synthetic_ffn_inputs
+
+ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
+
+
+def grid(quick: bool):
+    configs = []
+    densities = [0.005, 0.01, 0.02, 0.05]
+    ms = [16384, 2048, 64, 1]
+    if quick:
+        densities, ms = [0.005, 0.02], [16384, 64]
+    for m in ms:
+        for density in densities:
+            for pattern in ("uniform", "heavy"):
+                configs.append((m, 2048, 5632, density, pattern))
+    configs += [(16384, 2048, 8192, 0.005, "uniform"), (16384, 4096, 11008, 0.005, "uniform")]
+    return configs
+
+
+def time_calls(fn, args, min_seconds=0.02, trials=15):
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = max(1, min(200, int(min_seconds / one)))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def looped(op, iters):
+    def run(x, *w):
+        def body(_, carry):
+            c, acc = carry
+            y = op(x + c.astype(x.dtype), *w)
+            return c * 0, acc + y[0, 0].astype(jnp.float32)
+
+        return jax.lax.fori_loop(0, iters, body, (jnp.float32(0), jnp.float32(0)))[1]
+
+    return jax.jit(run)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    dense_op = lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd)
+    sparse_op = lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE)
+    auto_op = lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd)
+    ops = dict(dense=dense_op, sparse=sparse_op, auto=auto_op)
+
+    rows = []
+    for m, d, f, density, pattern in grid(args.quick):
+        inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
+        act = jt.gate_twell(inp.x, inp.w_gate)
+        counts = act.counts
+        nnz = counts.sum(axis=-1)
+        row = dict(
+            m=m, d=d, f=f, density=density, pattern=pattern,
+            measured_active_fraction=float(nnz.mean() / f),
+            max_active_per_row=int(nnz.max()),
+            overflowed_tiles=int((counts > act.capacity).sum()),
+        )
+        clock = "loop" if m <= 64 else "call"
+        for name, op in ops.items():
+            row[f"{name}_call_ms"] = 1e3 * time_calls(jax.jit(op), tuple(inp))
+            if m <= 64:
+                iters = 50
+                row[f"{name}_loop_ms"] = 1e3 * time_calls(looped(op, iters), tuple(inp)) / iters
+        for name in ("sparse", "auto"):
+            row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
+        row["clock"] = clock
+        if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632:
+            gate = jax.jit(lambda x, w: jt.formats.relu_matmul(x, w))
+            gate_pack = jax.jit(lambda x, w: jt.gate_twell(x, w, implementation="cuda"))
+            transpose = jax.jit(lambda w: w.T + 0)
+            a = jt.gate_twell(inp.x, inp.w_gate, implementation="cuda")
+            kernel = jax.jit(lambda x, a, wg, wu, wd: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wu.T))
+            kernel_t = jax.jit(lambda x, a, wg, wu, wd, wut: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wut))
+            row["breakdown_ms"] = dict(
+                gate_matmul=1e3 * time_calls(gate, (inp.x, inp.w_gate)),
+                gate_and_pack=1e3 * time_calls(gate_pack, (inp.x, inp.w_gate)),
+                transpose_w_up=1e3 * time_calls(transpose, (inp.w_up,)),
+                fused_kernel_with_transpose=1e3 * time_calls(kernel, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down)),
+                fused_kernel_pretransposed=1e3 * time_calls(kernel_t, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T)),
+            )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip())
+    result = dict(
+        benchmark="inference_ffn",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        jaxlib=jax.lib.__version__,
+        commit=commit + ("+dirty" if dirty else ""),
+        dtype="bfloat16",
+        tile=256,
+        capacity=32,
+        crossover=vars(cuda.dense_crossover()),
+        clocks=__doc__.split("Two clocks:")[1].split("Variants")[0].strip(),
+        results=rows,
+    )
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"inference_{commit[:8]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+    print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}")
+    print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'auto ms':>8} {'auto r':>6}")
+    for r in rows:
+        c = r["clock"]
+        print(
+            f"{r['m']:>6} {r['d']:>5} {r['f']:>6} {r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>6.2f} "
+            f"{r['max_active_per_row']:>5} {c:>5} {r[f'dense_{c}_ms']:>9.4f} {r[f'sparse_{c}_ms']:>9.4f} {r['sparse_ratio']:>6.2f} "
+            f"{r[f'auto_{c}_ms']:>8.4f} {r['auto_ratio']:>6.2f}"
+        )
+    for r in rows:
+        if "breakdown_ms" in r:
+            print("breakdown (M=16384, 0.5% uniform):", {k: round(v, 4) for k, v in r["breakdown_ms"].items()})
+
+
+if __name__ == "__main__":
+    main()

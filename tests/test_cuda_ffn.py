@@ -1,0 +1,121 @@
+"""The fused TwELL FFN kernels (ffi/twell_ffn.cu) against the reference, on every edge."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_twell as jt
+from jax_twell.formats import pack_twell_reference, relu_matmul
+from jax_twell.ops import cuda, reference
+from jax_twell.testing import synthetic_ffn_inputs
+from specs import GPU_SPECS, assert_close, tolerance
+
+pytestmark = pytest.mark.gpu
+
+ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
+
+
+def _tol(dtype, f):
+    # bf16 rounding of g, u and h before the f32 down reduction, plus y's own rounding.
+    return 2 * tolerance(dtype, f)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("spec", GPU_SPECS, ids=str)
+def test_fused_ffn_matches_reference(spec, dtype, gated):
+    if spec.d % (16 // jnp.dtype(dtype).itemsize):
+        pytest.skip("d not a multiple of 16 bytes of elements (a documented constraint)")
+    inp = synthetic_ffn_inputs(jax.random.key(spec.m + 7), spec.m, spec.d, spec.f, density=spec.density, pattern=spec.pattern, dtype=dtype)
+    w_gate = inp.w_gate if gated else None
+    w_up = inp.w_up if gated else inp.w_gate
+    for tile, capacity in [(256, 32), (64, 4)]:
+        fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=tile, capacity=capacity, crossover=ALWAYS_SPARSE))
+        y = fn(inp.x, w_gate, w_up, inp.w_down)
+        want = reference.ffn(inp.x, w_gate, w_up, inp.w_down, tile=tile, capacity=capacity)
+        assert y.dtype == dtype and y.shape == (spec.m, spec.d)
+        assert_close(y, want, _tol(dtype, spec.f), f"{spec} tile={tile} cap={capacity}")
+
+
+def test_fused_ffn_adversarial_rows():
+    """Empty rows, rows far past capacity, fully dense rows, M=1 and M not a tile multiple."""
+    d, f = 64, 520
+    for m in (1, 3, 77):
+        inp = synthetic_ffn_inputs(jax.random.key(m), m, d, f, density=0.02, dtype=jnp.bfloat16)
+        x = inp.x
+        if m > 2:
+            x = x.at[0, 0].set(50.0)  # row 0 fires nowhere: empty row
+            x = x.at[1, 0].set(-50.0)  # row 1 fires everywhere: every tile overflows
+        g = relu_matmul(x, inp.w_gate)
+        for gated in (True, False):
+            w_up = inp.w_up if gated else inp.w_gate
+            for tile, capacity in [(256, 32), (32, 1), (64, 4)]:
+                act = pack_twell_reference(g, tile=tile, capacity=capacity)
+                args = (x, act, inp.w_gate, w_up if gated else None, inp.w_down)
+                y = jt.twell_ffn(*args, implementation="cuda")
+                want = jt.twell_ffn(*args, implementation="reference")
+                assert_close(y, want, _tol(jnp.bfloat16, f), f"m={m} gated={gated} tile={tile} cap={capacity}")
+                if m > 2:
+                    assert bool(act.overflowed[1].all()) and int(act.counts[0].sum()) == 0
+
+
+def test_fused_ffn_poisoned_output_fully_written_and_deterministic():
+    inp = synthetic_ffn_inputs(jax.random.key(3), 300, 256, 1000, density=0.05, pattern="heavy", dtype=jnp.bfloat16)
+    act = pack_twell_reference(relu_matmul(inp.x, inp.w_gate), tile=128, capacity=8)
+    fn = jax.jit(lambda *a: cuda.twell_ffn(*a))
+    args = (inp.x, act, inp.w_gate, inp.w_up, inp.w_down)
+    y1 = np.asarray(fn(*args))
+    y2 = np.asarray(fn(*args))
+    assert np.isfinite(y1).all()
+    np.testing.assert_array_equal(y1, y2)
+
+
+def test_fused_ffn_leading_dims_vmap_and_auto_dispatch():
+    inp = synthetic_ffn_inputs(jax.random.key(11), 60, 128, 700, density=0.03, dtype=jnp.bfloat16)
+    x = inp.x.reshape(3, 4, 5, 128)
+    want = jt.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, implementation="reference")
+    tol = _tol(jnp.bfloat16, 700)
+    got = jt.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, implementation="cuda")
+    assert got.shape == x.shape
+    assert_close(got, want, tol, "leading dims")
+    auto = jax.jit(lambda x: jt.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down))
+    assert "jax_twell_ffn_gated" in auto.lower(x).as_text()
+    assert_close(auto(x), want, tol, "auto")
+    vm = jax.vmap(lambda x: jt.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, implementation="cuda"))(x)
+    assert_close(vm, want, tol, "vmap")
+    # twell_ffn on a batched TwELL.
+    act = jt.gate_twell(x, inp.w_gate, implementation="cuda")
+    y = jt.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, implementation="cuda")
+    assert_close(y, want, tol, "twell_ffn leading dims")
+    empty = jt.sparse_ffn(jnp.zeros((0, 128), jnp.bfloat16), inp.w_gate, inp.w_up, inp.w_down, implementation="cuda")
+    assert empty.shape == (0, 128)
+
+
+def test_dense_crossover_rule_is_inspectable_and_overridable():
+    inp = synthetic_ffn_inputs(jax.random.key(2), 64, 128, 512, density=0.5, pattern="dense", dtype=jnp.bfloat16)
+    want = jt.sparse_ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down, implementation="xla")
+    rule = cuda.dense_crossover()
+    assert isinstance(rule, cuda.DenseCrossover)
+    # At 50% density the rule picks dense; forcing either side still gives the same y.
+    assert not bool(rule.use_sparse(jnp.int32(64 * 256), jnp.int32(64 * 2), 64, 128, 512, 2))
+    for forced in (cuda.DenseCrossover(margin=0.0), ALWAYS_SPARSE, None):
+        y = cuda.sparse_ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=32, crossover=forced)
+        assert_close(y, want, _tol(jnp.bfloat16, 512), f"crossover={forced}")
+    previous = cuda.set_dense_crossover(ALWAYS_SPARSE)
+    try:
+        assert cuda.dense_crossover() is ALWAYS_SPARSE
+    finally:
+        cuda.set_dense_crossover(previous)
+
+
+def test_fused_ffn_clear_errors():
+    x = jnp.ones((4, 12), jnp.bfloat16)  # d=12: not a multiple of 8 bf16 elements
+    w = jnp.ones((12, 64), jnp.bfloat16)
+    act = pack_twell_reference(relu_matmul(x, w), tile=64, capacity=4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cuda.twell_ffn(x, act, w, w, w.T)
+    assert not cuda.supports(12, jnp.bfloat16) and cuda.supports(2048, jnp.bfloat16)
+    # The automatic choice falls back to dense XLA for shapes the kernel does not take.
+    y = jt.sparse_ffn(x, w, w, w.T)
+    assert_close(y, jt.sparse_ffn(x, w, w, w.T, implementation="xla"), 0.0, "fallback")
