@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_twell.modules import truncated_normal
-from jax_twell.ops import sparse_ffn, sparse_ffn_train
+from jax_twell.ops import FFNSharding, sparse_ffn, sparse_ffn_train
 from jax_twell.ops.api import DEFAULT_WIDTH
 
 __all__ = ["SparseFFN"]
@@ -38,6 +38,7 @@ class SparseFFN(nn.Module):
       gated: ``h = relu(x Wg) * (x Wu)`` when True, ``h = relu(x Wu)`` when False.
       implementation: passed to ``jax_twell.sparse_ffn_train`` / ``sparse_ffn``.
       width: ELL row width of the training format (see ``sparse_ffn_train``).
+      sharding: ``jax_twell.FFNSharding`` for operands sharded over a mesh, else None.
       param_dtype: parameter dtype; compute runs in ``x.dtype``.
     """
 
@@ -45,6 +46,7 @@ class SparseFFN(nn.Module):
     gated: bool = True
     implementation: str | None = None
     width: int = DEFAULT_WIDTH
+    sharding: FFNSharding | None = None
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
@@ -63,7 +65,9 @@ class SparseFFN(nn.Module):
         w_up = self.param("w_up", _init(d**-0.5, ("embed", "mlp")), (d, f), self.param_dtype).astype(x.dtype)
         w_down = self.param("w_down", _init(f**-0.5, ("mlp", "embed")), (f, d), self.param_dtype).astype(x.dtype)
         if inference:
-            return sparse_ffn(x, w_gate, w_up, w_down, implementation=self.implementation)
-        y, aux = sparse_ffn_train(x, w_gate, w_up, w_down, width=self.width, implementation=self.implementation)
+            return sparse_ffn(x, w_gate, w_up, w_down, implementation=self.implementation, sharding=self.sharding)
+        y, aux = sparse_ffn_train(
+            x, w_gate, w_up, w_down, width=self.width, implementation=self.implementation, sharding=self.sharding
+        )
         self.sow("intermediates", "ffn_stats", aux)
         return y

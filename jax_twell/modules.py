@@ -53,9 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_twell.ops import FFNAux, sparse_ffn, sparse_ffn_train
+from jax_twell.ops import FFNAux, FFNSharding, sparse_ffn, sparse_ffn_train
 from jax_twell.ops.api import DEFAULT_WIDTH
-from jax_twell.ops.common import ffn_aux
+from jax_twell.ops.common import hidden_stats, make_aux
 
 __all__ = [
     "SparseFFN",
@@ -196,6 +196,8 @@ class SparseFFN(_FFN):
         (None picks CUDA kernels on GPU when available, else dense XLA math).
       width: ELL row width of the training format (``sparse_ffn_train``'s ``width``);
         tokens with more active neurons count in ``rows_over_capacity``.
+      sharding: ``jax_twell.FFNSharding`` to run the ops per shard of a device mesh
+        (needed whenever the operands are sharded; None for unsharded use).
       param_dtype: parameter storage dtype (f32 default); compute runs in ``x.dtype``.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
@@ -210,19 +212,23 @@ class SparseFFN(_FFN):
         gated: bool = True,
         implementation: str | None = None,
         width: int = DEFAULT_WIDTH,
+        sharding: FFNSharding | None = None,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         super().__init__(d_model, d_ff, gated=gated, width=width, param_dtype=param_dtype, rngs=rngs)
         self.implementation = implementation
+        self.sharding = sharding
 
     def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
         """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""
-        return sparse_ffn_train(x, *self._weights(x.dtype), width=self.width, implementation=self.implementation)
+        return sparse_ffn_train(
+            x, *self._weights(x.dtype), width=self.width, implementation=self.implementation, sharding=self.sharding
+        )
 
     def infer(self, x: jax.Array) -> jax.Array:
         """Inference forward, no statistics: ``x [..., d]`` -> ``y [..., d]`` of ``x.dtype``."""
-        return sparse_ffn(x, *self._weights(x.dtype), implementation=self.implementation)
+        return sparse_ffn(x, *self._weights(x.dtype), implementation=self.implementation, sharding=self.sharding)
 
 
 class DenseFFN(_FFN):
@@ -271,7 +277,8 @@ class DenseFFN(_FFN):
         """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""
         h, active = self._hidden(x)
         f = h.shape[-1]
-        return self._down(h, x.dtype), ffn_aux(h.reshape(-1, f), active.reshape(-1, f), self.width)
+        stats = hidden_stats(h.reshape(-1, f), active.reshape(-1, f))
+        return self._down(h, x.dtype), make_aux(*stats, self.width)
 
     def infer(self, x: jax.Array) -> jax.Array:
         """Inference forward: ``x [..., d]`` -> ``y [..., d]`` of ``x.dtype``."""

@@ -6,12 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from specs import assert_close, tolerance
 
 from jax_twell import linen
 from jax_twell.modules import DenseFFN, FFNStats, SparseFFN, stack_stats, summarize_stats
 
 D, F = 16, 48
 IMPLEMENTATIONS = ["xla", "reference"]
+TOL = tolerance(jnp.float32, F)
+GRAD_TOL = tolerance(jnp.float32, F, grad=True)
 
 
 def dense_formula(x, w_gate, w_up, w_down, act):
@@ -62,11 +65,11 @@ def test_sparse_ffn_matches_dense_formula(gated, implementation):
 
     y, aux = ffn.forward_with_stats(x)
     assert y.shape == x.shape and y.dtype == jnp.float32
-    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    assert_close(y, want_y, TOL)
     check_aux(aux, h, width)
     assert 0 < int(aux.rows_over_capacity) < 10
 
-    np.testing.assert_allclose(ffn.infer(x), want_y, rtol=1e-5, atol=1e-5)
+    assert_close(ffn.infer(x), want_y, TOL)
 
 
 def test_call_sows_stats():
@@ -85,8 +88,8 @@ def test_dense_ffn_matches_formula(gated, activation):
     x = inputs()
     want_y, h = dense_formula(x, *weights(ffn), relu if activation == "relu" else silu)
     y, aux = ffn.forward_with_stats(x)
-    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ffn.infer(x), want_y, rtol=1e-5, atol=1e-5)
+    assert_close(y, want_y, TOL)
+    assert_close(ffn.infer(x), want_y, TOL)
     check_aux(aux, h, 20)
     if activation == "silu":
         assert float(aux.nnz_mean) == F  # SiLU is (almost) never exactly zero
@@ -109,7 +112,7 @@ def test_bfloat16_input():
     y, aux = ffn.forward_with_stats(x)
     assert y.dtype == jnp.bfloat16 and aux.l1.dtype == jnp.float32
     want_y, _ = dense_formula(x.astype(jnp.float32), *weights(ffn), relu)
-    np.testing.assert_allclose(y.astype(jnp.float32), want_y, rtol=5e-2, atol=5e-2)
+    assert_close(y, want_y, tolerance(jnp.bfloat16, F))
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -132,9 +135,9 @@ def test_grads_match_dense_formula(gated):
     grads, dx = nnx.grad(module_loss, argnums=(0, 1))(ffn, x)
     w = dict(zip(("w_gate", "w_up", "w_down"), weights(ffn)))
     want_w, want_dx = jax.grad(formula_loss, argnums=(0, 1))(w, x)
-    np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-5)
+    assert_close(dx, want_dx, GRAD_TOL)
     for name in ("w_gate", "w_up", "w_down") if gated else ("w_up", "w_down"):
-        np.testing.assert_allclose(grads[name][...], want_w[name], rtol=1e-4, atol=1e-5)
+        assert_close(grads[name][...], want_w[name], GRAD_TOL)
 
 
 def test_jit():
@@ -205,7 +208,7 @@ def test_linen_matches_nnx(gated):
     (aux,) = state["intermediates"]["ffn_stats"]
     w_gate = params["w_gate"] if gated else None
     want_y, h = dense_formula(x, w_gate, params["w_up"], params["w_down"], relu)
-    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5)
+    assert_close(y, want_y, TOL)
     check_aux(aux, h, 20)
     y_infer = module.apply({"params": params}, x, inference=True)
-    np.testing.assert_allclose(y_infer, want_y, rtol=1e-5, atol=1e-5)
+    assert_close(y_infer, want_y, TOL)

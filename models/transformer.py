@@ -1,0 +1,289 @@
+"""Transformer++ (Llama-style) language model on jax-twell's FFN modules.
+
+Pre-norm blocks ``x += attn(rmsnorm(x)); x += ffn(rmsnorm(x))``, rotary position
+embeddings, causal attention through ``jax.nn.dot_product_attention``, no biases, tied
+input/output embeddings by default, final RMSNorm. The FFN is ``SparseFFN`` for
+``cfg.ffn == "sparse_relu"``, else ``DenseFFN`` (ReLU or SiLU gate).
+
+Entry points (``B`` batch, ``T`` tokens, ``V`` vocabulary, ``L`` layers)::
+
+    model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+    logits, stats = model(tokens)          # training: [B, T] int32 -> [B, T, V] f32, FFNStats
+    loss = cross_entropy + l1_coef * stats.l1.mean()
+
+    logits, cache = model.prefill(tokens, max_len)     # inference, fills a KV cache
+    logits, cache = model.decode_step(next_tokens, cache)
+
+``prefill`` and ``decode_step`` use the FFN's inference path (no statistics); jit them
+(``nnx.jit``, or ``nnx.split`` + ``jax.jit`` as ``generate`` does). The cache has a fixed
+size ``max_len``; a step that would run past it returns NaN logits (the cache is then
+unusable), never plausible-looking ones. All rows of a batch share positions (prompts of equal length).
+
+Rotary embeddings use the "rotate_half" layout of Hugging Face Llama: the two halves of
+each head (``[..., :H/2]`` and ``[..., H/2:]``) form the rotated pairs, frequency ``i``
+being ``rope_theta ** (-2i / H)``. Checkpoints in Hugging Face layout therefore load with
+no permutation of the q/k projections.
+
+Parameters and logical axes (``param_dtype``; names in the ``out_sharding`` metadata,
+mapped to a mesh by ``LOGICAL_AXIS_RULES``; ``N`` heads, ``K`` kv heads, ``H`` head_dim)::
+
+    embed                         [V, d]     ("vocab", "embed")   std 0.02
+    layers[i].attn_norm.scale     [d]        ("norm",)            ones
+    layers[i].attn.wq             [d, N, H]  ("embed", "heads", "kv")      std d**-0.5
+    layers[i].attn.wk, .wv        [d, K, H]  ("embed", "kv_heads", "kv")   std d**-0.5
+    layers[i].attn.wo             [N, H, d]  ("heads", "kv", "embed")      std (N H)**-0.5
+    layers[i].ffn_norm.scale      [d]        ("norm",)            ones
+    layers[i].ffn.w_gate, .w_up   [d, f]     ("embed", "mlp")     std d**-0.5 (w_gate None if non-gated)
+    layers[i].ffn.w_down          [f, d]     ("mlp", "embed")     std f**-0.5
+    final_norm.scale              [d]        ("norm",)            ones
+    lm_head                       [d, V]     ("embed", "vocab")   std d**-0.5 (None when tied)
+
+Weights draw from a normal truncated at 2 std, rescaled to the std given.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_twell.models.config import ModelConfig
+from jax_twell.modules import DenseFFN, FFNStats, SparseFFN, logical_param, stack_stats, truncated_normal
+
+__all__ = ["TransformerLM", "Block", "Attention", "RMSNorm", "KVCache", "rotary"]
+
+EMBED_STD = 0.02
+
+
+class KVCache(NamedTuple):
+    """Fixed-size key/value cache of every layer.
+
+    Attributes:
+      k: tuple of ``L`` arrays ``[B, S, K, H]`` compute dtype (``S`` = max_len);
+        rotary embeddings already applied.
+      v: tuple of ``L`` arrays ``[B, S, K, H]`` compute dtype.
+      length: ``[]`` int32, positions filled (the next token's position).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    length: jax.Array
+
+
+def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding in the rotate_half layout (Hugging Face Llama).
+
+    Args:
+      x: ``[B, T, heads, H]`` any float dtype, ``H`` even.
+      positions: ``[T]`` int32 position of each token.
+      theta: base frequency.
+    Returns:
+      ``[B, T, heads, H]`` of ``x.dtype``; computed in f32.
+    """
+    head_dim = x.shape[-1]
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, H/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """``x / rms(x) * scale``, normalised in f32. x: ``[..., d]`` -> ``[..., d]`` x.dtype."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype):
+        self.eps = eps
+        self.scale = logical_param(jnp.ones((dim,), param_dtype), ("norm",))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head (or grouped-query) causal self-attention with rotary embeddings."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, n, k, h = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.rope_theta = cfg.rope_theta
+        self.implementation = cfg.attention_implementation
+        self.wq = logical_param(truncated_normal(rngs.params(), (d, n, h), d**-0.5, dtype), ("embed", "heads", "kv"))
+        self.wk = logical_param(truncated_normal(rngs.params(), (d, k, h), d**-0.5, dtype), ("embed", "kv_heads", "kv"))
+        self.wv = logical_param(truncated_normal(rngs.params(), (d, k, h), d**-0.5, dtype), ("embed", "kv_heads", "kv"))
+        self.wo = logical_param(
+            truncated_normal(rngs.params(), (n, h, d), (n * h) ** -0.5, dtype), ("heads", "kv", "embed")
+        )
+
+    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``x [B, T, d]`` -> q ``[B, T, N, H]``, k, v ``[B, T, K, H]``; rotary on q and k."""
+        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(x.dtype))
+        k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(x.dtype))
+        v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(x.dtype))
+        return rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta), v
+
+    def _out(self, o: jax.Array) -> jax.Array:
+        return jnp.einsum("btnh,nhd->btd", o, self.wo[...].astype(o.dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Causal attention over the sequence, positions ``0..T-1``.
+
+        x: ``[B, T, d]`` compute dtype -> ``[B, T, d]``.
+        """
+        q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        return self._out(o)
+
+    def cached(
+        self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention of ``T`` new tokens at positions ``start..start+T-1`` over the cache.
+
+        Args:
+          x: ``[B, T, d]`` compute dtype.
+          k_cache, v_cache: ``[B, S, K, H]``; the new keys/values are written at ``start``.
+          start: ``[]`` int32.
+        Returns:
+          ``(y [B, T, d], k_cache, v_cache)``.
+        """
+        positions = start + jnp.arange(x.shape[1])
+        q, k, v = self._qkv(x, positions)
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
+        visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]  # [T, S]
+        o = jax.nn.dot_product_attention(q, k_cache, v_cache, mask=visible[None, None])
+        return self._out(o), k_cache, v_cache
+
+
+def _make_ffn(cfg: ModelConfig, rngs: nnx.Rngs) -> SparseFFN | DenseFFN:
+    dtype = jnp.dtype(cfg.param_dtype)
+    if cfg.ffn == "sparse_relu":
+        return SparseFFN(
+            cfg.d_model,
+            cfg.d_ff,
+            gated=cfg.gated,
+            implementation=cfg.ffn_implementation,
+            sharding=cfg.ffn_sharding,
+            param_dtype=dtype,
+            rngs=rngs,
+        )
+    activation = cfg.ffn.removeprefix("dense_")
+    return DenseFFN(cfg.d_model, cfg.d_ff, gated=cfg.gated, activation=activation, param_dtype=dtype, rngs=rngs)
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: attention then FFN, each with a residual."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=dtype)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=dtype)
+        self.ffn = _make_ffn(cfg, rngs)
+
+    def __call__(self, x: jax.Array):
+        """Training forward: ``x [B, T, d]`` -> ``(x [B, T, d], FFNAux)``."""
+        x = x + self.attn(self.attn_norm(x))
+        y, aux = self.ffn.forward_with_stats(self.ffn_norm(x))
+        return x + y, aux
+
+    def cached(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array):
+        """Inference forward over a KV cache (see ``Attention.cached``): ``(x, k_cache, v_cache)``."""
+        a, k_cache, v_cache = self.attn.cached(self.attn_norm(x), k_cache, v_cache, start)
+        x = x + a
+        return x + self.ffn.infer(self.ffn_norm(x)), k_cache, v_cache
+
+
+class TransformerLM(nnx.Module):
+    """Transformer++ language model (see the module docstring for layout and API).
+
+    Args:
+      cfg: ``ModelConfig``.
+      rngs: ``nnx.Rngs`` with a ``params`` stream.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype = jnp.dtype(cfg.param_dtype)
+        self.embed = logical_param(
+            truncated_normal(rngs.params(), (cfg.vocab_size, cfg.d_model), EMBED_STD, dtype), ("vocab", "embed")
+        )
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else logical_param(
+                truncated_normal(rngs.params(), (cfg.d_model, cfg.vocab_size), cfg.d_model**-0.5, dtype),
+                ("embed", "vocab"),
+            )
+        )
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.dtype)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        x = self.final_norm(x)
+        if self.lm_head is None:
+            return jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype), preferred_element_type=jnp.float32)
+        return jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, FFNStats]:
+        """Training forward with FFN statistics.
+
+        Args:
+          tokens: ``[B, T]`` int32, positions ``0..T-1``.
+        Returns:
+          ``(logits [B, T, V] f32, FFNStats)``; stats fields are ``[L]`` (``neuron_fired``
+          ``[L, f]``), ``stats.l1`` differentiable.
+        """
+        x = self._embed(tokens)
+        auxes = []
+        for layer in self.layers:
+            x, aux = layer(x)
+            auxes.append(aux)
+        return self._logits(x), stack_stats(auxes)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """Empty cache for ``batch`` rows and ``max_len`` positions (zeros, length 0)."""
+        shape = (batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, self.cfg.dtype) for _ in range(self.cfg.n_layers))
+        return KVCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32))
+
+    def decode_step(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Runs ``T`` new tokens at positions ``cache.length ..`` through the cache.
+
+        Args:
+          tokens: ``[B, T]`` int32 (``T = 1`` for token-by-token decoding).
+          cache: ``KVCache`` with ``B`` rows.
+        Returns:
+          ``(logits [B, T, V] f32, cache)`` with ``length`` advanced by ``T``. Logits are
+          NaN if the tokens do not fit in the cache.
+        """
+        x = self._embed(tokens)
+        ks, vs = [], []
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
+            x, k_cache, v_cache = layer.cached(x, k_cache, v_cache, cache.length)
+            ks.append(k_cache)
+            vs.append(v_cache)
+        end = cache.length + tokens.shape[1]
+        logits = jnp.where(end <= cache.k[0].shape[1], self._logits(x), jnp.nan)
+        return logits, KVCache(k=tuple(ks), v=tuple(vs), length=end)
+
+    def prefill(self, tokens: jax.Array, max_len: int) -> tuple[jax.Array, KVCache]:
+        """Prompt pass: ``decode_step`` on an empty cache of ``max_len`` positions.
+
+        Args:
+          tokens: ``[B, T]`` int32, ``T <= max_len``.
+          max_len: static cache size (prompt plus tokens to generate).
+        Returns:
+          ``(logits [B, T, V] f32, cache)``; the logits match ``model(tokens)[0]`` (same
+          math, up to the rounding of the FFN implementation).
+        """
+        if tokens.shape[1] > max_len:
+            raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit a cache of max_len={max_len}")
+        return self.decode_step(tokens, self.init_cache(tokens.shape[0], max_len))

@@ -1,0 +1,119 @@
+"""KV-cache prefill / decode and generate."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from specs import assert_close
+from test_models import LOGITS_TOL, TINY, forward, tokens_for
+
+from jax_twell.models import TransformerLM, generate
+
+CFG = dataclasses.replace(TINY, n_kv_heads=2, max_seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TransformerLM(CFG, rngs=nnx.Rngs(0))
+
+
+@nnx.jit(static_argnames="max_len")
+def prefill(model, tokens, max_len):
+    return model.prefill(tokens, max_len)
+
+
+@nnx.jit
+def decode_step(model, tokens, cache):
+    return model.decode_step(tokens, cache)
+
+
+def test_prefill_equals_forward_and_stepwise_decode(model):
+    tokens = tokens_for(CFG, length=9)
+    full, _ = forward(model, tokens)
+    logits, cache = prefill(model, tokens, 12)
+    assert logits.shape == (2, 9, CFG.vocab_size) and int(cache.length) == 9
+    assert len(cache.k) == CFG.n_layers and cache.k[0].shape == (2, 12, CFG.kv_heads, CFG.head_dim)
+    assert_close(logits, full, LOGITS_TOL, "prefill vs forward")
+
+    # First token by prefill, the rest one at a time through the jitted decode step.
+    step_logits, cache = prefill(model, tokens[:, :1], 12)
+    steps = [step_logits[:, 0]]
+    for t in range(1, 9):
+        step_logits, cache = decode_step(model, tokens[:, t : t + 1], cache)
+        steps.append(step_logits[:, 0])
+    assert int(cache.length) == 9
+    assert_close(jnp.stack(steps, axis=1), logits, LOGITS_TOL, "stepwise decode vs prefill")
+
+
+def test_chunked_decode(model):
+    tokens = tokens_for(CFG, length=9)
+    logits, _ = prefill(model, tokens, 9)
+    first, cache = prefill(model, tokens[:, :4], 9)
+    rest, cache = decode_step(model, tokens[:, 4:], cache)
+    assert_close(jnp.concatenate([first, rest], axis=1), logits, LOGITS_TOL, "chunked decode")
+
+
+def test_cache_overflow_gives_nan(model):
+    tokens = tokens_for(CFG, length=4)
+    _, cache = prefill(model, tokens, 5)
+    ok, cache = decode_step(model, tokens[:, :1], cache)
+    assert np.isfinite(ok).all()
+    past_end, _ = decode_step(model, tokens[:, :1], cache)
+    assert np.isnan(past_end).all()
+    with pytest.raises(ValueError, match="does not fit a cache"):
+        model.prefill(tokens, 3)
+
+
+def greedy_by_full_forward(model, prompt, n):
+    """Greedy continuation by re-running the full causal forward (one fixed length, so one
+    compile: positions past the current token cannot affect its logits)."""
+    length = prompt.shape[1]
+    tokens = jnp.zeros((prompt.shape[0], length + n), jnp.int32).at[:, :length].set(prompt)
+    for i in range(length, length + n):
+        logits, _ = forward(model, tokens)
+        tokens = tokens.at[:, i].set(jnp.argmax(logits[:, i - 1], -1).astype(jnp.int32))
+    return tokens[:, length:]
+
+
+def test_greedy_generate_matches_full_forward(model):
+    prompt = tokens_for(CFG, length=5, seed=3)
+    out = generate(model, prompt, 6, temperature=0.0)
+    assert out.shape == (2, 6) and out.dtype == jnp.int32
+    np.testing.assert_array_equal(out, greedy_by_full_forward(model, prompt, 6))
+
+
+def test_sampling(model):
+    prompt = jnp.tile(tokens_for(CFG, length=5, seed=3)[:1], (16, 1))
+    key = jax.random.key(7)
+    a = generate(model, prompt, 4, temperature=1.0, top_k=3, rng=key)
+    np.testing.assert_array_equal(a, generate(model, prompt, 4, temperature=1.0, top_k=3, rng=key))
+    assert ((a >= 0) & (a < CFG.vocab_size)).all()
+    assert 1 < len(np.unique(a[:, 0])) <= 3  # identical prompts, first tokens among the top 3
+    top1 = generate(model, prompt, 4, temperature=0.7, top_k=1, rng=key)
+    np.testing.assert_array_equal(top1, generate(model, prompt, 4, temperature=0.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=12), "exceeds the model's max_seq_len=16"),
+        (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
+        (dict(temperature=1.0), "rng is required"),
+        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(temperature=0.0, top_k=0), "top_k must be in"),
+    ],
+)
+def test_generate_rejects_bad_arguments(model, kwargs, message):
+    args = dict(max_new_tokens=2, temperature=0.0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        generate(model, tokens_for(CFG, length=5), args.pop("max_new_tokens"), **args)
+
+
+def test_generate_nongated_dense_baseline():
+    cfg = dataclasses.replace(CFG, gated=False, ffn="dense_silu")
+    model = TransformerLM(cfg, rngs=nnx.Rngs(1))
+    prompt = tokens_for(cfg, length=3)
+    np.testing.assert_array_equal(generate(model, prompt, 3, temperature=0.0), greedy_by_full_forward(model, prompt, 3))

@@ -1,0 +1,248 @@
+"""TransformerLM against a plain re-statement of Llama, presets, sharding names, jit and grads."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from specs import assert_close, tolerance
+
+from jax.sharding import NamedSharding
+
+from jax_twell import FFNSharding
+from jax_twell.models import (
+    LOGICAL_AXIS_RULES,
+    PRESETS,
+    ModelConfig,
+    TransformerLM,
+    param_shardings,
+    to_hf_tensors,
+)
+from jax_twell.modules import DenseFFN, FFNStats, SparseFFN
+
+TINY = dataclasses.replace(PRESETS["tiny"], vocab_size=64, d_model=32, n_layers=2, n_heads=4, head_dim=8, d_ff=48)
+VARIANTS = {
+    "sparse_gated_tied": TINY,
+    "sparse_nongated_gqa": dataclasses.replace(TINY, gated=False, n_kv_heads=2, rope_theta=500.0),
+    "silu_untied": dataclasses.replace(TINY, ffn="dense_silu", tie_embeddings=False, head_dim=12),
+    "relu_untied_mqa": dataclasses.replace(TINY, ffn="dense_relu", tie_embeddings=False, n_kv_heads=1),
+}
+# Logits reduce over d (and attention over T): f32 against a float64 re-statement.
+LOGITS_TOL = tolerance(jnp.float32, 4096)
+
+
+@nnx.jit
+def forward(model, tokens):
+    return model(tokens)
+
+
+def tokens_for(cfg, batch=2, length=7, seed=0):
+    return jax.random.randint(jax.random.key(seed), (batch, length), 0, cfg.vocab_size, jnp.int32)
+
+
+def llama_reference(tensors, cfg, tokens):
+    """Hugging Face Llama forward, in float64 numpy, from Hugging Face-named tensors.
+
+    Follows the Hugging Face formulation independently of the model code: torch layout
+    ([out, in], ``x @ W.T``), rotate_half rotary, repeat_kv for grouped-query attention.
+    Returns (logits [B, T, V], per-layer list of h [B, T, f]).
+    """
+    t = {name: np.asarray(a, np.float64) for name, a in tensors.items()}
+    tokens = np.asarray(tokens)
+    b, n_tok = tokens.shape
+    n, k, hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    act = {"sparse_relu": lambda a: np.maximum(a, 0), "dense_relu": lambda a: np.maximum(a, 0)}.get(
+        cfg.ffn, lambda a: a / (1 + np.exp(-a))
+    )
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * w
+
+    def rope(x):
+        inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
+        emb = np.concatenate([np.outer(np.arange(n_tok), inv_freq)] * 2, axis=-1)[None, :, None, :]
+        rotated = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], axis=-1)
+        return x * np.cos(emb) + rotated * np.sin(emb)
+
+    x = t["model.embed_tokens.weight"][tokens]
+    hidden = []
+    causal = np.tril(np.ones((n_tok, n_tok), bool))
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        a = rms(x, t[p + "input_layernorm.weight"])
+        q = rope((a @ t[p + "self_attn.q_proj.weight"].T).reshape(b, n_tok, n, hd))
+        kk = rope((a @ t[p + "self_attn.k_proj.weight"].T).reshape(b, n_tok, k, hd))
+        v = (a @ t[p + "self_attn.v_proj.weight"].T).reshape(b, n_tok, k, hd)
+        kk, v = np.repeat(kk, n // k, axis=2), np.repeat(v, n // k, axis=2)
+        scores = np.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(hd)
+        scores = np.where(causal, scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        o = np.einsum("bnts,bsnh->btnh", probs, v).reshape(b, n_tok, n * hd)
+        x = x + o @ t[p + "self_attn.o_proj.weight"].T
+        a = rms(x, t[p + "post_attention_layernorm.weight"])
+        up = a @ t[p + "mlp.up_proj.weight"].T
+        h = act(a @ t[p + "mlp.gate_proj.weight"].T) * up if cfg.gated else act(up)
+        hidden.append(h)
+        x = x + h @ t[p + "mlp.down_proj.weight"].T
+    x = rms(x, t["model.norm.weight"])
+    head = t["lm_head.weight"] if "lm_head.weight" in t else t["model.embed_tokens.weight"]
+    return x @ head.T, hidden
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_forward_matches_reference(variant):
+    cfg = VARIANTS[variant]
+    model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+    tokens = tokens_for(cfg)
+    logits, stats = forward(model, tokens)
+    assert logits.shape == (2, 7, cfg.vocab_size) and logits.dtype == jnp.float32
+    want, hidden = llama_reference(to_hf_tensors(model), cfg, tokens)
+    assert_close(logits, want, LOGITS_TOL, f"{variant} logits")
+
+    n_layers, f = cfg.n_layers, cfg.d_ff
+    assert isinstance(stats, FFNStats)
+    assert [a.shape for a in stats] == [(n_layers,)] * 4 + [(n_layers, f)]
+    assert [a.dtype for a in stats] == [jnp.float32, jnp.float32, jnp.int32, jnp.int32, jnp.bool_]
+    for i, h in enumerate(hidden):
+        h = h.reshape(-1, f)
+        counts = (h != 0).sum(-1)
+        assert_close(stats.l1[i], np.abs(h).sum(-1).mean(), 1e-4, f"layer {i} l1")
+        np.testing.assert_allclose(stats.nnz_mean[i], counts.mean(), rtol=1e-6)
+        assert int(stats.nnz_max[i]) == counts.max()
+        np.testing.assert_array_equal(stats.neuron_fired[i], (h != 0).any(0))
+
+
+def test_layers_expose_ffn_params():
+    model = TransformerLM(TINY, rngs=nnx.Rngs(0))
+    ffn = model.layers[1].ffn
+    assert isinstance(ffn, SparseFFN)
+    assert ffn.w_gate.shape == (32, 48) and ffn.w_up.shape == (32, 48) and ffn.w_down.shape == (48, 32)
+    assert isinstance(ffn.w_gate, nnx.Param)
+    nongated = TransformerLM(VARIANTS["sparse_nongated_gqa"], rngs=nnx.Rngs(0))
+    assert nongated.layers[0].ffn.w_gate is None
+    dense = TransformerLM(VARIANTS["silu_untied"], rngs=nnx.Rngs(0))
+    assert isinstance(dense.layers[0].ffn, DenseFFN) and dense.layers[0].ffn.activation == "silu"
+
+
+def test_causal():
+    model = TransformerLM(TINY, rngs=nnx.Rngs(0))
+    tokens = tokens_for(TINY)
+    changed = tokens.at[:, 4].set((tokens[:, 4] + 1) % TINY.vocab_size)
+    a, _ = forward(model, tokens)
+    b, _ = forward(model, changed)
+    np.testing.assert_array_equal(a[:, :4], b[:, :4])
+    assert not np.allclose(a[:, 4:], b[:, 4:])
+
+
+def test_jit_matches_eager():
+    model = TransformerLM(TINY, rngs=nnx.Rngs(0))
+    tokens = tokens_for(TINY)
+    logits, stats = forward(model, tokens)
+    want_logits, want_stats = model(tokens)
+    assert_close(logits, want_logits, LOGITS_TOL, "jit logits")
+    np.testing.assert_array_equal(stats.neuron_fired, want_stats.neuron_fired)
+
+
+def lm_loss(model, tokens, l1_coef=1e-3):
+    logits, stats = model(tokens[:, :-1])
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], axis=-1).mean()
+    return ce + l1_coef * stats.l1.mean()
+
+
+def test_grads_flow_through_sparse_train_op():
+    """jax.grad through the model with the reference (sparse custom_vjp) op equals the dense XLA op's."""
+    tokens = tokens_for(TINY, length=9)
+    grads = {}
+    for implementation in ("reference", "xla"):
+        model = TransformerLM(dataclasses.replace(TINY, ffn_implementation=implementation), rngs=nnx.Rngs(0))
+        loss, grads[implementation] = nnx.jit(nnx.value_and_grad(lm_loss))(model, tokens)
+        assert np.isfinite(loss)
+    ref, xla = (jax.tree.leaves(grads[i]) for i in ("reference", "xla"))
+    assert len(ref) == len(xla)
+    for a, b in zip(ref, xla):
+        assert_close(a, b, tolerance(jnp.float32, 4096, grad=True), "grad")
+    ffn_grads = grads["reference"]["layers"][0]["ffn"]
+    for name in ("w_gate", "w_up", "w_down"):
+        assert np.abs(ffn_grads[name][...]).max() > 0, name
+
+
+def test_bfloat16_compute():
+    cfg = dataclasses.replace(TINY, dtype="bfloat16")
+    model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+    tokens = tokens_for(cfg)
+    logits, stats = forward(model, tokens)
+    assert logits.dtype == jnp.float32 and model.layers[0].ffn.w_up.dtype == jnp.float32
+    want, _ = llama_reference(to_hf_tensors(model), cfg, tokens)
+    assert_close(logits, want, 0.05, "bf16 logits")
+    grads = nnx.jit(nnx.grad(lm_loss))(model, tokens)
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_presets():
+    assert PRESETS["tiny"].vocab_size == 256 and PRESETS["tiny"].d_model == 128 and PRESETS["tiny"].d_ff == 352
+    assert PRESETS["small"].d_model == 512 and PRESETS["small"].d_ff == 1408 and PRESETS["small"].max_seq_len == 512
+    layers = {"0.5b": 8, "1b": 18, "1.5b": 28, "2b": 38}
+    for name, n_layers in layers.items():
+        cfg = PRESETS[name]
+        assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.d_ff) == (n_layers, 2048, 32, 64, 5632)
+        assert (cfg.vocab_size, cfg.max_seq_len, cfg.dtype, cfg.tie_embeddings) == (49152, 2048, "bfloat16", True)
+    # Parameter count of the 1.5B model, built abstractly (no memory).
+    abstract = nnx.eval_shape(lambda: TransformerLM(PRESETS["1.5b"], rngs=nnx.Rngs(0)))
+    count = sum(p.size for p in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert 1.5e9 < count < 1.6e9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRESETS["tiny"].d_model = 1
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(ffn="gelu"), "ffn must be one of"),
+        (dict(n_kv_heads=3), "multiple of n_kv_heads"),
+        (dict(head_dim=7), "head_dim must be even"),
+        (dict(d_model=0), "d_model must be a positive int"),
+        (dict(dtype="float33"), "dtype must name a dtype"),
+    ],
+)
+def test_config_validation(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(TINY, **overrides)
+
+
+def test_logical_axes_and_shardings():
+    cfg = dataclasses.replace(TINY, tie_embeddings=False)
+    model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    P = jax.sharding.PartitionSpec
+    assert specs["embed"].get_value() == P("vocab", "embed")
+    assert specs["lm_head"].get_value() == P("embed", "vocab")
+    layer = specs["layers"][0]
+    assert layer["attn"]["wq"].get_value() == P("embed", "heads", "kv")
+    assert layer["attn"]["wk"].get_value() == P("embed", "kv_heads", "kv")
+    assert layer["attn"]["wo"].get_value() == P("heads", "kv", "embed")
+    assert layer["ffn"]["w_down"].get_value() == P("mlp", "embed")
+    assert layer["attn_norm"]["scale"].get_value() == P("norm")
+
+    mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    shardings = param_shardings(model, mesh)
+    assert shardings["layers"][0]["ffn"]["w_up"].get_value().spec == P("fsdp", "tensor")
+    assert shardings["embed"].get_value().spec == P("tensor", "fsdp")
+    assert shardings["final_norm"]["scale"].get_value().spec == P(None)
+    assert dict(LOGICAL_AXIS_RULES)["batch"] == ("data", "fsdp")
+    # Parameters placed by those shardings, FFN ops per shard: same outputs.
+    tokens = tokens_for(cfg)
+    want, _ = forward(model, tokens)
+    sharded_cfg = dataclasses.replace(cfg, ffn_sharding=FFNSharding(("data", "fsdp"), "tensor", mesh))
+    sharded = TransformerLM(sharded_cfg, rngs=nnx.Rngs(0))
+    nnx.update(sharded, jax.device_put(nnx.state(model, nnx.Param), shardings))
+    logits, stats = forward(sharded, jax.device_put(tokens, NamedSharding(mesh, P(("data", "fsdp")))))
+    assert_close(logits, want, LOGITS_TOL, "sharded logits")
+    assert stats.neuron_fired.shape == (cfg.n_layers, cfg.d_ff)
+
+
+def test_model_config_kv_heads_default():
+    assert TINY.kv_heads == TINY.n_heads
+    assert ModelConfig(16, 8, 1, 4, 2, 8, 16, n_kv_heads=2).kv_heads == 2
