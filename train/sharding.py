@@ -1,0 +1,102 @@
+"""Device mesh over (data, fsdp, tensor), parameter shardings from logical axes, multi-host start.
+
+The same code runs on one CPU, one GPU, many GPUs and many hosts: the mesh is built from
+all global devices, parameters are placed by mapping the model's logical axis names
+(`embed`, `mlp`, `heads`, ...) through `jax_twell.models.LOGICAL_AXIS_RULES` (see
+`jax_twell.models.param_shardings`), and batches
+are split over (data, fsdp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_twell.models import LOGICAL_AXIS_RULES
+from jax_twell.train.config import MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def maybe_initialize_distributed() -> bool:
+    """Starts `jax.distributed` when the environment describes a multi-process job.
+
+    Recognised: JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID),
+    SLURM with more than one task, Open MPI with more than one rank. Returns whether it
+    initialised. Must run before anything touches a jax device.
+    """
+    env = os.environ
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize(
+            coordinator_address=env["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(env["JAX_NUM_PROCESSES"]) if "JAX_NUM_PROCESSES" in env else None,
+            process_id=int(env["JAX_PROCESS_ID"]) if "JAX_PROCESS_ID" in env else None,
+        )
+        return True
+    if int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        jax.distributed.initialize()
+        return True
+    return False
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over `devices` (default: all global devices).
+
+    One axis may be -1 to take the remaining devices. Raises ValueError when the shape
+    does not match the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = [cfg.data, cfg.fsdp, cfg.tensor]
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh: at most one axis may be -1, got {dict(zip(MESH_AXES, shape))}")
+    known = int(np.prod([s for s in shape if s != -1]))
+    if -1 in shape:
+        if len(devices) % known:
+            raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} does not divide {len(devices)} devices")
+        shape[shape.index(-1)] = len(devices) // known
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, have {len(devices)}")
+    if len(devices) == len(jax.devices()):
+        return jax.make_mesh(tuple(shape), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh):
+    """Makes `mesh` current and maps the model's logical axis names onto it.
+
+    Trace (first call of) every jitted model function inside this context.
+    """
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(LOGICAL_AXIS_RULES):
+        yield
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Sharding of a [..., batch, seq] token array: batch over (data, fsdp), the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * (ndim - 2)), BATCH_AXES, None))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def put_batch(batch: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """Places this process's rows of a global batch ([..., B_local, T] int32) on the mesh."""
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+    return jax.make_array_from_process_local_data(sharding, batch)
+
+
+def process_rows(global_batch: int) -> slice:
+    """The rows of a global batch this process loads (batch split evenly over processes)."""
+    per_process, rem = divmod(global_batch, jax.process_count())
+    if rem:
+        raise ValueError(f"batch_size {global_batch} is not divisible by {jax.process_count()} processes")
+    start = jax.process_index() * per_process
+    return slice(start, start + per_process)

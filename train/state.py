@@ -1,0 +1,125 @@
+"""Training state and its sharded initialisation.
+
+The state is a plain pytree (`TrainState`) of the model's parameters as a pure dict, the
+optimizer state, the step counter and the dead-neuron counters. Parameters are created
+directly in their shards (jit with out_shardings), so no device ever holds a full copy
+of a sharded weight. Optimizer moments take the sharding of the parameter they mirror.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_twell.models import ModelConfig, TransformerLM, param_shardings
+from jax_twell.train import sharding
+from jax_twell.train.dead_neurons import gate_weight_name
+
+
+class TrainState(NamedTuple):
+    """step: [] int32; params: pure dict of the model's nnx.Param values; opt_state: optax
+    state; since_fired: [L, f] int32, steps since each FFN neuron last fired."""
+
+    step: jax.Array
+    params: dict
+    opt_state: Any
+    since_fired: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSetup:
+    """Everything needed to build, shard and rebuild a model on a mesh.
+
+    graphdef: the model's structure; rest: its non-parameter state (pure dict, replicated);
+    state_shardings / abstract_state: `TrainState` trees of NamedSharding / sharded
+    ShapeDtypeStruct (the restore target for checkpoints); init: () -> TrainState, jitted.
+    """
+
+    mesh: Mesh
+    graphdef: Any
+    rest: dict
+    state_shardings: TrainState
+    abstract_state: TrainState
+    init: Any
+    num_params: int
+    num_layers: int
+    d_ff: int
+
+    def bind(self, params: dict) -> TransformerLM:
+        """The model with `params` (inside jit: a traced, differentiable view)."""
+        return nnx.merge(self.graphdef, params, self.rest)
+
+
+def _split_model(model_cfg: ModelConfig, seed: int):
+    return nnx.split(TransformerLM(model_cfg, rngs=nnx.Rngs(seed)), nnx.Param, ...)
+
+
+def _opt_state_shardings(abstract_opt_state, params_shardings: dict, params_abstract: dict, mesh: Mesh):
+    # Optimizer moments are params-shaped subtrees: a leaf whose key path ends with a
+    # parameter's key path (and has its shape) takes that parameter's sharding.
+    by_path = {
+        jax.tree_util.keystr(path): (leaf.shape, shard)
+        for (path, leaf), shard in zip(
+            jax.tree_util.tree_flatten_with_path(params_abstract)[0], jax.tree.leaves(params_shardings)
+        )
+    }
+
+    def pick(path, leaf):
+        for start in range(len(path)):
+            match = by_path.get(jax.tree_util.keystr(path[start:]))
+            if match is not None and match[0] == leaf.shape:
+                return match[1]
+        return sharding.replicated(mesh)
+
+    return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
+
+
+def setup_model(model_cfg: ModelConfig, seed: int, tx: optax.GradientTransformation, mesh: Mesh) -> ModelSetup:
+    """Traces the model abstractly and prepares its sharded initialisation on `mesh`.
+
+    Call the returned `init` (and any step built on it) inside `sharding.mesh_context(mesh)`.
+    """
+    with sharding.mesh_context(mesh):
+        abstract_model = nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(seed)))
+        graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
+        params_shardings = param_shardings(abstract_model, mesh).to_pure_dict()
+        abs_params = abs_params.to_pure_dict()
+        num_layers = len(abs_params["layers"])
+        first = min(abs_params["layers"], key=int)
+        gate_name = gate_weight_name(abs_params["layers"][first]["ffn"])
+        d_ff = abs_params["layers"][first]["ffn"][gate_name].shape[1]
+        # The dead-neuron counters [L, f] follow the gate's sharding of f.
+        gate_spec = params_shardings["layers"][first]["ffn"][gate_name].spec
+        fired_sharding = NamedSharding(mesh, PartitionSpec(None, gate_spec[1] if len(gate_spec) > 1 else None))
+
+        def init_state() -> TrainState:
+            _, params, _ = _split_model(model_cfg, seed)
+            params = params.to_pure_dict()
+            return TrainState(jnp.int32(0), params, tx.init(params), jnp.zeros((num_layers, d_ff), jnp.int32))
+
+        abstract = jax.eval_shape(init_state)
+        shardings = TrainState(
+            sharding.replicated(mesh),
+            params_shardings,
+            _opt_state_shardings(abstract.opt_state, params_shardings, abs_params, mesh),
+            fired_sharding,
+        )
+        abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+        rest = jax.jit(lambda: _split_model(model_cfg, seed)[2].to_pure_dict(), out_shardings=sharding.replicated(mesh))()
+    return ModelSetup(
+        mesh=mesh,
+        graphdef=graphdef,
+        rest=rest,
+        state_shardings=shardings,
+        abstract_state=abstract,
+        init=jax.jit(init_state, out_shardings=shardings),
+        num_params=sum(int(x.size) for x in jax.tree.leaves(abs_params)),
+        num_layers=num_layers,
+        d_ff=d_ff,
+    )

@@ -1,0 +1,238 @@
+"""The training loop: data -> sharded step -> metrics, evaluation and checkpoints.
+
+`train(cfg)` runs a whole job in `cfg.workdir`:
+
+    config.json       the exact configuration (read back by --resume, eval, generate)
+    tokenizer.json    the BPE tokenizer, when data.tokenizer=bpe
+    metrics.jsonl     one "train" record every log_every steps, one "eval" record per evaluation
+    checkpoints/      orbax checkpoints every checkpoint_every steps, at the end, and on SIGTERM
+
+Resuming (`resume=True`) restores the newest checkpoint; since the batch of step k is a
+pure function of (seed, k) and the only randomness (gate re-initialisation) is keyed the
+same way, the resumed run follows the uninterrupted one step for step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from jax_twell.train import config as config_lib
+from jax_twell.train import data, metrics, sharding
+from jax_twell.train.checkpoint import CHECKPOINT_DIR, Checkpointer
+from jax_twell.train.evaluate import evaluate
+from jax_twell.train.optimizer import learning_rate_schedule, make_optimizer
+from jax_twell.train.state import setup_model
+from jax_twell.train.step import make_eval_step, make_train_step
+from jax_twell.train.tokenizer import BPE_FILE
+
+CONFIG_FILE = "config.json"
+
+
+class RunExistsError(RuntimeError):
+    """The work directory already holds checkpoints of another run."""
+
+
+def seq_len_of(cfg: config_lib.TrainConfig) -> int:
+    """Training sequence length: cfg.seq_len, or the model's context when 0."""
+    return cfg.seq_len or cfg.model.max_seq_len
+
+
+class _StopRequest:
+    """Turns SIGTERM / SIGINT into a request to checkpoint and stop after the current step."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+        # A second Ctrl-C falls through to the default behaviour.
+        signal.signal(signal.SIGINT, self._previous[signal.SIGINT])
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _check_batch(cfg: config_lib.TrainConfig, mesh) -> None:
+    if cfg.batch_size % cfg.grad_accum:
+        raise ValueError(f"batch_size={cfg.batch_size} is not divisible by grad_accum={cfg.grad_accum}")
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (cfg.batch_size // cfg.grad_accum) % shards:
+        raise ValueError(
+            f"micro-batch {cfg.batch_size // cfg.grad_accum} is not divisible by the {shards} data-parallel shards"
+        )
+
+
+def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
+    """Runs (or resumes) the training job `cfg`; returns the last train and eval records.
+
+    Raises RunExistsError when `cfg.workdir` holds checkpoints and `resume` is False.
+    """
+    console = console or Console()
+    lead = jax.process_index() == 0
+    workdir = Path(cfg.workdir)
+    checkpointer = Checkpointer(workdir, cfg.keep_checkpoints)
+    restored_step = checkpointer.latest_step()
+    if restored_step is not None and not resume:
+        checkpointer.close()
+        raise RunExistsError(
+            f"{workdir} already holds checkpoints (step {restored_step}); resume with --resume, "
+            "or choose another workdir=..."
+        )
+    if lead:
+        workdir.mkdir(parents=True, exist_ok=True)
+        config_lib.save(cfg, workdir / CONFIG_FILE)
+
+    seq_len = seq_len_of(cfg)
+    corpus = data.load_corpus(cfg.data, workdir, cfg.model.vocab_size, save_tokenizer=lead)
+    mesh = sharding.make_mesh(cfg.mesh)
+    _check_batch(cfg, mesh)
+    tx = make_optimizer(cfg.optim, cfg.steps)
+    schedule = learning_rate_schedule(cfg.optim, cfg.steps)
+    rows = sharding.process_rows(cfg.batch_size)
+    micro = cfg.batch_size // cfg.grad_accum
+    batch_sharding = sharding.batch_sharding(mesh, 3)
+
+    with sharding.mesh_context(mesh):
+        setup = setup_model(cfg.model, cfg.seed, tx, mesh)
+        if restored_step is not None:
+            state = checkpointer.restore(setup.abstract_state)
+        else:
+            state = setup.init()
+        train_step = make_train_step(cfg, setup, tx, schedule)
+        eval_step = make_eval_step(setup)
+        log = metrics.MetricsLog(workdir, resume_step=restored_step) if lead else None
+        flops_token = metrics.flops_per_token(setup.num_params, setup.num_layers, cfg.model.d_model, seq_len)
+        peak = metrics.peak_flops_per_device(jax.devices()[0], cfg.peak_tflops)
+        start = int(state.step)
+        if lead:
+            console.print(
+                f"[bold]jax-twell train[/] preset={cfg.preset} params={setup.num_params:,} "
+                f"devices={jax.device_count()} mesh={dict(mesh.shape)} data: {corpus.description}"
+                + (f" | resumed at step {start}" if restored_step is not None else ""),
+                soft_wrap=True,
+            )
+
+        def run_eval(step: int) -> dict:
+            result = evaluate(
+                eval_step, state.params, corpus, num_batches=cfg.eval_batches,
+                batch_size=micro, seq_len=seq_len, mesh=mesh,
+            )
+            record = {"kind": "eval", "step": step, **result}
+            if lead:
+                log.write(record)
+                progress.console.print(metrics.format_eval_record(record), soft_wrap=True)
+            return record
+
+        last = {"train": None, "eval": None}
+        progress = Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=console,
+            disable=not lead,
+        )
+        with _StopRequest() as stop, progress:
+            task = progress.add_task("training", total=cfg.steps, completed=start, status="compiling...")
+            timer_step, timer = start, time.perf_counter()
+            for step in range(start, cfg.steps):
+                batch = data.batch_at(
+                    corpus.train, step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=seq_len, rows=rows
+                )
+                batch = batch.reshape(cfg.grad_accum, -1, seq_len + 1)
+                state, step_metrics = train_step(state, sharding.put_batch(batch, batch_sharding))
+                done = step + 1
+                if step == start:
+                    # Throughput excludes the first step, which includes compilation.
+                    jax.block_until_ready(state.step)
+                    timer_step, timer = done, time.perf_counter()
+                if done % cfg.log_every == 0 or done == cfg.steps:
+                    values = jax.device_get(step_metrics)
+                    now = time.perf_counter()
+                    steps_timed = done - timer_step
+                    tokens_per_s = steps_timed * cfg.batch_size * seq_len / (now - timer) if steps_timed else 0.0
+                    timer_step, timer = done, now
+                    record = _train_record(done, values, tokens_per_s, setup.d_ff)
+                    record["mfu"] = metrics.mfu(tokens_per_s, flops_token, peak, jax.device_count())
+                    last["train"] = record
+                    if lead:
+                        log.write(record)
+                        progress.console.print(metrics.format_train_record(record), soft_wrap=True)
+                        progress.update(task, status=f"loss {record['loss']:.3f} nnz {record['nnz_mean_avg']:.1f}")
+                if done % cfg.eval_every == 0 or done == cfg.steps:
+                    last["eval"] = run_eval(done)
+                    timer_step, timer = done, time.perf_counter()  # keep evaluation out of tokens/s
+                if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop.signal is not None:
+                    checkpointer.save(done, state)
+                progress.update(task, completed=done)
+                if stop.signal is not None:
+                    if lead:
+                        progress.console.print(f"stopping on signal {stop.signal}: checkpoint saved at step {done}")
+                    break
+        checkpointer.wait()
+        checkpointer.close()
+    return last
+
+
+def _train_record(step: int, values: dict, tokens_per_s: float, d_ff: int) -> dict:
+    nnz_mean = np.asarray(values["nnz_mean"], np.float64)
+    record = {"kind": "train", "step": step, "time": time.time(), "tokens_per_s": tokens_per_s}
+    for key, value in values.items():
+        value = np.asarray(value)
+        record[key] = value.item() if value.ndim == 0 else value.tolist()
+    record["nnz_mean_avg"] = float(nnz_mean.mean())
+    record["active_fraction"] = float(nnz_mean.mean() / d_ff)
+    record["dead_fraction_avg"] = float(np.mean(values["dead_fraction"]))
+    return record
+
+
+def clear_run(workdir: str | Path) -> None:
+    """Deletes what `train` writes in `workdir` (and nothing else)."""
+    workdir = Path(workdir)
+    for name in (CONFIG_FILE, metrics.METRICS_FILE, BPE_FILE):
+        (workdir / name).unlink(missing_ok=True)
+    for name in (CHECKPOINT_DIR, metrics.PLOTS_DIR):
+        shutil.rmtree(workdir / name, ignore_errors=True)
+
+
+def restore_run(cfg: config_lib.TrainConfig, step: int | None = None):
+    """(ModelSetup, TrainState) of checkpoint `step` (default newest) of the run `cfg`.
+
+    Use the returned state inside `sharding.mesh_context(setup.mesh)`.
+    """
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.mesh_context(mesh):
+        setup = setup_model(cfg.model, cfg.seed, make_optimizer(cfg.optim, cfg.steps), mesh)
+        checkpointer = Checkpointer(cfg.workdir, cfg.keep_checkpoints, read_only=True)
+        try:
+            state = checkpointer.restore(setup.abstract_state, step)
+        finally:
+            checkpointer.close()
+    return setup, state
+
+
+def load_run_config(workdir: str | Path, overrides: list[str] = ()) -> config_lib.TrainConfig:
+    """The config saved in `workdir` with `overrides` applied (workdir itself kept)."""
+    path = Path(workdir) / CONFIG_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {workdir} a jax-twell training run?")
+    cfg = config_lib.apply_overrides(config_lib.load(path), list(overrides))
+    return dataclasses.replace(cfg, workdir=str(workdir))
