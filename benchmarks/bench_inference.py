@@ -15,6 +15,7 @@ Variants timed per configuration:
 - dense: jax_twell.ops.xla.ffn (gate, up, down matmuls through XLA);
 - sparse: jax_twell.ops.cuda.sparse_ffn forced sparse (gate matmul, pack kernel, fused
   up+down kernel; the up weight transposed inside the call);
+- pret: as sparse, with the up weight given pre-transposed ([f, d], as a model can store it);
 - auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get).
 
 Usage: python benchmarks/bench_inference.py [--quick] [--out results.json]
@@ -91,7 +92,10 @@ def main():
     dense_op = lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd)
     sparse_op = lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE)
     auto_op = lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd)
-    ops = dict(dense=dense_op, sparse=sparse_op, auto=auto_op)
+    pret_op = lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+        x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, w_up_t=wut
+    )
+    ops = dict(dense=dense_op, sparse=sparse_op, pret=pret_op, auto=auto_op)
 
     rows = []
     for m, d, f, density, pattern in grid(args.quick):
@@ -106,12 +110,14 @@ def main():
             overflowed_tiles=int((counts > act.capacity).sum()),
         )
         clock = "loop" if m <= 64 else "call"
+        w_up_t = inp.w_up.T.copy()
         for name, op in ops.items():
-            row[f"{name}_call_ms"] = 1e3 * time_calls(jax.jit(op), tuple(inp))
+            operands = tuple(inp) + ((w_up_t,) if name == "pret" else ())
+            row[f"{name}_call_ms"] = 1e3 * time_calls(jax.jit(op), operands)
             if m <= 64:
                 iters = 50
-                row[f"{name}_loop_ms"] = 1e3 * time_calls(looped(op, iters), tuple(inp)) / iters
-        for name in ("sparse", "auto"):
+                row[f"{name}_loop_ms"] = 1e3 * time_calls(looped(op, iters), operands) / iters
+        for name in ("sparse", "pret", "auto"):
             row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
         row["clock"] = clock
         if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632:
@@ -152,7 +158,7 @@ def main():
     out.write_text(json.dumps(result, indent=1))
 
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}")
-    print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'auto ms':>8} {'auto r':>6}")
+    print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'pret r':>6} {'auto ms':>8} {'auto r':>6}")
     for r in rows:
         c = r["clock"]
         print(

@@ -25,7 +25,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "common.h"
 
@@ -284,11 +286,251 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 }
 
+
+// ---------------------------------------------------------------------------------------
+// Throughput variant for many rows (2-byte types, d <= 4096): one warp per row, four
+// independent warps per CTA, a persistent grid striding over rows. No CTA barriers: a
+// warp streams its row's entries in batches of kBatch through a per-warp list in shared
+// memory, runs the up dots (four entries in flight) and accumulates the whole y row in
+// registers (kNC 16-byte vectors per lane), so each Wd row is one coalesced d-wide read.
+// Overflowed tiles are recomputed by the warp (lanes over the tile's columns, rows of the
+// [d, f] weights read coalesced) and their non-zero h join the list as final values.
+constexpr int kBatch = 256;
+// Independent warps per CTA: few, so that at ~150 registers three CTAs still fit an SM.
+constexpr int kRowWarps = 4;
+// Below this many rows the CTA-per-row kernel above keeps more SMs busy.
+constexpr int64_t kRowWarpMinRows = 1024;
+
+template <typename E, bool kGated, int kNC>
+__global__ void __launch_bounds__(kRowWarps * 32, 1)
+    TwellFfnRowWarpKernel(const typename E::Bits* __restrict__ x,
+                          const typename E::Bits* __restrict__ values,
+                          const int16_t* __restrict__ cols, const int32_t* __restrict__ counts,
+                          const typename E::Bits* __restrict__ w_act,
+                          const typename E::Bits* __restrict__ w_up,
+                          const typename E::Bits* __restrict__ w_up_t,
+                          const typename E::Bits* __restrict__ w_down,
+                          typename E::Bits* __restrict__ y, Shapes s) {
+  using Bits = typename E::Bits;
+  constexpr int V = Vec<E>::V;
+  constexpr int kChunk = 32 * V;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int d = s.d;
+  const int x_bytes = (d * static_cast<int>(sizeof(Bits)) + 15) / 16 * 16;
+  uint8_t* mine = smem_raw + warp * (x_bytes + kBatch * 8);
+  Bits* x_s = reinterpret_cast<Bits*>(mine);
+  float* list_h = reinterpret_cast<float*>(mine + x_bytes);
+  int* list_j = reinterpret_cast<int*>(mine + x_bytes + kBatch * 4);  // < 0: -(j+1), h final
+
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowWarps;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowWarps + warp; row < s.rows; row += stride) {
+    __syncwarp();
+    for (int c = lane * V; c < d; c += kChunk)
+      *reinterpret_cast<uint4*>(x_s + c) = *reinterpret_cast<const uint4*>(x + row * d + c);
+    __syncwarp();
+    float acc[kNC][V];
+#pragma unroll
+    for (int q = 0; q < kNC; ++q)
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[q][v] = 0.f;
+
+    // Runs the up dots for the batch and folds it into acc.
+    auto process = [&](int n) {
+      __syncwarp();
+      if constexpr (kGated) {
+        for (int e0 = 0; e0 < n; e0 += kEntriesPerStep) {
+          float dot[kEntriesPerStep];
+          const Bits* rows_t[kEntriesPerStep];
+#pragma unroll
+          for (int i = 0; i < kEntriesPerStep; ++i) {
+            dot[i] = 0.f;
+            const int j = list_j[min(e0 + i, n - 1)];
+            rows_t[i] = w_up_t + static_cast<int64_t>(j < 0 ? 0 : j) * d;
+          }
+#pragma unroll
+          for (int q = 0; q < kNC; ++q) {
+            const int c = q * kChunk + lane * V;
+            if (c < d) {
+              Vec<E> xv;
+              xv.Unpack(*reinterpret_cast<const uint4*>(x_s + c));
+              uint4 raw[kEntriesPerStep];
+#pragma unroll
+              for (int i = 0; i < kEntriesPerStep; ++i) raw[i] = LoadStreaming(rows_t[i] + c);
+#pragma unroll
+              for (int i = 0; i < kEntriesPerStep; ++i) {
+                Vec<E> wv;
+                wv.Unpack(raw[i]);
+#pragma unroll
+                for (int v = 0; v < V; ++v) dot[i] = fmaf(xv.v[v], wv.v[v], dot[i]);
+              }
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < kEntriesPerStep; ++i) dot[i] = WarpSum(dot[i]);
+          float u = dot[0];
+#pragma unroll
+          for (int i = 1; i < kEntriesPerStep; ++i)
+            if (lane == i) u = dot[i];
+          const int e = e0 + lane;
+          if (lane < kEntriesPerStep && e < n && list_j[e] >= 0)
+            list_h[e] = Round<E>(list_h[e] * Round<E>(u));
+        }
+        __syncwarp();
+      }
+#pragma unroll 2
+      for (int e = 0; e < n; ++e) {
+        const float h = list_h[e];
+        int j = list_j[e];
+        j = j < 0 ? -j - 1 : j;
+        const Bits* wd_row = w_down + static_cast<int64_t>(j) * d;
+#pragma unroll
+        for (int q = 0; q < kNC; ++q) {
+          const int c = q * kChunk + lane * V;
+          if (c < d) {
+            Vec<E> wv;
+            wv.Unpack(LoadStreaming(wd_row + c));
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[q][v] = fmaf(h, wv.v[v], acc[q][v]);
+          }
+        }
+      }
+      __syncwarp();
+    };
+
+    int n_list = 0;
+    const int64_t slot0 = row * s.n_tiles;
+    for (int k0 = 0; k0 < s.n_tiles; k0 += 32) {
+      const int k = k0 + lane;
+      const int count = k < s.n_tiles ? counts[slot0 + k] : 0;
+      const bool over = count > s.capacity;
+      const int stored = over ? 0 : count;
+      int inclusive = stored;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int other = __shfl_up_sync(kFullMask, inclusive, o);
+        if (lane >= o) inclusive += other;
+      }
+      const int exclusive = inclusive - stored;
+      const int total = __shfl_sync(kFullMask, inclusive, 31);
+      const int64_t src = (slot0 + k) * s.capacity;
+      for (int w0 = 0; w0 < total; w0 += kBatch) {
+        const int take = min(total - w0, kBatch);
+        if (n_list + take > kBatch) {
+          process(n_list);
+          n_list = 0;
+        }
+        const int lo = max(exclusive, w0), hi = min(exclusive + stored, w0 + kBatch);
+        for (int p = lo; p < hi; ++p) {
+          const int e = p - exclusive;
+          list_j[n_list + p - w0] = k * s.tile + cols[src + e];
+          list_h[n_list + p - w0] = E::ToFloat(values[src + e]);
+        }
+        n_list += take;
+      }
+      // Overflowed tiles of this group, one at a time (warp-uniform loop).
+      unsigned over_mask = __ballot_sync(kFullMask, over);
+      while (over_mask) {
+        const int ko = k0 + __ffs(over_mask) - 1;
+        over_mask &= over_mask - 1;
+        const int col0 = ko * s.tile;
+        const int width = min(s.tile, s.f - col0);
+        for (int cb = 0; cb < width; cb += 32 * 8) {
+          float pre[8], up[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) pre[i] = up[i] = 0.f;
+          const int c0 = cb + lane * 8;
+          for (int i = 0; i < d; ++i) {
+            const float xi = E::ToFloat(x_s[i]);
+            const int64_t base = static_cast<int64_t>(i) * s.f + col0 + c0;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+              if (c0 + t < width) {
+                pre[t] = fmaf(xi, E::ToFloat(w_act[base + t]), pre[t]);
+                if constexpr (kGated) up[t] = fmaf(xi, E::ToFloat(w_up[base + t]), up[t]);
+              }
+            }
+          }
+#pragma unroll
+          for (int t = 0; t < 8; ++t) {
+            const float g = Round<E>(fmaxf(pre[t], 0.f));
+            const float h = kGated ? Round<E>(g * Round<E>(up[t])) : g;
+            const bool nz = c0 + t < width && h != 0.f;
+            const unsigned nz_mask = __ballot_sync(kFullMask, nz);
+            if (nz_mask == 0) continue;
+            if (n_list + __popc(nz_mask) > kBatch) {
+              process(n_list);
+              n_list = 0;
+            }
+            if (nz) {
+              const int p = n_list + __popc(nz_mask & ((1u << lane) - 1));
+              list_j[p] = -(col0 + c0 + t) - 1;
+              list_h[p] = h;
+            }
+            n_list += __popc(nz_mask);
+          }
+        }
+      }
+    }
+    if (n_list > 0) process(n_list);
+
+    Bits* y_row = y + row * d;
+#pragma unroll
+    for (int q = 0; q < kNC; ++q) {
+      const int c = q * kChunk + lane * V;
+      if (c < d) {
+        uint4 out;
+        Bits* o = reinterpret_cast<Bits*>(&out);
+#pragma unroll
+        for (int v = 0; v < V; ++v) o[v] = E::FromFloat(acc[q][v]);
+        *reinterpret_cast<uint4*>(y_row + c) = out;
+      }
+    }
+  }
+}
+
+template <typename E, bool kGated, int kNC>
+ffi::Error LaunchRowWarp(cudaStream_t stream, const Shapes& s, const void* x, const void* values,
+                         const int16_t* cols, const int32_t* counts, const void* w_act,
+                         const void* w_up, const void* w_up_t, const void* w_down, void* y) {
+  using Bits = typename E::Bits;
+  auto kernel = TwellFfnRowWarpKernel<E, kGated, kNC>;
+  const int x_bytes = (s.d * static_cast<int>(sizeof(Bits)) + 15) / 16 * 16;
+  const int smem = kRowWarps * (x_bytes + kBatch * 8);
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowWarps * 32, smem);
+  const int64_t wanted = CeilDiv(s.rows, kRowWarps);
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(wanted, static_cast<int64_t>(sms) * std::max(per_sm, 1)));
+  kernel<<<static_cast<unsigned>(blocks), kRowWarps * 32, smem, stream>>>(
+      static_cast<const Bits*>(x), static_cast<const Bits*>(values), cols, counts,
+      static_cast<const Bits*>(w_act), static_cast<const Bits*>(w_up),
+      static_cast<const Bits*>(w_up_t), static_cast<const Bits*>(w_down), static_cast<Bits*>(y), s);
+  return LaunchStatus("twell_ffn (row-warp)");
+}
+
 template <typename E, bool kGated>
 ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const void* values,
                   const int16_t* cols, const int32_t* counts, const void* w_act,
                   const void* w_up, const void* w_up_t, const void* w_down, void* y) {
   using Bits = typename E::Bits;
+  // Many rows: the warp-per-row kernel (2-byte types, d <= 4096). Few rows: a CTA per row,
+  // so a decode step still spreads its work over the SMs.
+  if constexpr (sizeof(Bits) == 2) {
+    if (s.rows >= kRowWarpMinRows && s.d <= 16 * 32 * 8) {
+      const int nc = static_cast<int>(CeilDiv(s.d, 32 * 8));
+#define JAX_TWELL_ROW_WARP(NC) \
+  return LaunchRowWarp<E, kGated, NC>(stream, s, x, values, cols, counts, w_act, w_up, w_up_t, w_down, y)
+      if (nc <= 2) JAX_TWELL_ROW_WARP(2);
+      if (nc <= 4) JAX_TWELL_ROW_WARP(4);
+      if (nc <= 8) JAX_TWELL_ROW_WARP(8);
+      JAX_TWELL_ROW_WARP(16);
+#undef JAX_TWELL_ROW_WARP
+    }
+  }
   const Smem layout(s, sizeof(Bits));
   auto kernel = TwellFfnKernel<E, kGated>;
   int device = 0, max_smem = 0;

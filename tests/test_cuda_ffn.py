@@ -33,7 +33,8 @@ def test_fused_ffn_matches_reference(spec, dtype, gated):
     for tile, capacity in [(256, 32), (64, 4)]:
         fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=tile, capacity=capacity, crossover=ALWAYS_SPARSE))
         y = fn(inp.x, w_gate, w_up, inp.w_down)
-        want = reference.ffn(inp.x, w_gate, w_up, inp.w_down, tile=tile, capacity=capacity)
+        with jax.default_matmul_precision("highest"):  # no TF32 in the f32 reference
+            want = reference.ffn(inp.x, w_gate, w_up, inp.w_down, tile=tile, capacity=capacity)
         assert y.dtype == dtype and y.shape == (spec.m, spec.d)
         assert_close(y, want, _tol(dtype, spec.f), f"{spec} tile={tile} cap={capacity}")
 
@@ -58,6 +59,22 @@ def test_fused_ffn_adversarial_rows():
                 assert_close(y, want, _tol(jnp.bfloat16, f), f"m={m} gated={gated} tile={tile} cap={capacity}")
                 if m > 2:
                     assert bool(act.overflowed[1].all()) and int(act.counts[0].sum()) == 0
+
+
+@pytest.mark.parametrize("d", [2048, 4096, 1000])
+def test_fused_ffn_many_rows_with_overflow(d):
+    """Enough rows for the warp-per-row kernel, with tiles past capacity and empty rows."""
+    m, f = 1500, 1300
+    inp = synthetic_ffn_inputs(jax.random.key(d), m, d, f, density=0.03, pattern="heavy", dtype=jnp.bfloat16)
+    x = inp.x.at[:7, 0].set(-50.0).at[7:20, 0].set(50.0)  # dense rows (every tile over), empty rows
+    g = relu_matmul(x, inp.w_gate)
+    for gated in (True, False):
+        w_up = inp.w_up if gated else None
+        act = pack_twell_reference(g, tile=128, capacity=8)
+        assert bool(act.overflowed.any())
+        y = cuda.twell_ffn(x, act, inp.w_gate, w_up, inp.w_down)
+        want = reference.twell_ffn(x, act, inp.w_gate, w_up, inp.w_down)
+        assert_close(y, want, _tol(jnp.bfloat16, f), f"d={d} gated={gated}")
 
 
 def test_fused_ffn_poisoned_output_fully_written_and_deterministic():
