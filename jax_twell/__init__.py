@@ -8,12 +8,13 @@ custom calls, with pure-JAX references that run anywhere.
 
 from jax_twell._kernels import KernelStatus, kernel_status, kernels_available
 from jax_twell.formats import Hybrid, TwELL
-from jax_twell.ops import FFNAux, gate_twell, pack_hybrid, pack_twell, sparse_ffn, sparse_ffn_train, twell_ffn
+from jax_twell.ops import FFNAux, FFNSharding, gate_twell, pack_hybrid, pack_twell, sparse_ffn, sparse_ffn_train, twell_ffn
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FFNAux",
+    "FFNSharding",
     "Hybrid",
     "KernelStatus",
     "TwELL",

@@ -20,7 +20,8 @@ import jax
 from jax_twell import _kernels
 from jax_twell.formats import Hybrid, TwELL, pack_hybrid_reference, pack_twell_reference, relu_matmul
 from jax_twell.ops import cuda, reference, xla
-from jax_twell.ops.common import IMPLEMENTATIONS, FFNAux, check_activation, check_ffn_args
+from jax_twell.ops.sharded import FFNSharding, shard_ffn, shard_ffn_train
+from jax_twell.ops.common import IMPLEMENTATIONS, FFNAux, check_activation, check_ffn_args, make_aux
 
 __all__ = [
     "pack_twell",
@@ -189,6 +190,7 @@ def sparse_ffn(
     tile: int = DEFAULT_TILE,
     capacity: int = DEFAULT_CAPACITY,
     implementation: str | None = None,
+    sharding: FFNSharding | None = None,
 ) -> jax.Array:
     """Inference FFN with a ReLU gate, computed on the sparse activation.
 
@@ -202,6 +204,8 @@ def sparse_ffn(
       implementation: "reference" (TwELL in pure JAX), "xla" (dense), "cuda" (XLA gate
         matmul, TwELL pack kernel, fused up+down kernel) or None ("cuda" where the
         kernels are available, else "xla").
+      sharding: run per shard of a device mesh (data and/or tensor parallel; see
+        :class:`jax_twell.FFNSharding`); use it whenever the operands are sharded.
     Returns:
       y: ``[..., d]`` dtype of x.
 
@@ -221,6 +225,8 @@ def sparse_ffn(
         del kernels["cuda"]  # shapes the kernel does not take run dense
     fn = _choose("sparse_ffn", implementation, kernels, "xla")
     x2, lead = _flatten_tokens(x)
+    if sharding is not None:
+        return shard_ffn(fn, sharding, x2, w_gate, w_up, w_down).reshape(*lead, x.shape[-1])
     return fn(x2, w_gate, w_up, w_down).reshape(*lead, x.shape[-1])
 
 
@@ -233,6 +239,7 @@ def sparse_ffn_train(
     width: int = DEFAULT_WIDTH,
     backup_capacity: int | None = None,
     implementation: str | None = None,
+    sharding: FFNSharding | None = None,
 ) -> tuple[jax.Array, FFNAux]:
     """Training FFN: output, L1 term and sparsity statistics, differentiable.
 
@@ -251,6 +258,8 @@ def sparse_ffn_train(
       implementation: "reference" (hybrid format, sparse custom_vjp backward in pure JAX),
         "xla" (dense, JAX autodiff) or None (default "xla" until the training kernels
         are available).
+      sharding: run per shard of a device mesh (see :class:`jax_twell.FFNSharding`);
+        statistics are combined exactly across shards.
     Returns:
       ``(y [..., d], FFNAux)``.
     """
@@ -261,9 +270,13 @@ def sparse_ffn_train(
         raise ValueError(f"backup_capacity must be a non-negative int or None, got {backup_capacity!r}")
     kernels = dict(
         reference=functools.partial(reference.ffn_with_aux, width=width, backup_capacity=backup_capacity),
-        xla=functools.partial(xla.ffn_with_aux, width=width),
+        xla=xla.ffn_with_aux,
     )
     fn = _choose("sparse_ffn_train", implementation, kernels, "xla")
     x2, lead = _flatten_tokens(x)
-    y, aux = fn(x2, w_gate, w_up, w_down)
+    if sharding is not None:
+        y, aux = shard_ffn_train(fn, sharding, width, x2, w_gate, w_up, w_down)
+    else:
+        y, l1, counts, fired = fn(x2, w_gate, w_up, w_down)
+        aux = make_aux(l1, counts, fired, width)
     return y.reshape(*lead, x.shape[-1]), aux

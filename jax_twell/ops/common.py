@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FFNAux", "check_ffn_args", "check_activation", "ffn_aux", "IMPLEMENTATIONS"]
+__all__ = ["FFNAux", "check_ffn_args", "check_activation", "hidden_stats", "make_aux", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("reference", "xla", "cuda")
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -34,16 +34,24 @@ class FFNAux(NamedTuple):
     neuron_fired: jax.Array
 
 
-def ffn_aux(h: jax.Array, active: jax.Array, width: int) -> FFNAux:
-    """Statistics from the dense ``h [M, f]`` and its pattern ``active [M, f]`` bool."""
-    counts = active.sum(axis=-1, dtype=jnp.int32)
-    m = max(h.shape[0], 1)
+def hidden_stats(h: jax.Array, active: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Local statistics of ``h [M, f]`` with pattern ``active [M, f]`` bool.
+
+    Returns ``(l1 [] f32, counts [M] int32, fired [f] bool)``: the L1 term (mean over
+    tokens of sum_f |h|), active neurons per token, neurons active for any token.
+    """
+    l1 = jnp.abs(h.astype(jnp.float32)).sum() / max(h.shape[0], 1)
+    return l1, active.sum(axis=-1, dtype=jnp.int32), active.any(axis=0)
+
+
+def make_aux(l1: jax.Array, counts: jax.Array, fired: jax.Array, width: int) -> FFNAux:
+    """FFNAux from the L1 term, per-token active counts ``[M]`` and fired neurons ``[f]``."""
     return FFNAux(
-        l1=jnp.abs(h.astype(jnp.float32)).sum() / m,
-        nnz_mean=counts.astype(jnp.float32).mean() if h.shape[0] else jnp.float32(0),
+        l1=l1,
+        nnz_mean=counts.astype(jnp.float32).mean() if counts.shape[0] else jnp.float32(0),
         nnz_max=counts.max(initial=0),
         rows_over_capacity=(counts > width).sum(dtype=jnp.int32),
-        neuron_fired=active.any(axis=0),
+        neuron_fired=fired,
     )
 
 

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from jax_twell.formats import Hybrid, TwELL, pack_hybrid_reference, relu_matmul
 from jax_twell.ops import xla
-from jax_twell.ops.common import FFNAux
 
 __all__ = ["twell_ffn", "ffn", "ffn_with_aux"]
 
@@ -122,18 +121,29 @@ def _sparse_backward(x, w_gate, w_up, w_down, act: Hybrid, u_ell, u_backup, dy, 
     return dx.astype(dt), grads_w["w_gate"], grads_w["w_up"], grads_w["w_down"]
 
 
-def _aux_from_hybrid(act: Hybrid, l1) -> FFNAux:
-    valid = _ell_valid(act)
-    fired = jnp.zeros((act.f,), bool).at[act.cols].max(valid)
-    fired = fired | (act.backup_values != 0).any(axis=0)
-    counts = act.counts
-    return FFNAux(
-        l1=l1,
-        nnz_mean=counts.astype(jnp.float32).mean() if counts.shape[0] else jnp.float32(0),
-        nnz_max=counts.max(initial=0),
-        rows_over_capacity=act.n_overflow,
-        neuron_fired=fired,
-    )
+def _fired(act: Hybrid) -> jax.Array:
+    fired = jnp.zeros((act.f,), bool).at[act.cols].max(_ell_valid(act))
+    return fired | (act.backup_values != 0).any(axis=0)
+
+
+def _sum_over_shards(grad: jax.Array | None, primal: jax.Array | None) -> jax.Array | None:
+    """Under shard_map, a cotangent of an operand replicated over mesh axes is the sum of
+    the per-shard contributions over those axes (what JAX's own transposes produce)."""
+    if grad is None:
+        return None
+    axes = tuple(sorted(_varying_axes(grad) - _varying_axes(primal)))
+    return jax.lax.psum(grad, axes) if axes else grad
+
+
+def _varying_axes(a: jax.Array) -> frozenset:
+    """Manual mesh axes over which ``a`` varies (empty outside shard_map)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "mat", None)  # jax 0.10 keeps them here, later versions in .vma
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _placeholder(like: jax.Array) -> jax.Array:
+    return jnp.where(jnp.zeros(like.shape, bool), like, jnp.zeros((), like.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -152,28 +162,30 @@ def _train_fwd(x, w_gate, w_up, w_down, width, backup_capacity):
 
     def dense(_):
         # More rows overflow than the backup holds: the dense path is exact and faster.
-        y, aux = xla.ffn_with_aux(x, w_gate, w_up, w_down, width)
-        z = jnp.zeros(act.values.shape, x.dtype)
-        zb = jnp.zeros(act.backup_values.shape, x.dtype)
-        return y, aux.l1, (z if w_gate is not None else None), (zb if w_gate is not None else None)
+        y, l1, _, _ = xla.ffn_with_aux(x, w_gate, w_up, w_down)
+        if w_gate is None:
+            return y, l1, None, None
+        # Placeholders shaped (and, under shard_map, device-varying) like the sparse
+        # branch's u; the dense backward does not read them.
+        return y, l1, _placeholder(act.values), _placeholder(act.backup_values)
 
     y, l1, u_ell, u_backup = jax.lax.cond(act.complete, sparse, dense, None)
-    aux = _aux_from_hybrid(act, l1)
-    return (y, aux), (x, w_gate, w_up, w_down, act, u_ell, u_backup)
+    return (y, l1, act.counts, _fired(act)), (x, w_gate, w_up, w_down, act, u_ell, u_backup)
 
 
 def _train_bwd(width, backup_capacity, res, cotangents):
     x, w_gate, w_up, w_down, act, u_ell, u_backup = res
-    dy, daux = cotangents
-    dl1 = daux.l1.astype(jnp.float32)
+    dy, dl1, _, _ = cotangents
+    dl1 = dl1.astype(jnp.float32)
 
     def sparse(_):
-        return _sparse_backward(x, w_gate, w_up, w_down, act, u_ell, u_backup, dy, dl1)
+        grads = _sparse_backward(x, w_gate, w_up, w_down, act, u_ell, u_backup, dy, dl1)
+        return tuple(_sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
 
     def dense(_):
         def loss_terms(x, w_gate, w_up, w_down):
-            y, aux = xla.ffn_with_aux(x, w_gate, w_up, w_down, width)
-            return y, aux.l1
+            y, l1, _, _ = xla.ffn_with_aux(x, w_gate, w_up, w_down)
+            return y, l1
 
         _, vjp = jax.vjp(loss_terms, x, w_gate, w_up, w_down)
         return vjp((dy, dl1))
@@ -187,8 +199,9 @@ _train_ffn.defvjp(_train_fwd, _train_bwd)
 def ffn_with_aux(x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None):
     """Training FFN on the hybrid format with a sparse backward. x: ``[M, d]``.
 
-    Returns ``(y [M, d], FFNAux)``; differentiable in x and the weights (custom_vjp), with
-    gradients equal to those of the dense formula (:func:`jax_twell.ops.xla.ffn_with_aux`).
+    Returns ``(y [M, d], l1 [], counts [M] int32, fired [f] bool)`` like
+    :func:`jax_twell.ops.xla.ffn_with_aux`; differentiable in x and the weights
+    (custom_vjp), with gradients equal to those of the dense formula.
     """
     b = x.shape[0] if backup_capacity is None else backup_capacity
     return _train_ffn(x, w_gate, w_up, w_down, width, b)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_twell.ops.common import FFNAux, ffn_aux
+from jax_twell.ops.common import hidden_stats
 
 __all__ = ["ffn", "ffn_with_aux"]
 
@@ -28,11 +28,12 @@ def ffn(x, w_gate, w_up, w_down):
     return jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def ffn_with_aux(x, w_gate, w_up, w_down, width: int) -> tuple[jax.Array, FFNAux]:
-    """Dense ReLU FFN with its statistics; differentiable by JAX's own autodiff.
+def ffn_with_aux(x, w_gate, w_up, w_down):
+    """Dense ReLU FFN with its local statistics; differentiable by JAX's own autodiff.
 
-    x: ``[M, d]``; returns ``(y [M, d], FFNAux)``.
+    x: ``[M, d]``; returns ``(y [M, d], l1 [], counts [M] int32, fired [f] bool)``
+    (see :func:`jax_twell.ops.common.hidden_stats`).
     """
     h, active = _hidden(x, w_gate, w_up)
     y = jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
-    return y, ffn_aux(h, active, width)
+    return (y, *hidden_stats(h, active))
