@@ -162,16 +162,12 @@ class _FFN(nnx.Module):
         self.d_ff = d_ff
         self.gated = gated
         self.width = width
-        up_std, down_std = d_model**-0.5, d_ff**-0.5
-        self.w_gate = (
-            logical_param(truncated_normal(rngs.params(), (d_model, d_ff), up_std, param_dtype), ("embed", "mlp"))
-            if gated
-            else None
-        )
-        self.w_up = logical_param(truncated_normal(rngs.params(), (d_model, d_ff), up_std, param_dtype), ("embed", "mlp"))
-        self.w_down = logical_param(
-            truncated_normal(rngs.params(), (d_ff, d_model), down_std, param_dtype), ("mlp", "embed")
-        )
+        def weight(shape, axes):
+            return logical_param(truncated_normal(rngs.params(), shape, shape[0] ** -0.5, param_dtype), axes)
+
+        self.w_gate = weight((d_model, d_ff), ("embed", "mlp")) if gated else None
+        self.w_up = weight((d_model, d_ff), ("embed", "mlp"))
+        self.w_down = weight((d_ff, d_model), ("mlp", "embed"))
 
     def _weights(self, dtype) -> tuple[jax.Array | None, jax.Array, jax.Array]:
         """(w_gate, w_up, w_down) cast to the compute ``dtype``."""

@@ -155,7 +155,8 @@ def load_hf_tensors(model: TransformerLM, tensors: Mapping[str, np.ndarray]) -> 
     problems = []
     if model.lm_head is None and "lm_head.weight" in names:
         names.discard("lm_head.weight")
-        if not np.array_equal(np.asarray(tensors["lm_head.weight"]), np.asarray(tensors.get("model.embed_tokens.weight"))):
+        embedding = tensors.get("model.embed_tokens.weight")
+        if not np.array_equal(np.asarray(tensors["lm_head.weight"]), np.asarray(embedding)):
             problems.append(
                 "lm_head.weight differs from model.embed_tokens.weight but the model ties embeddings "
                 "(use tie_embeddings=False)"

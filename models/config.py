@@ -43,8 +43,10 @@ class ModelConfig:
         ``FFNSharding(token_axes=("data", "fsdp"), tensor_axis="tensor")``); None
         unsharded.
       attention_implementation: ``implementation=`` for ``jax.nn.dot_product_attention``
-        in the training forward (None = JAX's default; ``"cudnn"`` asks for the fused
-        cuDNN kernel on GPU, bf16/f16 only).
+        in the training forward (None = JAX's default, which is XLA in current JAX;
+        ``"cudnn"`` asks for the fused cuDNN kernel on GPU, bf16/f16 only).
+      remat: recompute each block's activations in the backward pass
+        (``nnx.remat``), trading compute for memory in training.
     """
 
     vocab_size: int
@@ -65,6 +67,7 @@ class ModelConfig:
     ffn_implementation: str | None = None
     ffn_sharding: FFNSharding | None = None
     attention_implementation: str | None = None
+    remat: bool = False
 
     def __post_init__(self):
         if self.ffn not in FFN_KINDS:

@@ -242,9 +242,10 @@ class TransformerLM(nnx.Module):
           ``[L, f]``), ``stats.l1`` differentiable.
         """
         x = self._embed(tokens)
+        block = nnx.remat(Block.__call__) if self.cfg.remat else Block.__call__
         auxes = []
         for layer in self.layers:
-            x, aux = layer(x)
+            x, aux = block(layer, x)
             auxes.append(aux)
         return self._logits(x), stack_stats(auxes)
 

@@ -100,13 +100,13 @@ def test_import_written_checkpoint(checkpoint_file, ffn):
     cfg = dataclasses.replace(CFG, ffn=ffn)
     model = fresh_model(cfg)
     load_safetensors(model, path)
-    layer = model.layers[1]
+    layer, hf = model.layers[1], {n.removeprefix("model.layers.1."): a for n, a in tensors.items()}
     d, n, k, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    np.testing.assert_array_equal(layer.attn.wq[...], tensors["model.layers.1.self_attn.q_proj.weight"].T.reshape(d, n, hd))
-    np.testing.assert_array_equal(layer.attn.wk[...], tensors["model.layers.1.self_attn.k_proj.weight"].T.reshape(d, k, hd))
-    np.testing.assert_array_equal(layer.attn.wo[...], tensors["model.layers.1.self_attn.o_proj.weight"].T.reshape(n, hd, d))
-    np.testing.assert_array_equal(layer.ffn.w_gate[...], tensors["model.layers.1.mlp.gate_proj.weight"].T)
-    np.testing.assert_array_equal(layer.ffn.w_down[...], tensors["model.layers.1.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(layer.attn.wq[...], hf["self_attn.q_proj.weight"].T.reshape(d, n, hd))
+    np.testing.assert_array_equal(layer.attn.wk[...], hf["self_attn.k_proj.weight"].T.reshape(d, k, hd))
+    np.testing.assert_array_equal(layer.attn.wo[...], hf["self_attn.o_proj.weight"].T.reshape(n, hd, d))
+    np.testing.assert_array_equal(layer.ffn.w_gate[...], hf["mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(layer.ffn.w_down[...], hf["mlp.down_proj.weight"].T)
     np.testing.assert_array_equal(model.lm_head[...], tensors["lm_head.weight"].T)
     # The model computes Hugging Face Llama with these weights (ReLU gate when sparse).
     tokens = tokens_for(cfg)
@@ -159,8 +159,9 @@ def test_sharded_folder_and_bf16(tmp_path):
     names = sorted(tensors)
     half = len(names) // 2
     as_bf16 = {n: tensors[n].astype(ml_dtypes.bfloat16) for n in names}
-    safetensors.numpy.save_file({n: as_bf16[n] for n in names[:half]}, str(tmp_path / "model-00001-of-00002.safetensors"))
-    safetensors.numpy.save_file({n: as_bf16[n] for n in names[half:]}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    for i, shard in enumerate((names[:half], names[half:])):
+        path = tmp_path / f"model-0000{i + 1}-of-00002.safetensors"
+        safetensors.numpy.save_file({n: as_bf16[n] for n in shard}, str(path))
     (tmp_path / "config.json").write_text(json.dumps(hf_config(CFG)))
     model = from_hf_checkpoint(tmp_path)
     assert model.layers[0].attn.wq.dtype == np.float32
@@ -188,12 +189,18 @@ def _without(tensors, name):
 @pytest.mark.parametrize(
     "corrupt, message",
     [
-        (lambda t: _without(t, "model.layers.1.mlp.up_proj.weight"), r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight"),
+        (
+            lambda t: _without(t, "model.layers.1.mlp.up_proj.weight"),
+            r"missing tensors: model\.layers\.1\.mlp\.up_proj\.weight",
+        ),
         (
             lambda t: t | {"model.layers.0.self_attn.k_proj.weight": np.zeros((64, 32), np.float32)},
             r"model\.layers\.0\.self_attn\.k_proj\.weight has shape \(64, 32\), expected \(16, 32\)",
         ),
-        (lambda t: t | {"model.layers.0.extra.weight": np.zeros(3, np.float32)}, r"unexpected tensors: model\.layers\.0\.extra\.weight"),
+        (
+            lambda t: t | {"model.layers.0.extra.weight": np.zeros(3, np.float32)},
+            r"unexpected tensors: model\.layers\.0\.extra\.weight",
+        ),
         (
             lambda t: t | {"model.layers.0.self_attn.q_proj.bias": np.zeros(32, np.float32)},
             "biases are not part of the Llama architecture",

@@ -1,15 +1,18 @@
 """TransformerLM against a plain re-statement of Llama, presets, sharding names, jit and grads."""
 
 import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from specs import assert_close, tolerance
-
 from jax.sharding import NamedSharding
+from specs import assert_close, tolerance
 
 from jax_twell import FFNSharding
 from jax_twell.models import (
@@ -153,18 +156,21 @@ def lm_loss(model, tokens, l1_coef=1e-3):
 
 
 def test_grads_flow_through_sparse_train_op():
-    """jax.grad through the model with the reference (sparse custom_vjp) op equals the dense XLA op's."""
+    """jax.grad through the rematerialised model with the reference (sparse custom_vjp) op
+    equals jax.grad with the dense XLA op."""
     tokens = tokens_for(TINY, length=9)
     grads = {}
-    for implementation in ("reference", "xla"):
-        model = TransformerLM(dataclasses.replace(TINY, ffn_implementation=implementation), rngs=nnx.Rngs(0))
-        loss, grads[implementation] = nnx.jit(nnx.value_and_grad(lm_loss))(model, tokens)
+    for implementation, remat in (("xla", False), ("reference", True)):
+        cfg = dataclasses.replace(TINY, ffn_implementation=implementation, remat=remat)
+        model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+        loss, grads[implementation, remat] = nnx.jit(nnx.value_and_grad(lm_loss))(model, tokens)
         assert np.isfinite(loss)
-    ref, xla = (jax.tree.leaves(grads[i]) for i in ("reference", "xla"))
-    assert len(ref) == len(xla)
-    for a, b in zip(ref, xla):
+    want = jax.tree.leaves(grads["xla", False])
+    got = jax.tree.leaves(grads["reference", True])
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
         assert_close(a, b, tolerance(jnp.float32, 4096, grad=True), "grad")
-    ffn_grads = grads["reference"]["layers"][0]["ffn"]
+    ffn_grads = grads["reference", True]["layers"][0]["ffn"]
     for name in ("w_gate", "w_up", "w_down"):
         assert np.abs(ffn_grads[name][...]).max() > 0, name
 
@@ -246,3 +252,49 @@ def test_logical_axes_and_shardings():
 def test_model_config_kv_heads_default():
     assert TINY.kv_heads == TINY.n_heads
     assert ModelConfig(16, 8, 1, 4, 2, 8, 16, n_kv_heads=2).kv_heads == 2
+
+
+SHARDED_SCRIPT = """
+import dataclasses
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax_twell import FFNSharding
+from jax_twell.models import TransformerLM, generate, param_shardings
+from test_models import TINY, lm_loss
+
+cfg = dataclasses.replace(TINY, n_kv_heads=2, tie_embeddings=False)
+mesh = jax.make_mesh((1, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+tokens = jax.random.randint(jax.random.key(0), (4, 8), 0, cfg.vocab_size)
+sharded_cfg = dataclasses.replace(cfg, ffn_sharding=FFNSharding(("data", "fsdp"), "tensor", mesh))
+sharded = TransformerLM(sharded_cfg, rngs=nnx.Rngs(1))
+nnx.update(sharded, jax.device_put(nnx.state(model, nnx.Param), param_shardings(model, mesh)))
+assert sharded.layers[0].ffn.w_up[...].sharding.spec == P("fsdp", "tensor")
+sharded_tokens = jax.device_put(tokens, NamedSharding(mesh, P(("data", "fsdp"))))
+
+value_and_grad = nnx.jit(nnx.value_and_grad(lm_loss))
+forward = nnx.jit(lambda m, t: m(t))
+for (a, b) in [(forward(sharded, sharded_tokens), forward(model, tokens)),
+               (value_and_grad(sharded, sharded_tokens), value_and_grad(model, tokens))]:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=1e-4, atol=1e-5)
+np.testing.assert_array_equal(generate(sharded, sharded_tokens, 3, temperature=0.0),
+                              generate(model, tokens, 3, temperature=0.0))
+print("sharded ok")
+"""
+
+
+@pytest.mark.slow
+def test_sharded_over_four_devices():
+    """Forward, grads and generation with parameters and FFN ops sharded over
+    (fsdp=2, tensor=2) CPU devices equal the unsharded model's (own process: the device
+    count is fixed at JAX start-up)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    tests_dir = pathlib.Path(__file__).parent
+    result = subprocess.run(
+        [sys.executable, "-c", SHARDED_SCRIPT], cwd=tests_dir, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "sharded ok" in result.stdout
