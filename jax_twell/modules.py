@@ -162,6 +162,7 @@ class _FFN(nnx.Module):
         self.d_ff = d_ff
         self.gated = gated
         self.width = width
+
         def weight(shape, axes):
             return logical_param(truncated_normal(rngs.params(), shape, shape[0] ** -0.5, param_dtype), axes)
 

@@ -89,8 +89,8 @@ def _generate(graphdef, state, prompt_tokens, temperature, rng, *, max_new_token
     model = nnx.merge(graphdef, state)
     sample = functools.partial(_sample, temperature=temperature, top_k=top_k, greedy=greedy)
     keys = jax.random.split(rng, max_new_tokens)
-    logits, cache = model.prefill(prompt_tokens, prompt_tokens.shape[1] + max_new_tokens - 1)
-    first = sample(logits[:, -1], keys[0])
+    logits, cache = model.prefill(prompt_tokens, prompt_tokens.shape[1] + max_new_tokens - 1, last_only=True)
+    first = sample(logits[:, 0], keys[0])
 
     def step(carry, key):
         token, cache = carry

@@ -255,15 +255,17 @@ class TransformerLM(nnx.Module):
         zeros = tuple(jnp.zeros(shape, self.cfg.dtype) for _ in range(self.cfg.n_layers))
         return KVCache(k=zeros, v=zeros, length=jnp.zeros((), jnp.int32))
 
-    def decode_step(self, tokens: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    def decode_step(self, tokens: jax.Array, cache: KVCache, *, last_only: bool = False) -> tuple[jax.Array, KVCache]:
         """Runs ``T`` new tokens at positions ``cache.length ..`` through the cache.
 
         Args:
           tokens: ``[B, T]`` int32 (``T = 1`` for token-by-token decoding).
           cache: ``KVCache`` with ``B`` rows.
+          last_only: compute the logits of the last token only (``T' = 1``), sparing
+            the ``[B, T, V]`` output projection of a long prompt.
         Returns:
-          ``(logits [B, T, V] f32, cache)`` with ``length`` advanced by ``T``. Logits are
-          NaN if the tokens do not fit in the cache.
+          ``(logits [B, T', V] f32, cache)`` with ``length`` advanced by ``T``; ``T' = T``
+          unless ``last_only``. Logits are NaN if the tokens do not fit in the cache.
         """
         x = self._embed(tokens)
         ks, vs = [], []
@@ -272,19 +274,21 @@ class TransformerLM(nnx.Module):
             ks.append(k_cache)
             vs.append(v_cache)
         end = cache.length + tokens.shape[1]
-        logits = jnp.where(end <= cache.k[0].shape[1], self._logits(x), jnp.nan)
+        logits = self._logits(x[:, -1:] if last_only else x)
+        logits = jnp.where(end <= cache.k[0].shape[1], logits, jnp.nan)
         return logits, KVCache(k=tuple(ks), v=tuple(vs), length=end)
 
-    def prefill(self, tokens: jax.Array, max_len: int) -> tuple[jax.Array, KVCache]:
+    def prefill(self, tokens: jax.Array, max_len: int, *, last_only: bool = False) -> tuple[jax.Array, KVCache]:
         """Prompt pass: ``decode_step`` on an empty cache of ``max_len`` positions.
 
         Args:
           tokens: ``[B, T]`` int32, ``T <= max_len``.
           max_len: static cache size (prompt plus tokens to generate).
+          last_only: as in ``decode_step``.
         Returns:
-          ``(logits [B, T, V] f32, cache)``; the logits match ``model(tokens)[0]`` (same
+          ``(logits [B, T', V] f32, cache)``; the logits match ``model(tokens)[0]`` (same
           math, up to the rounding of the FFN implementation).
         """
         if tokens.shape[1] > max_len:
             raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit a cache of max_len={max_len}")
-        return self.decode_step(tokens, self.init_cache(tokens.shape[0], max_len))
+        return self.decode_step(tokens, self.init_cache(tokens.shape[0], max_len), last_only=last_only)

@@ -37,6 +37,8 @@ def test_prefill_equals_forward_and_stepwise_decode(model):
     assert logits.shape == (2, 9, CFG.vocab_size) and int(cache.length) == 9
     assert len(cache.k) == CFG.n_layers and cache.k[0].shape == (2, 12, CFG.kv_heads, CFG.head_dim)
     assert_close(logits, full, LOGITS_TOL, "prefill vs forward")
+    last, _ = model.prefill(tokens, 12, last_only=True)
+    assert_close(last, logits[:, -1:], LOGITS_TOL, "prefill last_only")
 
     # First token by prefill, the rest one at a time through the jitted decode step.
     step_logits, cache = prefill(model, tokens[:, :1], 12)
