@@ -112,7 +112,7 @@ def _print_sample(cfg, step, prompt, max_new_tokens, temperature, top_k, seed, c
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.workdir)
     if tokenizer is None:
         raise SystemExit(f"{cfg.workdir}: no tokenizer to encode the prompt (set data.tokenizer to a tokenizer.json)")
-    setup, state = trainer.restore_run(cfg, step)
+    setup, state = trainer.restore_run(cfg, step, shard_tokens=False)
     max_new_tokens = min(max_new_tokens, cfg.model.max_seq_len - len(tokenizer.encode(prompt.encode("utf-8"))))
     with sharding.mesh_context(setup.mesh):
         text = sample(

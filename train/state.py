@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_twell import FFNSharding
 from jax_twell.models import ModelConfig, TransformerLM, param_shardings
 from jax_twell.train import sharding
 from jax_twell.train.dead_neurons import gate_weight_name
@@ -80,16 +81,26 @@ def _opt_state_shardings(abstract_opt_state, params_shardings: dict, params_abst
     return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
 
 
-def setup_model(model_cfg: ModelConfig, seed: int, tx: optax.GradientTransformation, mesh: Mesh) -> ModelSetup:
+def setup_model(
+    model_cfg: ModelConfig, seed: int, tx: optax.GradientTransformation, mesh: Mesh, *, shard_tokens: bool = True
+) -> ModelSetup:
     """Traces the model abstractly and prepares its sharded initialisation on `mesh`.
 
-    Call the returned `init` (and any step built on it) inside `sharding.mesh_context(mesh)`.
+    The FFN ops run per shard (shard_map) with tokens split over (data, fsdp) and f over
+    tensor; `shard_tokens=False` keeps tokens whole (generation, where one decoded token
+    cannot be split). Call the returned `init` (and any step built on it) inside
+    `sharding.mesh_context(mesh)`.
     """
+    token_axes = sharding.BATCH_AXES if shard_tokens else ()
+    model_cfg = dataclasses.replace(model_cfg, ffn_sharding=FFNSharding(token_axes=token_axes, tensor_axis="tensor"))
+    abstract_model = nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(seed)))
+    # param_shardings applies the logical rules itself; under an active rules context
+    # (mesh_context) it would map the names twice, turning every spec into P(None, ...).
+    with nnx.logical_axis_rules(()):
+        params_shardings = nnx.to_pure_dict(param_shardings(abstract_model, mesh))
     with sharding.mesh_context(mesh):
-        abstract_model = nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(seed)))
         graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
-        params_shardings = param_shardings(abstract_model, mesh).to_pure_dict()
-        abs_params = abs_params.to_pure_dict()
+        abs_params = nnx.to_pure_dict(abs_params)
         num_layers = len(abs_params["layers"])
         first = min(abs_params["layers"], key=int)
         gate_name = gate_weight_name(abs_params["layers"][first]["ffn"])
@@ -100,7 +111,7 @@ def setup_model(model_cfg: ModelConfig, seed: int, tx: optax.GradientTransformat
 
         def init_state() -> TrainState:
             _, params, _ = _split_model(model_cfg, seed)
-            params = params.to_pure_dict()
+            params = nnx.to_pure_dict(params)
             return TrainState(jnp.int32(0), params, tx.init(params), jnp.zeros((num_layers, d_ff), jnp.int32))
 
         abstract = jax.eval_shape(init_state)
@@ -111,7 +122,7 @@ def setup_model(model_cfg: ModelConfig, seed: int, tx: optax.GradientTransformat
             fired_sharding,
         )
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-        rest = jax.jit(lambda: _split_model(model_cfg, seed)[2].to_pure_dict(), out_shardings=sharding.replicated(mesh))()
+        rest = jax.jit(lambda: nnx.to_pure_dict(_split_model(model_cfg, seed)[2]), out_shardings=sharding.replicated(mesh))()
     return ModelSetup(
         mesh=mesh,
         graphdef=graphdef,

@@ -54,7 +54,7 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
         grads_sum, aux = jax.lax.scan(body, zero_grads, batch)
         accum = batch.shape[0]
         grads = jax.tree.map(lambda g, p: (g / accum).astype(p.dtype), grads_sum, state.params)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
 

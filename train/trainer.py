@@ -213,14 +213,16 @@ def clear_run(workdir: str | Path) -> None:
         shutil.rmtree(workdir / name, ignore_errors=True)
 
 
-def restore_run(cfg: config_lib.TrainConfig, step: int | None = None):
+def restore_run(cfg: config_lib.TrainConfig, step: int | None = None, *, shard_tokens: bool = True):
     """(ModelSetup, TrainState) of checkpoint `step` (default newest) of the run `cfg`.
 
-    Use the returned state inside `sharding.mesh_context(setup.mesh)`.
+    shard_tokens: as in `setup_model` (False for generation). Use the returned state
+    inside `sharding.mesh_context(setup.mesh)`.
     """
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.mesh_context(mesh):
-        setup = setup_model(cfg.model, cfg.seed, make_optimizer(cfg.optim, cfg.steps), mesh)
+        tx = make_optimizer(cfg.optim, cfg.steps)
+        setup = setup_model(cfg.model, cfg.seed, tx, mesh, shard_tokens=shard_tokens)
         checkpointer = Checkpointer(cfg.workdir, cfg.keep_checkpoints, read_only=True)
         try:
             state = checkpointer.restore(setup.abstract_state, step)
