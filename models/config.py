@@ -43,8 +43,9 @@ class ModelConfig:
         ``FFNSharding(token_axes=("data", "fsdp"), tensor_axis="tensor")``); None
         unsharded.
       attention_implementation: ``implementation=`` for ``jax.nn.dot_product_attention``
-        in the training forward (None = JAX's default, which is XLA in current JAX;
-        ``"cudnn"`` asks for the fused cuDNN kernel on GPU, bf16/f16 only).
+        in the full-sequence forward. None (default) picks cuDNN's fused kernel on GPU for
+        bf16/f16 with head size a multiple of 8 up to 128, and XLA otherwise; ``"xla"`` or
+        ``"cudnn"`` force one.
       remat: recompute each block's activations in the backward pass
         (``nnx.remat``), trading compute for memory in training.
     """

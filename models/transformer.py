@@ -135,8 +135,17 @@ class Attention(nnx.Module):
         x: ``[B, T, d]`` compute dtype -> ``[B, T, d]``.
         """
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
-        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self._implementation(q))
         return self._out(o)
+
+    def _implementation(self, q: jax.Array) -> str | None:
+        """The configured attention implementation; by default cuDNN's fused kernel where
+        it applies (GPU, bf16/f16, head size a multiple of 8 up to 128), else XLA."""
+        if self.implementation is not None:
+            return self.implementation
+        head = q.shape[-1]
+        fused_ok = q.dtype in (jnp.bfloat16, jnp.float16) and head % 8 == 0 and head <= 128
+        return "cudnn" if fused_ok and jax.default_backend() == "gpu" else None
 
     def cached(
         self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array
