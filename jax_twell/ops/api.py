@@ -65,6 +65,13 @@ def _check_tiling(tile: int, capacity: int) -> None:
         raise ValueError(f"capacity must be an int in [1, tile={tile}], got {capacity!r}")
 
 
+def _check_hybrid_layout(width: int, backup_capacity: int | None) -> None:
+    if not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be a positive int, got {width!r}")
+    if backup_capacity is not None and (not isinstance(backup_capacity, int) or backup_capacity < 0):
+        raise ValueError(f"backup_capacity must be a non-negative int or None, got {backup_capacity!r}")
+
+
 def _flatten_tokens(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
     return x.reshape(-1, x.shape[-1]), x.shape[:-1]
 
@@ -116,10 +123,7 @@ def pack_hybrid(
     check_activation("a", a)
     if a.ndim < 2:
         raise ValueError(f"a must have shape [..., M, f], got {tuple(a.shape)}")
-    if not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be a positive int, got {width!r}")
-    if backup_capacity is not None and (not isinstance(backup_capacity, int) or backup_capacity < 0):
-        raise ValueError(f"backup_capacity must be a non-negative int or None, got {backup_capacity!r}")
+    _check_hybrid_layout(width, backup_capacity)
     kernels = dict(reference=functools.partial(pack_hybrid_reference, width=width, backup_capacity=backup_capacity))
     return _choose("pack_hybrid", implementation, kernels, "reference")(a)
 
@@ -264,10 +268,7 @@ def sparse_ffn_train(
       ``(y [..., d], FFNAux)``.
     """
     check_ffn_args(x, w_gate, w_up, w_down)
-    if not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be a positive int, got {width!r}")
-    if backup_capacity is not None and (not isinstance(backup_capacity, int) or backup_capacity < 0):
-        raise ValueError(f"backup_capacity must be a non-negative int or None, got {backup_capacity!r}")
+    _check_hybrid_layout(width, backup_capacity)
     kernels = dict(
         reference=functools.partial(reference.ffn_with_aux, width=width, backup_capacity=backup_capacity),
         xla=xla.ffn_with_aux,
