@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -137,8 +138,11 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip())
+    # Where the tree was copied without git metadata, pass the commit in JAX_TWELL_COMMIT.
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("JAX_TWELL_COMMIT", "unknown")
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    dirty = git.returncode == 0 and bool(status.stdout.strip())
     result = dict(
         benchmark="inference_ffn",
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session for the inference kernels: build, all GPU tests, the inference benchmark
 # (JSON under $OUT), then compute-sanitizer on the fused-kernel tests; short table last.
-# Usage: benchmarks/run_gpu.sh [--quick] [--no-sanitizer]
+# Usage: JAX_TWELL_COMMIT=<commit measured> benchmarks/run_gpu.sh [--quick] [--no-sanitizer]
 set -uo pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"

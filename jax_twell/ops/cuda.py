@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_twell.formats import TwELL, relu_matmul
+from jax_twell.ops import xla
 
 __all__ = [
     "pack_twell",
@@ -111,35 +112,51 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None):
 class DenseCrossover:
     """When the sparse FFN runs the fused TwELL kernel, and when dense math through XLA.
 
-    The choice is made on the device for each call from the true number of active
-    (token, neuron) pairs ``nnz`` (the TwELL counts), by comparing two cost estimates:
+    Both paths share the gate matmul and the pack (its counts give the true number of
+    active (token, neuron) pairs ``nnz``); the rule compares what comes after, in seconds:
 
     - sparse: ``nnz * 2 * d * itemsize / pair_bandwidth`` (the kernel reads one row of
-      Wu^T and one of Wd per pair, from L2), plus ``overflow_penalty`` seconds per
-      overflowed tile (recomputed from the [d, f] weights);
+      Wu^T and one of Wd per pair, mostly from L2) + ``overflow_penalty`` per overflowed
+      tile + ``2 * d * f * itemsize / transpose_bandwidth`` when the up weight is
+      transposed in the call + ``fixed_overhead``;
     - dense up + down: ``max(4 * M * d * f / matmul_rate, 2 * d * f * itemsize / hbm_bandwidth)``.
 
-    The sparse kernel runs when its estimate is below ``margin`` times the dense one.
-    The constants were fitted to H200 measurements (ffi/notes/twell_ffn.md). Override
-    with :func:`set_dense_crossover` (``DenseCrossover(margin=inf)`` always runs sparse,
-    ``margin=0`` always dense) or per call through ``jax_twell.ops.cuda.sparse_ffn``.
+    The kernel runs where the sparse estimate is below ``margin`` times the dense one.
+    Where even ``nnz = 0`` can't win (decode-sized M) the choice is made at trace time
+    (no device-side branch); otherwise on the device, per call, with ``lax.cond``.
+    Constants fitted to H200 measurements of this kernel (ffi/notes/twell_ffn.md).
+    Override with :func:`set_dense_crossover`: ``DenseCrossover(margin=inf)`` always runs
+    sparse, ``margin=0`` always dense; or per call through :func:`sparse_ffn`.
     """
 
-    pair_bandwidth: float = 6.0e12
+    pair_bandwidth: float = 3.3e12
     matmul_rate: float = 6.0e14
-    hbm_bandwidth: float = 4.0e12
+    hbm_bandwidth: float = 3.0e12
+    transpose_bandwidth: float = 1.4e12
     overflow_penalty: float = 2.0e-6
+    fixed_overhead: float = 1.0e-5
     margin: float = 1.0
 
     def dense_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
         return max(4.0 * m * d * f / self.matmul_rate, 2.0 * d * f * itemsize / self.hbm_bandwidth)
 
-    def use_sparse(self, nnz: jax.Array, n_overflow: jax.Array, m: int, d: int, f: int, itemsize: int) -> jax.Array:
+    def sparse_fixed_cost(self, d: int, f: int, itemsize: int, transposed: bool) -> float:
+        transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.transpose_bandwidth
+        return self.fixed_overhead + transpose
+
+    def sparse_can_win(self, m: int, d: int, f: int, itemsize: int, transposed: bool = False) -> bool:
+        """Static: False where even an all-zero activation would run faster dense."""
+        if self.margin == float("inf"):
+            return True
+        return self.sparse_fixed_cost(d, f, itemsize, transposed) < self.margin * self.dense_cost(m, d, f, itemsize)
+
+    def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int, transposed: bool = False) -> jax.Array:
         """``[]`` bool on device: True where the fused sparse kernel should run."""
         if self.margin == float("inf"):
             return jnp.bool_(True)
-        sparse = nnz.astype(jnp.float32) * (2.0 * d * itemsize / self.pair_bandwidth)
-        sparse = sparse + n_overflow.astype(jnp.float32) * self.overflow_penalty
+        sparse = jnp.asarray(nnz).astype(jnp.float32) * (2.0 * d * itemsize / self.pair_bandwidth)
+        sparse = sparse + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
+        sparse = sparse + self.sparse_fixed_cost(d, f, itemsize, transposed)
         return sparse < self.margin * self.dense_cost(m, d, f, itemsize)
 
 
@@ -181,13 +198,16 @@ def sparse_ffn(
     rule = _crossover if crossover is None else crossover
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
-    g = relu_matmul(x, w_act)
-    act = pack_twell(g, tile=tile, capacity=capacity)
     m, d = x.shape
     f = w_act.shape[1]
+    transposed = w_up_t is not None or not gated
+    if not rule.sparse_can_win(m, d, f, x.dtype.itemsize, transposed):
+        return xla.ffn(x, w_gate, w_up, w_down)
+    g = relu_matmul(x, w_act)
+    act = pack_twell(g, tile=tile, capacity=capacity)
     nnz = act.counts.sum(dtype=jnp.int32)
     n_over = act.overflowed.sum(dtype=jnp.int32)
-    use_sparse = rule.use_sparse(nnz, n_over, m, d, f, x.dtype.itemsize)
+    use_sparse = rule.use_sparse(nnz, n_over, m, d, f, x.dtype.itemsize, transposed)
 
     def sparse(_):
         return _twell_ffn_call(x, act, w_act, w_up if gated else None, w_down, w_up_t)
@@ -200,8 +220,6 @@ def sparse_ffn(
 
     if rule.margin == float("inf"):
         return sparse(None)
-    if rule.margin == 0:
-        return dense(None)
     return jax.lax.cond(use_sparse, sparse, dense, None)
 
 
