@@ -14,7 +14,7 @@ timeout 360 python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ ${1:+-k
 for tool in ${SANITIZERS-memcheck racecheck}; do
   for tests in "tests/test_gpu_pack.py -k adversarial" "tests/test_cuda_ffn.py -k adversarial_rows"; do
     log="$OUT/sanitizer_${tool}_$(basename ${tests%% *} .py).log"
-    timeout 150 compute-sanitizer --tool $tool --kernel-regex kns=Twell --print-limit 20 python3 -m pytest -q -x -m gpu $tests > "$log" 2>&1
+    XLA_FLAGS="--xla_gpu_autotune_level=0" timeout 150 compute-sanitizer --tool $tool --kernel-name kns=Twell --print-limit 20 python3 -m pytest -q -x -m gpu $tests > "$log" 2>&1
     echo "compute-sanitizer $tool ${tests}: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$log" | tr '\n' ' ')"
   done
 done

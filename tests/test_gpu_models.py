@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jax_twell.models import PRESETS, TransformerLM, generate
+from jax_twell.ops import cuda
 from specs import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,16 @@ def tiny_model(implementation):
     return TransformerLM(cfg, rngs=nnx.Rngs(0))
 
 
-def test_model_hlo_has_sparse_ffn_calls_and_matches_reference():
+@pytest.fixture
+def always_sparse():
+    """The tiny model is too small for the kernels to win, so the default crossover rule
+    runs it dense; this forces the sparse path to check the kernels inside the model."""
+    previous = cuda.set_dense_crossover(cuda.DenseCrossover(margin=float("inf")))
+    yield
+    cuda.set_dense_crossover(previous)
+
+
+def test_model_hlo_has_sparse_ffn_calls_and_matches_reference(always_sparse):
     tokens = jax.random.randint(jax.random.key(1), (2, 48), 0, 256)
     auto, ref = tiny_model(None), tiny_model("reference")
 
