@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -176,6 +177,8 @@ def _sweep(args, console) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jax-twell` console script."""
     args = _parser().parse_args(argv)
+    # orbax reports routine events (read-only managers, async saves) as absl warnings.
+    logging.getLogger("absl").setLevel(logging.ERROR)
     from rich.console import Console
 
     from jax_twell.train.sharding import maybe_initialize_distributed

@@ -28,7 +28,8 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
+                max_to_keep=None if read_only else keep,
+                save_interval_steps=0 if read_only else 1,
                 enable_async_checkpointing=True,
                 cleanup_tmp_directories=not read_only,
                 create=not read_only,

@@ -68,7 +68,9 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-def _check_batch(cfg: config_lib.TrainConfig, mesh) -> None:
+def _validate(cfg: config_lib.TrainConfig, mesh) -> None:
+    if seq_len_of(cfg) > cfg.model.max_seq_len:
+        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}")
     if cfg.batch_size % cfg.grad_accum:
         raise ValueError(f"batch_size={cfg.batch_size} is not divisible by grad_accum={cfg.grad_accum}")
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -86,6 +88,8 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console
     console = console or Console()
     lead = jax.process_index() == 0
     workdir = Path(cfg.workdir)
+    mesh = sharding.make_mesh(cfg.mesh)
+    _validate(cfg, mesh)
     checkpointer = Checkpointer(workdir, cfg.keep_checkpoints)
     restored_step = checkpointer.latest_step()
     if restored_step is not None and not resume:
@@ -98,16 +102,22 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console
         workdir.mkdir(parents=True, exist_ok=True)
         config_lib.save(cfg, workdir / CONFIG_FILE)
 
-    seq_len = seq_len_of(cfg)
-    corpus = data.load_corpus(cfg.data, workdir, cfg.model.vocab_size, save_tokenizer=lead)
-    mesh = sharding.make_mesh(cfg.mesh)
-    _check_batch(cfg, mesh)
+    try:
+        corpus = data.load_corpus(cfg.data, workdir, cfg.model.vocab_size, save_tokenizer=lead)
+        return _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus)
+    finally:
+        checkpointer.wait()
+        checkpointer.close()
+
+
+def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict:
+    """The loop proper of `train`, once the run is validated and its data loaded."""
+    workdir, seq_len = Path(cfg.workdir), seq_len_of(cfg)
     tx = make_optimizer(cfg.optim, cfg.steps)
     schedule = learning_rate_schedule(cfg.optim, cfg.steps)
     rows = sharding.process_rows(cfg.batch_size)
     micro = cfg.batch_size // cfg.grad_accum
     batch_sharding = sharding.batch_sharding(mesh, 3)
-
     with sharding.mesh_context(mesh):
         setup = setup_model(cfg.model, cfg.seed, tx, mesh)
         if restored_step is not None:
@@ -127,17 +137,6 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console
                 + (f" | resumed at step {start}" if restored_step is not None else ""),
                 soft_wrap=True,
             )
-
-        def run_eval(step: int) -> dict:
-            result = evaluate(
-                eval_step, state.params, corpus, num_batches=cfg.eval_batches,
-                batch_size=micro, seq_len=seq_len, mesh=mesh,
-            )
-            record = {"kind": "eval", "step": step, **result}
-            if lead:
-                log.write(record)
-                progress.console.print(metrics.format_eval_record(record), soft_wrap=True)
-            return record
 
         last = {"train": None, "eval": None}
         progress = Progress(
@@ -163,6 +162,8 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console
                 if step == start:
                     # Throughput excludes the first step, which includes compilation.
                     jax.block_until_ready(state.step)
+                    if lead:
+                        progress.console.print(f"first step (with compilation): {time.perf_counter() - timer:.1f} s")
                     timer_step, timer = done, time.perf_counter()
                 if done % cfg.log_every == 0 or done == cfg.steps:
                     values = jax.device_get(step_metrics)
@@ -178,7 +179,14 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console
                         progress.console.print(metrics.format_train_record(record), soft_wrap=True)
                         progress.update(task, status=f"loss {record['loss']:.3f} nnz {record['nnz_mean_avg']:.1f}")
                 if done % cfg.eval_every == 0 or done == cfg.steps:
-                    last["eval"] = run_eval(done)
+                    result = evaluate(
+                        eval_step, state.params, corpus, num_batches=cfg.eval_batches,
+                        batch_size=micro, seq_len=seq_len, mesh=mesh,
+                    )
+                    last["eval"] = {"kind": "eval", "step": done, **result}
+                    if lead:
+                        log.write(last["eval"])
+                        progress.console.print(metrics.format_eval_record(last["eval"]), soft_wrap=True)
                     timer_step, timer = done, time.perf_counter()  # keep evaluation out of tokens/s
                 if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop.signal is not None:
                     checkpointer.save(done, state)
@@ -187,8 +195,6 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console
                     if lead:
                         progress.console.print(f"stopping on signal {stop.signal}: checkpoint saved at step {done}")
                     break
-        checkpointer.wait()
-        checkpointer.close()
     return last
 
 
