@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -54,8 +55,10 @@ class _StopRequest:
         self._previous = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        # Signal handlers can only be installed from the main thread.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
