@@ -69,10 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     sweep = commands.add_parser(
         "sweep",
         help="train once per L1 coefficient; write a table (sweep.md, sweep.json) and sweep.png",
-        epilog="Example: jax-twell sweep --preset small --l1 0,2e-5,1e-4,3e-4,1e-3,3e-3 steps=2000",
+        epilog="Example: jax-twell sweep --preset small --l1 0,2e-5,1e-4,3e-4,1e-3,3e-3 steps=2000\n"
+        "Runs trained separately (e.g. in parallel, workdir=runs/sweep/l1_X l1_coef=X):\n"
+        "  jax-twell sweep --report --workdir runs/sweep",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sweep.add_argument("--preset", default="tiny", choices=list(PRESETS), help="configuration preset (default: %(default)s)")
-    sweep.add_argument("--l1", required=True, help="comma-separated L1 coefficients")
+    sweep.add_argument("--l1", help="comma-separated L1 coefficients (required unless --report)")
+    sweep.add_argument("--report", action="store_true", help="train nothing: tabulate the runs already under the sweep directory")
     sweep.add_argument("--workdir", default=None, help="sweep directory (default: runs/sweep-<preset>)")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     return parser
@@ -163,12 +167,16 @@ def _plot(args, console) -> int:
 
 def _sweep(args, console) -> int:
     from jax_twell.train import config as config_lib
-    from jax_twell.train.sweep import markdown_table, run_sweep
+    from jax_twell.train.sweep import markdown_table, report_existing, run_sweep
 
-    l1_values = [float(x) for x in args.l1.split(",") if x.strip()]
-    base = config_lib.get_config(args.preset, args.overrides)
     sweep_dir = args.workdir or f"runs/sweep-{args.preset}"
-    rows = run_sweep(base, l1_values, sweep_dir, console)
+    if args.report:
+        rows = report_existing(sweep_dir)
+    elif not args.l1:
+        raise ValueError("--l1 is required (or --report to tabulate existing runs)")
+    else:
+        l1_values = [float(x) for x in args.l1.split(",") if x.strip()]
+        rows = run_sweep(config_lib.get_config(args.preset, args.overrides), l1_values, sweep_dir, console)
     console.print(markdown_table(rows), markup=False)
     console.print(f"wrote {sweep_dir}/sweep.json, sweep.md, sweep.png")
     return 0

@@ -75,3 +75,7 @@ def test_sweep_writes_table_and_plot(tmp_path, corpus):
     assert [r["l1"] for r in rows] == [0.0, 0.01] and (sweep_dir / "sweep.png").exists()
     assert (sweep_dir / "sweep.md").read_text().startswith("| L1 | 0 | 0.01 |")
     assert main(args) == 0, "a finished sweep is read back, not retrained"
+    (sweep_dir / "sweep.json").unlink()
+    assert main(["sweep", "--report", "--workdir", str(sweep_dir)]) == 0
+    assert [r["l1"] for r in json.loads((sweep_dir / "sweep.json").read_text())] == [0.0, 0.01]
+    assert main(["sweep", "--workdir", str(sweep_dir)]) == 2, "--l1 or --report"

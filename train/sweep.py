@@ -1,9 +1,13 @@
 """L1 sweep: one training run per L1 coefficient, then a table and plots.
 
     jax-twell sweep --preset small --l1 0,2e-5,1e-4,3e-4,1e-3,3e-3 [key=value ...]
+    jax-twell sweep --report --workdir runs/sweep     table of runs trained some other way
 
 Each run lives in `<sweep dir>/l1_<value>` and is resumed if present (an interrupted sweep
-continues where it stopped; finished runs are only read). Written into the sweep dir:
+continues where it stopped; finished runs are only read). `--report` trains nothing: it
+reads every run directory under the sweep dir (for example runs started in parallel with
+`jax-twell train ... workdir=runs/sweep/l1_X l1_coef=X`), taking L1 from each run's
+config. Written into the sweep dir:
 
     sweep.json   one row per L1: held-out CE, bits per byte, active %, non-zeros per
                  token (mean over layers, and per layer mean / max), dead %
@@ -40,6 +44,7 @@ def summarize_run(workdir: str | Path, l1: float) -> dict:
     return {
         "l1": l1,
         "step": last["step"],
+        "eval_step": final_eval["step"],
         "eval_ce": final_eval["ce"],
         "bits_per_byte": final_eval["bits_per_byte"],
         "train_ce": last["ce"],
@@ -89,8 +94,16 @@ def plot_sweep(rows: list[dict], path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def write_report(rows: list[dict], sweep_dir: Path) -> None:
+    """Writes sweep.json, sweep.md and sweep.png for `rows` into `sweep_dir`."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (sweep_dir / "sweep.md").write_text(markdown_table(rows))
+    plot_sweep(rows, sweep_dir / "sweep.png")
+
+
 def run_sweep(base: TrainConfig, l1_values: list[float], sweep_dir: str | Path, console: Console | None = None) -> list[dict]:
-    """Trains `base` once per L1 value (resuming existing runs); writes sweep.json/.md/.png."""
+    """Trains `base` once per L1 value (resuming existing runs), then writes the report."""
     console = console or Console()
     sweep_dir = Path(sweep_dir)
     rows = []
@@ -99,8 +112,16 @@ def run_sweep(base: TrainConfig, l1_values: list[float], sweep_dir: str | Path, 
         console.rule(f"L1 = {l1:g}")
         trainer.train(cfg, resume=True, console=console)
         rows.append(summarize_run(cfg.workdir, l1))
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    (sweep_dir / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (sweep_dir / "sweep.md").write_text(markdown_table(rows))
-    plot_sweep(rows, sweep_dir / "sweep.png")
+    write_report(rows, sweep_dir)
+    return rows
+
+
+def report_existing(sweep_dir: str | Path) -> list[dict]:
+    """Report of every run directory directly under `sweep_dir`, ordered by L1."""
+    sweep_dir = Path(sweep_dir)
+    runs = sorted(p.parent for p in sweep_dir.glob(f"*/{trainer.CONFIG_FILE}"))
+    if not runs:
+        raise FileNotFoundError(f"no training runs (*/{trainer.CONFIG_FILE}) under {sweep_dir}")
+    rows = sorted((summarize_run(run, trainer.load_run_config(run).l1_coef) for run in runs), key=lambda r: r["l1"])
+    write_report(rows, sweep_dir)
     return rows
