@@ -38,5 +38,9 @@ def param_shardings(model: nnx.Module, mesh: jax.sharding.Mesh, rules=LOGICAL_AX
       ``nnx.State`` shaped like ``nnx.state(model, nnx.Param)``, each value a
       ``NamedSharding`` (use as ``jax.jit`` out_shardings, or with ``jax.device_put``).
     """
-    specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    # The logical names are mapped here, once: an active nnx.logical_axis_rules context
+    # would otherwise map them already in get_partition_spec, and the second mapping
+    # would turn every spec into P(None, ...).
+    with nnx.logical_axis_rules(()):
+        specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
     return nn.logical_to_mesh_sharding(specs, mesh, rules)

@@ -237,6 +237,9 @@ def test_logical_axes_and_shardings():
     assert shardings["layers"][0]["ffn"]["w_up"].get_value().spec == P("fsdp", "tensor")
     assert shardings["embed"].get_value().spec == P("tensor", "fsdp")
     assert shardings["final_norm"]["scale"].get_value().spec == P(None)
+    with nnx.logical_axis_rules(LOGICAL_AXIS_RULES):  # an active rules context changes nothing
+        in_context = param_shardings(model, mesh)
+    assert in_context["layers"][0]["ffn"]["w_up"].get_value().spec == P("fsdp", "tensor")
     assert dict(LOGICAL_AXIS_RULES)["batch"] == ("data", "fsdp")
     # Parameters placed by those shardings, FFN ops per shard: same outputs.
     tokens = tokens_for(cfg)

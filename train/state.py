@@ -94,10 +94,7 @@ def setup_model(
     token_axes = sharding.BATCH_AXES if shard_tokens else ()
     model_cfg = dataclasses.replace(model_cfg, ffn_sharding=FFNSharding(token_axes=token_axes, tensor_axis="tensor"))
     abstract_model = nnx.eval_shape(lambda: TransformerLM(model_cfg, rngs=nnx.Rngs(seed)))
-    # param_shardings applies the logical rules itself; under an active rules context
-    # (mesh_context) it would map the names twice, turning every spec into P(None, ...).
-    with nnx.logical_axis_rules(()):
-        params_shardings = nnx.to_pure_dict(param_shardings(abstract_model, mesh))
+    params_shardings = nnx.to_pure_dict(param_shardings(abstract_model, mesh))
     with sharding.mesh_context(mesh):
         graphdef, abs_params, _ = nnx.split(abstract_model, nnx.Param, ...)
         abs_params = nnx.to_pure_dict(abs_params)
