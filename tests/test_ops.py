@@ -147,6 +147,8 @@ def test_bad_inputs_name_the_problem():
         jt.sparse_ffn(*inp, implementation="fast")
     with pytest.raises(ValueError, match="width must be a positive int"):
         jt.sparse_ffn_train(*inp, width=0)
+    with pytest.raises(ValueError, match=r"w must have shape \[d, f\]"):
+        jt.gate_twell(x, wd)
     act = jt.gate_twell(x, wg)
     with pytest.raises(ValueError, match="act holds"):
         jt.twell_ffn(x[:3], act, wg, wu, wd)

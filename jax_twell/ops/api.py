@@ -21,7 +21,7 @@ from jax_twell import _kernels
 from jax_twell.formats import Hybrid, TwELL, pack_hybrid_reference, pack_twell_reference, relu_matmul
 from jax_twell.ops import cuda, reference, xla
 from jax_twell.ops.sharded import FFNSharding, shard_ffn, shard_ffn_train
-from jax_twell.ops.common import IMPLEMENTATIONS, FFNAux, check_activation, check_ffn_args, make_aux
+from jax_twell.ops.common import IMPLEMENTATIONS, FFNAux, check_activation, check_ffn_args, check_projection_args, make_aux
 
 __all__ = [
     "pack_twell",
@@ -144,7 +144,7 @@ def gate_twell(
     Returns:
       TwELL of the ``[..., M, f]`` activation.
     """
-    check_ffn_args(x, None, w, w.T if hasattr(w, "T") else w)
+    check_projection_args(x, w)
     return pack_twell(relu_matmul(x, w), tile=tile, capacity=capacity, implementation=implementation)
 
 

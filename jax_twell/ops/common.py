@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FFNAux", "check_ffn_args", "check_activation", "hidden_stats", "make_aux", "IMPLEMENTATIONS"]
+__all__ = ["FFNAux", "check_ffn_args", "check_activation", "check_projection_args", "hidden_stats", "make_aux", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("reference", "xla", "cuda")
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -87,6 +87,18 @@ def check_ffn_args(x, w_gate, w_up, w_down) -> tuple[int, int]:
     if len(dtypes) != 1:
         raise TypeError(f"x and the weights must share one dtype, got {sorted(str(t) for t in dtypes)}")
     return d, f
+
+
+def check_projection_args(x, w, name: str = "w") -> None:
+    """Validates ``x [..., d]`` and a projection ``w [d, f]`` of the same floating dtype."""
+    _check_float("x", x)
+    if x.ndim < 1:
+        raise ValueError("x must have shape [..., d], got a scalar")
+    _check_float(name, w)
+    if w.ndim != 2 or w.shape[0] != x.shape[-1]:
+        raise ValueError(f"{name} must have shape [d, f] = [{x.shape[-1]}, f], got {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"x and {name} must share one dtype, got {x.dtype} and {w.dtype}")
 
 
 def check_activation(name: str, a) -> None:
