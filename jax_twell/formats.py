@@ -29,6 +29,7 @@ __all__ = [
     "Hybrid",
     "pack_twell_reference",
     "pack_hybrid_reference",
+    "hybrid_from_row_twell",
     "relu_matmul",
 ]
 
@@ -237,12 +238,38 @@ def pack_hybrid_reference(a: jax.Array, *, width: int = 128, backup_capacity: in
 
     ``backup_capacity`` defaults to ``M`` (every row can overflow; always complete).
     """
-    m, f = a.shape[-2], a.shape[-1]
+    f = a.shape[-1]
     k = min(width, f)
     vals, cols, counts = _first_nonzeros(a, k)
     if k < width:
         pad = [(0, 0)] * (vals.ndim - 1) + [(0, width - k)]
         vals, cols = jnp.pad(vals, pad), jnp.pad(cols, pad)
+    return hybrid_with_backup(vals, cols, counts, a, backup_capacity)
+
+
+def hybrid_from_row_twell(rows: TwELL, a: jax.Array, *, width: int, backup_capacity: int | None = None) -> Hybrid:
+    """The Hybrid of ``a [..., M, f]`` from its TwELL packed with one tile per row.
+
+    ``rows`` must come from packing ``a`` with ``tile >= f`` and ``capacity = min(width,
+    tile)`` (one tile holds the row: its entries are the row's first non-zeros in column
+    order and its count the row's count), which is how the CUDA pack kernel produces the
+    ELL part; the dense backup is then gathered from ``a``.
+    """
+    if rows.n_tiles != 1 or rows.f != a.shape[-1]:
+        raise ValueError(f"rows must hold one tile per row of f={a.shape[-1]} columns, got {rows.n_tiles} tiles of {rows.f}")
+    vals, cols, counts = rows.values[..., 0, :], rows.cols[..., 0, :].astype(jnp.int32), rows.counts[..., 0]
+    if vals.shape[-1] < width:
+        pad = [(0, 0)] * (vals.ndim - 1) + [(0, width - vals.shape[-1])]
+        vals, cols = jnp.pad(vals, pad), jnp.pad(cols, pad)
+    return hybrid_with_backup(vals, cols, counts, a, backup_capacity)
+
+
+def hybrid_with_backup(vals, cols, counts, a: jax.Array, backup_capacity: int | None) -> Hybrid:
+    """Completes the ELL part ``(vals, cols [..., M, width], counts [..., M])`` of ``a``
+    with its dense backup: the first ``backup_capacity`` rows (in row order) whose count
+    exceeds the width (default capacity ``M``)."""
+    m, f = a.shape[-2], a.shape[-1]
+    width = vals.shape[-1]
     b = m if backup_capacity is None else backup_capacity
     over = counts > width
     order = jnp.argsort(~over, axis=-1, stable=True)[..., :b].astype(jnp.int32)

@@ -127,3 +127,19 @@ def test_pack_bad_inputs():
         jt.pack_hybrid(a, width=0)
     with pytest.raises(ValueError, match="implementation must be one of"):
         jt.pack_twell(a, implementation="triton")
+
+
+@pytest.mark.parametrize("width,backup", [(4, None), (4, 2), (300, 0), (64, 5)])
+def test_hybrid_from_one_tile_per_row_twell(width, backup):
+    """The CUDA hybrid pack (TwELL with one tile per row, then the backup) is the reference."""
+    from jax_twell.formats import hybrid_from_row_twell, pack_twell_reference
+
+    a = adversarial_activation(jax.random.key(7), 12, 150).reshape(2, 6, 150)
+    row_tile = 160
+    rows = pack_twell_reference(a, tile=row_tile, capacity=min(width, row_tile))
+    got = hybrid_from_row_twell(rows, a, width=width, backup_capacity=backup)
+    want = jt.pack_hybrid(a, width=width, backup_capacity=backup, implementation="reference")
+    for name in ("values", "cols", "counts", "backup_values", "backup_rows"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        np.testing.assert_array_equal(g, w, err_msg=name)

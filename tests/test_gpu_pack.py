@@ -14,15 +14,19 @@ from test_formats import adversarial_activation
 pytestmark = pytest.mark.gpu
 
 
-def assert_same_twell(got: jt.TwELL, want: jt.TwELL):
-    assert (got.f, got.tile) == (want.f, want.tile)
-    for name in ("values", "cols", "counts"):
-        g, w = getattr(got, name), getattr(want, name)
+def assert_same_fields(got, want, names):
+    """Bit-equal arrays (NaN payloads included) for each field in ``names``."""
+    for name in names:
+        g, w = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
         assert g.shape == w.shape and g.dtype == w.dtype, name
-        g, w = np.asarray(g), np.asarray(w)
-        if g.dtype.itemsize == 2:  # compare bits: NaN payloads must survive too
+        if g.dtype.itemsize == 2:
             g, w = g.view(np.uint16), w.view(np.uint16)
         np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def assert_same_twell(got: jt.TwELL, want: jt.TwELL):
+    assert (got.f, got.tile) == (want.f, want.tile)
+    assert_same_fields(got, want, ("values", "cols", "counts"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -57,3 +61,11 @@ def test_pack_kernel_leading_dims_vmap_and_auto():
     assert_same_twell(auto(a), want)
     empty = jt.pack_twell(jnp.zeros((0, 300), jnp.bfloat16), implementation="cuda")
     assert empty.values.shape == (0, 2, 32)
+
+
+@pytest.mark.parametrize("width,backup", [(128, None), (8, 3), (4, 0)])
+def test_hybrid_pack_kernel_matches_reference(width, backup):
+    a = adversarial_activation(jax.random.key(9), 300, 1000, dtype=jnp.bfloat16)
+    got = jax.jit(lambda a: jt.pack_hybrid(a, width=width, backup_capacity=backup, implementation="cuda"))(a)
+    want = jt.pack_hybrid(a, width=width, backup_capacity=backup, implementation="reference")
+    assert_same_fields(got, want, ("values", "cols", "counts", "backup_values", "backup_rows"))

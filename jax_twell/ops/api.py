@@ -18,7 +18,7 @@ import functools
 import jax
 
 from jax_twell import _kernels
-from jax_twell.formats import Hybrid, TwELL, pack_hybrid_reference, pack_twell_reference, relu_matmul
+from jax_twell.formats import Hybrid, TwELL, hybrid_from_row_twell, pack_hybrid_reference, pack_twell_reference, relu_matmul
 from jax_twell.ops import cuda, reference, xla
 from jax_twell.ops.sharded import FFNSharding, shard_ffn, shard_ffn_train
 from jax_twell.ops.common import IMPLEMENTATIONS, FFNAux, check_activation, check_ffn_args, check_projection_args, make_aux
@@ -35,6 +35,7 @@ __all__ = [
 DEFAULT_TILE = 256
 DEFAULT_CAPACITY = 32
 DEFAULT_WIDTH = 128
+MAX_TILE = 32768  # column offsets within a tile are int16
 
 
 def _choose(op: str, implementation: str | None, kernels: dict, portable: str):
@@ -59,8 +60,8 @@ def _choose(op: str, implementation: str | None, kernels: dict, portable: str):
 
 
 def _check_tiling(tile: int, capacity: int) -> None:
-    if not isinstance(tile, int) or tile <= 0 or tile % 32 or tile > 32768:
-        raise ValueError(f"tile must be a positive multiple of 32 and at most 32768, got {tile!r}")
+    if not isinstance(tile, int) or tile <= 0 or tile % 32 or tile > MAX_TILE:
+        raise ValueError(f"tile must be a positive multiple of 32 and at most {MAX_TILE}, got {tile!r}")
     if not isinstance(capacity, int) or not 1 <= capacity <= tile:
         raise ValueError(f"capacity must be an int in [1, tile={tile}], got {capacity!r}")
 
@@ -116,7 +117,8 @@ def pack_hybrid(
       a: ``[..., M, f]`` bf16, f16 or f32.
       width: ELL entries per row (default 128).
       backup_capacity: dense backup rows; default ``M`` (always complete).
-      implementation: "reference" or None.
+      implementation: "reference", "cuda" (the TwELL pack kernel with one tile per row
+        gives the ELL part; f up to 32768) or None.
     Returns:
       :class:`jax_twell.Hybrid`; see its docs for rows past the width and the backup.
     """
@@ -124,7 +126,17 @@ def pack_hybrid(
     if a.ndim < 2:
         raise ValueError(f"a must have shape [..., M, f], got {tuple(a.shape)}")
     _check_hybrid_layout(width, backup_capacity)
+    f = a.shape[-1]
+    row_tile = -(-f // 32) * 32
+
+    def cuda_pack(a):
+        # The TwELL pack kernel with one tile per row yields exactly the ELL part.
+        rows = cuda.pack_twell(a, tile=row_tile, capacity=min(width, row_tile))
+        return hybrid_from_row_twell(rows, a, width=width, backup_capacity=backup_capacity)
+
     kernels = dict(reference=functools.partial(pack_hybrid_reference, width=width, backup_capacity=backup_capacity))
+    if row_tile <= MAX_TILE:
+        kernels["cuda"] = cuda_pack
     return _choose("pack_hybrid", implementation, kernels, "reference")(a)
 
 
