@@ -18,6 +18,10 @@ Variants timed per configuration:
 - pret: as sparse, with the up weight given pre-transposed ([f, d], as a model can store it);
 - auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get).
 
+Each configuration gives one row per fused kernel ("kernel": "row" or "blocked", the
+``kernel=`` argument of cuda.sparse_ffn; the blocked kernel's "auto" is
+cuda.sparse_ffn(kernel="blocked") under the default rule); dense is timed once and shared.
+
 Usage: python benchmarks/bench_inference.py [--quick] [--out results.json]
 """
 
@@ -88,15 +92,24 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--kernels", default="row,blocked", help="comma-separated fused kernels to time")
     args = parser.parse_args()
+    kernels = args.kernels.split(",")
 
     dense_op = lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd)
-    sparse_op = lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE)
-    auto_op = lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd)
-    pret_op = lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
-        x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, w_up_t=wut
-    )
-    ops = dict(dense=dense_op, sparse=sparse_op, pret=pret_op, auto=auto_op)
+
+    def kernel_ops(kernel):
+        sparse_op = lambda x, wg, wu, wd: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, kernel=kernel
+        )
+        pret_op = lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, w_up_t=wut, kernel=kernel
+        )
+        if kernel == "row":
+            auto_op = lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd)
+        else:
+            auto_op = lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, kernel=kernel)
+        return dict(sparse=sparse_op, pret=pret_op, auto=auto_op)
 
     rows = []
     for m, d, f, density, pattern in grid(args.quick):
@@ -104,7 +117,7 @@ def main():
         act = jt.gate_twell(inp.x, inp.w_gate)
         counts = act.counts
         nnz = counts.sum(axis=-1)
-        row = dict(
+        base = dict(
             m=m, d=d, f=f, density=density, pattern=pattern,
             measured_active_fraction=float(nnz.mean() / f),
             max_active_per_row=int(nnz.max()),
@@ -112,31 +125,36 @@ def main():
         )
         clock = "loop" if m <= 64 else "call"
         w_up_t = inp.w_up.T.copy()
-        for name, op in ops.items():
-            operands = tuple(inp) + ((w_up_t,) if name == "pret" else ())
-            row[f"{name}_call_ms"] = 1e3 * time_calls(jax.jit(op), operands)
-            if m <= 64:
-                iters = 50
-                row[f"{name}_loop_ms"] = 1e3 * time_calls(looped(op, iters), operands) / iters
-        for name in ("sparse", "pret", "auto"):
-            row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
-        row["clock"] = clock
-        if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632:
-            gate = jax.jit(lambda x, w: jt.formats.relu_matmul(x, w))
-            gate_pack = jax.jit(lambda x, w: jt.gate_twell(x, w, implementation="cuda"))
-            transpose = jax.jit(lambda w: w.T + 0)
-            a = jt.gate_twell(inp.x, inp.w_gate, implementation="cuda")
-            kernel = jax.jit(lambda x, a, wg, wu, wd: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wu.T))
-            kernel_t = jax.jit(lambda x, a, wg, wu, wd, wut: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wut))
-            row["breakdown_ms"] = dict(
-                gate_matmul=1e3 * time_calls(gate, (inp.x, inp.w_gate)),
-                gate_and_pack=1e3 * time_calls(gate_pack, (inp.x, inp.w_gate)),
-                transpose_w_up=1e3 * time_calls(transpose, (inp.w_up,)),
-                fused_kernel_with_transpose=1e3 * time_calls(kernel, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down)),
-                fused_kernel_pretransposed=1e3 * time_calls(kernel_t, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T)),
-            )
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        dense_times = {"dense_call_ms": 1e3 * time_calls(jax.jit(dense_op), tuple(inp))}
+        if m <= 64:
+            dense_times["dense_loop_ms"] = 1e3 * time_calls(looped(dense_op, 50), tuple(inp)) / 50
+        for kernel in kernels:
+            row = dict(base, kernel=kernel, **dense_times)
+            for name, op in kernel_ops(kernel).items():
+                operands = tuple(inp) + ((w_up_t,) if name == "pret" else ())
+                row[f"{name}_call_ms"] = 1e3 * time_calls(jax.jit(op), operands)
+                if m <= 64:
+                    iters = 50
+                    row[f"{name}_loop_ms"] = 1e3 * time_calls(looped(op, iters), operands) / iters
+            for name in ("sparse", "pret", "auto"):
+                row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
+            row["clock"] = clock
+            if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632:
+                gate = jax.jit(lambda x, w: jt.formats.relu_matmul(x, w))
+                gate_pack = jax.jit(lambda x, w: jt.gate_twell(x, w, implementation="cuda"))
+                transpose = jax.jit(lambda w: w.T + 0)
+                a = jt.gate_twell(inp.x, inp.w_gate, implementation="cuda")
+                fused = jax.jit(lambda x, a, wg, wu, wd: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wu.T, kernel=kernel))
+                fused_t = jax.jit(lambda x, a, wg, wu, wd, wut: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wut, kernel=kernel))
+                row["breakdown_ms"] = dict(
+                    gate_matmul=1e3 * time_calls(gate, (inp.x, inp.w_gate)),
+                    gate_and_pack=1e3 * time_calls(gate_pack, (inp.x, inp.w_gate)),
+                    transpose_w_up=1e3 * time_calls(transpose, (inp.w_up,)),
+                    fused_kernel_with_transpose=1e3 * time_calls(fused, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down)),
+                    fused_kernel_pretransposed=1e3 * time_calls(fused_t, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down, w_up_t)),
+                )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
 
     # Where the tree was copied without git metadata, pass the commit in JAX_TWELL_COMMIT.
     git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -162,17 +180,17 @@ def main():
     out.write_text(json.dumps(result, indent=1))
 
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}")
-    print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'pret r':>6} {'auto ms':>8} {'auto r':>6}")
+    print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'kernel':>7} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'auto ms':>8} {'auto r':>6}")
     for r in rows:
         c = r["clock"]
         print(
-            f"{r['m']:>6} {r['d']:>5} {r['f']:>6} {r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>6.2f} "
+            f"{r['m']:>6} {r['d']:>5} {r['f']:>6} {r['density']:>6.3f} {r['pattern']:>8} {r['kernel']:>7} {100 * r['measured_active_fraction']:>6.2f} "
             f"{r['max_active_per_row']:>5} {c:>5} {r[f'dense_{c}_ms']:>9.4f} {r[f'sparse_{c}_ms']:>9.4f} {r['sparse_ratio']:>6.2f} "
             f"{r[f'auto_{c}_ms']:>8.4f} {r['auto_ratio']:>6.2f}"
         )
     for r in rows:
         if "breakdown_ms" in r:
-            print("breakdown (M=16384, 0.5% uniform):", {k: round(v, 4) for k, v in r["breakdown_ms"].items()})
+            print(f"breakdown {r['kernel']} (M=16384, 0.5% uniform):", {k: round(v, 4) for k, v in r["breakdown_ms"].items()})
 
 
 if __name__ == "__main__":

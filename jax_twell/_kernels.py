@@ -25,13 +25,15 @@ __all__ = ["kernels_available", "kernel_status", "KernelStatus", "HANDLERS"]
 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
     "jax_twell_pack": "JaxTwellPack",
     "jax_twell_ffn_gated": "JaxTwellFfnGated",
     "jax_twell_ffn": "JaxTwellFfn",
+    "jax_twell_ffn_blocked_gated": "JaxTwellFfnBlockedGated",
+    "jax_twell_ffn_blocked": "JaxTwellFfnBlocked",
 }
 _REGISTERED: set[str] = set()
 

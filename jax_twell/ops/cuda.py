@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_twell.formats import TwELL, relu_matmul
+from jax_twell.ops import blocked_emulation as _blocked
 from jax_twell.ops import xla
 
 __all__ = [
@@ -26,7 +27,13 @@ __all__ = [
     "check_supported",
     "dense_crossover",
     "set_dense_crossover",
+    "KERNELS",
+    "check_blocked_supported",
+    "blocked_max_entries",
+    "blocked_needed_entries",
 ]
+
+KERNELS = ("row", "blocked")
 
 
 def pack_twell(a: jax.Array, *, tile: int, capacity: int) -> TwELL:
@@ -89,8 +96,13 @@ def _twell_ffn_call(x, act: TwELL, w_act, w_up, w_down, w_up_t=None):
     return call(x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=np.int32(act.tile))
 
 
-def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None):
+def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = "row", max_entries: int | None = None):
     """FFN output from a packed activation by the fused ``jax_twell_ffn`` kernels.
+
+    ``kernel``: "row" (one CTA per token row, ffi/twell_ffn.cu) or "blocked" (token blocks
+    of 1024 sharing each weight slab, ffi/twell_ffn_blocked.cu; see :func:`blocked_ffn`,
+    whose fallbacks apply: f32 and calls needing more than ``max_entries`` entries run
+    the row kernel).
 
     Gated (``w_up`` given): ``y = (act * (x @ w_up)) @ w_down``; non-gated: ``y = act @ w_down``.
     Overflowed tiles are recomputed exactly inside the kernel from ``(x, w_act[, w_up])``.
@@ -105,7 +117,114 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None):
     Returns:
       y: ``[..., M, d]`` dtype of x.
     """
+    _check_kernel(kernel)
+    if kernel == "blocked":
+        return blocked_ffn(x, act, w_act, w_up, w_down, w_up_t=w_up_t, max_entries=max_entries)
     return _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t)
+
+
+# ---------------------------------------------------------------------------------------
+# Token-blocked fused up + down (ffi/twell_ffn_blocked.cu; algorithm and layout modelled in
+# jax_twell/ops/blocked_emulation.py).
+
+BLOCKED_MIN_TOKENS = 256  # below, the row kernel reads fewer weight bytes (see DenseCrossover)
+
+
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+
+
+def check_blocked_supported(d: int, tile: int) -> None:
+    """Raises ValueError naming the constraint when the blocked kernel can't take the shape.
+
+    d must be a multiple of 64 (the up step's column ranges) and at most 16384; the TwELL
+    tile at most 256 (a tile's weight slab is staged in shared memory).
+    """
+    if d % _blocked.UP_COLS or d > 16384:
+        raise ValueError(
+            f"the blocked TwELL FFN kernel needs d a multiple of {_blocked.UP_COLS} and at most 16384, got d={d}; "
+            "use kernel='row'"
+        )
+    if tile > _blocked.MAX_TILE:
+        raise ValueError(f"the blocked TwELL FFN kernel needs tile <= {_blocked.MAX_TILE}, got {tile}; use kernel='row'")
+
+
+def blocked_max_entries(m: int, f: int, tile: int, capacity: int) -> int:
+    """Static entry budget of the blocked kernel's workspace for ``m`` tokens.
+
+    An entry is one active (token, neuron) pair, or one column of an overflowed tile.
+    Budget: ``m * min(f // 32, n_tiles * capacity)`` (3.1% of f per token on average,
+    never more than the TwELL's slots), at least one tile width. Workspace bytes:
+    ``4 * entries * (1 + d / 64)`` gated (entries + partial up sums), ``4 * entries``
+    non-gated; at M=16384, d=2048, f=5632: 2.9M entries, 380 MB. Calls that need more
+    (denser than the budget, or many overflowed tiles, each taking its full width) run
+    the row kernel (exact; dense is faster there anyway).
+    """
+    n_tiles = -(-f // tile)
+    return max(tile, m * min(f // 32, n_tiles * capacity))
+
+
+def blocked_needed_entries(act: TwELL) -> jax.Array:
+    """``[]`` int32: entries the blocked kernel needs for ``act`` (stored entries, plus the
+    full width of every overflowed tile, recomputed from the weights)."""
+    width = jnp.minimum(act.tile, act.f - act.tile * jnp.arange(act.n_tiles, dtype=jnp.int32))
+    return jnp.where(act.overflowed, width, act.counts).sum(dtype=jnp.int32)
+
+
+def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int):
+    m, d = int(np.prod(x.shape[:-1])), x.shape[-1]
+    n_blocks = -(-m // _blocked.BLOCK_TOKENS)
+    workspace = [
+        jax.ShapeDtypeStruct((n_blocks * act.n_tiles + 1,), jnp.int32),
+        jax.ShapeDtypeStruct((n_blocks, act.n_tiles, _blocked.BLOCK_TOKENS + 1), jnp.int32),
+        jax.ShapeDtypeStruct((max_entries,), jnp.uint32),
+    ]
+    y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    tile = np.int32(act.tile)
+    if w_up is None:
+        call = jax.ffi.ffi_call("jax_twell_ffn_blocked", (y_type, *workspace), vmap_method="sequential")
+        return call(x, act.values, act.cols, act.counts, w_act, w_down, tile=tile)
+    workspace.append(jax.ShapeDtypeStruct((d // _blocked.UP_COLS, max_entries), jnp.float32))
+    if w_up_t is None:
+        w_up_t = w_up.T
+    call = jax.ffi.ffi_call("jax_twell_ffn_blocked_gated", (y_type, *workspace), vmap_method="sequential")
+    return call(x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=tile)
+
+
+def blocked_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, max_entries: int | None = None, workspace: bool = False):
+    """Fused up + down over token blocks (``jax_twell_ffn_blocked[_gated]``).
+
+    Same math and arguments as :func:`twell_ffn`. Per block of 1024 tokens each weight slab
+    is read once, so weight traffic is ``ceil(M/1024) * (|Wu| + |Wd|)`` instead of
+    ``nnz * 2 * d * itemsize``. Overflowed tiles are recomputed exactly from the weights.
+
+    Constraints: bf16 or f16 (f32 runs the row kernel); d a multiple of 64 and at most
+    16384, tile at most 256 (ValueError otherwise, see :func:`check_blocked_supported`).
+    ``max_entries`` (default :func:`blocked_max_entries`) sizes the workspace; a call that
+    needs more entries runs the row kernel instead (decided on the device, exact).
+    ``workspace=True`` (tests) returns ``(y, seg_start, tok_off, entries[, partial])``
+    from the blocked kernel alone, without the fallback.
+    """
+    if jnp.dtype(x.dtype) == jnp.float32:
+        if workspace:
+            raise ValueError("the blocked kernel takes bf16 or f16; f32 runs the row kernel")
+        return _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t)
+    check_blocked_supported(x.shape[-1], act.tile)
+    check_supported(x.shape[-1], x.dtype)
+    m = int(np.prod(x.shape[:-1]))
+    if max_entries is None:
+        max_entries = blocked_max_entries(m, act.f, act.tile, act.capacity)
+    if workspace:
+        return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries)
+    if m == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    fits = blocked_needed_entries(act) <= max_entries
+    return jax.lax.cond(
+        fits,
+        lambda: _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries)[0],
+        lambda: _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +255,24 @@ class DenseCrossover:
     overflow_penalty: float = 2.0e-6
     fixed_overhead: float = 1.0e-5
     margin: float = 1.0
+    # Blocked kernel (predicted, not yet measured: ffi/notes/twell_ffn_blocked.md).
+    blocked_weight_bandwidth: float = 7.0e12
+    blocked_pair_rate: float = 1.2e13
+    blocked_fixed_overhead: float = 3.0e-5
+
+    def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
+        """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
+        plus CUDA-core work per (pair, model column) of the up and down steps."""
+        n_blocks = -(-m // _blocked.BLOCK_TOKENS)
+        weights = n_blocks * 2.0 * d * f * itemsize / self.blocked_weight_bandwidth
+        pairs = jnp.asarray(nnz).astype(jnp.float32) * (2.0 * d / self.blocked_pair_rate)
+        return weights + pairs + self.blocked_fixed_overhead
+
+    def row_cost(self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool) -> jax.Array:
+        """Seconds for the row kernel (the ``sparse`` side of :meth:`use_sparse`)."""
+        sparse = jnp.asarray(nnz).astype(jnp.float32) * (2.0 * d * itemsize / self.pair_bandwidth)
+        sparse = sparse + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
+        return sparse + self.sparse_fixed_cost(d, f, itemsize, transposed)
 
     def dense_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
         return max(4.0 * m * d * f / self.matmul_rate, 2.0 * d * f * itemsize / self.hbm_bandwidth)
@@ -154,9 +291,7 @@ class DenseCrossover:
         """``[]`` bool on device: True where the fused sparse kernel should run."""
         if self.margin == float("inf"):
             return jnp.bool_(True)
-        sparse = jnp.asarray(nnz).astype(jnp.float32) * (2.0 * d * itemsize / self.pair_bandwidth)
-        sparse = sparse + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
-        sparse = sparse + self.sparse_fixed_cost(d, f, itemsize, transposed)
+        sparse = self.row_cost(nnz, n_overflow, d, f, itemsize, transposed)
         return sparse < self.margin * self.dense_cost(m, d, f, itemsize)
 
 
@@ -187,14 +322,24 @@ def sparse_ffn(
     capacity: int,
     crossover: DenseCrossover | None = None,
     w_up_t=None,
+    kernel: str = "row",
 ):
     """Inference FFN: XLA gate matmul, ``jax_twell_pack``, then the fused kernel or dense.
+
+    ``kernel``: "row" (default) or "blocked". With "blocked", the call picks on the
+    device, per call, among dense, the row kernel and the blocked kernel by the rule's
+    costs (:meth:`DenseCrossover.blocked_cost`), the blocked kernel only where its
+    workspace holds the call's entries; M below ``BLOCKED_MIN_TOKENS`` (decode sizes) is
+    decided at trace time as with "row" (a block would read all weights for few pairs).
+    f32, or d/tile shapes the blocked kernel does not take, raise or run "row" as
+    :func:`blocked_ffn` says. A margin of inf forces the blocked kernel (when it fits).
 
     x: ``[M, d]``; weights as in :func:`jax_twell.sparse_ffn`. Where ``crossover`` (default
     :func:`dense_crossover`) predicts the dense path is faster for this call's sparsity,
     the up and down projections run dense through XLA from the same gate activation.
     ``w_up_t``: optional ``[f, d]`` pre-transposed up weight (see :func:`twell_ffn`).
     """
+    _check_kernel(kernel)
     rule = _crossover if crossover is None else crossover
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -218,6 +363,24 @@ def sparse_ffn(
             h = h * jnp.matmul(x, w_up, preferred_element_type=jnp.float32).astype(x.dtype)
         return jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
 
+    blocked = kernel == "blocked" and m >= BLOCKED_MIN_TOKENS and jnp.dtype(x.dtype) != jnp.float32
+    if blocked:
+        check_blocked_supported(d, tile)
+        max_entries = blocked_max_entries(m, f, tile, capacity)
+        fits = blocked_needed_entries(act) <= max_entries
+        row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
+        blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
+        if rule.margin == float("inf"):
+            choice = jnp.where(fits, 2, 1)
+        else:
+            choice = jnp.where(use_sparse, jnp.where(fits & (blocked_cost < row_cost), 2, 1), 0)
+            dense_cost = rule.dense_cost(m, d, f, x.dtype.itemsize)
+            choice = jnp.where(fits & (blocked_cost < rule.margin * dense_cost) & (blocked_cost < row_cost), 2, choice)
+
+        def blocked_branch(_):
+            return _blocked_call(x, act, w_act, w_up if gated else None, w_down, w_up_t, max_entries)[0]
+
+        return jax.lax.switch(choice, (dense, sparse, blocked_branch), None)
     if rule.margin == float("inf"):
         return sparse(None)
     return jax.lax.cond(use_sparse, sparse, dense, None)

@@ -1,0 +1,602 @@
+// twell_ffn_blocked: fused up + down projection of the sparse FFN over token blocks, so a
+// weight slab is read once per block of 1024 tokens instead of once per active pair.
+//
+//   gated:      y[t] = sum_j  bf16(g[t,j] * bf16(x[t] . Wu[:, j])) * Wd[j, :]
+//   non-gated:  y[t] = sum_j  a[t,j] * Wd[j, :]
+//
+// Layout and arithmetic are modelled step by step in jax_twell/ops/blocked_emulation.py
+// (same constants, same f32 operation order); read its docstring first. Launches, in order:
+//   K0a Layout    grid (tile, block): entries reserved per token of the (block, tile)
+//                 segment (the stored count, or the tile width for an overflowed tile),
+//                 exclusive prefix -> tok_off.
+//   K0b SegScan   one CTA: prefix over segments (block-major) -> seg_start, total.
+//   K0c Scatter   grid (tile, block): entry words (value bits << 16 | column) in segment
+//                 order; flagged placeholders for every column of an overflowed tile.
+//   Recompute     grid (tile, block): overflowed tiles, h exactly from x and the [d, f]
+//                 weights (one thread per column, 2 MB of weight reads per tile at d=2048).
+//   K1 Up         grid (d/64, block), gated only: 8 lanes per token hold x[t, 64 columns]
+//                 in registers; per tile the Wu^T slab [tile, 64] and the segment's
+//                 offsets and entries are staged in shared memory (cp.async, two stages);
+//                 per entry one 8-lane dot -> partial[range, entry] (f32).
+//   K1.5 Finish   per entry: h = round(g * round(sum of the partials in range order)).
+//   K2 Down       grid (d/32, block): 4 lanes per token hold y[t, 32 columns] in f32
+//                 registers; per tile the Wd slab [tile, 32] is staged; each token's
+//                 entries are applied in order (tiles ascending, columns ascending within a
+//                 tile = neuron order); y written once, rounded. No atomics: deterministic.
+// Traffic at M=16384, d=2048, f=5632, 0.5% active: weights 16 blocks x (|Wu| + |Wd|) =
+// 0.74 GB, mostly L2; partials 2 x 59 MB; entries (4 B) re-read per d-range CTA: 0.2 GB.
+// Workspace results (static sizes): seg_start, tok_off, entries [max_entries], partial
+// [d/64, max_entries] (gated). When the needed entries exceed max_entries nothing past
+// the workspace is written and y is NaN (the op checks first and never lets that happen).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+
+namespace jax_twell {
+namespace {
+
+constexpr int kBlockTokens = 1024;
+constexpr int kUpCols = 64;
+constexpr int kUpLanes = 8;
+constexpr int kDownCols = 32;
+constexpr int kDownLanes = 4;
+constexpr int kMaxTile = 256;
+constexpr int kThreads = 512;
+constexpr int kStageEntries = 4096;  // larger segments are read from global memory
+constexpr int kMaxTiles = 4096;
+constexpr uint32_t kFlag = 0x8000u;
+constexpr uint32_t kColumnMask = 0x7fffu;
+
+struct Bf16 {
+  __device__ static float ToFloat(uint32_t b) { return __uint_as_float((b & 0xffffu) << 16); }
+  __device__ static uint32_t FromFloat(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+struct F16 {
+  __device__ static float ToFloat(uint32_t b) { return __half2float(__ushort_as_half(static_cast<uint16_t>(b))); }
+  __device__ static uint32_t FromFloat(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+
+template <typename E>
+__device__ __forceinline__ float Round(float v) {
+  return E::ToFloat(E::FromFloat(v));
+}
+
+// Eight 2-byte elements of a 16-byte vector, as floats.
+template <typename E>
+__device__ __forceinline__ void Unpack8(const uint4& raw, float (&v)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = E::ToFloat(w[i] & 0xffffu);
+    v[2 * i + 1] = E::ToFloat(w[i] >> 16);
+  }
+}
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SmemAddr(dst)), "l"(src));
+}
+__device__ __forceinline__ void CpAsync4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SmemAddr(dst)), "l"(src));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+struct Shapes {
+  int64_t rows;
+  int d, f, tile, capacity, n_tiles, n_blocks;
+  int64_t max_entries;
+};
+
+__device__ __forceinline__ int TileWidth(const Shapes& s, int k) { return min(s.tile, s.f - k * s.tile); }
+__device__ __forceinline__ bool OverBudget(const Shapes& s, const int32_t* seg_start) {
+  return seg_start[s.n_blocks * s.n_tiles] > s.max_entries;
+}
+
+// Block-wide exclusive scan of one int per thread (blockDim.x a multiple of 32, <= 1024).
+__device__ int BlockExclusiveScan(int v, int* scratch, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  int inclusive = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += other;
+  }
+  if (lane == 31) scratch[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < n_warps ? scratch[lane] : 0;
+    int wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int other = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += other;
+    }
+    if (lane < n_warps) scratch[lane] = wi - w;
+    if (lane == 31) *total = wi;
+  }
+  __syncthreads();
+  const int result = scratch[warp] + inclusive - v;
+  __syncthreads();  // scratch may be reused by the caller
+  return result;
+}
+
+// K0a. Thread i holds tokens 2i and 2i+1 of the block.
+__global__ void __launch_bounds__(kThreads) TwellBlockedLayoutKernel(const int32_t* __restrict__ counts,
+                                                         int32_t* __restrict__ tok_off, Shapes s) {
+  __shared__ int scratch[32];
+  __shared__ int total;
+  const int k = blockIdx.x, b = blockIdx.y;
+  const int width = TileWidth(s, k);
+  int r[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + 2 * threadIdx.x + q;
+    const int c = t < s.rows ? counts[t * s.n_tiles + k] : 0;
+    r[q] = c > s.capacity ? width : c;
+  }
+  const int base = BlockExclusiveScan(r[0] + r[1], scratch, &total);
+  int32_t* off = tok_off + (static_cast<int64_t>(b) * s.n_tiles + k) * (kBlockTokens + 1);
+  off[2 * threadIdx.x] = base;
+  off[2 * threadIdx.x + 1] = base + r[0];
+  if (threadIdx.x == 0) off[kBlockTokens] = total;
+}
+
+// K0b. Segment totals are tok_off[seg][kBlockTokens]; seg_start has one more slot (total).
+__global__ void __launch_bounds__(1024) TwellBlockedSegScanKernel(const int32_t* __restrict__ tok_off,
+                                                      int32_t* __restrict__ seg_start, int n_seg) {
+  __shared__ int scratch[32];
+  __shared__ int total;
+  int carry = 0;  // fits: the handler checks M * f < 2^31
+  for (int s0 = 0; s0 < n_seg; s0 += blockDim.x) {
+    const int seg = s0 + threadIdx.x;
+    const int len = seg < n_seg ? tok_off[static_cast<int64_t>(seg) * (kBlockTokens + 1) + kBlockTokens] : 0;
+    const int off = BlockExclusiveScan(len, scratch, &total);
+    if (seg < n_seg) seg_start[seg] = carry + off;
+    carry += total;
+  }
+  if (threadIdx.x == 0) seg_start[n_seg] = carry;
+}
+
+// K0c. One warp per token of the (block, tile) segment; lanes copy its entries.
+template <typename Bits>
+__global__ void __launch_bounds__(256) TwellBlockedScatterKernel(const Bits* __restrict__ values,
+                                                     const int16_t* __restrict__ cols,
+                                                     const int32_t* __restrict__ counts,
+                                                     const int32_t* __restrict__ tok_off,
+                                                     const int32_t* __restrict__ seg_start,
+                                                     uint32_t* __restrict__ entries, Shapes s) {
+  const int k = blockIdx.x, b = blockIdx.y;
+  const int seg = b * s.n_tiles + k;
+  const int32_t* off = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
+  const int64_t base = seg_start[seg];
+  const int width = TileWidth(s, k);
+  const int lane = threadIdx.x % 32;
+  for (int i = threadIdx.x / 32; i < kBlockTokens; i += blockDim.x / 32) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
+    if (t >= s.rows) break;
+    const int c = counts[t * s.n_tiles + k];
+    const int64_t e0 = base + off[i];
+    if (c <= s.capacity) {
+      const int64_t src = (t * s.n_tiles + k) * s.capacity;
+      for (int e = lane; e < c; e += 32)
+        if (e0 + e < s.max_entries)
+          entries[e0 + e] = (static_cast<uint32_t>(values[src + e]) << 16) |
+                            (static_cast<uint32_t>(cols[src + e]) & kColumnMask);
+    } else {
+      for (int e = lane; e < width; e += 32)
+        if (e0 + e < s.max_entries) entries[e0 + e] = kFlag | static_cast<uint32_t>(e);
+    }
+  }
+}
+
+// Overflowed (token, tile) pairs of a (block, tile): one thread per column of the tile.
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(kMaxTile) TwellBlockedRecomputeKernel(
+    const uint16_t* __restrict__ x, const int32_t* __restrict__ counts,
+    const uint16_t* __restrict__ w_act, const uint16_t* __restrict__ w_up,
+    const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
+    uint32_t* __restrict__ entries, Shapes s) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint16_t* x_s = reinterpret_cast<uint16_t*>(smem_raw);
+  __shared__ int over_tokens[kBlockTokens];
+  __shared__ int n_over;
+  if (OverBudget(s, seg_start)) return;
+  const int k = blockIdx.x, b = blockIdx.y;
+  const int seg = b * s.n_tiles + k;
+  if (threadIdx.x == 0) n_over = 0;
+  __syncthreads();
+  // The list order only decides which token this CTA recomputes first, not any value.
+  for (int i = threadIdx.x; i < kBlockTokens; i += blockDim.x) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
+    if (t < s.rows && counts[t * s.n_tiles + k] > s.capacity) over_tokens[atomicAdd(&n_over, 1)] = i;
+  }
+  __syncthreads();
+  const int width = TileWidth(s, k);
+  const int col = k * s.tile + threadIdx.x;
+  for (int o = 0; o < n_over; ++o) {
+    const int i = over_tokens[o];
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
+    for (int c = threadIdx.x; c < s.d; c += blockDim.x) x_s[c] = x[t * s.d + c];
+    __syncthreads();
+    if (threadIdx.x < width) {
+      float pre = 0.f, up = 0.f;
+      for (int c = 0; c < s.d; ++c) {
+        const float xc = E::ToFloat(x_s[c]);
+        pre = fmaf(xc, E::ToFloat(w_act[static_cast<int64_t>(c) * s.f + col]), pre);
+        if constexpr (kGated) up = fmaf(xc, E::ToFloat(w_up[static_cast<int64_t>(c) * s.f + col]), up);
+      }
+      const float g = Round<E>(pre > 0.f ? pre : 0.f);
+      const float h = kGated ? Round<E>(g * Round<E>(up)) : g;
+      const int64_t e = seg_start[seg] + tok_off[static_cast<int64_t>(seg) * (kBlockTokens + 1) + i] + threadIdx.x;
+      entries[e] = (E::FromFloat(h) << 16) | kFlag | static_cast<uint32_t>(threadIdx.x);
+    }
+    __syncthreads();
+  }
+}
+
+// Shared-memory stages of K1/K2: weight slab [kMaxTile, kCols], token offsets, entries.
+template <int kCols>
+struct Stages {
+  static constexpr int kSlab = kMaxTile * kCols * 2;
+  static constexpr int kOff = (kBlockTokens + 1 + 3) / 4 * 16;
+  static constexpr int kEnt = kStageEntries * 4;
+  static constexpr int kStage = kSlab + kOff + kEnt;
+  static int Bytes(int n_tiles) { return 2 * kStage + (n_tiles + 1 + 3) / 4 * 16; }
+};
+
+// Stages tile k of block b into buffer `stage`: the slab rows w[k*tile + c, col0 .. col0+kCols)
+// (w is [f, d]), the segment's token offsets and, when they fit, its entries.
+template <int kCols>
+__device__ void StageTile(uint8_t* stage, const uint16_t* w, const int32_t* tok_off,
+                          const uint32_t* entries, const int32_t* seg_s, int b, int k, int col0,
+                          const Shapes& s) {
+  constexpr int kVecs = kCols / 8;  // 16-byte vectors per slab row
+  uint16_t* slab = reinterpret_cast<uint16_t*>(stage);
+  int32_t* off = reinterpret_cast<int32_t*>(stage + Stages<kCols>::kSlab);
+  uint32_t* ent = reinterpret_cast<uint32_t*>(stage + Stages<kCols>::kSlab + Stages<kCols>::kOff);
+  const int width = TileWidth(s, k);
+  const int64_t row0 = static_cast<int64_t>(k) * s.tile;
+  for (int v = threadIdx.x; v < width * kVecs; v += blockDim.x) {
+    const int row = v / kVecs, q = v % kVecs;
+    CpAsync16(slab + row * kCols + q * 8, w + (row0 + row) * s.d + col0 + q * 8);
+  }
+  const int seg = b * s.n_tiles + k;
+  const int32_t* off_g = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
+  for (int i = threadIdx.x; i <= kBlockTokens; i += blockDim.x) CpAsync4(off + i, off_g + i);
+  const int base = seg_s[k], len = seg_s[k + 1] - base;
+  if (len <= kStageEntries)
+    for (int e = threadIdx.x; e < len; e += blockDim.x) CpAsync4(ent + e, entries + base + e);
+  CpAsyncCommit();
+}
+
+// K1. Group g (8 lanes) owns tokens g + 64 j, j < 16; lane q of the group columns 8q..8q+7.
+template <typename E>
+__global__ void __launch_bounds__(kThreads, 1) TwellBlockedUpKernel(
+    const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_up_t,
+    const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
+    const uint32_t* __restrict__ entries, float* __restrict__ partial, Shapes s) {
+  constexpr int kGroups = kThreads / kUpLanes;
+  constexpr int kTokensPerGroup = kBlockTokens / kGroups;
+  using St = Stages<kUpCols>;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * St::kStage);
+  if (OverBudget(s, seg_start)) return;
+  const int r = blockIdx.x, b = blockIdx.y;
+  const int col0 = r * kUpCols;
+  const int group = threadIdx.x / kUpLanes, q = threadIdx.x % kUpLanes;
+  const unsigned mask = 0xffu << (threadIdx.x % 32 / kUpLanes * kUpLanes);
+  for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
+  __syncthreads();
+  StageTile<kUpCols>(smem_raw, w_up_t, tok_off, entries, seg_s, b, 0, col0, s);
+
+  uint4 xr[kTokensPerGroup];
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + group + kGroups * j;
+    xr[j] = t < s.rows ? *reinterpret_cast<const uint4*>(x + t * s.d + col0 + q * 8) : make_uint4(0, 0, 0, 0);
+  }
+  float* partial_r = partial + static_cast<int64_t>(r) * s.max_entries;
+
+  for (int k = 0; k < s.n_tiles; ++k) {
+    CpAsyncWaitAll();
+    __syncthreads();
+    if (k + 1 < s.n_tiles)
+      StageTile<kUpCols>(smem_raw + ((k + 1) % 2) * St::kStage, w_up_t, tok_off, entries, seg_s, b, k + 1, col0, s);
+    const uint8_t* stage = smem_raw + (k % 2) * St::kStage;
+    const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
+    const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
+    const int base = seg_s[k];
+    const uint32_t* ent = seg_s[k + 1] - base <= kStageEntries
+                              ? reinterpret_cast<const uint32_t*>(stage + St::kSlab + St::kOff)
+                              : entries + base;
+#pragma unroll
+    for (int j = 0; j < kTokensPerGroup; ++j) {
+      const int i = group + kGroups * j;
+      if (static_cast<int64_t>(b) * kBlockTokens + i >= s.rows) continue;
+      const int lo = off[i], hi = off[i + 1];
+      if (hi == lo || (ent[lo] & kFlag)) continue;  // empty, or an overflowed tile (recomputed)
+      float xv[8];
+      Unpack8<E>(xr[j], xv);
+      for (int e = lo; e < hi; ++e) {
+        const uint32_t c = ent[e] & kColumnMask;
+        float wv[8];
+        Unpack8<E>(*reinterpret_cast<const uint4*>(slab + c * kUpCols + q * 8), wv);
+        float acc = 0.f;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) acc = fmaf(xv[v], wv[v], acc);
+        acc += __shfl_xor_sync(mask, acc, 4, kUpLanes);
+        acc += __shfl_xor_sync(mask, acc, 2, kUpLanes);
+        acc += __shfl_xor_sync(mask, acc, 1, kUpLanes);
+        if (q == 0) partial_r[base + e] = acc;
+      }
+    }
+  }
+}
+
+// K1.5. One thread per entry: sums the partials in range order, rounds like the reference.
+template <typename E>
+__global__ void __launch_bounds__(256) TwellBlockedFinishKernel(const float* __restrict__ partial,
+                                                    const int32_t* __restrict__ seg_start,
+                                                    uint32_t* __restrict__ entries, int n_ranges,
+                                                    Shapes s) {
+  if (OverBudget(s, seg_start)) return;
+  const int64_t total = seg_start[s.n_blocks * s.n_tiles];
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t word = entries[e];
+    if (word & kFlag) continue;
+    float u = 0.f;
+    for (int r = 0; r < n_ranges; ++r) u += partial[static_cast<int64_t>(r) * s.max_entries + e];
+    const float h = Round<E>(E::ToFloat(word >> 16) * Round<E>(u));
+    entries[e] = (E::FromFloat(h) << 16) | (word & 0xffffu);
+  }
+}
+
+// K2. Group g (4 lanes) owns tokens g + 128 j, j < 8; lane q of the group columns 8q..8q+7.
+template <typename E>
+__global__ void __launch_bounds__(kThreads, 1) TwellBlockedDownKernel(
+    const uint16_t* __restrict__ w_down, const int32_t* __restrict__ tok_off,
+    const int32_t* __restrict__ seg_start, const uint32_t* __restrict__ entries,
+    uint16_t* __restrict__ y, Shapes s) {
+  constexpr int kGroups = kThreads / kDownLanes;
+  constexpr int kTokensPerGroup = kBlockTokens / kGroups;
+  using St = Stages<kDownCols>;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * St::kStage);
+  const int r = blockIdx.x, b = blockIdx.y;
+  const int col0 = r * kDownCols;
+  const int group = threadIdx.x / kDownLanes, q = threadIdx.x % kDownLanes;
+  const bool over_budget = OverBudget(s, seg_start);
+
+  float acc[kTokensPerGroup][8];
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j)
+#pragma unroll
+    for (int v = 0; v < 8; ++v) acc[j][v] = 0.f;
+
+  if (!over_budget) {
+    for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
+    __syncthreads();
+    StageTile<kDownCols>(smem_raw, w_down, tok_off, entries, seg_s, b, 0, col0, s);
+    for (int k = 0; k < s.n_tiles; ++k) {
+      CpAsyncWaitAll();
+      __syncthreads();
+      if (k + 1 < s.n_tiles)
+        StageTile<kDownCols>(smem_raw + ((k + 1) % 2) * St::kStage, w_down, tok_off, entries, seg_s, b, k + 1, col0, s);
+      const uint8_t* stage = smem_raw + (k % 2) * St::kStage;
+      const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
+      const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
+      const int base = seg_s[k];
+      const uint32_t* ent = seg_s[k + 1] - base <= kStageEntries
+                                ? reinterpret_cast<const uint32_t*>(stage + St::kSlab + St::kOff)
+                                : entries + base;
+#pragma unroll
+      for (int j = 0; j < kTokensPerGroup; ++j) {
+        const int i = group + kGroups * j;
+        const int lo = off[i], hi = off[i + 1];  // zero-length past the last token
+        for (int e = lo; e < hi; ++e) {
+          const uint32_t word = ent[e];
+          const float h = E::ToFloat(word >> 16);
+          float wv[8];
+          Unpack8<E>(*reinterpret_cast<const uint4*>(slab + (word & kColumnMask) * kDownCols + q * 8), wv);
+#pragma unroll
+          for (int v = 0; v < 8; ++v) acc[j][v] = fmaf(h, wv[v], acc[j][v]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + group + kGroups * j;
+    if (t >= s.rows) continue;
+    uint32_t out[4];
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const float lo = over_budget ? __int_as_float(0x7fc00000) : acc[j][2 * v];
+      const float hi = over_budget ? __int_as_float(0x7fc00000) : acc[j][2 * v + 1];
+      out[v] = E::FromFloat(lo) | (E::FromFloat(hi) << 16);
+    }
+    *reinterpret_cast<uint4*>(y + t * s.d + col0 + q * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+template <typename E, bool kGated>
+ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const void* values,
+                  const int16_t* cols, const int32_t* counts, const void* w_act, const void* w_up,
+                  const void* w_up_t, const void* w_down, void* y, int32_t* seg_start,
+                  int32_t* tok_off, uint32_t* entries, float* partial) {
+  const auto* x16 = static_cast<const uint16_t*>(x);
+  const dim3 segments(s.n_tiles, s.n_blocks);
+  TwellBlockedLayoutKernel<<<segments, kThreads, 0, stream>>>(counts, tok_off, s);
+  TwellBlockedSegScanKernel<<<1, 1024, 0, stream>>>(tok_off, seg_start, s.n_blocks * s.n_tiles);
+  TwellBlockedScatterKernel<uint16_t><<<segments, 256, 0, stream>>>(static_cast<const uint16_t*>(values), cols, counts,
+                                                        tok_off, seg_start, entries, s);
+  ffi::Error status = LaunchStatus("twell_ffn_blocked layout");
+  if (status.failure()) return status;
+  TwellBlockedRecomputeKernel<E, kGated><<<segments, kMaxTile, s.d * 2, stream>>>(
+      x16, counts, static_cast<const uint16_t*>(w_act), static_cast<const uint16_t*>(w_up), tok_off, seg_start,
+      entries, s);
+  status = LaunchStatus("twell_ffn_blocked recompute");
+  if (status.failure()) return status;
+  if constexpr (kGated) {
+    const int smem = Stages<kUpCols>::Bytes(s.n_tiles);
+    cudaFuncSetAttribute(TwellBlockedUpKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedUpKernel<E><<<dim3(s.d / kUpCols, s.n_blocks), kThreads, smem, stream>>>(
+        x16, static_cast<const uint16_t*>(w_up_t), tok_off, seg_start, entries, partial, s);
+    status = LaunchStatus("twell_ffn_blocked up");
+    if (status.failure()) return status;
+    const int64_t blocks = std::min<int64_t>(CeilDiv(s.max_entries, 256), 132 * 16);
+    TwellBlockedFinishKernel<E><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(partial, seg_start, entries,
+                                                                       s.d / kUpCols, s);
+    status = LaunchStatus("twell_ffn_blocked finish");
+    if (status.failure()) return status;
+  }
+  const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
+  cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
+      static_cast<const uint16_t*>(w_down), tok_off, seg_start, entries, static_cast<uint16_t*>(y), s);
+  return LaunchStatus("twell_ffn_blocked down");
+}
+
+bool SameDims(ffi::AnyBuffer::Dimensions a, std::initializer_list<int64_t> b) {
+  if (a.size() != b.size()) return false;
+  size_t i = 0;
+  for (int64_t v : b)
+    if (a[i++] != v) return false;
+  return true;
+}
+
+// Operands as the row kernel's (ffi/twell_ffn.cu); results y and the workspace:
+// seg_start [n_blocks*n_tiles + 1] s32, tok_off [n_blocks, n_tiles, 1025] s32,
+// entries [max_entries] u32, partial [d/64, max_entries] f32 (gated only).
+template <bool kGated>
+ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                       ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_act,
+                       ffi::AnyBuffer w_up, ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down,
+                       ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> seg_start,
+                       ffi::Result<ffi::Buffer<ffi::S32>> tok_off, ffi::Result<ffi::Buffer<ffi::U32>> entries,
+                       float* partial, int64_t partial_rows, int64_t partial_cols, int32_t tile) {
+  const char* name = "twell_ffn_blocked: ";
+  auto x_dims = x.dimensions();
+  if (x_dims.size() < 1) return Invalid(std::string(name) + "x must have shape [..., d]");
+  const int64_t d = x_dims.back();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < x_dims.size(); ++i) rows *= x_dims[i];
+  auto a_dims = w_act.dimensions();
+  if (a_dims.size() != 2 || a_dims[0] != d) return Invalid(std::string(name) + "the activation weight must be [d, f]");
+  const int64_t f = a_dims[1];
+  auto v_dims = values.dimensions();
+  if (v_dims.size() != x_dims.size() + 1)
+    return Invalid(std::string(name) + "values must have shape [..., n_tiles, capacity] for x [..., d]");
+  const int64_t n_tiles = v_dims[v_dims.size() - 2], capacity = v_dims.back();
+  if (f <= 0 || tile <= 0 || tile % 32 != 0 || tile > kMaxTile || CeilDiv(f, tile) != n_tiles)
+    return Invalid(std::string(name) + "tile must be a multiple of 32, at most 256, with ceil(f / tile) == n_tiles");
+  if (n_tiles > kMaxTiles) return Invalid(std::string(name) + "ceil(f / tile) must be at most 4096");
+  bool ok = cols.dimensions().size() == v_dims.size() && counts.dimensions().size() == x_dims.size();
+  for (size_t i = 0; ok && i < v_dims.size(); ++i) ok = cols.dimensions()[i] == v_dims[i];
+  for (size_t i = 0; ok && i + 1 < x_dims.size(); ++i)
+    ok = v_dims[i] == x_dims[i] && counts.dimensions()[i] == x_dims[i];
+  ok = ok && counts.dimensions().back() == n_tiles;
+  if (!ok) return Invalid(std::string(name) + "values/cols/counts must share x's leading dimensions");
+  if (!SameDims(w_down.dimensions(), {f, d})) return Invalid(std::string(name) + "w_down must have shape [f, d]");
+  if (kGated && (!SameDims(w_up.dimensions(), {d, f}) || !SameDims(w_up_t.dimensions(), {f, d})))
+    return Invalid(std::string(name) + "w_up must have shape [d, f] and w_up_t [f, d]");
+  const auto dtype = x.element_type();
+  if (dtype != ffi::DataType::BF16 && dtype != ffi::DataType::F16)
+    return Invalid(std::string(name) + "x must be bf16 or f16 (f32 runs the row kernel)");
+  if (values.element_type() != dtype || w_act.element_type() != dtype || w_down.element_type() != dtype ||
+      y->element_type() != dtype || (kGated && (w_up.element_type() != dtype || w_up_t.element_type() != dtype)))
+    return Invalid(std::string(name) + "x, values, weights and y must share one dtype");
+  if (d % kUpCols != 0 || d > 16384)
+    return Invalid(std::string(name) + "d must be a multiple of 64 and at most 16384, got " + std::to_string(d));
+  if (rows * f >= (int64_t{1} << 31)) return Invalid(std::string(name) + "tokens x f must be below 2^31");
+  const int64_t n_blocks = CeilDiv(rows, kBlockTokens);
+  const int64_t max_entries = entries->element_count();
+  bool ws_ok = seg_start->element_count() == n_blocks * n_tiles + 1 &&
+               tok_off->element_count() == n_blocks * n_tiles * (kBlockTokens + 1) && max_entries >= 1 &&
+               max_entries < (int64_t{1} << 31);
+  if (kGated) ws_ok = ws_ok && partial_rows == d / kUpCols && partial_cols == max_entries;
+  if (!ws_ok)
+    return Invalid(std::string(name) + "workspace results must be seg_start [ceil(M/1024)*n_tiles + 1], "
+                   "tok_off [ceil(M/1024), n_tiles, 1025], entries [max_entries >= 1] and (gated) partial "
+                   "[d/64, max_entries]");
+  if (rows == 0) return ffi::Error::Success();
+  const Shapes s{rows, static_cast<int>(d), static_cast<int>(f), tile, static_cast<int>(capacity),
+                 static_cast<int>(n_tiles), static_cast<int>(n_blocks), max_entries};
+  const void* up = kGated ? w_up.untyped_data() : nullptr;
+  const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
+  if (dtype == ffi::DataType::BF16)
+    return Launch<Bf16, kGated>(stream, s, x.untyped_data(), values.untyped_data(), cols.typed_data(),
+                                counts.typed_data(), w_act.untyped_data(), up, up_t, w_down.untyped_data(),
+                                y->untyped_data(), seg_start->typed_data(), tok_off->typed_data(),
+                                entries->typed_data(), partial);
+  return Launch<F16, kGated>(stream, s, x.untyped_data(), values.untyped_data(), cols.typed_data(),
+                             counts.typed_data(), w_act.untyped_data(), up, up_t, w_down.untyped_data(),
+                             y->untyped_data(), seg_start->typed_data(), tok_off->typed_data(),
+                             entries->typed_data(), partial);
+}
+
+ffi::Error BlockedGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
+                        ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up,
+                        ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::Buffer<ffi::S32>> seg_start, ffi::Result<ffi::Buffer<ffi::S32>> tok_off,
+                        ffi::Result<ffi::Buffer<ffi::U32>> entries, ffi::Result<ffi::Buffer<ffi::F32>> partial,
+                        int32_t tile) {
+  auto p_dims = partial->dimensions();
+  if (p_dims.size() != 2) return Invalid("twell_ffn_blocked: partial must have shape [d/64, max_entries]");
+  return BlockedImpl<true>(stream, x, values, cols, counts, w_gate, w_up, w_up_t, w_down, y, seg_start, tok_off,
+                           entries, partial->typed_data(), p_dims[0], p_dims[1], tile);
+}
+
+ffi::Error BlockedUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                          ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up,
+                          ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::Result<ffi::Buffer<ffi::S32>> seg_start, ffi::Result<ffi::Buffer<ffi::S32>> tok_off,
+                          ffi::Result<ffi::Buffer<ffi::U32>> entries, int32_t tile) {
+  return BlockedImpl<false>(stream, x, values, cols, counts, w_up, w_up, w_down, w_down, y, seg_start, tok_off,
+                            entries, nullptr, 0, 0, tile);
+}
+
+}  // namespace
+}  // namespace jax_twell
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlockedGated, jax_twell::BlockedGated,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // values
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S16>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_gate [d, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up [d, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up_t [f, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_start
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // tok_off
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partial
+                                  .Attr<int32_t>("tile"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlocked, jax_twell::BlockedUngated,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // values
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S16>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up [d, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Ret<xla::ffi::AnyBuffer>()  // y
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_start
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // tok_off
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
+                                  .Attr<int32_t>("tile"));
