@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
@@ -23,6 +25,15 @@ inline ffi::Error LaunchStatus(const char* kernel) {
 
 inline ffi::Error Invalid(const std::string& message) {
   return ffi::Error::InvalidArgument("jax-twell: " + message);
+}
+
+// True when a buffer has exactly the dimensions ``b``.
+inline bool SameDims(ffi::AnyBuffer::Dimensions a, std::initializer_list<int64_t> b) {
+  if (a.size() != b.size()) return false;
+  size_t i = 0;
+  for (int64_t v : b)
+    if (a[i++] != v) return false;
+  return true;
 }
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -29,6 +29,7 @@
 #include <string>
 
 #include "common.h"
+#include "elements.cuh"
 
 namespace jax_twell {
 namespace {
@@ -40,28 +41,6 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxChunksPerWarp = 4;
 constexpr int kEntriesPerStep = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
-
-struct Bf16 {
-  using Bits = uint16_t;
-  __device__ static float ToFloat(Bits b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
-  __device__ static Bits FromFloat(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-};
-struct F16 {
-  using Bits = uint16_t;
-  __device__ static float ToFloat(Bits b) { return __half2float(__ushort_as_half(b)); }
-  __device__ static Bits FromFloat(float v) { return __half_as_ushort(__float2half_rn(v)); }
-};
-struct F32 {
-  using Bits = uint32_t;
-  __device__ static float ToFloat(Bits b) { return __uint_as_float(b); }
-  __device__ static Bits FromFloat(float v) { return __float_as_uint(v); }
-};
-
-// Rounds through the element type, as the reference rounds its intermediates.
-template <typename E>
-__device__ __forceinline__ float Round(float v) {
-  return E::ToFloat(E::FromFloat(v));
-}
 
 // Sixteen bytes of elements, as floats.
 template <typename E>
@@ -306,14 +285,6 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
       static_cast<const Bits*>(w_act), static_cast<const Bits*>(w_up),
       static_cast<const Bits*>(w_up_t), static_cast<const Bits*>(w_down), static_cast<Bits*>(y), s);
   return LaunchStatus("twell_ffn");
-}
-
-bool SameDims(ffi::AnyBuffer::Dimensions a, std::initializer_list<int64_t> b) {
-  if (a.size() != b.size()) return false;
-  size_t i = 0;
-  for (int64_t v : b)
-    if (a[i++] != v) return false;
-  return true;
 }
 
 // Operands (gated): x [..., d], values/cols [..., n_tiles, capacity], counts [..., n_tiles],

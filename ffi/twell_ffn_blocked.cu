@@ -35,6 +35,7 @@
 #include <string>
 
 #include "common.h"
+#include "elements.cuh"
 
 namespace jax_twell {
 namespace {
@@ -50,20 +51,6 @@ constexpr int kStageEntries = 4096;  // larger segments are read from global mem
 constexpr int kMaxTiles = 4096;
 constexpr uint32_t kFlag = 0x8000u;
 constexpr uint32_t kColumnMask = 0x7fffu;
-
-struct Bf16 {
-  __device__ static float ToFloat(uint32_t b) { return __uint_as_float((b & 0xffffu) << 16); }
-  __device__ static uint32_t FromFloat(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-};
-struct F16 {
-  __device__ static float ToFloat(uint32_t b) { return __half2float(__ushort_as_half(static_cast<uint16_t>(b))); }
-  __device__ static uint32_t FromFloat(float v) { return __half_as_ushort(__float2half_rn(v)); }
-};
-
-template <typename E>
-__device__ __forceinline__ float Round(float v) {
-  return E::ToFloat(E::FromFloat(v));
-}
 
 // Eight 2-byte elements of a 16-byte vector, as floats.
 template <typename E>
@@ -464,14 +451,6 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
   TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
       static_cast<const uint16_t*>(w_down), tok_off, seg_start, entries, static_cast<uint16_t*>(y), s);
   return LaunchStatus("twell_ffn_blocked down");
-}
-
-bool SameDims(ffi::AnyBuffer::Dimensions a, std::initializer_list<int64_t> b) {
-  if (a.size() != b.size()) return false;
-  size_t i = 0;
-  for (int64_t v : b)
-    if (a[i++] != v) return false;
-  return true;
 }
 
 // Operands as the row kernel's (ffi/twell_ffn.cu); results y and the workspace:

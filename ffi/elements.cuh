@@ -1,0 +1,36 @@
+// Element types of the kernels, moved as raw bits: conversion to and from f32, and the
+// rounding through the element type that the pure-JAX reference applies to intermediates.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace jax_twell {
+
+// ToFloat reads the low bits of its argument; FromFloat returns the bits zero-extended to
+// 32 bits, so callers can shift them into packed words without signed overflow.
+struct Bf16 {
+  using Bits = uint16_t;
+  __device__ static float ToFloat(uint32_t b) { return __uint_as_float((b & 0xffffu) << 16); }
+  __device__ static uint32_t FromFloat(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+};
+struct F16 {
+  using Bits = uint16_t;
+  __device__ static float ToFloat(uint32_t b) { return __half2float(__ushort_as_half(static_cast<uint16_t>(b))); }
+  __device__ static uint32_t FromFloat(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+struct F32 {
+  using Bits = uint32_t;
+  __device__ static float ToFloat(uint32_t b) { return __uint_as_float(b); }
+  __device__ static uint32_t FromFloat(float v) { return __float_as_uint(v); }
+};
+
+// Rounds through the element type, as the reference rounds its intermediates.
+template <typename E>
+__device__ __forceinline__ float Round(float v) {
+  return E::ToFloat(E::FromFloat(v));
+}
+
+}  // namespace jax_twell
