@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FFNInputs", "synthetic_ffn_inputs", "PATTERNS"]
+__all__ = ["FFNInputs", "synthetic_ffn_inputs", "with_extreme_rows", "PATTERNS"]
 
 PATTERNS = ("uniform", "heavy", "dense")
 HEAVY_SIGMA = 1.0
@@ -68,3 +68,15 @@ def synthetic_ffn_inputs(
     w_up = jax.random.normal(ku, (d, f), jnp.float32) / jnp.sqrt(d)
     w_down = jax.random.normal(kd, (f, d), jnp.float32) / jnp.sqrt(max(density * f, 1.0))
     return FFNInputs(*(a.astype(dtype) for a in (x, w_gate, w_up, w_down)))
+
+
+def with_extreme_rows(inp: FFNInputs, *, full: int = 0, empty: int = 0) -> FFNInputs:
+    """``inp`` with its first ``full`` rows firing on every neuron (every tile past any
+    capacity) and the next ``empty`` rows firing on none (uses the sparsity control
+    feature of :func:`synthetic_ffn_inputs`)."""
+    x = inp.x
+    if full:
+        x = x.at[:full, 0].set(-50.0)
+    if empty:
+        x = x.at[full : full + empty, 0].set(50.0)
+    return inp._replace(x=x)

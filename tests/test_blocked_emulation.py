@@ -9,22 +9,15 @@ import pytest
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import blocked_emulation as emu
 from jax_twell.ops import reference
-from jax_twell.testing import synthetic_ffn_inputs
-from specs import assert_close, tolerance
+from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
+from specs import assert_close, fused_tolerance
 
 
-def _tol(dtype, f):
-    return 2 * tolerance(dtype, f)  # as tests/test_cuda_ffn.py: g, u, h rounded, then y
 
-
-def _case(m, d, f, density, pattern, dtype, key, *, empty=0, full=0):
+def _case(m, d, f, density, pattern, dtype, key, *, full=0, empty=0):
     inp = synthetic_ffn_inputs(jax.random.key(key), m, d, f, density=density, pattern=pattern, dtype=dtype)
-    x = inp.x
-    if full:
-        x = x.at[:full, 0].set(-50.0)  # fires everywhere: every full tile overflows
-    if empty:
-        x = x.at[full : full + empty, 0].set(50.0)  # fires nowhere
-    return x, inp
+    inp = with_extreme_rows(inp, full=full, empty=empty)
+    return inp.x, inp
 
 
 def _run(x, inp, gated, tile, capacity, max_entries=None):
@@ -57,7 +50,7 @@ def test_emulation_matches_reference(case, gated):
     x, inp = _case(m, d, f, density, pattern, jnp.bfloat16, m + f, empty=empty, full=full)
     for tile, capacity in [(256, 32), (64, 4), (32, 1)]:
         y, want, act, ws, need = _run(x, inp, gated, tile, capacity)
-        assert_close(y, want, _tol(jnp.bfloat16, f), f"{case} gated={gated} tile={tile} cap={capacity}")
+        assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"{case} gated={gated} tile={tile} cap={capacity}")
         if full:
             assert bool(act.overflowed[0, : f // tile].all())
         if empty:
@@ -68,7 +61,7 @@ def test_emulation_f16():
     x, inp = _case(200, 64, 400, 0.05, "heavy", jnp.float16, 5, empty=2, full=2)
     for gated in (True, False):
         y, want, *_ = _run(x, inp, gated, 128, 8)
-        assert_close(y, want, _tol(jnp.float16, 400), f"f16 gated={gated}")
+        assert_close(y, want, fused_tolerance(jnp.float16, 400), f"f16 gated={gated}")
 
 
 def test_layout_invariants():
@@ -101,7 +94,7 @@ def test_layout_invariants():
     words = ws.entries[e0 : e0 + counts[t, k]]
     assert not np.any(words & emu.RECOMPUTE_FLAG)
     np.testing.assert_array_equal(words & 0x7FFF, np.asarray(act.cols[t, k, : counts[t, k]]))
-    assert_close(y, want, _tol(jnp.bfloat16, 600), "layout case")
+    assert_close(y, want, fused_tolerance(jnp.bfloat16, 600), "layout case")
 
 
 def test_over_budget_is_nan_never_wrong():

@@ -9,16 +9,12 @@ import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import cuda, reference
 from jax_twell.testing import synthetic_ffn_inputs
-from specs import GPU_SPECS, assert_close, tolerance
+from specs import GPU_SPECS, assert_close, fused_tolerance
 
 pytestmark = pytest.mark.gpu
 
 ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
 
-
-def _tol(dtype, f):
-    # bf16 rounding of g, u and h before the f32 down reduction, plus y's own rounding.
-    return 2 * tolerance(dtype, f)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
@@ -37,7 +33,7 @@ def test_fused_ffn_matches_reference(spec, dtype, gated):
             y = fn(inp.x, w_gate, w_up, inp.w_down)
             want = reference.ffn(inp.x, w_gate, w_up, inp.w_down, tile=tile, capacity=capacity)
         assert y.dtype == dtype and y.shape == (spec.m, spec.d)
-        assert_close(y, want, _tol(dtype, spec.f), f"{spec} tile={tile} cap={capacity}")
+        assert_close(y, want, fused_tolerance(dtype, spec.f), f"{spec} tile={tile} cap={capacity}")
 
 
 def test_fused_ffn_adversarial_rows():
@@ -57,7 +53,7 @@ def test_fused_ffn_adversarial_rows():
                 args = (x, act, inp.w_gate, w_up if gated else None, inp.w_down)
                 y = jt.twell_ffn(*args, implementation="cuda")
                 want = jt.twell_ffn(*args, implementation="reference")
-                assert_close(y, want, _tol(jnp.bfloat16, f), f"m={m} gated={gated} tile={tile} cap={capacity}")
+                assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"m={m} gated={gated} tile={tile} cap={capacity}")
                 if m > 2:  # the last, partial tile (8 columns) can fit the capacity
                     assert bool(act.overflowed[1, :-1].all()) and int(act.counts[0].sum()) == 0
 
@@ -75,7 +71,7 @@ def test_fused_ffn_many_rows_with_overflow(d):
         assert bool(act.overflowed.any())
         y = cuda.twell_ffn(x, act, inp.w_gate, w_up, inp.w_down)
         want = reference.twell_ffn(x, act, inp.w_gate, w_up, inp.w_down)
-        assert_close(y, want, _tol(jnp.bfloat16, f), f"d={d} gated={gated}")
+        assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"d={d} gated={gated}")
 
 
 def test_fused_ffn_poisoned_output_fully_written_and_deterministic():
@@ -101,7 +97,7 @@ def test_fused_ffn_leading_dims_vmap_and_auto_dispatch(always_sparse):
     inp = synthetic_ffn_inputs(jax.random.key(11), 60, 128, 700, density=0.03, dtype=jnp.bfloat16)
     x = inp.x.reshape(3, 4, 5, 128)
     want = jt.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, implementation="reference")
-    tol = _tol(jnp.bfloat16, 700)
+    tol = fused_tolerance(jnp.bfloat16, 700)
     got = jt.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, implementation="cuda")
     assert got.shape == x.shape
     assert_close(got, want, tol, "leading dims")
@@ -132,7 +128,7 @@ def test_dense_crossover_rule_is_inspectable_and_overridable():
     device_side = cuda.DenseCrossover(fixed_overhead=0.0, transpose_bandwidth=float("inf"), hbm_bandwidth=1e18)
     for forced in (cuda.DenseCrossover(margin=0.0), ALWAYS_SPARSE, None, device_side):
         y = cuda.sparse_ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=32, crossover=forced)
-        assert_close(y, want, _tol(jnp.bfloat16, 512), f"crossover={forced}")
+        assert_close(y, want, fused_tolerance(jnp.bfloat16, 512), f"crossover={forced}")
     previous = cuda.set_dense_crossover(ALWAYS_SPARSE)
     try:
         assert cuda.dense_crossover() is ALWAYS_SPARSE

@@ -10,26 +10,19 @@ import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import blocked_emulation as emu
 from jax_twell.ops import cuda, reference
-from jax_twell.testing import synthetic_ffn_inputs
-from specs import GPU_SPECS, assert_close, tolerance
+from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
+from specs import GPU_SPECS, assert_close, fused_tolerance
 
 pytestmark = pytest.mark.gpu
 
 ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
 
 
-def _tol(dtype, f):
-    return 2 * tolerance(dtype, f)
-
 
 def _inputs(m, d, f, density, pattern, dtype, key, *, full=0, empty=0):
     inp = synthetic_ffn_inputs(jax.random.key(key), m, d, f, density=density, pattern=pattern, dtype=dtype)
-    x = inp.x
-    if full:
-        x = x.at[:full, 0].set(-50.0)  # fires everywhere: every full tile overflows
-    if empty:
-        x = x.at[full : full + empty, 0].set(50.0)  # fires nowhere
-    return x, inp
+    inp = with_extreme_rows(inp, full=full, empty=empty)
+    return inp.x, inp
 
 
 # m, d, f, density, pattern, full rows, empty rows
@@ -68,7 +61,7 @@ def test_blocked_matches_emulation_bitwise(case, gated, dtype):
             np.testing.assert_array_equal(np.asarray(got[4])[:, :need][:, normal], ws.partial[:, :need][:, normal], what)
         np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint16), np.asarray(y_emu).view(np.uint16), what)
         want = reference.twell_ffn(x, act, inp.w_gate, w_up, inp.w_down)
-        assert_close(got[0], want, _tol(dtype, f), what)
+        assert_close(got[0], want, fused_tolerance(dtype, f), what)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
@@ -85,7 +78,7 @@ def test_blocked_ffn_matches_reference(spec, dtype, gated):
             y = jax.jit(lambda x, a: cuda.twell_ffn(x, a, inp.w_gate, w_up, inp.w_down, kernel="blocked"))(inp.x, act)
             want = reference.twell_ffn(inp.x, act, inp.w_gate, w_up, inp.w_down)
         assert y.dtype == dtype and y.shape == (spec.m, spec.d)
-        assert_close(y, want, _tol(dtype, spec.f), f"{spec} tile={tile} cap={capacity}")
+        assert_close(y, want, fused_tolerance(dtype, spec.f), f"{spec} tile={tile} cap={capacity}")
 
 
 def test_blocked_sparse_ffn_forced_and_auto():
@@ -99,9 +92,9 @@ def test_blocked_sparse_ffn_forced_and_auto():
         forced = jax.jit(lambda x: cuda.sparse_ffn(x, wg, wu, inp.w_down, tile=256, capacity=32, crossover=ALWAYS_SPARSE, kernel="blocked"))
         hlo = forced.lower(x).as_text()
         assert "jax_twell_ffn_blocked" in hlo
-        assert_close(forced(x), want, _tol(jnp.bfloat16, 1408), f"forced gated={gated}")
+        assert_close(forced(x), want, fused_tolerance(jnp.bfloat16, 1408), f"forced gated={gated}")
         auto = cuda.sparse_ffn(x, wg, wu, inp.w_down, tile=256, capacity=32, kernel="blocked")
-        assert_close(auto, want, _tol(jnp.bfloat16, 1408), f"auto gated={gated}")
+        assert_close(auto, want, fused_tolerance(jnp.bfloat16, 1408), f"auto gated={gated}")
 
 
 def test_blocked_over_budget_falls_back_exactly_or_is_nan():
@@ -110,7 +103,7 @@ def test_blocked_over_budget_falls_back_exactly_or_is_nan():
     need = emu.needed_entries(np.asarray(act.counts), 8, 128, 700)
     want = reference.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down)
     y = cuda.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, kernel="blocked", max_entries=need - 1)
-    assert_close(y, want, _tol(jnp.bfloat16, 700), "row-kernel fallback")
+    assert_close(y, want, fused_tolerance(jnp.bfloat16, 700), "row-kernel fallback")
     raw = cuda.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, max_entries=need - 1, workspace=True)
     assert np.isnan(np.asarray(raw[0], np.float32)).all()
 
