@@ -25,7 +25,7 @@ __all__ = ["kernels_available", "kernel_status", "KernelStatus", "HANDLERS"]
 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
@@ -34,6 +34,10 @@ HANDLERS = {
     "jax_twell_ffn": "JaxTwellFfn",
     "jax_twell_ffn_blocked_gated": "JaxTwellFfnBlockedGated",
     "jax_twell_ffn_blocked": "JaxTwellFfnBlocked",
+    "jax_twell_train_fwd_gated": "JaxTwellTrainFwdGated",
+    "jax_twell_train_fwd": "JaxTwellTrainFwd",
+    "jax_twell_train_bwd_gated": "JaxTwellTrainBwdGated",
+    "jax_twell_train_bwd": "JaxTwellTrainBwd",
 }
 _REGISTERED: set[str] = set()
 

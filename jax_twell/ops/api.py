@@ -19,7 +19,7 @@ import jax
 
 from jax_twell import _kernels
 from jax_twell.formats import Hybrid, TwELL, hybrid_from_row_twell, pack_hybrid_reference, pack_twell_reference, relu_matmul
-from jax_twell.ops import cuda, reference, xla
+from jax_twell.ops import cuda, cuda_train, reference, xla
 from jax_twell.ops.sharded import FFNSharding, shard_ffn, shard_ffn_train
 from jax_twell.ops.common import IMPLEMENTATIONS, FFNAux, check_activation, check_ffn_args, check_projection_args, make_aux
 
@@ -272,8 +272,10 @@ def sparse_ffn_train(
       backup_capacity: dense backup rows (default: all tokens). When more rows overflow,
         the op takes the dense path for that call (exact, and faster at that density).
       implementation: "reference" (hybrid format, sparse custom_vjp backward in pure JAX),
-        "xla" (dense, JAX autodiff) or None (default "xla" until the training kernels
-        are available).
+        "xla" (dense, JAX autodiff), "cuda" (training kernels on the blocked TwELL layout,
+        sparse residuals, per-call dense crossover: :mod:`jax_twell.ops.cuda_train`; d a
+        multiple of 64; f32 runs dense; ``width`` sets the entry budget) or None ("xla"
+        until the training kernels are measured: ``cuda_train.TRAINING_KERNELS_DEFAULT``).
       sharding: run per shard of a device mesh (see :class:`jax_twell.FFNSharding`);
         statistics are combined exactly across shards.
     Returns:
@@ -285,6 +287,8 @@ def sparse_ffn_train(
         reference=functools.partial(reference.ffn_with_aux, width=width, backup_capacity=backup_capacity),
         xla=xla.ffn_with_aux,
     )
+    if implementation == "cuda" or (cuda_train.TRAINING_KERNELS_DEFAULT and cuda_train.supports(x.shape[-1], x.dtype)):
+        kernels["cuda"] = functools.partial(cuda_train.ffn_with_aux, width=width, backup_capacity=backup_capacity)
     fn = _choose("sparse_ffn_train", implementation, kernels, "xla")
     x2, lead = _flatten_tokens(x)
     if sharding is not None:

@@ -1,0 +1,181 @@
+"""Training FFN benchmark: forward + backward (with the L1 term) of the CUDA training op
+against XLA's dense autodiff, same process, same inputs (DESIGN.md §7).
+
+Per configuration (M=16384, d=2048, f=5632, bf16; densities 0.5/1/2/5%; uniform and heavy
+rows; synthetic sparsity through a real gate matmul), each timing the median of many
+synchronised runs after warm-up, never on zeros:
+- dense: jax.grad through jax_twell.ops.xla.ffn_with_aux (XLA autodiff);
+- cuda: cuda_train.ffn_with_aux forced sparse (margin inf: sparse wherever the entries
+  fit the budget; "branch" says which path ran);
+- auto: cuda_train.ffn_with_aux under the default rule (TrainCrossover, predicted constants);
+- forward only, for dense and cuda.
+Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
+arrays other than the inputs) for dense and cuda, and the compiled forward's
+memory_analysis (output bytes, which hold the residuals).
+
+Usage: python benchmarks/bench_training.py [--quick] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_twell.ops import blocked_emulation as bemu
+from jax_twell.ops import cuda, cuda_train, xla
+from jax_twell.testing import synthetic_ffn_inputs
+
+L1 = 2e-5
+ALWAYS_SPARSE = cuda_train.TrainCrossover(margin=float("inf"))
+WIDTH = 128
+
+
+def grid(quick: bool):
+    densities = [0.005, 0.02] if quick else [0.005, 0.01, 0.02, 0.05]
+    return [(16384, 2048, 5632, p, pattern) for p in densities for pattern in ("uniform", "heavy")]
+
+
+def time_calls(fn, args, min_seconds=0.05, trials=15):
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = max(1, min(100, int(min_seconds / one)))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def step(op):
+    """jit(grad) of sum(y * cot) + L1 * l1 with respect to x and the weights."""
+
+    def loss(x, wg, wu, wd, cot):
+        y, l1 = op(x, wg, wu, wd)[:2]
+        return (y.astype(jnp.float32) * cot).sum() + L1 * l1
+
+    return jax.jit(jax.grad(loss, (0, 1, 2, 3)))
+
+
+def forward(op):
+    return jax.jit(lambda x, wg, wu, wd: op(x, wg, wu, wd)[:2])
+
+
+def residual_bytes(op, args) -> int:
+    """Bytes jax.vjp keeps for the backward, the operands themselves left out."""
+    _, vjp_fn = jax.eval_shape(lambda *a: jax.vjp(lambda *b: op(*b)[:2], *a), *args)
+    leaves = jax.tree.leaves(vjp_fn)
+    inputs = {(a.shape, a.dtype) for a in args}
+    total = sum(int(np.prod(l.shape)) * jnp.dtype(l.dtype).itemsize for l in leaves)
+    operand = sum(int(np.prod(l.shape)) * jnp.dtype(l.dtype).itemsize for l in leaves if (l.shape, l.dtype) in inputs)
+    return total - operand
+
+
+def compiled_forward_output_bytes(op, args) -> int | None:
+    try:
+        lowered = jax.jit(lambda *a: jax.vjp(lambda *b: op(*b)[:2], *a)).lower(*args)
+        return int(lowered.compile().memory_analysis().output_size_in_bytes)
+    except Exception as e:  # memory_analysis is best effort across jax versions
+        print("memory_analysis unavailable:", e)
+        return None
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    dense_op = xla.ffn_with_aux
+    cuda_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE)
+    auto_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH)
+    rows, memory = [], None
+    for m, d, f, density, pattern in grid(args.quick):
+        inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
+        cot = jax.random.normal(jax.random.key(1), (m, d), jnp.float32)
+        act = cuda.gate_twell(inp.x, inp.w_gate, tile=cuda_train.TILE, capacity=cuda_train.CAPACITY)
+        counts = np.asarray(act.counts)
+        nnz = counts.sum(-1)
+        need = bemu.needed_entries(counts, cuda_train.CAPACITY, cuda_train.TILE, f)
+        budget = cuda_train.max_entries_for(m, f, WIDTH)
+        row = dict(
+            m=m, d=d, f=f, density=density, pattern=pattern,
+            measured_active_fraction=float(nnz.mean() / f),
+            max_active_per_row=int(nnz.max()),
+            overflowed_tiles=int((counts > cuda_train.CAPACITY).sum()),
+            entries_needed=int(need), entry_budget=int(budget),
+            branch="sparse" if need <= budget else "dense (over the entry budget)",
+            auto_rule_sparse=bool(need <= budget and cuda_train.train_crossover().use_sparse(
+                int(nnz.sum()), int((counts > cuda_train.CAPACITY).sum()), m, d, f, 2)),
+        )
+        operands = (*inp, cot)
+        for name, op in (("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op)):
+            row[f"{name}_step_ms"] = 1e3 * time_calls(step(op), operands)
+        for name, op in (("dense", dense_op), ("cuda", cuda_op)):
+            row[f"{name}_forward_ms"] = 1e3 * time_calls(forward(op), tuple(inp))
+        row["cuda_ratio"] = row["dense_step_ms"] / row["cuda_step_ms"]
+        row["auto_ratio"] = row["dense_step_ms"] / row["auto_step_ms"]
+        if memory is None and density == 0.005:
+            memory = dict(
+                m=m, d=d, f=f,
+                dense_residual_bytes=residual_bytes(dense_op, tuple(inp)),
+                cuda_residual_bytes=residual_bytes(cuda_op, tuple(inp)),
+                dense_forward_output_bytes=compiled_forward_output_bytes(dense_op, tuple(inp)),
+                cuda_forward_output_bytes=compiled_forward_output_bytes(cuda_op, tuple(inp)),
+            )
+            print(json.dumps(memory), flush=True)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    # Where the tree was copied without git metadata, pass the commit in JAX_TWELL_COMMIT.
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("JAX_TWELL_COMMIT", "unknown")
+    result = dict(
+        benchmark="training_ffn",
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        jaxlib=jax.lib.__version__,
+        commit=commit,
+        dtype="bfloat16",
+        tile=cuda_train.TILE,
+        capacity=cuda_train.CAPACITY,
+        width=WIDTH,
+        l1_coefficient=L1,
+        crossover=vars(cuda_train.train_crossover()),
+        memory=memory,
+        results=rows,
+    )
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"training_{commit[:8]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}")
+    if memory:
+        mb = {k: (round(v / 2**20, 1) if isinstance(v, int) and k.endswith("bytes") else v) for k, v in memory.items()}
+        print("memory between forward and backward (MiB):", mb)
+    print(f"{'dens':>6} {'pattern':>8} {'act%':>6} {'max':>5} {'branch':>7} {'dense ms':>9} {'cuda ms':>8} {'ratio':>6} "
+          f"{'auto ms':>8} {'auto r':>6} {'fwd dense':>9} {'fwd cuda':>8}")
+    for r in rows:
+        print(
+            f"{r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>6.2f} {r['max_active_per_row']:>5} "
+            f"{r['branch'][:6]:>7} {r['dense_step_ms']:>9.3f} {r['cuda_step_ms']:>8.3f} {r['cuda_ratio']:>6.2f} "
+            f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,403 @@
+// Device code of the token-blocked TwELL kernels (layout, recompute, up, finish, down),
+// shared by the inference handlers (twell_ffn_blocked.cu) and the training handlers
+// (twell_train.cu). The layout and arithmetic are those described at the top of
+// twell_ffn_blocked.cu and modelled in jax_twell/ops/blocked_emulation.py.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common.h"
+#include "elements.cuh"
+
+namespace jax_twell {
+namespace {
+
+constexpr int kBlockTokens = 1024;
+constexpr int kUpCols = 64;
+constexpr int kUpLanes = 8;
+constexpr int kDownCols = 32;
+constexpr int kDownLanes = 4;
+constexpr int kMaxTile = 256;
+constexpr int kThreads = 512;
+constexpr int kStageEntries = 4096;  // larger segments are read from global memory
+constexpr int kMaxTiles = 4096;
+constexpr uint32_t kFlag = 0x8000u;
+constexpr uint32_t kColumnMask = 0x7fffu;
+
+// Eight 2-byte elements of a 16-byte vector, as floats.
+template <typename E>
+__device__ __forceinline__ void Unpack8(const uint4& raw, float (&v)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = E::ToFloat(w[i] & 0xffffu);
+    v[2 * i + 1] = E::ToFloat(w[i] >> 16);
+  }
+}
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SmemAddr(dst)), "l"(src));
+}
+__device__ __forceinline__ void CpAsync4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SmemAddr(dst)), "l"(src));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+struct Shapes {
+  int64_t rows;
+  int d, f, tile, capacity, n_tiles, n_blocks;
+  int64_t max_entries;
+};
+
+__device__ __forceinline__ int TileWidth(const Shapes& s, int k) { return min(s.tile, s.f - k * s.tile); }
+__device__ __forceinline__ bool OverBudget(const Shapes& s, const int32_t* seg_start) {
+  return seg_start[s.n_blocks * s.n_tiles] > s.max_entries;
+}
+
+// Block-wide exclusive scan of one int per thread (blockDim.x a multiple of 32, <= 1024).
+__device__ int BlockExclusiveScan(int v, int* scratch, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+  int inclusive = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += other;
+  }
+  if (lane == 31) scratch[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < n_warps ? scratch[lane] : 0;
+    int wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int other = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += other;
+    }
+    if (lane < n_warps) scratch[lane] = wi - w;
+    if (lane == 31) *total = wi;
+  }
+  __syncthreads();
+  const int result = scratch[warp] + inclusive - v;
+  __syncthreads();  // scratch may be reused by the caller
+  return result;
+}
+
+// K0a. Thread i holds tokens 2i and 2i+1 of the block.
+__global__ void __launch_bounds__(kThreads) TwellBlockedLayoutKernel(const int32_t* __restrict__ counts,
+                                                         int32_t* __restrict__ tok_off, Shapes s) {
+  __shared__ int scratch[32];
+  __shared__ int total;
+  const int k = blockIdx.x, b = blockIdx.y;
+  const int width = TileWidth(s, k);
+  int r[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + 2 * threadIdx.x + q;
+    const int c = t < s.rows ? counts[t * s.n_tiles + k] : 0;
+    r[q] = c > s.capacity ? width : c;
+  }
+  const int base = BlockExclusiveScan(r[0] + r[1], scratch, &total);
+  int32_t* off = tok_off + (static_cast<int64_t>(b) * s.n_tiles + k) * (kBlockTokens + 1);
+  off[2 * threadIdx.x] = base;
+  off[2 * threadIdx.x + 1] = base + r[0];
+  if (threadIdx.x == 0) off[kBlockTokens] = total;
+}
+
+// K0b. Segment totals are tok_off[seg][kBlockTokens]; seg_start has one more slot (total).
+__global__ void __launch_bounds__(1024) TwellBlockedSegScanKernel(const int32_t* __restrict__ tok_off,
+                                                      int32_t* __restrict__ seg_start, int n_seg) {
+  __shared__ int scratch[32];
+  __shared__ int total;
+  int carry = 0;  // fits: the handler checks M * f < 2^31
+  for (int s0 = 0; s0 < n_seg; s0 += blockDim.x) {
+    const int seg = s0 + threadIdx.x;
+    const int len = seg < n_seg ? tok_off[static_cast<int64_t>(seg) * (kBlockTokens + 1) + kBlockTokens] : 0;
+    const int off = BlockExclusiveScan(len, scratch, &total);
+    if (seg < n_seg) seg_start[seg] = carry + off;
+    carry += total;
+  }
+  if (threadIdx.x == 0) seg_start[n_seg] = carry;
+}
+
+// K0c. One warp per token of the (block, tile) segment; lanes copy its entries.
+template <typename Bits>
+__global__ void __launch_bounds__(256) TwellBlockedScatterKernel(const Bits* __restrict__ values,
+                                                     const int16_t* __restrict__ cols,
+                                                     const int32_t* __restrict__ counts,
+                                                     const int32_t* __restrict__ tok_off,
+                                                     const int32_t* __restrict__ seg_start,
+                                                     uint32_t* __restrict__ entries, Shapes s) {
+  const int k = blockIdx.x, b = blockIdx.y;
+  const int seg = b * s.n_tiles + k;
+  const int32_t* off = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
+  const int64_t base = seg_start[seg];
+  const int width = TileWidth(s, k);
+  const int lane = threadIdx.x % 32;
+  for (int i = threadIdx.x / 32; i < kBlockTokens; i += blockDim.x / 32) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
+    if (t >= s.rows) break;
+    const int c = counts[t * s.n_tiles + k];
+    const int64_t e0 = base + off[i];
+    if (c <= s.capacity) {
+      const int64_t src = (t * s.n_tiles + k) * s.capacity;
+      for (int e = lane; e < c; e += 32)
+        if (e0 + e < s.max_entries)
+          entries[e0 + e] = (static_cast<uint32_t>(values[src + e]) << 16) |
+                            (static_cast<uint32_t>(cols[src + e]) & kColumnMask);
+    } else {
+      for (int e = lane; e < width; e += 32)
+        if (e0 + e < s.max_entries) entries[e0 + e] = kFlag | static_cast<uint32_t>(e);
+    }
+  }
+}
+
+// Overflowed (token, tile) pairs of a (block, tile): one thread per column of the tile.
+// kTrain (gated training forward): the entry keeps g and `up` receives u, the residuals the
+// backward reads; otherwise the entry receives h.
+template <typename E, bool kGated, bool kTrain = false>
+__global__ void __launch_bounds__(kMaxTile) TwellBlockedRecomputeKernel(
+    const uint16_t* __restrict__ x, const int32_t* __restrict__ counts,
+    const uint16_t* __restrict__ w_act, const uint16_t* __restrict__ w_up,
+    const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
+    uint32_t* __restrict__ entries, Shapes s, uint16_t* __restrict__ up = nullptr) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint16_t* x_s = reinterpret_cast<uint16_t*>(smem_raw);
+  __shared__ int over_tokens[kBlockTokens];
+  __shared__ int n_over;
+  if (OverBudget(s, seg_start)) return;
+  const int k = blockIdx.x, b = blockIdx.y;
+  const int seg = b * s.n_tiles + k;
+  if (threadIdx.x == 0) n_over = 0;
+  __syncthreads();
+  // The list order only decides which token this CTA recomputes first, not any value.
+  for (int i = threadIdx.x; i < kBlockTokens; i += blockDim.x) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
+    if (t < s.rows && counts[t * s.n_tiles + k] > s.capacity) over_tokens[atomicAdd(&n_over, 1)] = i;
+  }
+  __syncthreads();
+  const int width = TileWidth(s, k);
+  const int col = k * s.tile + threadIdx.x;
+  for (int o = 0; o < n_over; ++o) {
+    const int i = over_tokens[o];
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
+    for (int c = threadIdx.x; c < s.d; c += blockDim.x) x_s[c] = x[t * s.d + c];
+    __syncthreads();
+    if (threadIdx.x < width) {
+      float pre = 0.f, u_sum = 0.f;
+      for (int c = 0; c < s.d; ++c) {
+        const float xc = E::ToFloat(x_s[c]);
+        pre = fmaf(xc, E::ToFloat(w_act[static_cast<int64_t>(c) * s.f + col]), pre);
+        if constexpr (kGated) u_sum = fmaf(xc, E::ToFloat(w_up[static_cast<int64_t>(c) * s.f + col]), u_sum);
+      }
+      const float g = Round<E>(pre > 0.f ? pre : 0.f);
+      const float h = kGated ? Round<E>(g * Round<E>(u_sum)) : g;
+      const int64_t e = seg_start[seg] + tok_off[static_cast<int64_t>(seg) * (kBlockTokens + 1) + i] + threadIdx.x;
+      if constexpr (kTrain) {
+        entries[e] = (E::FromFloat(g) << 16) | kFlag | static_cast<uint32_t>(threadIdx.x);
+        up[e] = static_cast<uint16_t>(E::FromFloat(u_sum));
+      } else {
+        entries[e] = (E::FromFloat(h) << 16) | kFlag | static_cast<uint32_t>(threadIdx.x);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Shared-memory stages of K1/K2: weight slab [kMaxTile, kCols], token offsets, entries.
+template <int kCols>
+struct Stages {
+  static constexpr int kSlab = kMaxTile * kCols * 2;
+  static constexpr int kOff = (kBlockTokens + 1 + 3) / 4 * 16;
+  static constexpr int kEnt = kStageEntries * 4;
+  static constexpr int kStage = kSlab + kOff + kEnt;
+  static int Bytes(int n_tiles) { return 2 * kStage + (n_tiles + 1 + 3) / 4 * 16; }
+};
+
+// Stages tile k of block b into buffer `stage`: the slab rows w[k*tile + c, col0 .. col0+kCols)
+// (w is [f, d]), the segment's token offsets and, when they fit, its entries.
+template <int kCols>
+__device__ void StageTile(uint8_t* stage, const uint16_t* w, const int32_t* tok_off,
+                          const uint32_t* entries, const int32_t* seg_s, int b, int k, int col0,
+                          const Shapes& s) {
+  constexpr int kVecs = kCols / 8;  // 16-byte vectors per slab row
+  uint16_t* slab = reinterpret_cast<uint16_t*>(stage);
+  int32_t* off = reinterpret_cast<int32_t*>(stage + Stages<kCols>::kSlab);
+  uint32_t* ent = reinterpret_cast<uint32_t*>(stage + Stages<kCols>::kSlab + Stages<kCols>::kOff);
+  const int width = TileWidth(s, k);
+  const int64_t row0 = static_cast<int64_t>(k) * s.tile;
+  for (int v = threadIdx.x; v < width * kVecs; v += blockDim.x) {
+    const int row = v / kVecs, q = v % kVecs;
+    CpAsync16(slab + row * kCols + q * 8, w + (row0 + row) * s.d + col0 + q * 8);
+  }
+  const int seg = b * s.n_tiles + k;
+  const int32_t* off_g = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
+  for (int i = threadIdx.x; i <= kBlockTokens; i += blockDim.x) CpAsync4(off + i, off_g + i);
+  const int base = seg_s[k], len = seg_s[k + 1] - base;
+  if (len <= kStageEntries)
+    for (int e = threadIdx.x; e < len; e += blockDim.x) CpAsync4(ent + e, entries + base + e);
+  CpAsyncCommit();
+}
+
+// K1. Group g (8 lanes) owns tokens g + 64 j, j < 16; lane q of the group columns 8q..8q+7.
+// kSkipFlagged: entries of overflowed tiles are left out (inference: recomputed whole);
+// the training backward (dy . Wd rows, twell_train.cu) visits them too.
+template <typename E, bool kSkipFlagged = true>
+__global__ void __launch_bounds__(kThreads, 1) TwellBlockedUpKernel(
+    const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_up_t,
+    const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
+    const uint32_t* __restrict__ entries, float* __restrict__ partial, Shapes s) {
+  constexpr int kGroups = kThreads / kUpLanes;
+  constexpr int kTokensPerGroup = kBlockTokens / kGroups;
+  using St = Stages<kUpCols>;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * St::kStage);
+  if (OverBudget(s, seg_start)) return;
+  const int r = blockIdx.x, b = blockIdx.y;
+  const int col0 = r * kUpCols;
+  const int group = threadIdx.x / kUpLanes, q = threadIdx.x % kUpLanes;
+  const unsigned mask = 0xffu << (threadIdx.x % 32 / kUpLanes * kUpLanes);
+  for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
+  __syncthreads();
+  StageTile<kUpCols>(smem_raw, w_up_t, tok_off, entries, seg_s, b, 0, col0, s);
+
+  uint4 xr[kTokensPerGroup];
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + group + kGroups * j;
+    xr[j] = t < s.rows ? *reinterpret_cast<const uint4*>(x + t * s.d + col0 + q * 8) : make_uint4(0, 0, 0, 0);
+  }
+  float* partial_r = partial + static_cast<int64_t>(r) * s.max_entries;
+
+  for (int k = 0; k < s.n_tiles; ++k) {
+    CpAsyncWaitAll();
+    __syncthreads();
+    if (k + 1 < s.n_tiles)
+      StageTile<kUpCols>(smem_raw + ((k + 1) % 2) * St::kStage, w_up_t, tok_off, entries, seg_s, b, k + 1, col0, s);
+    const uint8_t* stage = smem_raw + (k % 2) * St::kStage;
+    const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
+    const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
+    const int base = seg_s[k];
+    const uint32_t* ent = seg_s[k + 1] - base <= kStageEntries
+                              ? reinterpret_cast<const uint32_t*>(stage + St::kSlab + St::kOff)
+                              : entries + base;
+#pragma unroll
+    for (int j = 0; j < kTokensPerGroup; ++j) {
+      const int i = group + kGroups * j;
+      if (static_cast<int64_t>(b) * kBlockTokens + i >= s.rows) continue;
+      const int lo = off[i], hi = off[i + 1];
+      if (hi == lo || (kSkipFlagged && (ent[lo] & kFlag))) continue;  // empty, or recomputed
+      float xv[8];
+      Unpack8<E>(xr[j], xv);
+      for (int e = lo; e < hi; ++e) {
+        const uint32_t c = ent[e] & kColumnMask;
+        float wv[8];
+        Unpack8<E>(*reinterpret_cast<const uint4*>(slab + c * kUpCols + q * 8), wv);
+        float acc = 0.f;
+#pragma unroll
+        for (int v = 0; v < 8; ++v) acc = fmaf(xv[v], wv[v], acc);
+        acc += __shfl_xor_sync(mask, acc, 4, kUpLanes);
+        acc += __shfl_xor_sync(mask, acc, 2, kUpLanes);
+        acc += __shfl_xor_sync(mask, acc, 1, kUpLanes);
+        if (q == 0) partial_r[base + e] = acc;
+      }
+    }
+  }
+}
+
+// K1.5. One thread per entry: sums the partials in range order, rounds like the reference.
+template <typename E>
+__global__ void __launch_bounds__(256) TwellBlockedFinishKernel(const float* __restrict__ partial,
+                                                    const int32_t* __restrict__ seg_start,
+                                                    uint32_t* __restrict__ entries, int n_ranges,
+                                                    Shapes s) {
+  if (OverBudget(s, seg_start)) return;
+  const int64_t total = seg_start[s.n_blocks * s.n_tiles];
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t word = entries[e];
+    if (word & kFlag) continue;
+    float u = 0.f;
+    for (int r = 0; r < n_ranges; ++r) u += partial[static_cast<int64_t>(r) * s.max_entries + e];
+    const float h = Round<E>(E::ToFloat(word >> 16) * Round<E>(u));
+    entries[e] = (E::FromFloat(h) << 16) | (word & 0xffffu);
+  }
+}
+
+// K2. Group g (4 lanes) owns tokens g + 128 j, j < 8; lane q of the group columns 8q..8q+7.
+template <typename E>
+__global__ void __launch_bounds__(kThreads, 1) TwellBlockedDownKernel(
+    const uint16_t* __restrict__ w_down, const int32_t* __restrict__ tok_off,
+    const int32_t* __restrict__ seg_start, const uint32_t* __restrict__ entries,
+    uint16_t* __restrict__ y, Shapes s) {
+  constexpr int kGroups = kThreads / kDownLanes;
+  constexpr int kTokensPerGroup = kBlockTokens / kGroups;
+  using St = Stages<kDownCols>;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * St::kStage);
+  const int r = blockIdx.x, b = blockIdx.y;
+  const int col0 = r * kDownCols;
+  const int group = threadIdx.x / kDownLanes, q = threadIdx.x % kDownLanes;
+  const bool over_budget = OverBudget(s, seg_start);
+
+  float acc[kTokensPerGroup][8];
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j)
+#pragma unroll
+    for (int v = 0; v < 8; ++v) acc[j][v] = 0.f;
+
+  if (!over_budget) {
+    for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
+    __syncthreads();
+    StageTile<kDownCols>(smem_raw, w_down, tok_off, entries, seg_s, b, 0, col0, s);
+    for (int k = 0; k < s.n_tiles; ++k) {
+      CpAsyncWaitAll();
+      __syncthreads();
+      if (k + 1 < s.n_tiles)
+        StageTile<kDownCols>(smem_raw + ((k + 1) % 2) * St::kStage, w_down, tok_off, entries, seg_s, b, k + 1, col0, s);
+      const uint8_t* stage = smem_raw + (k % 2) * St::kStage;
+      const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
+      const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
+      const int base = seg_s[k];
+      const uint32_t* ent = seg_s[k + 1] - base <= kStageEntries
+                                ? reinterpret_cast<const uint32_t*>(stage + St::kSlab + St::kOff)
+                                : entries + base;
+#pragma unroll
+      for (int j = 0; j < kTokensPerGroup; ++j) {
+        const int i = group + kGroups * j;
+        const int lo = off[i], hi = off[i + 1];  // zero-length past the last token
+        for (int e = lo; e < hi; ++e) {
+          const uint32_t word = ent[e];
+          const float h = E::ToFloat(word >> 16);
+          float wv[8];
+          Unpack8<E>(*reinterpret_cast<const uint4*>(slab + (word & kColumnMask) * kDownCols + q * 8), wv);
+#pragma unroll
+          for (int v = 0; v < 8; ++v) acc[j][v] = fmaf(h, wv[v], acc[j][v]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + group + kGroups * j;
+    if (t >= s.rows) continue;
+    uint32_t out[4];
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const float lo = over_budget ? __int_as_float(0x7fc00000) : acc[j][2 * v];
+      const float hi = over_budget ? __int_as_float(0x7fc00000) : acc[j][2 * v + 1];
+      out[v] = E::FromFloat(lo) | (E::FromFloat(hi) << 16);
+    }
+    *reinterpret_cast<uint4*>(y + t * s.d + col0 + q * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+}  // namespace
+}  // namespace jax_twell

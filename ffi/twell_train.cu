@@ -1,0 +1,695 @@
+// twell_train: the sparse training FFN on token blocks: a forward that keeps the sparse
+// residuals, and the custom_vjp backward, both on the blocked TwELL layout of
+// twell_ffn_blocked.cu (device code in twell_blocked.cuh). Notes: ffi/notes/training_kernels.md;
+// NumPy model of every step (same indexing, same f32 operation order):
+// jax_twell/ops/train_emulation.py.
+//
+//   gated:      g = relu(x Wg) (TwELL), u = x Wu, h = bf16(g * bf16(u)), y = h Wd
+//   non-gated:  h = g = relu(x Wu), y = h Wd
+//
+// Forward (train_fwd), after the XLA gate matmul and the pack kernel:
+//   K0a/b/c layout      as inference: entries `g bits << 16 | flag << 15 | column`.
+//   Recompute (train)   grid (tile, block): overflowed tiles, exact g (entry) and u (`up`).
+//   K1 Up + TrainFinish gated: u = bf16(sum of d/64 partial dots) -> `up`; h -> h_words.
+//   K2 Down             y from h_words (gated) or entries (non-gated, h = g).
+//   ByColumn            grid (tile, block): entries with g != 0 of each (block, tile)
+//                       segment sorted stably by (column, token) -> col_off, by_col.
+// Residuals: entries, up, col_off, by_col, seg_start, tok_off (~10 B per entry), plus x.
+//
+// Backward (train_bwd), c = dl1 / M from the device:
+//   K1 Up (dy, Wd)      partial sums of dh = dy[t] . Wd[j], every entry (flagged ones too).
+//   BwdFinish           grid-stride over entries: dh = sum of partials + c sign(h);
+//                       coef[0] = h, coef[1] = dh * u (gate; dh non-gated), coef[2] = dh * g.
+//   Dx                  grid (d/32, block), like K2: 4 lanes per token hold dx[t, 32 cols] in
+//                       f32; per tile the Wg^T and Wu^T slabs [tile, 32] are staged;
+//                       acc = fma(coef1, Wg^T[j], acc), then fma(coef2, Wu^T[j], acc).
+//   WeightGrad          grid (tile, d/32), 64 groups of 4 lanes, one neuron per group at a
+//                       time, its by_col list walked over blocks in order: dWd[j] += h dy[t],
+//                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs.
+// Every output element is summed by one lane in a fixed order: deterministic, no atomics.
+// Traffic at M=16384, d=2048, f=5632, 0.5% active: weight slabs 16 blocks x 5 x 23 MB =
+// 1.85 GB (L2); WeightGrad x/dy slices nnz x d x 4 B = 3.8 GB (L2); partials 2 x 2 x 59 MB.
+#include <string>
+
+#include "common.h"
+#include "twell_blocked.cuh"
+
+namespace jax_twell {
+namespace {
+
+constexpr int kByColWarps = kThreads / 32;  // 16 warps of 64 tokens
+constexpr int kTokenShift = 18;             // by_col word: token << 18 | entry within the segment
+constexpr uint32_t kLocalMask = (1u << kTokenShift) - 1;
+constexpr int kGradThreads = 256;
+constexpr int kGradLanes = 4;
+constexpr int kGradCols = 32;
+
+// True when the entry's g is non-zero (unfired columns of overflowed tiles hold zeros).
+__device__ __forceinline__ bool GateFired(uint32_t word) { return ((word >> 16) & 0x7fffu) != 0; }
+
+__device__ __forceinline__ float Nan() { return __int_as_float(0x7fc00000); }
+
+template <typename E>
+__device__ __forceinline__ uint4 Pack8(const float (&v)[8], bool poison) {
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    out[i] = E::FromFloat(poison ? Nan() : v[2 * i]) | (E::FromFloat(poison ? Nan() : v[2 * i + 1]) << 16);
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// Forward, gated: u of the stored entries from the Up partials (range order, rounded), u of
+// recomputed entries as written by the recompute step; h = round(g * u) -> h_words.
+template <typename E>
+__global__ void __launch_bounds__(256) TwellTrainFinishKernel(const float* __restrict__ partial,
+                                                  const int32_t* __restrict__ seg_start,
+                                                  const uint32_t* __restrict__ entries,
+                                                  uint16_t* __restrict__ up, uint32_t* __restrict__ h_words,
+                                                  int n_ranges, Shapes s) {
+  if (OverBudget(s, seg_start)) return;
+  const int64_t total = seg_start[s.n_blocks * s.n_tiles];
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t word = entries[e];
+    float u;
+    if (word & kFlag) {
+      u = E::ToFloat(up[e]);
+    } else {
+      float sum = 0.f;
+      for (int r = 0; r < n_ranges; ++r) sum += partial[static_cast<int64_t>(r) * s.max_entries + e];
+      up[e] = static_cast<uint16_t>(E::FromFloat(sum));
+      u = Round<E>(sum);
+    }
+    const float h = Round<E>(E::ToFloat(word >> 16) * u);
+    h_words[e] = (E::FromFloat(h) << 16) | (word & 0xffffu);
+  }
+}
+
+// Per (tile, block) segment: entries with g != 0 sorted stably by (column, token). Warp w
+// owns tokens [64 w, 64 w + 64); one token's entries have distinct columns, so a warp step
+// never collides; per-warp column histograms make the scatter order fixed.
+__global__ void __launch_bounds__(kThreads) TwellTrainByColumnKernel(const int32_t* __restrict__ tok_off,
+                                                         const int32_t* __restrict__ seg_start,
+                                                         const uint32_t* __restrict__ entries,
+                                                         int32_t* __restrict__ col_off,
+                                                         uint32_t* __restrict__ by_col, Shapes s) {
+  constexpr int kTokensPerWarp = kBlockTokens / kByColWarps;
+  __shared__ int start[kByColWarps][kMaxTile];
+  __shared__ int scratch[32];
+  __shared__ int total;
+  if (OverBudget(s, seg_start)) return;
+  const int k = blockIdx.x, b = blockIdx.y;
+  const int seg = b * s.n_tiles + k;
+  const int64_t base = seg_start[seg];
+  const int32_t* off = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = threadIdx.x; i < kByColWarps * kMaxTile; i += blockDim.x) (&start[0][0])[i] = 0;
+  __syncthreads();
+  for (int i = warp * kTokensPerWarp; i < (warp + 1) * kTokensPerWarp; ++i) {
+    const int lo = off[i], hi = off[i + 1];
+    for (int e0 = lo; e0 < hi; e0 += 32) {
+      const int e = e0 + lane;
+      if (e < hi) {
+        const uint32_t word = entries[base + e];
+        if (GateFired(word)) ++start[warp][word & kColumnMask];
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  const int c = threadIdx.x;
+  int column_total = 0;
+  if (c < kMaxTile)
+    for (int w = 0; w < kByColWarps; ++w) column_total += start[w][c];
+  const int column_start = BlockExclusiveScan(column_total, scratch, &total);
+  if (c <= s.tile) col_off[static_cast<int64_t>(seg) * (s.tile + 1) + c] = c < kMaxTile ? column_start : total;
+  if (c < kMaxTile) {
+    int run = column_start;
+    for (int w = 0; w < kByColWarps; ++w) {
+      const int n = start[w][c];
+      start[w][c] = run;
+      run += n;
+    }
+  }
+  __syncthreads();
+  for (int i = warp * kTokensPerWarp; i < (warp + 1) * kTokensPerWarp; ++i) {
+    const int lo = off[i], hi = off[i + 1];
+    for (int e0 = lo; e0 < hi; e0 += 32) {
+      const int e = e0 + lane;
+      if (e < hi) {
+        const uint32_t word = entries[base + e];
+        if (GateFired(word)) {
+          const int pos = start[warp][word & kColumnMask]++;
+          by_col[base + pos] = (static_cast<uint32_t>(i) << kTokenShift) | static_cast<uint32_t>(e);
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// Backward: per entry dh, then the coefficients of the three gradient products.
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(256) TwellTrainBwdFinishKernel(const float* __restrict__ partial,
+                                                     const int32_t* __restrict__ seg_start,
+                                                     const uint32_t* __restrict__ entries,
+                                                     const uint16_t* __restrict__ up,
+                                                     const float* __restrict__ l1_grad,
+                                                     float* __restrict__ coef, int n_ranges, Shapes s) {
+  if (OverBudget(s, seg_start)) return;
+  const int64_t total = seg_start[s.n_blocks * s.n_tiles];
+  const float c = *l1_grad;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint32_t word = entries[e];
+    float h = 0.f, d_gate = 0.f, d_up = 0.f;
+    if (GateFired(word)) {
+      float dh = 0.f;
+      for (int r = 0; r < n_ranges; ++r) dh += partial[static_cast<int64_t>(r) * s.max_entries + e];
+      const float g = E::ToFloat(word >> 16);
+      const float u = kGated ? E::ToFloat(up[e]) : 1.f;
+      h = kGated ? Round<E>(g * u) : g;
+      const float sign = h > 0.f ? 1.f : (h < 0.f ? -1.f : 0.f);
+      dh = fmaf(c, sign, dh);  // c * sign is exact: equals dh + c * sign
+      d_gate = kGated ? dh * u : dh;
+      d_up = dh * g;
+    }
+    coef[e] = h;
+    coef[s.max_entries + e] = d_gate;
+    if (kGated) coef[2 * s.max_entries + e] = d_up;
+  }
+}
+
+// Copies rows [k*tile, k*tile + width) x columns [col0, col0 + kCols) of w [f, d] to slab.
+template <int kCols>
+__device__ void StageSlab(uint16_t* slab, const uint16_t* w, int k, int col0, const Shapes& s) {
+  constexpr int kVecs = kCols / 8;
+  const int width = TileWidth(s, k);
+  const int64_t row0 = static_cast<int64_t>(k) * s.tile;
+  for (int v = threadIdx.x; v < width * kVecs; v += blockDim.x) {
+    const int row = v / kVecs, q = v % kVecs;
+    CpAsync16(slab + row * kCols + q * 8, w + (row0 + row) * s.d + col0 + q * 8);
+  }
+}
+
+template <bool kGated>
+struct DxStages {
+  using St = Stages<kDownCols>;
+  static constexpr int kStage = St::kStage + (kGated ? St::kSlab : 0);
+  static int Bytes(int n_tiles) { return 2 * kStage + (n_tiles + 1 + 3) / 4 * 16; }
+};
+
+// dx[t] = sum over t's entries (tiles, columns ascending) of coef1 Wact^T[j] (+ coef2 Wu^T[j]).
+// Group g (4 lanes) owns tokens g + 128 j, j < 8; lane q of the group columns 8q..8q+7.
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(kThreads, 1) TwellTrainDxKernel(
+    const uint16_t* __restrict__ w_act_t, const uint16_t* __restrict__ w_up_t,
+    const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
+    const uint32_t* __restrict__ entries, const float* __restrict__ coef, uint16_t* __restrict__ dx, Shapes s) {
+  constexpr int kGroups = kThreads / kDownLanes;
+  constexpr int kTokensPerGroup = kBlockTokens / kGroups;
+  using St = Stages<kDownCols>;
+  using Dx = DxStages<kGated>;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * Dx::kStage);
+  const int r = blockIdx.x, b = blockIdx.y;
+  const int col0 = r * kDownCols;
+  const int group = threadIdx.x / kDownLanes, q = threadIdx.x % kDownLanes;
+  const bool over_budget = OverBudget(s, seg_start);
+  const float* coef_gate = coef + s.max_entries;
+  const float* coef_up = coef + 2 * s.max_entries;
+
+  float acc[kTokensPerGroup][8];
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j)
+#pragma unroll
+    for (int v = 0; v < 8; ++v) acc[j][v] = 0.f;
+
+  if (!over_budget) {
+    for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
+    __syncthreads();
+    if (kGated) StageSlab<kDownCols>(reinterpret_cast<uint16_t*>(smem_raw + St::kStage), w_up_t, 0, col0, s);
+    StageTile<kDownCols>(smem_raw, w_act_t, tok_off, entries, seg_s, b, 0, col0, s);
+    for (int k = 0; k < s.n_tiles; ++k) {
+      CpAsyncWaitAll();
+      __syncthreads();
+      if (k + 1 < s.n_tiles) {
+        uint8_t* next = smem_raw + ((k + 1) % 2) * Dx::kStage;
+        if (kGated) StageSlab<kDownCols>(reinterpret_cast<uint16_t*>(next + St::kStage), w_up_t, k + 1, col0, s);
+        StageTile<kDownCols>(next, w_act_t, tok_off, entries, seg_s, b, k + 1, col0, s);
+      }
+      const uint8_t* stage = smem_raw + (k % 2) * Dx::kStage;
+      const uint16_t* slab_act = reinterpret_cast<const uint16_t*>(stage);
+      const uint16_t* slab_up = reinterpret_cast<const uint16_t*>(stage + St::kStage);
+      const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
+      const int base = seg_s[k];
+      const uint32_t* ent = seg_s[k + 1] - base <= kStageEntries
+                                ? reinterpret_cast<const uint32_t*>(stage + St::kSlab + St::kOff)
+                                : entries + base;
+#pragma unroll
+      for (int j = 0; j < kTokensPerGroup; ++j) {
+        const int i = group + kGroups * j;
+        const int lo = off[i], hi = off[i + 1];  // zero-length past the last token
+        for (int e = lo; e < hi; ++e) {
+          const uint32_t word = ent[e];
+          if (!GateFired(word)) continue;
+          const int c = word & kColumnMask;
+          const float cg = coef_gate[base + e];
+          float wv[8];
+          Unpack8<E>(*reinterpret_cast<const uint4*>(slab_act + c * kDownCols + q * 8), wv);
+#pragma unroll
+          for (int v = 0; v < 8; ++v) acc[j][v] = fmaf(cg, wv[v], acc[j][v]);
+          if constexpr (kGated) {
+            const float cu = coef_up[base + e];
+            Unpack8<E>(*reinterpret_cast<const uint4*>(slab_up + c * kDownCols + q * 8), wv);
+#pragma unroll
+            for (int v = 0; v < 8; ++v) acc[j][v] = fmaf(cu, wv[v], acc[j][v]);
+          }
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + group + kGroups * j;
+    if (t >= s.rows) continue;
+    *reinterpret_cast<uint4*>(dx + t * s.d + col0 + q * 8) = Pack8<E>(acc[j], over_budget);
+  }
+}
+
+// Weight gradients of tile k, model columns [32 r, 32 r + 32): group g (4 lanes) owns neurons
+// g, g + 64, ... of the tile; per neuron the by_col lists of the blocks in order.
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
+    const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, const int32_t* __restrict__ seg_start,
+    const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
+    uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t, uint16_t* __restrict__ dw_up_t, Shapes s) {
+  constexpr int kGroups = kGradThreads / kGradLanes;
+  const int k = blockIdx.x, r = blockIdx.y;
+  const int col = r * kGradCols + (threadIdx.x % kGradLanes) * 8;
+  const int group = threadIdx.x / kGradLanes;
+  const bool over_budget = OverBudget(s, seg_start);
+  const int width = TileWidth(s, k);
+  for (int jj = group; jj < width; jj += kGroups) {
+    float a_down[8], a_act[8], a_up[8];
+#pragma unroll
+    for (int v = 0; v < 8; ++v) a_down[v] = a_act[v] = a_up[v] = 0.f;
+    for (int b = 0; !over_budget && b < s.n_blocks; ++b) {
+      const int seg = b * s.n_tiles + k;
+      const int64_t base = seg_start[seg];
+      const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
+      const int lo = co[jj], hi = co[jj + 1];
+      // Two entries' loads in flight before either is applied (in list order): halves the
+      // chain of dependent L2 reads (by_col word -> x/dy slices and coefficients).
+      struct Loaded {
+        uint4 x, dy;
+        float h, gate, up;
+      };
+      auto load = [&](int p) {
+        const uint32_t w = by_col[base + p];
+        const int64_t e = base + (w & kLocalMask);
+        const int64_t t = static_cast<int64_t>(b) * kBlockTokens + (w >> kTokenShift);
+        Loaded l;
+        l.x = *reinterpret_cast<const uint4*>(x + t * s.d + col);
+        l.dy = *reinterpret_cast<const uint4*>(dy + t * s.d + col);
+        l.h = coef[e];
+        l.gate = coef[s.max_entries + e];
+        l.up = kGated ? coef[2 * s.max_entries + e] : 0.f;
+        return l;
+      };
+      auto apply = [&](const Loaded& l) {
+        float xv[8], dv[8];
+        Unpack8<E>(l.x, xv);
+        Unpack8<E>(l.dy, dv);
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          a_down[v] = fmaf(l.h, dv[v], a_down[v]);
+          a_act[v] = fmaf(l.gate, xv[v], a_act[v]);
+          if (kGated) a_up[v] = fmaf(l.up, xv[v], a_up[v]);
+        }
+      };
+      int p = lo;
+      for (; p + 1 < hi; p += 2) {
+        const Loaded first = load(p), second = load(p + 1);
+        apply(first);
+        apply(second);
+      }
+      if (p < hi) apply(load(p));
+    }
+    const int64_t row = static_cast<int64_t>(k) * s.tile + jj;
+    *reinterpret_cast<uint4*>(dw_down + row * s.d + col) = Pack8<E>(a_down, over_budget);
+    *reinterpret_cast<uint4*>(dw_act_t + row * s.d + col) = Pack8<E>(a_act, over_budget);
+    if (kGated) *reinterpret_cast<uint4*>(dw_up_t + row * s.d + col) = Pack8<E>(a_up, over_budget);
+  }
+}
+
+int64_t FinishBlocks(const Shapes& s) { return std::min<int64_t>(CeilDiv(s.max_entries, 256), 132 * 16); }
+
+template <typename E, bool kGated>
+ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x, const uint16_t* values,
+                         const int16_t* cols, const int32_t* counts, const uint16_t* w_act, const uint16_t* w_up,
+                         const uint16_t* w_up_t, const uint16_t* w_down, uint16_t* y, int32_t* seg_start,
+                         int32_t* tok_off, uint32_t* entries, uint16_t* up, uint32_t* h_words, float* partial,
+                         int32_t* col_off, uint32_t* by_col) {
+  const dim3 segments(s.n_tiles, s.n_blocks);
+  TwellBlockedLayoutKernel<<<segments, kThreads, 0, stream>>>(counts, tok_off, s);
+  TwellBlockedSegScanKernel<<<1, 1024, 0, stream>>>(tok_off, seg_start, s.n_blocks * s.n_tiles);
+  TwellBlockedScatterKernel<uint16_t><<<segments, 256, 0, stream>>>(values, cols, counts, tok_off, seg_start,
+                                                                    entries, s);
+  TwellBlockedRecomputeKernel<E, kGated, kGated><<<segments, kMaxTile, s.d * 2, stream>>>(
+      x, counts, w_act, w_up, tok_off, seg_start, entries, s, up);
+  ffi::Error status = LaunchStatus("twell_train forward layout");
+  if (status.failure()) return status;
+  const uint32_t* h_source = entries;
+  if constexpr (kGated) {
+    const int smem = Stages<kUpCols>::Bytes(s.n_tiles);
+    cudaFuncSetAttribute(TwellBlockedUpKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedUpKernel<E><<<dim3(s.d / kUpCols, s.n_blocks), kThreads, smem, stream>>>(
+        x, w_up_t, tok_off, seg_start, entries, partial, s);
+    TwellTrainFinishKernel<E><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
+        partial, seg_start, entries, up, h_words, s.d / kUpCols, s);
+    status = LaunchStatus("twell_train forward up");
+    if (status.failure()) return status;
+    h_source = h_words;
+  }
+  const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
+  cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
+      w_down, tok_off, seg_start, h_source, y, s);
+  TwellTrainByColumnKernel<<<segments, kThreads, 0, stream>>>(tok_off, seg_start, entries, col_off, by_col, s);
+  return LaunchStatus("twell_train forward down");
+}
+
+template <typename E, bool kGated>
+ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* x, const uint16_t* dy,
+                          const uint16_t* w_act_t, const uint16_t* w_up_t, const uint16_t* w_down,
+                          const int32_t* seg_start, const int32_t* tok_off, const uint32_t* entries,
+                          const uint16_t* up, const int32_t* col_off, const uint32_t* by_col, const float* l1_grad,
+                          uint16_t* dx, uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t, float* partial,
+                          float* coef) {
+  int smem = Stages<kUpCols>::Bytes(s.n_tiles);
+  cudaFuncSetAttribute(TwellBlockedUpKernel<E, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  TwellBlockedUpKernel<E, false><<<dim3(s.d / kUpCols, s.n_blocks), kThreads, smem, stream>>>(
+      dy, w_down, tok_off, seg_start, entries, partial, s);
+  TwellTrainBwdFinishKernel<E, kGated><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
+      partial, seg_start, entries, up, l1_grad, coef, s.d / kUpCols, s);
+  ffi::Error status = LaunchStatus("twell_train backward dh");
+  if (status.failure()) return status;
+  smem = DxStages<kGated>::Bytes(s.n_tiles);
+  cudaFuncSetAttribute(TwellTrainDxKernel<E, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  TwellTrainDxKernel<E, kGated><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
+      w_act_t, w_up_t, tok_off, seg_start, entries, coef, dx, s);
+  status = LaunchStatus("twell_train backward dx");
+  if (status.failure()) return status;
+  TwellTrainWeightGradKernel<E, kGated><<<dim3(s.n_tiles, s.d / kGradCols), kGradThreads, 0, stream>>>(
+      x, dy, seg_start, col_off, by_col, coef, dw_down, dw_act_t, dw_up_t, s);
+  return LaunchStatus("twell_train backward weight gradients");
+}
+
+// Shape checks shared by both passes: x [..., d] (rows flattened), weights [f, d] or [d, f],
+// the layout workspace; returns the Shapes (capacity 0 where unknown) or an error message.
+struct Checked {
+  Shapes s;
+  std::string error;
+};
+
+Checked CheckLayout(const char* name, ffi::AnyBuffer x, int64_t f, int32_t tile, int64_t capacity, int64_t seg_count,
+                    int64_t tok_count, int64_t max_entries) {
+  Checked c{};
+  auto fail = [&](const std::string& m) {
+    c.error = std::string(name) + m;
+    return c;
+  };
+  auto x_dims = x.dimensions();
+  if (x_dims.size() < 1) return fail("x must have shape [..., d]");
+  const int64_t d = x_dims.back();
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < x_dims.size(); ++i) rows *= x_dims[i];
+  if (x.element_type() != ffi::DataType::BF16 && x.element_type() != ffi::DataType::F16)
+    return fail("x must be bf16 or f16 (f32 runs the dense path)");
+  if (f <= 0 || tile <= 0 || tile % 32 != 0 || tile > kMaxTile)
+    return fail("tile must be a multiple of 32 and at most 256, and f positive");
+  const int64_t n_tiles = CeilDiv(f, tile);
+  if (n_tiles > kMaxTiles) return fail("ceil(f / tile) must be at most 4096");
+  if (d % kUpCols != 0 || d > 16384) return fail("d must be a multiple of 64 and at most 16384, got " + std::to_string(d));
+  if (rows * f >= (int64_t{1} << 31)) return fail("tokens x f must be below 2^31");
+  const int64_t n_blocks = CeilDiv(rows, kBlockTokens);
+  if (seg_count != n_blocks * n_tiles + 1 || tok_count != n_blocks * n_tiles * (kBlockTokens + 1) ||
+      max_entries < 1 || max_entries >= (int64_t{1} << 31))
+    return fail("layout buffers must be seg_start [ceil(M/1024)*n_tiles + 1], tok_off [ceil(M/1024), n_tiles, "
+                "1025] and entries [max_entries >= 1]");
+  c.s = Shapes{rows, static_cast<int>(d), static_cast<int>(f), tile, static_cast<int>(capacity),
+               static_cast<int>(n_tiles), static_cast<int>(n_blocks), max_entries};
+  return c;
+}
+
+bool SameType(ffi::DataType t, std::initializer_list<ffi::DataType> others) {
+  for (auto o : others)
+    if (o != t) return false;
+  return true;
+}
+
+template <bool kGated>
+ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
+                       ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_act, ffi::AnyBuffer w_up,
+                       ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::Buffer<ffi::S32>> seg_start, ffi::Result<ffi::Buffer<ffi::S32>> tok_off,
+                       ffi::Result<ffi::Buffer<ffi::U32>> entries, uint16_t* up, int64_t up_count,
+                       uint32_t* h_words, int64_t h_count, float* partial, int64_t partial_count,
+                       ffi::Result<ffi::Buffer<ffi::S32>> col_off, ffi::Result<ffi::Buffer<ffi::U32>> by_col,
+                       int32_t tile) {
+  const char* name = "twell_train forward: ";
+  auto a_dims = w_act.dimensions();
+  if (a_dims.size() != 2 || x.dimensions().size() < 1 || a_dims[0] != x.dimensions().back())
+    return Invalid(std::string(name) + "the activation weight must be [d, f]");
+  const int64_t d = a_dims[0], f = a_dims[1];
+  auto v_dims = values.dimensions();
+  const auto x_dims = x.dimensions();
+  if (v_dims.size() != x_dims.size() + 1)
+    return Invalid(std::string(name) + "values must have shape [..., n_tiles, capacity] for x [..., d]");
+  const int64_t capacity = v_dims.back();
+  Checked c = CheckLayout(name, x, f, tile, capacity, seg_start->element_count(), tok_off->element_count(),
+                          entries->element_count());
+  if (!c.error.empty()) return Invalid(c.error);
+  const Shapes& s = c.s;
+  bool ok = v_dims[v_dims.size() - 2] == s.n_tiles && cols.dimensions().size() == v_dims.size() &&
+            counts.dimensions().size() == x_dims.size() && counts.dimensions().back() == s.n_tiles;
+  for (size_t i = 0; ok && i < v_dims.size(); ++i) ok = cols.dimensions()[i] == v_dims[i];
+  for (size_t i = 0; ok && i + 1 < x_dims.size(); ++i)
+    ok = v_dims[i] == x_dims[i] && counts.dimensions()[i] == x_dims[i];
+  if (!ok) return Invalid(std::string(name) + "values/cols/counts must be the TwELL of x's rows with this tile");
+  if (!SameDims(w_down.dimensions(), {f, d}) ||
+      (kGated && (!SameDims(w_up.dimensions(), {d, f}) || !SameDims(w_up_t.dimensions(), {f, d}))))
+    return Invalid(std::string(name) + "w_up must be [d, f], w_up_t and w_down [f, d]");
+  const auto dt = x.element_type();
+  if (!SameType(dt, {values.element_type(), w_act.element_type(), w_down.element_type(), y->element_type()}) ||
+      (kGated && !SameType(dt, {w_up.element_type(), w_up_t.element_type()})))
+    return Invalid(std::string(name) + "x, values, weights and y must share one dtype");
+  const int64_t e = s.max_entries;
+  if (col_off->element_count() != s.n_blocks * s.n_tiles * (tile + 1) || by_col->element_count() != e ||
+      (kGated && (up_count != e || h_count != e || partial_count != s.d / kUpCols * e)))
+    return Invalid(std::string(name) + "residual/workspace results must be col_off [blocks, n_tiles, tile + 1], "
+                   "by_col, up, h_words [max_entries] and partial [d/64, max_entries]");
+  if (s.rows == 0) return ffi::Error::Success();
+  auto u16 = [](const void* p) { return static_cast<const uint16_t*>(p); };
+  const uint16_t* wu = kGated ? u16(w_up.untyped_data()) : nullptr;
+  const uint16_t* wut = kGated ? u16(w_up_t.untyped_data()) : nullptr;
+  auto* launch = dt == ffi::DataType::BF16 ? LaunchForward<Bf16, kGated> : LaunchForward<F16, kGated>;
+  return launch(stream, s, u16(x.untyped_data()), u16(values.untyped_data()), cols.typed_data(),
+                counts.typed_data(), u16(w_act.untyped_data()), wu, wut, u16(w_down.untyped_data()),
+                static_cast<uint16_t*>(y->untyped_data()), seg_start->typed_data(), tok_off->typed_data(),
+                entries->typed_data(), up, h_words, partial, col_off->typed_data(), by_col->typed_data());
+}
+
+template <bool kGated>
+ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer w_act_t,
+                        ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> seg_start,
+                        ffi::Buffer<ffi::S32> tok_off, ffi::Buffer<ffi::U32> entries, const uint16_t* up,
+                        int64_t up_count, ffi::Buffer<ffi::S32> col_off, ffi::Buffer<ffi::U32> by_col,
+                        ffi::Buffer<ffi::F32> l1_grad, ffi::Result<ffi::AnyBuffer> dx,
+                        ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dw_act_t,
+                        uint16_t* dw_up_t, ffi::Result<ffi::Buffer<ffi::F32>> partial,
+                        ffi::Result<ffi::Buffer<ffi::F32>> coef, int32_t tile) {
+  const char* name = "twell_train backward: ";
+  auto wd_dims = w_down.dimensions();
+  if (wd_dims.size() != 2 || x.dimensions().size() < 1 || wd_dims[1] != x.dimensions().back())
+    return Invalid(std::string(name) + "w_down must be [f, d]");
+  const int64_t f = wd_dims[0], d = wd_dims[1];
+  Checked c = CheckLayout(name, x, f, tile, 0, seg_start.element_count(), tok_off.element_count(),
+                          entries.element_count());
+  if (!c.error.empty()) return Invalid(c.error);
+  const Shapes& s = c.s;
+  const int64_t e = s.max_entries;
+  if (dy.dimensions().size() != x.dimensions().size() || dx->dimensions().size() != x.dimensions().size())
+    return Invalid(std::string(name) + "dy and dx must have x's shape");
+  for (size_t i = 0; i < x.dimensions().size(); ++i)
+    if (dy.dimensions()[i] != x.dimensions()[i] || dx->dimensions()[i] != x.dimensions()[i])
+      return Invalid(std::string(name) + "dy and dx must have x's shape");
+  if (!SameDims(w_act_t.dimensions(), {f, d}) || (kGated && !SameDims(w_up_t.dimensions(), {f, d})) ||
+      !SameDims(dw_down->dimensions(), {f, d}) || !SameDims(dw_act_t->dimensions(), {f, d}))
+    return Invalid(std::string(name) + "transposed weights and weight gradients must be [f, d]");
+  const auto dt = x.element_type();
+  if (!SameType(dt, {dy.element_type(), w_act_t.element_type(), w_down.element_type(), dx->element_type(),
+                     dw_down->element_type(), dw_act_t->element_type()}) ||
+      (kGated && w_up_t.element_type() != dt))
+    return Invalid(std::string(name) + "x, dy, weights and gradients must share one dtype");
+  if (col_off.element_count() != s.n_blocks * s.n_tiles * (tile + 1) || by_col.element_count() != e ||
+      (kGated && up_count != e) || l1_grad.element_count() != 1 ||
+      partial->element_count() != s.d / kUpCols * e || coef->element_count() != (kGated ? 3 : 2) * e)
+    return Invalid(std::string(name) + "residuals must match the forward's (col_off, by_col, up [max_entries]), "
+                   "l1_grad [1], partial [d/64, max_entries], coef [3 or 2, max_entries]");
+  if (s.rows == 0) {
+    // No tokens: the weight gradients are zero (nothing else to write).
+    cudaMemsetAsync(dw_down->untyped_data(), 0, f * d * 2, stream);
+    cudaMemsetAsync(dw_act_t->untyped_data(), 0, f * d * 2, stream);
+    if (kGated) cudaMemsetAsync(dw_up_t, 0, f * d * 2, stream);
+    return LaunchStatus("twell_train backward zero gradients");
+  }
+  auto u16 = [](const void* p) { return static_cast<const uint16_t*>(p); };
+  auto* launch = dt == ffi::DataType::BF16 ? LaunchBackward<Bf16, kGated> : LaunchBackward<F16, kGated>;
+  return launch(stream, s, u16(x.untyped_data()), u16(dy.untyped_data()), u16(w_act_t.untyped_data()),
+                kGated ? u16(w_up_t.untyped_data()) : nullptr, u16(w_down.untyped_data()), seg_start.typed_data(),
+                tok_off.typed_data(), entries.typed_data(), up, col_off.typed_data(), by_col.typed_data(),
+                l1_grad.typed_data(), static_cast<uint16_t*>(dx->untyped_data()),
+                static_cast<uint16_t*>(dw_down->untyped_data()), static_cast<uint16_t*>(dw_act_t->untyped_data()),
+                dw_up_t, partial->typed_data(), coef->typed_data());
+}
+
+ffi::Error ForwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
+                        ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up,
+                        ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
+                        ffi::Result<ffi::Buffer<ffi::S32>> seg_start, ffi::Result<ffi::Buffer<ffi::S32>> tok_off,
+                        ffi::Result<ffi::Buffer<ffi::U32>> entries, ffi::Result<ffi::Buffer<ffi::U16>> up,
+                        ffi::Result<ffi::Buffer<ffi::U32>> h_words, ffi::Result<ffi::Buffer<ffi::F32>> partial,
+                        ffi::Result<ffi::Buffer<ffi::S32>> col_off, ffi::Result<ffi::Buffer<ffi::U32>> by_col,
+                        int32_t tile) {
+  return ForwardImpl<true>(stream, x, values, cols, counts, w_gate, w_up, w_up_t, w_down, y, seg_start, tok_off,
+                           entries, up->typed_data(), up->element_count(), h_words->typed_data(),
+                           h_words->element_count(), partial->typed_data(), partial->element_count(), col_off,
+                           by_col, tile);
+}
+
+ffi::Error ForwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
+                          ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,
+                          ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> seg_start,
+                          ffi::Result<ffi::Buffer<ffi::S32>> tok_off, ffi::Result<ffi::Buffer<ffi::U32>> entries,
+                          ffi::Result<ffi::Buffer<ffi::S32>> col_off, ffi::Result<ffi::Buffer<ffi::U32>> by_col,
+                          int32_t tile) {
+  return ForwardImpl<false>(stream, x, values, cols, counts, w_up, w_up, w_down, w_down, y, seg_start, tok_off,
+                            entries, nullptr, 0, nullptr, 0, nullptr, 0, col_off, by_col, tile);
+}
+
+ffi::Error BackwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer w_gate_t,
+                         ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> seg_start,
+                         ffi::Buffer<ffi::S32> tok_off, ffi::Buffer<ffi::U32> entries, ffi::Buffer<ffi::U16> up,
+                         ffi::Buffer<ffi::S32> col_off, ffi::Buffer<ffi::U32> by_col, ffi::Buffer<ffi::F32> l1_grad,
+                         ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw_down,
+                         ffi::Result<ffi::AnyBuffer> dw_gate_t, ffi::Result<ffi::AnyBuffer> dw_up_t,
+                         ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> coef,
+                         int32_t tile) {
+  if (!SameDims(dw_up_t->dimensions(), {w_down.dimensions()[0], w_down.dimensions().back()}) ||
+      dw_up_t->element_type() != x.element_type())
+    return Invalid("twell_train backward: dw_up_t must be [f, d] of x's dtype");
+  return BackwardImpl<true>(stream, x, dy, w_gate_t, w_up_t, w_down, seg_start, tok_off, entries, up.typed_data(),
+                            up.element_count(), col_off, by_col, l1_grad, dx, dw_down, dw_gate_t,
+                            static_cast<uint16_t*>(dw_up_t->untyped_data()), partial, coef, tile);
+}
+
+ffi::Error BackwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer w_up_t,
+                           ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> seg_start, ffi::Buffer<ffi::S32> tok_off,
+                           ffi::Buffer<ffi::U32> entries, ffi::Buffer<ffi::S32> col_off, ffi::Buffer<ffi::U32> by_col,
+                           ffi::Buffer<ffi::F32> l1_grad, ffi::Result<ffi::AnyBuffer> dx,
+                           ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dw_up_t,
+                           ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> coef,
+                           int32_t tile) {
+  return BackwardImpl<false>(stream, x, dy, w_up_t, w_up_t, w_down, seg_start, tok_off, entries, nullptr, 0, col_off,
+                             by_col, l1_grad, dx, dw_down, dw_up_t, nullptr, partial, coef, tile);
+}
+
+}  // namespace
+}  // namespace jax_twell
+
+namespace ffi_api = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwdGated, jax_twell::ForwardGated,
+                              ffi_api::Ffi::Bind()
+                                  .Ctx<ffi_api::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi_api::AnyBuffer>()                 // x [..., d]
+                                  .Arg<ffi_api::AnyBuffer>()                 // values
+                                  .Arg<ffi_api::Buffer<ffi_api::S16>>()      // cols
+                                  .Arg<ffi_api::Buffer<ffi_api::S32>>()      // counts
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_gate [d, f]
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_up [d, f]
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_up_t [f, d]
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_down [f, d]
+                                  .Ret<ffi_api::AnyBuffer>()                 // y
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // seg_start
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // tok_off
+                                  .Ret<ffi_api::Buffer<ffi_api::U32>>()      // entries (g words)
+                                  .Ret<ffi_api::Buffer<ffi_api::U16>>()      // up (u bits)
+                                  .Ret<ffi_api::Buffer<ffi_api::U32>>()      // h_words (workspace)
+                                  .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // col_off
+                                  .Ret<ffi_api::Buffer<ffi_api::U32>>()      // by_col
+                                  .Attr<int32_t>("tile"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwd, jax_twell::ForwardUngated,
+                              ffi_api::Ffi::Bind()
+                                  .Ctx<ffi_api::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi_api::AnyBuffer>()                 // x
+                                  .Arg<ffi_api::AnyBuffer>()                 // values
+                                  .Arg<ffi_api::Buffer<ffi_api::S16>>()      // cols
+                                  .Arg<ffi_api::Buffer<ffi_api::S32>>()      // counts
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_up [d, f]
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_down [f, d]
+                                  .Ret<ffi_api::AnyBuffer>()                 // y
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // seg_start
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // tok_off
+                                  .Ret<ffi_api::Buffer<ffi_api::U32>>()      // entries
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // col_off
+                                  .Ret<ffi_api::Buffer<ffi_api::U32>>()      // by_col
+                                  .Attr<int32_t>("tile"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
+                              ffi_api::Ffi::Bind()
+                                  .Ctx<ffi_api::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi_api::AnyBuffer>()                 // x
+                                  .Arg<ffi_api::AnyBuffer>()                 // dy
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_gate_t [f, d]
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_up_t [f, d]
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_down [f, d]
+                                  .Arg<ffi_api::Buffer<ffi_api::S32>>()      // seg_start
+                                  .Arg<ffi_api::Buffer<ffi_api::S32>>()      // tok_off
+                                  .Arg<ffi_api::Buffer<ffi_api::U32>>()      // entries
+                                  .Arg<ffi_api::Buffer<ffi_api::U16>>()      // up
+                                  .Arg<ffi_api::Buffer<ffi_api::S32>>()      // col_off
+                                  .Arg<ffi_api::Buffer<ffi_api::U32>>()      // by_col
+                                  .Arg<ffi_api::Buffer<ffi_api::F32>>()      // l1_grad [1] = dl1 / M
+                                  .Ret<ffi_api::AnyBuffer>()                 // dx
+                                  .Ret<ffi_api::AnyBuffer>()                 // dw_down [f, d]
+                                  .Ret<ffi_api::AnyBuffer>()                 // dw_gate_t [f, d]
+                                  .Ret<ffi_api::AnyBuffer>()                 // dw_up_t [f, d]
+                                  .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
+                                  .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
+                                  .Attr<int32_t>("tile"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
+                              ffi_api::Ffi::Bind()
+                                  .Ctx<ffi_api::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi_api::AnyBuffer>()                 // x
+                                  .Arg<ffi_api::AnyBuffer>()                 // dy
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_up_t [f, d]
+                                  .Arg<ffi_api::AnyBuffer>()                 // w_down [f, d]
+                                  .Arg<ffi_api::Buffer<ffi_api::S32>>()      // seg_start
+                                  .Arg<ffi_api::Buffer<ffi_api::S32>>()      // tok_off
+                                  .Arg<ffi_api::Buffer<ffi_api::U32>>()      // entries
+                                  .Arg<ffi_api::Buffer<ffi_api::S32>>()      // col_off
+                                  .Arg<ffi_api::Buffer<ffi_api::U32>>()      // by_col
+                                  .Arg<ffi_api::Buffer<ffi_api::F32>>()      // l1_grad [1]
+                                  .Ret<ffi_api::AnyBuffer>()                 // dx
+                                  .Ret<ffi_api::AnyBuffer>()                 // dw_down [f, d]
+                                  .Ret<ffi_api::AnyBuffer>()                 // dw_up_t [f, d]
+                                  .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
+                                  .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
+                                  .Attr<int32_t>("tile"));

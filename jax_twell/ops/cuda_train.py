@@ -1,0 +1,385 @@
+"""CUDA training FFN (ffi/twell_train.cu): sparse forward with sparse residuals, custom_vjp
+backward, and the per-call dense crossover. Notes: ffi/notes/training_kernels.md; NumPy
+model of the kernels: :mod:`jax_twell.ops.train_emulation`.
+
+Layout: the blocked TwELL layout of the inference kernel (tile 256, capacity 32, token
+blocks of 1024). The forward saves, per stored entry, the gate value and u (plus the
+entries sorted by neuron), never an ``[M, f]`` tensor; the backward reads them.
+
+``sparse_ffn_train(implementation=None)`` does not pick these kernels yet
+(:data:`TRAINING_KERNELS_DEFAULT` is False until they are measured); pass
+``implementation="cuda"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_twell.formats import TwELL, relu_matmul
+from jax_twell.ops import blocked_emulation as _blocked
+from jax_twell.ops import cuda, reference, xla
+
+__all__ = [
+    "TRAINING_KERNELS_DEFAULT",
+    "TrainCrossover",
+    "ffn_with_aux",
+    "train_forward",
+    "train_backward",
+    "Residuals",
+    "residual_shapes",
+    "max_entries_for",
+    "supports",
+    "check_supported",
+    "train_crossover",
+    "set_train_crossover",
+]
+
+# implementation=None keeps "xla" for training until the kernels are measured on a GPU.
+TRAINING_KERNELS_DEFAULT = False
+
+TILE = 256
+CAPACITY = 32
+TOKEN_SHIFT = 18  # by_col word: token in block << 18 | entry within the segment
+
+
+def check_supported(d: int, dtype) -> None:
+    """Raises ValueError naming the constraint when the training kernels can't take ``d``.
+
+    d must be a multiple of 64 and at most 16384 (the blocked layout's column ranges).
+    f32 is accepted by :func:`ffn_with_aux` and runs dense through XLA (documented).
+    """
+    if d % _blocked.UP_COLS or d > 16384:
+        raise ValueError(
+            f"the CUDA training FFN needs d a multiple of {_blocked.UP_COLS} and at most 16384, got d={d}; "
+            "use implementation='xla' or 'reference'"
+        )
+    del dtype
+
+
+def supports(d: int, dtype) -> bool:
+    try:
+        check_supported(d, dtype)
+    except ValueError:
+        return False
+    return True
+
+
+def max_entries_for(m: int, f: int, width: int) -> int:
+    """Entry budget of the residual/workspace buffers for ``m`` tokens: ``width`` entries
+    per token on average (never more than the TwELL's slots), at least one tile."""
+    n_tiles = -(-f // TILE)
+    return max(TILE, m * min(width, n_tiles * CAPACITY))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainCrossover:
+    """When the training FFN runs the sparse kernels, and when dense math through XLA.
+
+    Both sides share the forward gate matmul; the rule compares what follows, in seconds:
+
+    - dense: XLA autodiff of the rest, 8 matmuls of ``2 M d f`` at ``matmul_rate``;
+    - sparse: the pack (``M f`` elements at ``hbm_bandwidth``), weight slabs read once per
+      block of 1024 tokens by five passes (``n_blocks * 5 d f`` elements at
+      ``weight_bandwidth``), the per-call transposes (``5 d f`` at
+      ``transpose_bandwidth``), ``8 d`` FMA per active pair at ``pair_rate``, the weight
+      gradients' x/dy slices (``2 d`` elements per pair at ``grad_stream_bandwidth``),
+      ``overflow_penalty`` per overflowed tile and ``fixed_overhead``.
+
+    Sparse runs where its entries fit the budget and its estimate is below ``margin`` times
+    the dense one (decided on the device, per call). Below ``min_tokens`` tokens the
+    kernels never run (trace time: pure XLA autodiff). ``margin=inf`` forces the kernels
+    (when the entries fit), ``margin=0`` forces dense. Constants predicted before any
+    measurement (ffi/notes/training_kernels.md); fit them to the GPU benchmark.
+    """
+
+    matmul_rate: float = 7.0e14
+    hbm_bandwidth: float = 3.0e12
+    weight_bandwidth: float = 7.0e12
+    transpose_bandwidth: float = 1.4e12
+    pair_rate: float = 1.2e13
+    grad_stream_bandwidth: float = 7.0e12
+    overflow_penalty: float = 2.0e-6
+    fixed_overhead: float = 8.0e-5
+    margin: float = 1.0
+    min_tokens: int = 256
+
+    def dense_cost(self, m: int, d: int, f: int) -> float:
+        return 16.0 * m * d * f / self.matmul_rate
+
+    def sparse_fixed_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
+        n_blocks = -(-m // _blocked.BLOCK_TOKENS)
+        return (
+            self.fixed_overhead
+            + m * f * itemsize / self.hbm_bandwidth
+            + n_blocks * 5.0 * d * f * itemsize / self.weight_bandwidth
+            + 5.0 * d * f * itemsize / self.transpose_bandwidth
+        )
+
+    def sparse_cost(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int) -> jax.Array:
+        per_pair = 8.0 * d / self.pair_rate + 2.0 * d * itemsize / self.grad_stream_bandwidth
+        cost = jnp.asarray(nnz).astype(jnp.float32) * per_pair
+        cost = cost + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
+        return cost + self.sparse_fixed_cost(m, d, f, itemsize)
+
+    def sparse_can_win(self, m: int, d: int, f: int, itemsize: int) -> bool:
+        """Static: False where the kernels should not even be traced (tiny M, fixed costs)."""
+        if self.margin == float("inf"):
+            return True
+        if m < self.min_tokens:
+            return False
+        return self.sparse_fixed_cost(m, d, f, itemsize) < self.margin * self.dense_cost(m, d, f)
+
+    def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int) -> jax.Array:
+        """``[]`` bool on the device: True where the sparse kernels should run."""
+        if self.margin == float("inf"):
+            return jnp.bool_(True)
+        return self.sparse_cost(nnz, n_overflow, m, d, f, itemsize) < self.margin * self.dense_cost(m, d, f)
+
+
+_crossover = TrainCrossover()
+
+
+def train_crossover() -> TrainCrossover:
+    """The rule :func:`ffn_with_aux` uses now (inspectable)."""
+    return _crossover
+
+
+def set_train_crossover(rule: TrainCrossover) -> TrainCrossover:
+    """Replaces the training crossover rule for later traces; returns the previous one."""
+    global _crossover
+    if not isinstance(rule, TrainCrossover):
+        raise TypeError(f"rule must be a TrainCrossover, got {type(rule).__name__}")
+    previous, _crossover = _crossover, rule
+    return previous
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Residuals:
+    """What the sparse forward keeps for the backward (besides x and the weights).
+
+    seg_start ``[n_blocks * n_tiles + 1]`` s32, tok_off ``[n_blocks, n_tiles, 1025]`` s32:
+    the blocked layout; entries ``[E]`` u32: ``g bits << 16 | flag << 15 | column``; up
+    ``[E]`` u16: u bits (gated; None otherwise); col_off ``[n_blocks, n_tiles, tile + 1]``
+    s32 and by_col ``[E]`` u32: each segment's entries with g != 0 by (column, token).
+    """
+
+    seg_start: jax.Array
+    tok_off: jax.Array
+    entries: jax.Array
+    up: jax.Array | None
+    col_off: jax.Array
+    by_col: jax.Array
+
+
+def residual_shapes(m: int, n_tiles: int, tile: int, max_entries: int, gated: bool) -> Residuals:
+    """Shapes and dtypes of :class:`Residuals` for ``m`` tokens."""
+    n_blocks = -(-m // _blocked.BLOCK_TOKENS)
+    s = jax.ShapeDtypeStruct
+    return Residuals(
+        seg_start=s((n_blocks * n_tiles + 1,), jnp.int32),
+        tok_off=s((n_blocks, n_tiles, _blocked.BLOCK_TOKENS + 1), jnp.int32),
+        entries=s((max_entries,), jnp.uint32),
+        up=s((max_entries,), jnp.uint16) if gated else None,
+        col_off=s((n_blocks, n_tiles, tile + 1), jnp.int32),
+        by_col=s((max_entries,), jnp.uint32),
+    )
+
+
+def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_t=None):
+    """One ``jax_twell_train_fwd[_gated]`` call: ``(y, Residuals, h_source)``.
+
+    x ``[M, d]`` bf16/f16; act: TwELL of ``relu(x @ w_act)`` (tile <= 256); w_up None for
+    the non-gated FFN. ``h_source`` ``[E]`` u32 holds h in its high half (h words, or the
+    entries themselves when non-gated). Entries past ``seg_start[-1]`` are unwritten.
+    """
+    m, d = x.shape
+    e, tile = max_entries, act.tile
+    r = residual_shapes(m, act.n_tiles, tile, e, w_up is not None)
+    layout = [r.seg_start, r.tok_off, r.entries]
+    by_column = [r.col_off, r.by_col]
+    y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    if w_up is None:
+        call = jax.ffi.ffi_call("jax_twell_train_fwd", (y_type, *layout, *by_column), vmap_method="sequential")
+        y, seg_start, tok_off, entries, col_off, by_col = call(
+            x, act.values, act.cols, act.counts, w_act, w_down, tile=np.int32(tile)
+        )
+        return y, Residuals(seg_start, tok_off, entries, None, col_off, by_col), entries
+    if w_up_t is None:
+        w_up_t = w_up.T
+    gated_ws = [
+        jax.ShapeDtypeStruct((e,), jnp.uint16),
+        jax.ShapeDtypeStruct((e,), jnp.uint32),
+        jax.ShapeDtypeStruct((d // _blocked.UP_COLS, e), jnp.float32),
+    ]
+    call = jax.ffi.ffi_call("jax_twell_train_fwd_gated", (y_type, *layout, *gated_ws, *by_column), vmap_method="sequential")
+    y, seg_start, tok_off, entries, up, h_words, _, col_off, by_col = call(
+        x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=np.int32(tile)
+    )
+    return y, Residuals(seg_start, tok_off, entries, up, col_off, by_col), h_words
+
+
+def train_backward(x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile: int, workspace: bool = False):
+    """One ``jax_twell_train_bwd[_gated]`` call: ``(dx, dw_gate, dw_up, dw_down)``.
+
+    ``l1_grad``: ``[]`` f32, the cotangent of the L1 term divided by M. w_gate None: the
+    non-gated FFN (dw_gate None). ``workspace=True`` (tests) returns the raw results
+    ``(dx, dw_down, dw_act_t[, dw_up_t], partial, coef)`` instead.
+    """
+    m, d = x.shape
+    f = w_down.shape[0]
+    e = res.entries.shape[0]
+    gated = w_gate is not None
+    w_act_t = (w_gate if gated else w_up).T
+    grad_t = jax.ShapeDtypeStruct((f, d), x.dtype)
+    outs = [jax.ShapeDtypeStruct(x.shape, x.dtype), grad_t, grad_t] + ([grad_t] if gated else [])
+    outs += [
+        jax.ShapeDtypeStruct((d // _blocked.UP_COLS, e), jnp.float32),
+        jax.ShapeDtypeStruct((3 if gated else 2, e), jnp.float32),
+    ]
+    l1 = jnp.reshape(l1_grad, (1,)).astype(jnp.float32)
+    tile_attr = np.int32(tile)
+    if gated:
+        call = jax.ffi.ffi_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
+        out = call(x, dy, w_act_t, w_up.T, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
+                   res.by_col, l1, tile=tile_attr)
+        if workspace:
+            return out
+        dx, dw_down, dw_gate_t, dw_up_t = out[:4]
+        return dx, dw_gate_t.T, dw_up_t.T, dw_down
+    call = jax.ffi.ffi_call("jax_twell_train_bwd", outs, vmap_method="sequential")
+    out = call(x, dy, w_act_t, w_down, res.seg_start, res.tok_off, res.entries, res.col_off, res.by_col, l1,
+               tile=tile_attr)
+    if workspace:
+        return out
+    dx, dw_down, dw_up_t = out[:3]
+    return dx, None, dw_up_t.T, dw_down
+
+
+# The three device steps, module attributes so the CPU tests can stand the NumPy model in
+# for the kernels (tests/test_train_emulation.py) and exercise everything around them.
+_pack = cuda.pack_twell
+_forward_call = train_forward
+_backward_call = train_backward
+
+
+def h_l1(h_source: jax.Array, total: jax.Array, dtype, m: int) -> jax.Array:
+    """``sum |h| / M`` over the first ``total`` words (h in the high half) of ``h_source``."""
+    h = jax.lax.bitcast_convert_type((h_source >> 16).astype(jnp.uint16), dtype).astype(jnp.float32)
+    valid = jnp.arange(h_source.shape[0]) < total
+    return jnp.where(valid, jnp.abs(h), 0.0).sum() / max(m, 1)
+
+
+def fired_from_columns(col_off: jax.Array, f: int) -> jax.Array:
+    """``[f]`` bool: neurons with an entry (g != 0) in any block."""
+    nonempty = (jnp.diff(col_off, axis=-1) > 0).any(axis=0)  # [n_tiles, tile]
+    return nonempty.reshape(-1)[:f]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    width: int
+    backup_capacity: int | None
+    max_entries: int
+    rule: TrainCrossover
+
+
+def _vary_like(shape, dtype, *like):
+    """Zeros of ``shape`` that vary over the mesh axes of ``like`` (under shard_map both
+    lax.cond branches must agree), as reference._placeholder does."""
+    z = jnp.zeros(shape, dtype)
+    for a in like:
+        z = z + reference._placeholder(a.reshape(-1)[:1]).sum().astype(dtype)
+    return z
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _train_ffn(x, w_gate, w_up, w_down, cfg):
+    out, _ = _train_fwd(x, w_gate, w_up, w_down, cfg)
+    return out
+
+
+def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
+    m, d = x.shape
+    gated = w_gate is not None
+    w_act = w_gate if gated else w_up
+    f = w_act.shape[1]
+    g = relu_matmul(x, w_act)
+    act = _pack(g, tile=TILE, capacity=CAPACITY)
+    counts = act.counts.sum(axis=-1, dtype=jnp.int32)
+    fits = cuda.blocked_needed_entries(act) <= cfg.max_entries
+    use = fits & cfg.rule.use_sparse(
+        act.counts.sum(dtype=jnp.int32), act.overflowed.sum(dtype=jnp.int32), m, d, f, x.dtype.itemsize
+    )
+    if cfg.backup_capacity is not None:
+        use = use & ((counts > cfg.width).sum(dtype=jnp.int32) <= cfg.backup_capacity)
+
+    def sparse(_):
+        y, res, h_source = _forward_call(x, act, w_act, w_up if gated else None, w_down, max_entries=cfg.max_entries)
+        l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
+        return y, l1, fired_from_columns(res.col_off, f), res
+
+    def dense(_):
+        h = g
+        if gated:
+            h = g * jnp.matmul(x, w_up, preferred_element_type=jnp.float32).astype(x.dtype)
+        y = jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+        l1 = jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1)
+        shapes = residual_shapes(m, act.n_tiles, TILE, cfg.max_entries, gated)
+        res = jax.tree.map(lambda s: _vary_like(s.shape, s.dtype, x, w_act), shapes)
+        return y, l1, (g != 0).any(axis=0), res
+
+    y, l1, fired, res = jax.lax.cond(use, sparse, dense, None)
+    return (y, l1, counts, fired), (x, w_gate, w_up, w_down, use, res)
+
+
+def _train_bwd(cfg: _Config, saved, cotangents):
+    x, w_gate, w_up, w_down, use, res = saved
+    dy, dl1, _, _ = cotangents
+    m = max(x.shape[0], 1)
+    l1_grad = dl1.astype(jnp.float32) / m
+
+    def sparse(_):
+        grads = _backward_call(x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE)
+        return tuple(reference._sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
+
+    def dense(_):
+        # Nothing M x f was kept: the dense backward recomputes g and u (2 matmuls).
+        def loss_terms(x, w_gate, w_up, w_down):
+            y, l1, _, _ = xla.ffn_with_aux(x, w_gate, w_up, w_down)
+            return y, l1
+
+        _, vjp = jax.vjp(loss_terms, x, w_gate, w_up, w_down)
+        return vjp((dy, dl1.astype(jnp.float32)))
+
+    return jax.lax.cond(use, sparse, dense, None)
+
+
+_train_ffn.defvjp(_train_fwd, _train_bwd)
+
+
+def ffn_with_aux(x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None, crossover: TrainCrossover | None = None):
+    """Training FFN through the CUDA kernels. x: ``[M, d]``.
+
+    Returns ``(y [M, d], l1 [], counts [M] int32, fired [f] bool)`` like
+    :func:`jax_twell.ops.reference.ffn_with_aux`, differentiable (custom_vjp) with the
+    gradients of the dense formula. Per call, on the device, the sparse kernels run where
+    the entries fit ``max_entries_for(M, f, width)`` and ``crossover`` (default
+    :func:`train_crossover`) predicts them faster, and (if ``backup_capacity`` is given) at
+    most ``backup_capacity`` rows exceed ``width`` active neurons; otherwise the call is
+    dense (exact; its backward recomputes g and u). f32 inputs and M below the rule's
+    ``min_tokens`` run :func:`jax_twell.ops.xla.ffn_with_aux` (pure XLA autodiff).
+    """
+    m, d = x.shape
+    rule = _crossover if crossover is None else crossover
+    f = w_up.shape[1]
+    check_supported(d, x.dtype)
+    if m == 0 or jnp.dtype(x.dtype) == jnp.float32 or not rule.sparse_can_win(m, d, f, x.dtype.itemsize):
+        return xla.ffn_with_aux(x, w_gate, w_up, w_down)
+    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule)
+    return _train_ffn(x, w_gate, w_up, w_down, cfg)

@@ -1,0 +1,161 @@
+"""The CUDA training FFN kernels (ffi/twell_train.cu): bit for bit against their NumPy model
+(jax_twell/ops/train_emulation.py), gradients against jax.grad of the dense formula on the
+adversarial set, determinism, and the op's branches (sparse, dense rule, over budget)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_twell as jt
+from jax_twell.formats import pack_twell_reference, relu_matmul
+from jax_twell.ops import blocked_emulation as bemu
+from jax_twell.ops import cuda_train, reference
+from jax_twell.ops import train_emulation as emu
+from specs import GPU_SPECS, assert_close
+from test_train_emulation import GRAD_TOL, L1, dense_ffn, grads_of, make_case
+
+pytestmark = pytest.mark.gpu
+
+ALWAYS_SPARSE = cuda_train.TrainCrossover(margin=float("inf"))
+
+# m, d, f, density, pattern, full rows, empty rows
+ADVERSARIAL = [
+    (1, 64, 260, 0.05, "uniform", 0, 0),
+    (3, 64, 520, 0.02, "uniform", 1, 1),
+    (77, 128, 300, 0.05, "heavy", 3, 5),
+    (1100, 256, 700, 0.02, "heavy", 4, 10),
+    (2500, 2048, 1300, 0.01, "heavy", 3, 7),
+    (64, 192, 256, 0.5, "dense", 0, 0),
+]
+
+
+def _raw(x, w_gate, w_up, w_down, dy, tile, capacity):
+    """Kernel results and the model's, for one forward + backward with explicit layout."""
+    gated = w_gate is not None
+    w_act = w_gate if gated else w_up
+    act = pack_twell_reference(relu_matmul(x, w_act), tile=tile, capacity=capacity)
+    need = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f)
+    e = need + 5
+    m = x.shape[0]
+    y, res, h_source = cuda_train.train_forward(x, act, w_act, w_up if gated else None, w_down, max_entries=e)
+    bwd = cuda_train.train_backward(x, dy, w_gate, w_up, w_down, res, jnp.float32(L1 / m), tile=tile, workspace=True)
+    y_e, res_e, h_e, _, _ = emu.train_forward(
+        x, act.values, act.cols, act.counts, w_act, w_up if gated else None, w_up.T if gated else None, w_down,
+        tile=tile, max_entries=e,
+    )
+    bwd_e = emu.train_backward(x, dy, w_act.T, w_up.T if gated else None, w_down, res_e, L1 / m, tile=tile)
+    return need, (y, res, h_source, bwd), (y_e, res_e, h_e, bwd_e)
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(np.uint16) if a.dtype.itemsize == 2 else a.view(np.uint32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", ADVERSARIAL, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_train_kernels_match_emulation_bitwise(case, gated, dtype):
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + d, dtype=dtype)
+    for tile, capacity in [(256, 32), (64, 4)]:
+        need, (y, res, h_source, bwd), (y_e, res_e, h_e, bwd_e) = _raw(x, wg, wu, wd, dy, tile, capacity)
+        what = f"{case} gated={gated} tile={tile} cap={capacity}"
+        eq = lambda a, b, name: np.testing.assert_array_equal(_bits(a), _bits(b), f"{what} {name}")
+        eq(res.seg_start, res_e.seg_start, "seg_start")
+        eq(res.tok_off, res_e.tok_off, "tok_off")
+        eq(np.asarray(res.entries)[:need], res_e.entries[:need], "entries")
+        if gated:
+            eq(np.asarray(res.up)[:need], res_e.up[:need], "up")
+        eq(np.asarray(h_source)[:need], h_e[:need], "h words")
+        eq(res.col_off, res_e.col_off, "col_off")
+        defined = emu.by_col_defined(res_e)
+        eq(np.asarray(res.by_col)[defined], res_e.by_col[defined], "by_col")
+        eq(y, y_e, "y")
+        dx, dw_down, dw_act_t = bwd[:3]
+        partial, coef = bwd[-2:]
+        dx_e, dw_down_e, dw_act_t_e, dw_up_t_e, partial_e, coef_e = bwd_e
+        eq(np.asarray(partial)[:, :need], partial_e[:, :need], "dh partials")
+        eq(np.asarray(coef)[:, :need], coef_e[:, :need], "coefficients")
+        eq(dx, dx_e, "dx")
+        eq(dw_down, dw_down_e, "dw_down")
+        eq(dw_act_t, dw_act_t_e, "dw_act_t")
+        if gated:
+            eq(bwd[3], dw_up_t_e, "dw_up_t")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("spec", GPU_SPECS, ids=str)
+def test_train_gradients_match_dense(spec, gated):
+    if spec.d % 64:
+        pytest.skip("d not a multiple of 64 (a documented constraint of the training kernels)")
+    x, wg, wu, wd, dy = make_case(spec.m, spec.d, spec.f, spec.density, spec.pattern, gated, key=spec.m + 3)
+    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE)[:2])
+    (y, l1), grads = grads_of(fn, x, wg, wu, wd, dy)
+    with jax.default_matmul_precision("highest"):
+        (y_d, l1_d), g_d = grads_of(dense_ffn, x, wg, wu, wd, dy)
+    for name, g, w in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_d):
+        if w is not None:
+            assert g.dtype == jnp.bfloat16
+            assert_close(g, w, GRAD_TOL, f"{spec} {name}")
+    assert_close(y, y_d, GRAD_TOL, f"{spec} y")
+    np.testing.assert_allclose(l1, l1_d, rtol=2e-2)
+
+
+def test_train_deterministic_and_sparse_path_taken():
+    x, wg, wu, wd, dy = make_case(3000, 512, 1408, 0.01, "heavy", True, full=2, empty=3, key=21)
+    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE)[:2])
+    hlo = jax.jit(jax.grad(lambda *a: fn(*a)[1], (0, 1, 2, 3))).lower(x, wg, wu, wd).as_text()
+    assert "jax_twell_train_fwd_gated" in hlo and "jax_twell_train_bwd_gated" in hlo
+    grad = jax.jit(lambda *a: grads_of(fn, *a)[1])
+    first, second = grad(x, wg, wu, wd, dy), grad(x, wg, wu, wd, dy)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_public_op_branches_and_leading_dims(gated):
+    """sparse_ffn_train(implementation="cuda"): forced sparse, default rule, over budget
+    (width 1 -> dense), leading dimensions: gradients as the reference's."""
+    x, wg, wu, wd, dy = make_case(1500, 256, 1000, 0.02, "heavy", gated, full=2, empty=2, key=5)
+    x3, dy3 = x.reshape(3, 500, 256), dy.reshape(3, 500, 256)
+
+    def op(width, *a):
+        y, aux = jt.sparse_ffn_train(*a, implementation="cuda", width=width)
+        return y, aux.l1
+
+    (y_r, l1_r), g_r = grads_of(lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
+    previous = cuda_train.set_train_crossover(ALWAYS_SPARSE)
+    try:
+        runs = {"forced": grads_of(functools.partial(op, 128), x3, wg, wu, wd, dy3)}
+        runs["over_budget"] = grads_of(functools.partial(op, 1), x3, wg, wu, wd, dy3)
+    finally:
+        cuda_train.set_train_crossover(previous)
+    runs["default_rule"] = grads_of(functools.partial(op, 128), x3, wg, wu, wd, dy3)
+    for name, ((y, l1), grads) in runs.items():
+        assert y.shape == x3.shape
+        assert_close(y.reshape(x.shape), y_r, GRAD_TOL, f"{name} y")
+        np.testing.assert_allclose(l1, l1_r, rtol=2e-2)
+        assert grads[0].shape == x3.shape
+        for g, r, n in zip(grads, g_r, ["dx", "dw_gate", "dw_up", "dw_down"]):
+            if r is not None:
+                assert_close(g.reshape(r.shape), r, GRAD_TOL, f"{name} {n}")
+
+
+def test_small_for_sanitizer():
+    """Small forward + backward (gated and not) for compute-sanitizer runs."""
+    for gated in (True, False):
+        x, wg, wu, wd, dy = make_case(1100, 128, 700, 0.02, "heavy", gated, full=2, empty=3, key=8)
+        need, (y, res, h_source, bwd), (y_e, *_rest) = _raw(x, wg, wu, wd, dy, 128, 8)
+        np.testing.assert_array_equal(_bits(y), _bits(y_e))
+        assert all(np.isfinite(np.asarray(a, np.float32)).all() for a in bwd[:3])
+
+
+def test_clear_errors():
+    x = jnp.ones((4, 96), jnp.bfloat16)
+    w = jnp.ones((96, 300), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        jt.sparse_ffn_train(x, w, w, w.T, implementation="cuda")

@@ -1,0 +1,281 @@
+"""The training FFN kernels' algorithm (NumPy model of ffi/twell_train.cu) on CPU: gradients
+against reference.ffn_with_aux and the dense formula on adversarial inputs, the residual
+layout, and the op's glue (custom_vjp, dense crossover, statistics) with the model standing
+in for the kernels."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_twell as jt
+from jax_twell.formats import pack_twell_reference, relu_matmul
+from jax_twell.ops import blocked_emulation as bemu
+from jax_twell.ops import cuda_train, reference
+from jax_twell.ops import train_emulation as emu
+from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
+from specs import assert_close
+
+L1 = 0.37
+# bf16 gradients against f32 math: g, u, h and the outputs are rounded to bf16 (2^-9
+# relative each); errors relative to the largest magnitude of the tensor.
+GRAD_TOL = 2.0**-5
+
+
+def dense_ffn(x, w_gate, w_up, w_down):
+    """DESIGN.md §1 in f32 (as tests/test_ops.py states it)."""
+    x, w_up, w_down = (a.astype(jnp.float32) for a in (x, w_up, w_down))
+    h = jax.nn.relu(x @ w_up) if w_gate is None else jax.nn.relu(x @ w_gate.astype(jnp.float32)) * (x @ w_up)
+    return h @ w_down, jnp.abs(h).sum(-1).mean()
+
+
+def make_case(m, d, f, density, pattern, gated, *, full=0, empty=0, key=0, dtype=jnp.bfloat16):
+    inp = synthetic_ffn_inputs(jax.random.key(key), m, d, f, density=density, pattern=pattern, dtype=dtype)
+    inp = with_extreme_rows(inp, full=full, empty=empty)
+    dy = jax.random.normal(jax.random.key(key + 1), (m, d), jnp.float32).astype(dtype)
+    w_gate = inp.w_gate if gated else None
+    w_up = inp.w_up if gated else inp.w_gate  # non-gated: the same activation pattern
+    return inp.x, w_gate, w_up, inp.w_down, dy
+
+
+def emulate(x, w_gate, w_up, w_down, dy, *, tile, capacity, max_entries=None, l1_grad=None):
+    gated = w_gate is not None
+    w_act = w_gate if gated else w_up
+    act = pack_twell_reference(relu_matmul(x, w_act), tile=tile, capacity=capacity)
+    need = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f)
+    e = need + 3 if max_entries is None else max_entries
+    y, res, h_source, l1, fired = emu.train_forward(
+        x, act.values, act.cols, act.counts, w_act, w_up if gated else None, w_up.T if gated else None, w_down,
+        tile=tile, max_entries=e,
+    )
+    m = x.shape[0]
+    l1_grad = L1 / m if l1_grad is None else l1_grad
+    bwd = emu.train_backward(x, dy, w_act.T, w_up.T if gated else None, w_down, res, l1_grad, tile=tile)
+    return act, (y, res, h_source, l1, fired), bwd
+
+
+def grads_of(fn, x, w_gate, w_up, w_down, dy):
+    out, vjp = jax.vjp(fn, x, w_gate, w_up, w_down)
+    return out, vjp((dy.astype(out[0].dtype), jnp.float32(L1)))
+
+
+def check_against_reference(x, w_gate, w_up, w_down, dy, act, fwd, bwd, what):
+    y, res, h_source, l1, fired = fwd
+    dx, dw_down, dw_act_t, dw_up_t = bwd[:4]
+    gated = w_gate is not None
+    got = {"y": y, "dx": dx, "dw_down": dw_down}
+    if gated:
+        got.update(dw_gate=dw_act_t.T, dw_up=dw_up_t.T)
+    else:
+        got.update(dw_up=dw_act_t.T)
+    ref_fn = lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2]
+    (y_ref, l1_ref), g_ref = grads_of(ref_fn, x, w_gate, w_up, w_down, dy)
+    (y_dense, l1_dense), g_dense = grads_of(dense_ffn, x, w_gate, w_up, w_down, dy)
+    names = ["dx", "dw_gate", "dw_up", "dw_down"]
+    for name, r, dn in zip(names, g_ref, g_dense):
+        if r is None:
+            continue
+        assert_close(got[name], r, GRAD_TOL / 2, f"{what} {name} vs reference")
+        assert_close(got[name], dn, GRAD_TOL, f"{what} {name} vs dense")
+    assert_close(y, y_ref, GRAD_TOL, f"{what} y vs reference")
+    assert_close(y, y_dense, GRAD_TOL, f"{what} y vs dense")
+    np.testing.assert_allclose(l1, l1_dense, rtol=2e-2, err_msg=what)
+    active = np.asarray(relu_matmul(x, w_gate if gated else w_up)) != 0
+    np.testing.assert_array_equal(fired, active.any(0), what)
+
+
+# m, d, f, density, pattern, full rows (every tile overflowed), empty rows
+CASES = [
+    (1, 64, 260, 0.05, "uniform", 0, 0),  # M=1, f not a multiple of the tile
+    (3, 64, 520, 0.02, "uniform", 1, 1),  # a row far past capacity and an empty row
+    (77, 128, 300, 0.05, "heavy", 3, 5),  # heavy-tailed rows
+    (1100, 64, 700, 0.02, "heavy", 4, 10),  # two token blocks, the second partial
+    (40, 64, 256, 0.5, "dense", 0, 0),  # every row overflowing
+]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_emulated_gradients_match_reference(case, gated):
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + f)
+    for tile, capacity in [(256, 32), (64, 4)]:
+        act, fwd, bwd = emulate(x, wg, wu, wd, dy, tile=tile, capacity=capacity)
+        what = f"{case} gated={gated} tile={tile} cap={capacity}"
+        if full:
+            assert bool(act.overflowed[: full].any())
+        check_against_reference(x, wg, wu, wd, dy, act, fwd, bwd, what)
+
+
+def test_emulated_f16():
+    x, wg, wu, wd, dy = make_case(200, 64, 400, 0.05, "heavy", True, full=2, empty=2, key=5, dtype=jnp.float16)
+    act, fwd, bwd = emulate(x, wg, wu, wd, dy, tile=128, capacity=8)
+    check_against_reference(x, wg, wu, wd, dy, act, fwd, bwd, "f16")
+
+
+def test_forward_is_the_blocked_kernel_and_residuals_are_sparse():
+    """y and h equal the inference model's bits; entries keep g, up keeps u; by_col lists
+    each segment's fired entries by (column, token); nothing is M x f."""
+    x, wg, wu, wd, dy = make_case(1500, 64, 600, 0.03, "heavy", True, full=2, empty=3, key=9)
+    tile, capacity = 128, 8
+    act, (y, res, h_source, l1, fired), _ = emulate(x, wg, wu, wd, dy, tile=tile, capacity=capacity)
+    need = bemu.needed_entries(np.asarray(act.counts), capacity, tile, 600)
+    y_inf, ws = bemu.blocked_ffn(x, act.values, act.cols, act.counts, wg, wu, wu.T, wd, tile=tile, max_entries=need + 3)
+    np.testing.assert_array_equal(np.asarray(y).view(np.uint16), np.asarray(y_inf).view(np.uint16))
+    np.testing.assert_array_equal(h_source[:need], ws.entries[:need])
+    # Entries keep g (the TwELL value of stored entries) with the inference layout's low half.
+    np.testing.assert_array_equal(res.entries[:need] & 0xFFFF, ws.entries[:need] & 0xFFFF)
+    m = x.shape[0]
+    n_blocks, n_tiles = res.tok_off.shape[:2]
+    assert res.col_off.shape == (n_blocks, n_tiles, tile + 1)
+    defined = by_col = res.by_col[emu.by_col_defined(res)]
+    assert defined.size == int((np.asarray(relu_matmul(x, wg)) != 0).sum())
+    for s in range(n_blocks * n_tiles):
+        start, co = res.seg_start[s], res.col_off.reshape(-1, tile + 1)[s]
+        words = res.by_col[start : start + co[-1]]
+        local = words & ((1 << emu.TOKEN_SHIFT) - 1)
+        cols = res.entries[start + local] & 0x7FFF
+        assert np.all(np.diff(cols.astype(np.int64)) >= 0)
+        for c in np.nonzero(np.diff(co))[0]:
+            assert np.all(cols[co[c] - 0 : co[c + 1]] == c)
+            tokens = words[co[c] : co[c + 1]] >> emu.TOKEN_SHIFT
+            assert np.all(np.diff(tokens.astype(np.int64)) > 0)
+    residual_bytes = sum(a.nbytes for a in (res.seg_start, res.tok_off, res.entries, res.up, res.col_off, by_col))
+    assert residual_bytes < m * 600 * 2  # smaller than one dense bf16 activation even here
+
+
+def test_rows_computed_alone_give_the_same_bits():
+    """dx of a token does not depend on the other tokens of its block (fixed per-token order;
+    the L1 cotangent per token, dl1 / M, held fixed)."""
+    x, wg, wu, wd, dy = make_case(40, 64, 300, 0.05, "heavy", True, full=1, empty=1, key=4)
+    _, _, bwd = emulate(x, wg, wu, wd, dy, tile=64, capacity=4)
+    for t in (0, 1, 17, 39):
+        _, _, one = emulate(x[t : t + 1], wg, wu, wd, dy[t : t + 1], tile=64, capacity=4, l1_grad=L1 / 40)
+        np.testing.assert_array_equal(np.asarray(one[0]).view(np.uint16), np.asarray(bwd[0][t : t + 1]).view(np.uint16))
+
+
+# ---------------------------------------------------------------------------------------
+# The op around the kernels: the model stands in for the pack and both handlers.
+
+
+KERNEL_CALLS: list[str] = []  # which emulated handlers ran (lax.cond picks at run time)
+
+
+def _callback(fn, shapes, *args):
+    return jax.pure_callback(fn, shapes, *args, vmap_method="sequential")
+
+
+def _emulated_pack(g, *, tile, capacity):
+    return pack_twell_reference(g, tile=tile, capacity=capacity)
+
+
+def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries):
+    gated = w_up is not None
+    shapes = cuda_train.residual_shapes(x.shape[0], act.n_tiles, act.tile, max_entries, gated)
+    out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), shapes, jax.ShapeDtypeStruct((max_entries,), jnp.uint32))
+
+    def run(x, values, cols, counts, w_act, w_down, *w_up):
+        KERNEL_CALLS.append("forward")
+        y, r, h_source, _, _ = emu.train_forward(
+            x, values, cols, counts, w_act, w_up[0] if gated else None, w_up[0].T if gated else None, w_down,
+            tile=act.tile, max_entries=max_entries,
+        )
+        res = cuda_train.Residuals(r.seg_start, r.tok_off, r.entries, r.up, r.col_off, r.by_col)
+        return np.asarray(y), res, h_source
+
+    extra = (w_up,) if gated else ()
+    return _callback(run, out_shapes, x, act.values, act.cols, act.counts, w_act, w_down, *extra)
+
+
+def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile):
+    gated = w_gate is not None
+    w_act = w_gate if gated else w_up
+    grad = lambda w: jax.ShapeDtypeStruct(w.shape, x.dtype)
+    shapes = (grad(x), grad(w_act), grad(w_down)) + ((grad(w_up),) if gated else ())
+
+    def run(x, dy, w_act, w_up, w_down, res, l1_grad):
+        KERNEL_CALLS.append("backward")
+        r = emu.TrainResiduals(*(np.asarray(a) if a is not None else None for a in
+                                 (res.seg_start, res.tok_off, res.entries, res.up, res.col_off, res.by_col)))
+        dx, dw_down, dw_act_t, dw_up_t, _, _ = emu.train_backward(
+            x, dy, np.asarray(w_act).T, np.asarray(w_up).T if gated else None, w_down, r, float(l1_grad), tile=tile
+        )
+        out = (np.asarray(dx), np.asarray(dw_act_t).T, np.asarray(dw_down))
+        return out + ((np.asarray(dw_up_t).T,) if gated else ())
+
+    out = _callback(run, shapes, x, dy, w_act, w_up, w_down, res, l1_grad)
+    if gated:
+        dx, dw_gate, dw_down, dw_up = out
+        return dx, dw_gate, dw_up, dw_down
+    dx, dw_up, dw_down = out
+    return dx, None, dw_up, dw_down
+
+
+@pytest.fixture
+def emulated_kernels(monkeypatch):
+    monkeypatch.setattr(cuda_train, "_pack", _emulated_pack)
+    monkeypatch.setattr(cuda_train, "_forward_call", _emulated_forward)
+    monkeypatch.setattr(cuda_train, "_backward_call", _emulated_backward)
+    KERNEL_CALLS.clear()
+
+
+ALWAYS_SPARSE = cuda_train.TrainCrossover(margin=float("inf"))
+ALWAYS_DENSE = cuda_train.TrainCrossover(margin=0.0)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize(
+    "rule,width,backup",
+    [(ALWAYS_SPARSE, 128, None), (ALWAYS_DENSE, 128, None), (ALWAYS_SPARSE, 2, None), (ALWAYS_SPARSE, 128, 0)],
+    ids=["sparse", "dense_rule", "over_budget", "backup_exceeded"],
+)
+def test_op_glue_with_emulated_kernels(emulated_kernels, rule, width, backup, gated):
+    x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", gated, full=2, empty=3, key=11)
+    fn = functools.partial(cuda_train.ffn_with_aux, width=width, backup_capacity=backup, crossover=rule)
+    (y, l1), grads = grads_of(jax.jit(lambda *a: fn(*a)[:2]), x, wg, wu, wd, dy)
+    (y_ref, l1_ref), g_ref = grads_of(lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
+    assert KERNEL_CALLS == (["forward", "backward"] if rule is ALWAYS_SPARSE and width > 2 and backup is None else [])
+    for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
+        if r is None:
+            assert g is None
+            continue
+        assert g.dtype == jnp.bfloat16
+        assert_close(g, r, GRAD_TOL, f"{name} width={width} backup={backup}")
+    assert_close(y, y_ref, GRAD_TOL, "y")
+    np.testing.assert_allclose(l1, l1_ref, rtol=2e-2)
+    _, l1_, counts, fired = fn(x, wg, wu, wd)
+    active = np.asarray(relu_matmul(x, wg if gated else wu)) != 0
+    np.testing.assert_array_equal(counts, active.sum(-1))
+    np.testing.assert_array_equal(fired, active.any(0))
+
+
+def test_sparse_path_runs_the_kernels_and_keeps_no_dense_residual(emulated_kernels):
+    x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", True, key=12)
+    fn = lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE)[:2]
+    _, residuals = jax.vjp(fn, x, wg, wu, wd)
+    leaves = jax.tree.leaves(residuals)
+    assert not any(a.ndim == 2 and a.shape[1] == 520 and a.shape[0] >= 300 for a in leaves)
+
+
+def test_api_default_stays_xla_and_cuda_entry_exists():
+    assert cuda_train.TRAINING_KERNELS_DEFAULT is False
+    x, wg, wu, wd, _ = make_case(64, 64, 256, 0.05, "uniform", True, key=13)
+    y_default, aux = jt.sparse_ffn_train(x, wg, wu, wd)
+    y_xla, _ = jt.sparse_ffn_train(x, wg, wu, wd, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(y_default, np.float32), np.asarray(y_xla, np.float32))
+    if not jt.kernels_available():
+        with pytest.raises(RuntimeError, match="kernels are unavailable"):
+            jt.sparse_ffn_train(x, wg, wu, wd, implementation="cuda")
+
+
+def test_crossover_rule_predictions():
+    rule = cuda_train.TrainCrossover()
+    m, d, f = 16384, 2048, 5632
+    assert rule.sparse_can_win(m, d, f, 2) and not rule.sparse_can_win(64, d, f, 2)
+    pairs = lambda p: int(p * m * f)
+    assert bool(rule.use_sparse(pairs(0.005), 0, m, d, f, 2)) and bool(rule.use_sparse(pairs(0.01), 0, m, d, f, 2))
+    assert not bool(rule.use_sparse(pairs(0.02), 0, m, d, f, 2))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cuda_train.check_supported(96, jnp.bfloat16)
