@@ -17,18 +17,12 @@ from jax_twell.ops import cuda_train, reference
 from jax_twell.ops import train_emulation as emu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close
+from test_ops import dense_ffn  # the statement of the math (DESIGN.md §1)
 
 L1 = 0.37
 # bf16 gradients against f32 math: g, u, h and the outputs are rounded to bf16 (2^-9
 # relative each); errors relative to the largest magnitude of the tensor.
 GRAD_TOL = 2.0**-5
-
-
-def dense_ffn(x, w_gate, w_up, w_down):
-    """DESIGN.md §1 in f32 (as tests/test_ops.py states it)."""
-    x, w_up, w_down = (a.astype(jnp.float32) for a in (x, w_up, w_down))
-    h = jax.nn.relu(x @ w_up) if w_gate is None else jax.nn.relu(x @ w_gate.astype(jnp.float32)) * (x @ w_up)
-    return h @ w_down, jnp.abs(h).sum(-1).mean()
 
 
 def make_case(m, d, f, density, pattern, gated, *, full=0, empty=0, key=0, dtype=jnp.bfloat16):
@@ -236,6 +230,7 @@ def test_op_glue_with_emulated_kernels(emulated_kernels, rule, width, backup, ga
     fn = functools.partial(cuda_train.ffn_with_aux, width=width, backup_capacity=backup, crossover=rule)
     (y, l1), grads = grads_of(jax.jit(lambda *a: fn(*a)[:2]), x, wg, wu, wd, dy)
     (y_ref, l1_ref), g_ref = grads_of(lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
+    jax.block_until_ready(grads)
     assert KERNEL_CALLS == (["forward", "backward"] if rule is ALWAYS_SPARSE and width > 2 and backup is None else [])
     for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
         if r is None:
@@ -279,3 +274,33 @@ def test_crossover_rule_predictions():
     assert not bool(rule.use_sparse(pairs(0.02), 0, m, d, f, 2))
     with pytest.raises(ValueError, match="multiple of 64"):
         cuda_train.check_supported(96, jnp.bfloat16)
+
+
+@pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 host devices")
+@pytest.mark.parametrize("layout", ["data", "tensor", "data+tensor"])
+def test_op_glue_under_a_mesh(emulated_kernels, layout):
+    """Per shard under shard_map (data and/or tensor parallel): both lax.cond branches agree
+    on device-varying types, weight gradients are summed over the token shards."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_twell.ops.sharded import shard_ffn_train
+
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices("cpu")[:4])
+    token_axes, tensor_axis = {"data": (("data", "tensor"), None), "tensor": ((), "tensor"), "data+tensor": (("data",), "tensor")}[layout]
+    sharding = jt.FFNSharding(token_axes=token_axes, tensor_axis=tensor_axis, mesh=mesh)
+    x, wg, wu, wd, dy = make_case(256, 64, 512, 0.03, "heavy", True, full=2, empty=3, key=14)
+    fn = functools.partial(cuda_train.ffn_with_aux, width=128, crossover=ALWAYS_SPARSE)
+
+    def loss(*a):
+        y, aux = shard_ffn_train(fn, sharding, 128, *a)
+        return (y.astype(jnp.float32) * dy.astype(jnp.float32)).sum() + L1 * aux.l1
+
+    tok = NamedSharding(mesh, P(token_axes or None, None))
+    col, row = NamedSharding(mesh, P(None, tensor_axis)), NamedSharding(mesh, P(tensor_axis, None))
+    placed = (jax.device_put(x, tok), jax.device_put(wg, col), jax.device_put(wu, col), jax.device_put(wd, row))
+    grads = jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*placed))
+    assert "forward" in KERNEL_CALLS and "backward" in KERNEL_CALLS
+    ref = lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2]
+    _, g_ref = grads_of(ref, x, wg, wu, wd, dy)
+    for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
+        assert_close(g, r, GRAD_TOL, f"{layout} {name}")

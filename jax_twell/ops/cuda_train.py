@@ -289,13 +289,25 @@ class _Config:
     rule: TrainCrossover
 
 
-def _vary_like(shape, dtype, *like):
-    """Zeros of ``shape`` that vary over the mesh axes of ``like`` (under shard_map both
-    lax.cond branches must agree), as reference._placeholder does."""
-    z = jnp.zeros(shape, dtype)
-    for a in like:
-        z = z + reference._placeholder(a.reshape(-1)[:1]).sum().astype(dtype)
-    return z
+def _mesh_axes(*arrays) -> frozenset:
+    """Manual mesh axes over which any of ``arrays`` varies (empty outside shard_map)."""
+    axes = frozenset()
+    for a in arrays:
+        if a is not None:
+            axes |= reference._varying_axes(a)
+    return axes
+
+
+def _as_varying(tree, axes: frozenset):
+    """``tree`` typed as varying over ``axes`` (under shard_map). Custom-call results need
+    not carry the varying axes of their operands, and both lax.cond branches must agree;
+    per-shard weight gradients must be typed varying to be summed over the token shards."""
+
+    def one(a):
+        missing = tuple(sorted(axes - reference._varying_axes(a)))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(one, tree)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -319,10 +331,12 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
     if cfg.backup_capacity is not None:
         use = use & ((counts > cfg.width).sum(dtype=jnp.int32) <= cfg.backup_capacity)
 
+    axes = _mesh_axes(x, w_gate, w_up, w_down)
+
     def sparse(_):
         y, res, h_source = _forward_call(x, act, w_act, w_up if gated else None, w_down, max_entries=cfg.max_entries)
         l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
-        return y, l1, fired_from_columns(res.col_off, f), res
+        return _as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
 
     def dense(_):
         h = g
@@ -331,8 +345,8 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
         y = jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
         l1 = jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1)
         shapes = residual_shapes(m, act.n_tiles, TILE, cfg.max_entries, gated)
-        res = jax.tree.map(lambda s: _vary_like(s.shape, s.dtype, x, w_act), shapes)
-        return y, l1, (g != 0).any(axis=0), res
+        res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # not read by the dense backward
+        return _as_varying((y, l1, (g != 0).any(axis=0), res), axes)
 
     y, l1, fired, res = jax.lax.cond(use, sparse, dense, None)
     return (y, l1, counts, fired), (x, w_gate, w_up, w_down, use, res)
@@ -344,8 +358,11 @@ def _train_bwd(cfg: _Config, saved, cotangents):
     m = max(x.shape[0], 1)
     l1_grad = dl1.astype(jnp.float32) / m
 
+    axes = _mesh_axes(x, w_gate, w_up, w_down, dy)
+
     def sparse(_):
         grads = _backward_call(x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE)
+        grads = _as_varying(grads, axes)
         return tuple(reference._sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
 
     def dense(_):
