@@ -28,13 +28,7 @@ Usage: python benchmarks/bench_inference.py [--quick] [--out results.json]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import statistics
-import subprocess
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +37,13 @@ import jax_twell as jt
 from jax_twell.ops import cuda, xla
 from jax_twell.testing import synthetic_ffn_inputs
 
+from common import run_metadata, time_calls, write_result
+
 ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
+
+
+def timed(fn, args):
+    return time_calls(fn, args, min_seconds=0.02, max_reps=200)
 
 
 def grid(quick: bool):
@@ -58,22 +58,6 @@ def grid(quick: bool):
                 configs.append((m, 2048, 5632, density, pattern))
     configs += [(16384, 2048, 8192, 0.005, "uniform"), (16384, 4096, 11008, 0.005, "uniform")]
     return configs
-
-
-def time_calls(fn, args, min_seconds=0.02, trials=15):
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-6)
-    reps = max(1, min(200, int(min_seconds / one)))
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
 
 
 def looped(op, iters):
@@ -125,17 +109,17 @@ def main():
         )
         clock = "loop" if m <= 64 else "call"
         w_up_t = inp.w_up.T.copy()
-        dense_times = {"dense_call_ms": 1e3 * time_calls(jax.jit(dense_op), tuple(inp))}
+        dense_times = {"dense_call_ms": 1e3 * timed(jax.jit(dense_op), tuple(inp))}
         if m <= 64:
-            dense_times["dense_loop_ms"] = 1e3 * time_calls(looped(dense_op, 50), tuple(inp)) / 50
+            dense_times["dense_loop_ms"] = 1e3 * timed(looped(dense_op, 50), tuple(inp)) / 50
         for kernel in kernels:
             row = dict(base, kernel=kernel, **dense_times)
             for name, op in kernel_ops(kernel).items():
                 operands = tuple(inp) + ((w_up_t,) if name == "pret" else ())
-                row[f"{name}_call_ms"] = 1e3 * time_calls(jax.jit(op), operands)
+                row[f"{name}_call_ms"] = 1e3 * timed(jax.jit(op), operands)
                 if m <= 64:
                     iters = 50
-                    row[f"{name}_loop_ms"] = 1e3 * time_calls(looped(op, iters), operands) / iters
+                    row[f"{name}_loop_ms"] = 1e3 * timed(looped(op, iters), operands) / iters
             for name in ("sparse", "pret", "auto"):
                 row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
             row["clock"] = clock
@@ -147,27 +131,17 @@ def main():
                 fused = jax.jit(lambda x, a, wg, wu, wd: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wu.T, kernel=kernel))
                 fused_t = jax.jit(lambda x, a, wg, wu, wd, wut: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wut, kernel=kernel))
                 row["breakdown_ms"] = dict(
-                    gate_matmul=1e3 * time_calls(gate, (inp.x, inp.w_gate)),
-                    gate_and_pack=1e3 * time_calls(gate_pack, (inp.x, inp.w_gate)),
-                    transpose_w_up=1e3 * time_calls(transpose, (inp.w_up,)),
-                    fused_kernel_with_transpose=1e3 * time_calls(fused, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down)),
-                    fused_kernel_pretransposed=1e3 * time_calls(fused_t, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down, w_up_t)),
+                    gate_matmul=1e3 * timed(gate, (inp.x, inp.w_gate)),
+                    gate_and_pack=1e3 * timed(gate_pack, (inp.x, inp.w_gate)),
+                    transpose_w_up=1e3 * timed(transpose, (inp.w_up,)),
+                    fused_kernel_with_transpose=1e3 * timed(fused, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down)),
+                    fused_kernel_pretransposed=1e3 * timed(fused_t, (inp.x, a, inp.w_gate, inp.w_up, inp.w_down, w_up_t)),
                 )
             rows.append(row)
             print(json.dumps(row), flush=True)
 
-    # Where the tree was copied without git metadata, pass the commit in JAX_TWELL_COMMIT.
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("JAX_TWELL_COMMIT", "unknown")
-    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    dirty = git.returncode == 0 and bool(status.stdout.strip())
     result = dict(
-        benchmark="inference_ffn",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=jax.devices()[0].device_kind,
-        jax=jax.__version__,
-        jaxlib=jax.lib.__version__,
-        commit=commit + ("+dirty" if dirty else ""),
+        **run_metadata("inference_ffn"),
         dtype="bfloat16",
         tile=256,
         capacity=32,
@@ -175,9 +149,7 @@ def main():
         clocks=__doc__.split("Two clocks:")[1].split("Variants")[0].strip(),
         results=rows,
     )
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"inference_{commit[:8]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_result(result, args.out, "inference")
 
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}")
     print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'kernel':>7} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'auto ms':>8} {'auto r':>6}")

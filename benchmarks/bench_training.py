@@ -19,13 +19,7 @@ Usage: python benchmarks/bench_training.py [--quick] [--out results.json]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import statistics
-import subprocess
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -35,30 +29,20 @@ from jax_twell.ops import blocked_emulation as bemu
 from jax_twell.ops import cuda, cuda_train, xla
 from jax_twell.testing import synthetic_ffn_inputs
 
+from common import run_metadata, time_calls, write_result
+
 L1 = 2e-5
 ALWAYS_SPARSE = cuda_train.TrainCrossover(margin=float("inf"))
 WIDTH = 128
 
 
+def timed(fn, args):
+    return time_calls(fn, args, min_seconds=0.05, max_reps=100)
+
+
 def grid(quick: bool):
     densities = [0.005, 0.02] if quick else [0.005, 0.01, 0.02, 0.05]
     return [(16384, 2048, 5632, p, pattern) for p in densities for pattern in ("uniform", "heavy")]
-
-
-def time_calls(fn, args, min_seconds=0.05, trials=15):
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-6)
-    reps = max(1, min(100, int(min_seconds / one)))
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
 
 
 def step(op):
@@ -124,9 +108,9 @@ def main():
         )
         operands = (*inp, cot)
         for name, op in (("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op)):
-            row[f"{name}_step_ms"] = 1e3 * time_calls(step(op), operands)
+            row[f"{name}_step_ms"] = 1e3 * timed(step(op), operands)
         for name, op in (("dense", dense_op), ("cuda", cuda_op)):
-            row[f"{name}_forward_ms"] = 1e3 * time_calls(forward(op), tuple(inp))
+            row[f"{name}_forward_ms"] = 1e3 * timed(forward(op), tuple(inp))
         row["cuda_ratio"] = row["dense_step_ms"] / row["cuda_step_ms"]
         row["auto_ratio"] = row["dense_step_ms"] / row["auto_step_ms"]
         if memory is None and density == 0.005:
@@ -141,16 +125,8 @@ def main():
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    # Where the tree was copied without git metadata, pass the commit in JAX_TWELL_COMMIT.
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = git.stdout.strip() if git.returncode == 0 else os.environ.get("JAX_TWELL_COMMIT", "unknown")
     result = dict(
-        benchmark="training_ffn",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=jax.devices()[0].device_kind,
-        jax=jax.__version__,
-        jaxlib=jax.lib.__version__,
-        commit=commit,
+        **run_metadata("training_ffn"),
         dtype="bfloat16",
         tile=cuda_train.TILE,
         capacity=cuda_train.CAPACITY,
@@ -160,9 +136,7 @@ def main():
         memory=memory,
         results=rows,
     )
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"training_{commit[:8]}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_result(result, args.out, "training")
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}")
     if memory:
         mb = {k: (round(v / 2**20, 1) if isinstance(v, int) and k.endswith("bytes") else v) for k, v in memory.items()}

@@ -1,0 +1,68 @@
+"""Pieces every benchmark script shares: the timing loop, run metadata, the JSON file.
+
+Benchmarks run as scripts (``python3 benchmarks/bench_*.py``), so this module is imported
+from the scripts' own folder.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def time_calls(fn, args, *, min_seconds: float, max_reps: int, trials: int = 15) -> float:
+    """Median seconds per call of ``fn(*args)``: after a warm-up call, each of ``trials``
+    timings runs enough back-to-back calls (at most ``max_reps``) to last ``min_seconds``
+    and waits for the last result."""
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = max(time.perf_counter() - t0, 1e-6)
+    reps = max(1, min(max_reps, int(min_seconds / one)))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def run_metadata(benchmark: str) -> dict:
+    """Benchmark name, UTC date, GPU, jax/jaxlib versions and the commit measured.
+
+    Where the tree was copied without git metadata, the commit comes from
+    ``$JAX_TWELL_COMMIT``; local edits to tracked files mark it ``+dirty``.
+    """
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    if git.returncode == 0:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+        commit = git.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
+    else:
+        commit = os.environ.get("JAX_TWELL_COMMIT", "unknown")
+    return dict(
+        benchmark=benchmark,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        gpu=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        jaxlib=jax.lib.__version__,
+        commit=commit,
+    )
+
+
+def write_result(result: dict, out: str | None, prefix: str) -> Path:
+    """Writes ``result`` as JSON to ``out`` or ``results/<prefix>_<commit>.json``."""
+    path = Path(out) if out else RESULTS / f"{prefix}_{result['commit'][:8]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    return path
