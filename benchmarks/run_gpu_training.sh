@@ -19,7 +19,7 @@ python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); 
 # kernels share their device code with the training kernels).
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 130 python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/test_cuda_train.py 2>&1 \
   | tee "$OUT/gpu_tests_train.log" | tail -15
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ --ignore=tests/test_cuda_train.py 2>&1 \
+[ "${SKIP_OTHER_TESTS:-0}" = 1 ] || XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ --ignore=tests/test_cuda_train.py 2>&1 \
   | tee "$OUT/gpu_tests_other.log" | tail -4
 if [ $sanitize = 1 ]; then
   for tool in memcheck racecheck; do

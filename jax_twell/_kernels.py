@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-__all__ = ["kernels_available", "kernel_status", "KernelStatus", "HANDLERS"]
+__all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", "HANDLERS"]
 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
@@ -152,3 +152,19 @@ def kernel_status() -> KernelStatus:
 def kernels_available() -> bool:
     """True when the CUDA kernels are loaded, registered and a Hopper GPU is present."""
     return kernel_status().available
+
+
+def kernel_call(target: str, result_types, *, vmap_method: str):
+    """``jax.ffi.ffi_call`` for one of our handlers, loading and registering the library first.
+
+    Raises:
+      KeyError: ``target`` is not one of ``HANDLERS``.
+      RuntimeError: the kernels cannot run here; the message gives the reason
+        (see kernel_status), instead of XLA's "no FFI handler registered".
+    """
+    if target not in HANDLERS:
+        raise KeyError(f"unknown jax_twell FFI target {target!r}; known: {sorted(HANDLERS)}")
+    status = kernel_status()
+    if not status.available:
+        raise RuntimeError(f"jax_twell CUDA kernel {target!r} cannot run: {status.reason}")
+    return jax.ffi.ffi_call(target, result_types, vmap_method=vmap_method)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import blocked_emulation as _blocked
 from jax_twell.ops import xla
@@ -47,7 +48,7 @@ def pack_twell(a: jax.Array, *, tile: int, capacity: int) -> TwELL:
         jax.ShapeDtypeStruct((*lead, n_tiles), jnp.int32),
     )
     # The handler flattens leading dimensions, so a vmapped call is one launch.
-    call = jax.ffi.ffi_call("jax_twell_pack", out_types, vmap_method="broadcast_all")
+    call = kernel_call("jax_twell_pack", out_types, vmap_method="broadcast_all")
     values, cols, counts = call(a, tile=np.int32(tile), capacity=np.int32(capacity))
     return TwELL(values, cols, counts, f=f, tile=tile)
 
@@ -88,11 +89,11 @@ def _twell_ffn_call(x, act: TwELL, w_act, w_up, w_down, w_up_t=None):
     out_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
     # Weights are shared by every row, so a vmapped call runs once per batch element.
     if w_up is None:
-        call = jax.ffi.ffi_call("jax_twell_ffn", out_type, vmap_method="sequential")
+        call = kernel_call("jax_twell_ffn", out_type, vmap_method="sequential")
         return call(x, act.values, act.cols, act.counts, w_act, w_down, tile=np.int32(act.tile))
     if w_up_t is None:
         w_up_t = w_up.T
-    call = jax.ffi.ffi_call("jax_twell_ffn_gated", out_type, vmap_method="sequential")
+    call = kernel_call("jax_twell_ffn_gated", out_type, vmap_method="sequential")
     return call(x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=np.int32(act.tile))
 
 
@@ -183,12 +184,12 @@ def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int):
     y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
     tile = np.int32(act.tile)
     if w_up is None:
-        call = jax.ffi.ffi_call("jax_twell_ffn_blocked", (y_type, *workspace), vmap_method="sequential")
+        call = kernel_call("jax_twell_ffn_blocked", (y_type, *workspace), vmap_method="sequential")
         return call(x, act.values, act.cols, act.counts, w_act, w_down, tile=tile)
     workspace.append(jax.ShapeDtypeStruct((d // _blocked.UP_COLS, max_entries), jnp.float32))
     if w_up_t is None:
         w_up_t = w_up.T
-    call = jax.ffi.ffi_call("jax_twell_ffn_blocked_gated", (y_type, *workspace), vmap_method="sequential")
+    call = kernel_call("jax_twell_ffn_blocked_gated", (y_type, *workspace), vmap_method="sequential")
     return call(x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=tile)
 
 

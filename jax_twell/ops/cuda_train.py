@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import blocked_emulation as _blocked
 from jax_twell.ops import cuda, reference, xla
@@ -205,7 +206,7 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     by_column = [r.col_off, r.by_col]
     y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
     if w_up is None:
-        call = jax.ffi.ffi_call("jax_twell_train_fwd", (y_type, *layout, *by_column), vmap_method="sequential")
+        call = kernel_call("jax_twell_train_fwd", (y_type, *layout, *by_column), vmap_method="sequential")
         y, seg_start, tok_off, entries, col_off, by_col = call(
             x, act.values, act.cols, act.counts, w_act, w_down, tile=np.int32(tile)
         )
@@ -217,7 +218,7 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
         jax.ShapeDtypeStruct((e,), jnp.uint32),
         jax.ShapeDtypeStruct((d // _blocked.UP_COLS, e), jnp.float32),
     ]
-    call = jax.ffi.ffi_call("jax_twell_train_fwd_gated", (y_type, *layout, *gated_ws, *by_column), vmap_method="sequential")
+    call = kernel_call("jax_twell_train_fwd_gated", (y_type, *layout, *gated_ws, *by_column), vmap_method="sequential")
     y, seg_start, tok_off, entries, up, h_words, _, col_off, by_col = call(
         x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=np.int32(tile)
     )
@@ -245,14 +246,14 @@ def train_backward(x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile
     l1 = jnp.reshape(l1_grad, (1,)).astype(jnp.float32)
     tile_attr = np.int32(tile)
     if gated:
-        call = jax.ffi.ffi_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
+        call = kernel_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
         out = call(x, dy, w_act_t, w_up.T, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
                    res.by_col, l1, tile=tile_attr)
         if workspace:
             return out
         dx, dw_down, dw_gate_t, dw_up_t = out[:4]
         return dx, dw_gate_t.T, dw_up_t.T, dw_down
-    call = jax.ffi.ffi_call("jax_twell_train_bwd", outs, vmap_method="sequential")
+    call = kernel_call("jax_twell_train_bwd", outs, vmap_method="sequential")
     out = call(x, dy, w_act_t, w_down, res.seg_start, res.tok_off, res.entries, res.col_off, res.by_col, l1,
                tile=tile_attr)
     if workspace:
