@@ -41,15 +41,16 @@ def time_calls(fn, args, *, min_seconds: float, max_reps: int, trials: int = 15)
 def run_metadata(benchmark: str) -> dict:
     """Benchmark name, UTC date, GPU, jax/jaxlib versions and the commit measured.
 
-    Where the tree was copied without git metadata, the commit comes from
-    ``$JAX_TWELL_COMMIT``; local edits to tracked files mark it ``+dirty``.
+    ``$JAX_TWELL_COMMIT``, when set, names the commit (a copied tree's git metadata may be
+    stale); otherwise git's HEAD, marked ``+dirty`` when tracked files have local edits.
     """
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    if git.returncode == 0:
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-        commit = git.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
-    else:
-        commit = os.environ.get("JAX_TWELL_COMMIT", "unknown")
+    commit = os.environ.get("JAX_TWELL_COMMIT")
+    if not commit:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = "unknown"
+        if git.returncode == 0:
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+            commit = git.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
     return dict(
         benchmark=benchmark,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -102,9 +102,10 @@ def _preset(name: str, **fields: Any) -> TrainConfig:
     return TrainConfig(model=MODEL_PRESETS[name], preset=name, workdir=f"runs/{name}", **fields)
 
 
-# Small presets use a scaled-down recipe (short warm-up, higher peak lr, L1 1e-3: the
-# DESIGN.md §6 calibration gives 0.44% active neurons with CE slightly better than dense
-# at d=512). Paper presets use the paper's recipe and its L1 of 2e-5.
+# Small presets use a scaled-down recipe (short warm-up, higher peak lr, L1 1e-3). The
+# measured sweep (benchmarks/results/l1_sweep_small: 2,000 steps of the small preset on an
+# H200 for L1 in {0, 2e-5, 1e-4, 3e-4, 1e-3, 3e-3}) gives 99.76% sparsity at 1e-3 with
+# held-out CE 2.2% below the dense-ReLU baseline. Paper presets use the paper's L1 of 2e-5.
 _PAPER = dict(
     optim=OptimConfig(),
     l1_coef=2e-5,

@@ -85,6 +85,7 @@ def plot_sweep(rows: list[dict], path: Path) -> Path:
     act_ax.set(xlabel="L1 coefficient", ylabel="active FFN neurons (%)", yscale="log", title="sparsity")
     for ax in (ce_ax, act_ax):
         ax.set_xscale("symlog", linthresh=linthresh)
+        ax.set_xlim(left=-0.1 * linthresh)  # no negative decades (log y makes matplotlib pad them)
         ax.grid(alpha=0.3)
     for r in rows:
         layer_ax.plot(range(len(r["nnz_mean_per_layer"])), r["nnz_mean_per_layer"], "o-", label=f"L1 {r['l1']:g}")
