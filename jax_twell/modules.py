@@ -260,15 +260,17 @@ class DenseFFN(_FFN):
         """``(h [..., f], active [..., f] bool)`` for ``x [..., d]``; h in ``x.dtype``."""
         w_gate, w_up, _ = self._weights(x.dtype)
         act = jax.nn.relu if self.activation == "relu" else jax.nn.silu
-        pre = jnp.matmul(x, w_up if w_gate is None else w_gate, preferred_element_type=jnp.float32)
-        g = act(pre).astype(x.dtype)
+        # Matmuls in x.dtype (f32 accumulation inside XLA), so that their backward stays in
+        # bf16 too; the activation is evaluated in f32.
+        pre = jnp.matmul(x, w_up if w_gate is None else w_gate)
+        g = act(pre.astype(jnp.float32)).astype(x.dtype)
         if w_gate is None:
             return g, g != 0
-        u = jnp.matmul(x, w_up, preferred_element_type=jnp.float32).astype(x.dtype)
+        u = jnp.matmul(x, w_up)
         return g * u, g != 0
 
     def _down(self, h: jax.Array, dtype) -> jax.Array:
-        return jnp.matmul(h, self.w_down[...].astype(dtype), preferred_element_type=jnp.float32).astype(dtype)
+        return jnp.matmul(h, self.w_down[...].astype(dtype))
 
     def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
         """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""

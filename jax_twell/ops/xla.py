@@ -12,20 +12,25 @@ __all__ = ["ffn", "ffn_with_aux"]
 
 
 def _hidden(x, w_gate, w_up):
-    """(h, active) for x [M, d]: gated h = relu(x Wg) * (x Wu), else relu(x Wu)."""
+    """(h, active) for x [M, d]: gated h = relu(x Wg) * (x Wu), else relu(x Wu).
+
+    Matmuls are in the operands' dtype: XLA accumulates bf16 products in f32 and rounds
+    once, like ``preferred_element_type=f32`` followed by a cast, but autodiff then keeps
+    the backward matmuls in bf16 too (with an f32 result type their transposes run as
+    f32 x f32 matmuls, about twice as slow on tensor cores).
+    """
     act_w = w_gate if w_gate is not None else w_up
-    pre = jnp.matmul(x, act_w, preferred_element_type=jnp.float32)
-    g = jax.nn.relu(pre).astype(x.dtype)
+    g = jax.nn.relu(jnp.matmul(x, act_w))
     if w_gate is None:
         return g, g != 0
-    u = jnp.matmul(x, w_up, preferred_element_type=jnp.float32).astype(x.dtype)
+    u = jnp.matmul(x, w_up)
     return g * u, g != 0
 
 
 def ffn(x, w_gate, w_up, w_down):
     """Dense ReLU FFN ``y [..., d]`` for ``x [..., d]`` (see jax_twell.sparse_ffn)."""
     h, _ = _hidden(x, w_gate, w_up)
-    return jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.matmul(h, w_down)
 
 
 def ffn_with_aux(x, w_gate, w_up, w_down):
@@ -35,5 +40,5 @@ def ffn_with_aux(x, w_gate, w_up, w_down):
     (see :func:`jax_twell.ops.common.hidden_stats`).
     """
     h, active = _hidden(x, w_gate, w_up)
-    y = jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = jnp.matmul(h, w_down)
     return (y, *hidden_stats(h, active))
