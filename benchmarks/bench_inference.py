@@ -22,7 +22,8 @@ Each configuration gives one row per fused kernel ("kernel": "row" or "blocked",
 ``kernel=`` argument of cuda.sparse_ffn; the blocked kernel's "auto" is
 cuda.sparse_ffn(kernel="blocked") under the default rule); dense is timed once and shared.
 
-Usage: python benchmarks/bench_inference.py [--quick] [--out results.json]
+Usage: python benchmarks/bench_inference.py [--quick] [--kernels row,blocked] [--m 16384,2048]
+       [--out results.json]
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def timed(fn, args):
     return time_calls(fn, args, min_seconds=0.02, max_reps=200)
 
 
-def grid(quick: bool):
+def grid(quick: bool, only_m: list[int] | None = None):
     configs = []
     densities = [0.005, 0.01, 0.02, 0.05]
     ms = [16384, 2048, 64, 1]
@@ -57,7 +58,7 @@ def grid(quick: bool):
             for pattern in ("uniform", "heavy"):
                 configs.append((m, 2048, 5632, density, pattern))
     configs += [(16384, 2048, 8192, 0.005, "uniform"), (16384, 4096, 11008, 0.005, "uniform")]
-    return configs
+    return [c for c in configs if only_m is None or c[0] in only_m]
 
 
 def looped(op, iters):
@@ -77,6 +78,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--kernels", default="row,blocked", help="comma-separated fused kernels to time")
+    parser.add_argument("--m", default=None, help="comma-separated token counts: time only these configurations")
     args = parser.parse_args()
     kernels = args.kernels.split(",")
 
@@ -96,7 +98,7 @@ def main():
         return dict(sparse=sparse_op, pret=pret_op, auto=auto_op)
 
     rows = []
-    for m, d, f, density, pattern in grid(args.quick):
+    for m, d, f, density, pattern in grid(args.quick, [int(v) for v in args.m.split(",")] if args.m else None):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
         act = jt.gate_twell(inp.x, inp.w_gate)
         counts = act.counts

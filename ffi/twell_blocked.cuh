@@ -126,7 +126,8 @@ __global__ void __launch_bounds__(1024) TwellBlockedSegScanKernel(const int32_t*
   if (threadIdx.x == 0) seg_start[n_seg] = carry;
 }
 
-// K0c. One warp per token of the (block, tile) segment; lanes copy its entries.
+// K0c. One thread per token of the (block, tile) segment, copying its entries (1.3 on
+// average at 0.5% density: a warp per token, the first version, left most lanes idle).
 template <typename Bits>
 __global__ void __launch_bounds__(256) TwellBlockedScatterKernel(const Bits* __restrict__ values,
                                                      const int16_t* __restrict__ cols,
@@ -139,20 +140,19 @@ __global__ void __launch_bounds__(256) TwellBlockedScatterKernel(const Bits* __r
   const int32_t* off = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
   const int64_t base = seg_start[seg];
   const int width = TileWidth(s, k);
-  const int lane = threadIdx.x % 32;
-  for (int i = threadIdx.x / 32; i < kBlockTokens; i += blockDim.x / 32) {
+  for (int i = threadIdx.x; i < kBlockTokens; i += blockDim.x) {
     const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
     if (t >= s.rows) break;
     const int c = counts[t * s.n_tiles + k];
     const int64_t e0 = base + off[i];
     if (c <= s.capacity) {
       const int64_t src = (t * s.n_tiles + k) * s.capacity;
-      for (int e = lane; e < c; e += 32)
+      for (int e = 0; e < c; ++e)
         if (e0 + e < s.max_entries)
           entries[e0 + e] = (static_cast<uint32_t>(values[src + e]) << 16) |
                             (static_cast<uint32_t>(cols[src + e]) & kColumnMask);
     } else {
-      for (int e = lane; e < width; e += 32)
+      for (int e = 0; e < width; ++e)
         if (e0 + e < s.max_entries) entries[e0 + e] = kFlag | static_cast<uint32_t>(e);
     }
   }
@@ -245,67 +245,134 @@ __device__ void StageTile(uint8_t* stage, const uint16_t* w, const int32_t* tok_
   CpAsyncCommit();
 }
 
-// K1. Group g (8 lanes) owns tokens g + 64 j, j < 16; lane q of the group columns 8q..8q+7.
+// K1 and K2 share one work split: warp w of the CTA owns tokens [32 w, 32 w + 32) of the
+// block, whose entries in a tile are one contiguous run [off[32 w], off[32 w + 32)). The
+// warp walks that run flat, a few entries at a time (4 per step in K1, 8 in K2), so lane
+// groups never wait for a token with more entries than theirs (the token-per-group split
+// of the first version lost about half its issue slots that way). The token of each entry
+// comes from a per-warp table the warp fills from the offsets before each chunk of entries.
+constexpr int kFlatThreads = 1024;                                // K1/K2 CTA size: 32 warps
+constexpr int kWarpTokens = kBlockTokens / (kFlatThreads / 32);  // 32: one token per lane
+constexpr int kWarpChunk = 128;                                  // entries per token-table fill
+
+// Per-tile shared-memory stage of K1/K2: weight slab [kMaxTile, kCols] and token offsets.
+template <int kCols>
+struct SlabStage {
+  static constexpr int kSlab = kMaxTile * kCols * 2;
+  static constexpr int kOff = (kBlockTokens + 1 + 3) / 4 * 16;
+  static constexpr int kBytes = kSlab + kOff;
+};
+constexpr int kTokTableBytes = (kFlatThreads / 32) * kWarpChunk * 2;
+__host__ __device__ constexpr int SegBytes(int n_tiles) { return (n_tiles + 1 + 3) / 4 * 16; }
+
+// Up: x[block, 64 columns] (128 KB), two stages, token tables, segment starts.
+constexpr int kUpX = kBlockTokens * kUpCols * 2;
+inline int UpSmemBytes(int n_tiles) { return kUpX + 2 * SlabStage<kUpCols>::kBytes + kTokTableBytes + SegBytes(n_tiles); }
+// Down: y[block, 32 columns] f32 with rows padded to 36 floats (no bank conflicts between
+// the 8 rows a warp step touches), two stages, token tables, segment starts.
+constexpr int kYStride = kDownCols + 4;
+constexpr int kDownY = kBlockTokens * kYStride * 4;
+inline int DownSmemBytes(int n_tiles) {
+  return kDownY + 2 * SlabStage<kDownCols>::kBytes + kTokTableBytes + SegBytes(n_tiles);
+}
+
+// Stages tile k into `stage`: slab rows w[k*tile + c, col0 .. col0+kCols) (w is [f, d])
+// and the (block, tile) segment's token offsets.
+template <int kCols>
+__device__ void StageSlabAndOffsets(uint8_t* stage, const uint16_t* w, const int32_t* tok_off, int b, int k,
+                                    int col0, const Shapes& s) {
+  constexpr int kVecs = kCols / 8;
+  uint16_t* slab = reinterpret_cast<uint16_t*>(stage);
+  int32_t* off = reinterpret_cast<int32_t*>(stage + SlabStage<kCols>::kSlab);
+  const int width = TileWidth(s, k);
+  const int64_t row0 = static_cast<int64_t>(k) * s.tile;
+  for (int v = threadIdx.x; v < width * kVecs; v += blockDim.x) {
+    const int row = v / kVecs, q = v % kVecs;
+    CpAsync16(slab + row * kCols + q * 8, w + (row0 + row) * s.d + col0 + q * 8);
+  }
+  const int32_t* off_g = tok_off + (static_cast<int64_t>(b) * s.n_tiles + k) * (kBlockTokens + 1);
+  for (int i = threadIdx.x; i <= kBlockTokens; i += blockDim.x) CpAsync4(off + i, off_g + i);
+  CpAsyncCommit();
+}
+
+// tok[p - p0] = token (index in the block) of entry p, for p in [p0, p1), over this warp's
+// tokens [t0, t0 + kWarpTokens). Ends with __syncwarp.
+__device__ __forceinline__ void FillTokenTable(const int32_t* off, int t0, int p0, int p1, uint16_t* tok) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int j = lane; j < kWarpTokens; j += 32) {
+    const int a = max(off[t0 + j], p0), e = min(off[t0 + j + 1], p1);
+    for (int p = a; p < e; ++p) tok[p - p0] = static_cast<uint16_t>(t0 + j);
+  }
+  __syncwarp();
+}
+
+// K1. Per entry (token t, column c of tile k) and d-range r of 64 columns: 8 lanes, lane q
+// dotting columns 8q..8q+7 of x[t] and Wu^T[k*tile + c] (f32 fma chain), then a butterfly
+// over xor 4, 2, 1 -> partial[r, entry]. x for the CTA's block and range sits in shared
+// memory; Wu^T slabs are staged per tile (cp.async, two stages).
 // kSkipFlagged: entries of overflowed tiles are left out (inference: recomputed whole);
 // the training backward (dy . Wd rows, twell_train.cu) visits them too.
 template <typename E, bool kSkipFlagged = true>
-__global__ void __launch_bounds__(kThreads, 1) TwellBlockedUpKernel(
+__global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_up_t,
     const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
     const uint32_t* __restrict__ entries, float* __restrict__ partial, Shapes s) {
-  constexpr int kGroups = kThreads / kUpLanes;
-  constexpr int kTokensPerGroup = kBlockTokens / kGroups;
-  using St = Stages<kUpCols>;
+  constexpr int kGroups = 32 / kUpLanes;  // entries per warp step
+  using St = SlabStage<kUpCols>;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * St::kStage);
+  uint16_t* x_s = reinterpret_cast<uint16_t*>(smem_raw);
+  uint8_t* stages = smem_raw + kUpX;
+  uint16_t* tok = reinterpret_cast<uint16_t*>(stages + 2 * St::kBytes) + (threadIdx.x / 32) * kWarpChunk;
+  int32_t* seg_s = reinterpret_cast<int32_t*>(stages + 2 * St::kBytes + kTokTableBytes);
   if (OverBudget(s, seg_start)) return;
   const int r = blockIdx.x, b = blockIdx.y;
   const int col0 = r * kUpCols;
-  const int group = threadIdx.x / kUpLanes, q = threadIdx.x % kUpLanes;
-  const unsigned mask = 0xffu << (threadIdx.x % 32 / kUpLanes * kUpLanes);
+  const int lane = threadIdx.x % 32, group = lane / kUpLanes, q = lane % kUpLanes;
+  const unsigned mask = 0xffu << (group * kUpLanes);
+  const int t0 = (threadIdx.x / 32) * kWarpTokens;
   for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
-  __syncthreads();
-  StageTile<kUpCols>(smem_raw, w_up_t, tok_off, entries, seg_s, b, 0, col0, s);
-
-  uint4 xr[kTokensPerGroup];
-#pragma unroll
-  for (int j = 0; j < kTokensPerGroup; ++j) {
-    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + group + kGroups * j;
-    xr[j] = t < s.rows ? *reinterpret_cast<const uint4*>(x + t * s.d + col0 + q * 8) : make_uint4(0, 0, 0, 0);
+  for (int v = threadIdx.x; v < kBlockTokens * (kUpCols / 8); v += blockDim.x) {
+    const int i = v / (kUpCols / 8), c = v % (kUpCols / 8);
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
+    if (t < s.rows)
+      CpAsync16(x_s + i * kUpCols + c * 8, x + t * s.d + col0 + c * 8);
+    else
+      *reinterpret_cast<uint4*>(x_s + i * kUpCols + c * 8) = make_uint4(0, 0, 0, 0);
   }
+  __syncthreads();  // seg_s
+  StageSlabAndOffsets<kUpCols>(stages, w_up_t, tok_off, b, 0, col0, s);
   float* partial_r = partial + static_cast<int64_t>(r) * s.max_entries;
 
   for (int k = 0; k < s.n_tiles; ++k) {
     CpAsyncWaitAll();
-    __syncthreads();
+    __syncthreads();  // stage k (and x) landed; every warp is done with stage k - 1
     if (k + 1 < s.n_tiles)
-      StageTile<kUpCols>(smem_raw + ((k + 1) % 2) * St::kStage, w_up_t, tok_off, entries, seg_s, b, k + 1, col0, s);
-    const uint8_t* stage = smem_raw + (k % 2) * St::kStage;
+      StageSlabAndOffsets<kUpCols>(stages + ((k + 1) % 2) * St::kBytes, w_up_t, tok_off, b, k + 1, col0, s);
+    const uint8_t* stage = stages + (k % 2) * St::kBytes;
     const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
     const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
-    const int base = seg_s[k];
-    const uint32_t* ent = seg_s[k + 1] - base <= kStageEntries
-                              ? reinterpret_cast<const uint32_t*>(stage + St::kSlab + St::kOff)
-                              : entries + base;
-#pragma unroll
-    for (int j = 0; j < kTokensPerGroup; ++j) {
-      const int i = group + kGroups * j;
-      if (static_cast<int64_t>(b) * kBlockTokens + i >= s.rows) continue;
-      const int lo = off[i], hi = off[i + 1];
-      if (hi == lo || (kSkipFlagged && (ent[lo] & kFlag))) continue;  // empty, or recomputed
-      float xv[8];
-      Unpack8<E>(xr[j], xv);
-      for (int e = lo; e < hi; ++e) {
-        const uint32_t c = ent[e] & kColumnMask;
-        float wv[8];
-        Unpack8<E>(*reinterpret_cast<const uint4*>(slab + c * kUpCols + q * 8), wv);
+    const uint32_t* ent = entries + seg_s[k];
+    float* part = partial_r + seg_s[k];
+    const int lo = off[t0], hi = off[t0 + kWarpTokens];
+    for (int p0 = lo; p0 < hi; p0 += kWarpChunk) {
+      const int p1 = min(hi, p0 + kWarpChunk);
+      __syncwarp();  // the previous chunk's table reads are done
+      FillTokenTable(off, t0, p0, p1, tok);
+      for (int p = p0 + group; p < p1; p += kGroups) {
+        const uint32_t word = ent[p];
+        if (kSkipFlagged && (word & kFlag)) continue;
+        const int i = tok[p - p0];
+        float xv[8], wv[8];
+        Unpack8<E>(*reinterpret_cast<const uint4*>(x_s + i * kUpCols + q * 8), xv);
+        Unpack8<E>(*reinterpret_cast<const uint4*>(slab + (word & kColumnMask) * kUpCols + q * 8), wv);
         float acc = 0.f;
 #pragma unroll
         for (int v = 0; v < 8; ++v) acc = fmaf(xv[v], wv[v], acc);
         acc += __shfl_xor_sync(mask, acc, 4, kUpLanes);
         acc += __shfl_xor_sync(mask, acc, 2, kUpLanes);
         acc += __shfl_xor_sync(mask, acc, 1, kUpLanes);
-        if (q == 0) partial_r[base + e] = acc;
+        if (q == 0) part[p] = acc;
       }
     }
   }
@@ -330,74 +397,89 @@ __global__ void __launch_bounds__(256) TwellBlockedFinishKernel(const float* __r
   }
 }
 
-// K2. Group g (4 lanes) owns tokens g + 128 j, j < 8; lane q of the group columns 8q..8q+7.
+// K2. Per entry (token t, column c of tile k, value h) and d-range of 32 columns: 4 lanes,
+// lane q adding h * Wd[k*tile + c, 8q..8q+7] to y[t] (f32, shared memory). A warp step
+// takes 8 consecutive entries of its run; entries of one token in a step are applied one
+// after another in entry order (rank rounds), so every y cell is an fma chain over its
+// token's entries in neuron order: the same bits as one lane owning the token.
 template <typename E>
-__global__ void __launch_bounds__(kThreads, 1) TwellBlockedDownKernel(
+__global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownKernel(
     const uint16_t* __restrict__ w_down, const int32_t* __restrict__ tok_off,
     const int32_t* __restrict__ seg_start, const uint32_t* __restrict__ entries,
     uint16_t* __restrict__ y, Shapes s) {
-  constexpr int kGroups = kThreads / kDownLanes;
-  constexpr int kTokensPerGroup = kBlockTokens / kGroups;
-  using St = Stages<kDownCols>;
+  constexpr int kGroups = 32 / kDownLanes;  // entries per warp step
+  using St = SlabStage<kDownCols>;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * St::kStage);
+  float* y_s = reinterpret_cast<float*>(smem_raw);
+  uint8_t* stages = smem_raw + kDownY;
+  uint16_t* tok = reinterpret_cast<uint16_t*>(stages + 2 * St::kBytes) + (threadIdx.x / 32) * kWarpChunk;
+  int32_t* seg_s = reinterpret_cast<int32_t*>(stages + 2 * St::kBytes + kTokTableBytes);
   const int r = blockIdx.x, b = blockIdx.y;
   const int col0 = r * kDownCols;
-  const int group = threadIdx.x / kDownLanes, q = threadIdx.x % kDownLanes;
+  const int lane = threadIdx.x % 32, group = lane / kDownLanes, q = lane % kDownLanes;
+  const unsigned earlier_groups = (1u << (group * kDownLanes)) - 1u;
+  const int t0 = (threadIdx.x / 32) * kWarpTokens;
   const bool over_budget = OverBudget(s, seg_start);
 
-  float acc[kTokensPerGroup][8];
-#pragma unroll
-  for (int j = 0; j < kTokensPerGroup; ++j)
-#pragma unroll
-    for (int v = 0; v < 8; ++v) acc[j][v] = 0.f;
-
+  for (int v = threadIdx.x; v < kBlockTokens * kYStride / 4; v += blockDim.x)
+    reinterpret_cast<float4*>(y_s)[v] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (!over_budget) {
     for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
     __syncthreads();
-    StageTile<kDownCols>(smem_raw, w_down, tok_off, entries, seg_s, b, 0, col0, s);
+    StageSlabAndOffsets<kDownCols>(stages, w_down, tok_off, b, 0, col0, s);
     for (int k = 0; k < s.n_tiles; ++k) {
       CpAsyncWaitAll();
       __syncthreads();
       if (k + 1 < s.n_tiles)
-        StageTile<kDownCols>(smem_raw + ((k + 1) % 2) * St::kStage, w_down, tok_off, entries, seg_s, b, k + 1, col0, s);
-      const uint8_t* stage = smem_raw + (k % 2) * St::kStage;
+        StageSlabAndOffsets<kDownCols>(stages + ((k + 1) % 2) * St::kBytes, w_down, tok_off, b, k + 1, col0, s);
+      const uint8_t* stage = stages + (k % 2) * St::kBytes;
       const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
       const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
-      const int base = seg_s[k];
-      const uint32_t* ent = seg_s[k + 1] - base <= kStageEntries
-                                ? reinterpret_cast<const uint32_t*>(stage + St::kSlab + St::kOff)
-                                : entries + base;
-#pragma unroll
-      for (int j = 0; j < kTokensPerGroup; ++j) {
-        const int i = group + kGroups * j;
-        const int lo = off[i], hi = off[i + 1];  // zero-length past the last token
-        for (int e = lo; e < hi; ++e) {
-          const uint32_t word = ent[e];
+      const uint32_t* ent = entries + seg_s[k];
+      const int lo = off[t0], hi = off[t0 + kWarpTokens];
+      for (int p0 = lo; p0 < hi; p0 += kWarpChunk) {
+        const int p1 = min(hi, p0 + kWarpChunk);
+        __syncwarp();
+        FillTokenTable(off, t0, p0, p1, tok);
+        for (int pb = p0; pb < p1; pb += kGroups) {  // warp-uniform
+          const int p = pb + group;
+          const bool valid = p < p1;
+          const int i = valid ? tok[p - p0] : -1 - group;  // distinct sentinels for idle groups
+          const uint32_t word = valid ? ent[p] : 0u;
+          const int rank = __popc(__match_any_sync(0xffffffffu, i) & earlier_groups) / kDownLanes;
           const float h = E::ToFloat(word >> 16);
           float wv[8];
           Unpack8<E>(*reinterpret_cast<const uint4*>(slab + (word & kColumnMask) * kDownCols + q * 8), wv);
-#pragma unroll
-          for (int v = 0; v < 8; ++v) acc[j][v] = fmaf(h, wv[v], acc[j][v]);
+          float* row = y_s + (valid ? i : 0) * kYStride + q * 8;
+          for (int round = 0; __any_sync(0xffffffffu, valid && rank >= round); ++round) {
+            if (valid && rank == round) {
+              float4 a = reinterpret_cast<float4*>(row)[0], c = reinterpret_cast<float4*>(row)[1];
+              a.x = fmaf(h, wv[0], a.x); a.y = fmaf(h, wv[1], a.y); a.z = fmaf(h, wv[2], a.z); a.w = fmaf(h, wv[3], a.w);
+              c.x = fmaf(h, wv[4], c.x); c.y = fmaf(h, wv[5], c.y); c.z = fmaf(h, wv[6], c.z); c.w = fmaf(h, wv[7], c.w);
+              reinterpret_cast<float4*>(row)[0] = a;
+              reinterpret_cast<float4*>(row)[1] = c;
+            }
+            __syncwarp();
+          }
         }
       }
     }
   }
-
-#pragma unroll
-  for (int j = 0; j < kTokensPerGroup; ++j) {
-    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + group + kGroups * j;
+  __syncthreads();
+  for (int v = threadIdx.x; v < kBlockTokens * (kDownCols / 8); v += blockDim.x) {
+    const int i = v / (kDownCols / 8), c = v % (kDownCols / 8);
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
     if (t >= s.rows) continue;
+    const float* row = y_s + i * kYStride + c * 8;
     uint32_t out[4];
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
-      const float lo = over_budget ? __int_as_float(0x7fc00000) : acc[j][2 * v];
-      const float hi = over_budget ? __int_as_float(0x7fc00000) : acc[j][2 * v + 1];
-      out[v] = E::FromFloat(lo) | (E::FromFloat(hi) << 16);
+    for (int u = 0; u < 4; ++u) {
+      const float lo = over_budget ? __int_as_float(0x7fc00000) : row[2 * u];
+      const float hi = over_budget ? __int_as_float(0x7fc00000) : row[2 * u + 1];
+      out[u] = E::FromFloat(lo) | (E::FromFloat(hi) << 16);
     }
-    *reinterpret_cast<uint4*>(y + t * s.d + col0 + q * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(y + t * s.d + col0 + c * 8) = make_uint4(out[0], out[1], out[2], out[3]);
   }
 }
-
 }  // namespace
 }  // namespace jax_twell

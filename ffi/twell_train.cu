@@ -363,9 +363,9 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
   if (status.failure()) return status;
   const uint32_t* h_source = entries;
   if constexpr (kGated) {
-    const int smem = Stages<kUpCols>::Bytes(s.n_tiles);
+    const int smem = UpSmemBytes(s.n_tiles);
     cudaFuncSetAttribute(TwellBlockedUpKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TwellBlockedUpKernel<E><<<dim3(s.d / kUpCols, s.n_blocks), kThreads, smem, stream>>>(
+    TwellBlockedUpKernel<E><<<dim3(s.d / kUpCols, s.n_blocks), kFlatThreads, smem, stream>>>(
         x, w_up_t, tok_off, seg_start, entries, partial, s);
     TwellTrainFinishKernel<E><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
         partial, seg_start, entries, up, h_words, s.d / kUpCols, s);
@@ -373,9 +373,9 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
     if (status.failure()) return status;
     h_source = h_words;
   }
-  const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
+  const int smem = DownSmemBytes(s.n_tiles);
   cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
+  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kFlatThreads, smem, stream>>>(
       w_down, tok_off, seg_start, h_source, y, s);
   TwellTrainByColumnKernel<<<segments, kThreads, 0, stream>>>(tok_off, seg_start, entries, col_off, by_col, s);
   return LaunchStatus("twell_train forward down");
@@ -388,9 +388,9 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                           const uint16_t* up, const int32_t* col_off, const uint32_t* by_col, const float* l1_grad,
                           uint16_t* dx, uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t, float* partial,
                           float* coef) {
-  int smem = Stages<kUpCols>::Bytes(s.n_tiles);
+  int smem = UpSmemBytes(s.n_tiles);
   cudaFuncSetAttribute(TwellBlockedUpKernel<E, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TwellBlockedUpKernel<E, false><<<dim3(s.d / kUpCols, s.n_blocks), kThreads, smem, stream>>>(
+  TwellBlockedUpKernel<E, false><<<dim3(s.d / kUpCols, s.n_blocks), kFlatThreads, smem, stream>>>(
       dy, w_down, tok_off, seg_start, entries, partial, s);
   TwellTrainBwdFinishKernel<E, kGated><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
       partial, seg_start, entries, up, l1_grad, coef, s.d / kUpCols, s);
