@@ -268,13 +268,6 @@ __host__ __device__ constexpr int SegBytes(int n_tiles) { return (n_tiles + 1 + 
 // Up: x[block, 64 columns] (128 KB), two stages, token tables, segment starts.
 constexpr int kUpX = kBlockTokens * kUpCols * 2;
 inline int UpSmemBytes(int n_tiles) { return kUpX + 2 * SlabStage<kUpCols>::kBytes + kTokTableBytes + SegBytes(n_tiles); }
-// Down: y[block, 32 columns] f32 with rows padded to 36 floats (no bank conflicts between
-// the 8 rows a warp step touches), two stages, token tables, segment starts.
-constexpr int kYStride = kDownCols + 4;
-constexpr int kDownY = kBlockTokens * kYStride * 4;
-inline int DownSmemBytes(int n_tiles) {
-  return kDownY + 2 * SlabStage<kDownCols>::kBytes + kTokTableBytes + SegBytes(n_tiles);
-}
 
 // Stages tile k into `stage`: slab rows w[k*tile + c, col0 .. col0+kCols) (w is [f, d])
 // and the (block, tile) segment's token offsets.
@@ -397,89 +390,74 @@ __global__ void __launch_bounds__(256) TwellBlockedFinishKernel(const float* __r
   }
 }
 
-// K2. Per entry (token t, column c of tile k, value h) and d-range of 32 columns: 4 lanes,
-// lane q adding h * Wd[k*tile + c, 8q..8q+7] to y[t] (f32, shared memory). A warp step
-// takes 8 consecutive entries of its run; entries of one token in a step are applied one
-// after another in entry order (rank rounds), so every y cell is an fma chain over its
-// token's entries in neuron order: the same bits as one lane owning the token.
+// K2. Group g (4 lanes) owns tokens g + 128 j, j < 8; lane q of the group columns 8q..8q+7.
 template <typename E>
-__global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownKernel(
+__global__ void __launch_bounds__(kThreads, 1) TwellBlockedDownKernel(
     const uint16_t* __restrict__ w_down, const int32_t* __restrict__ tok_off,
     const int32_t* __restrict__ seg_start, const uint32_t* __restrict__ entries,
     uint16_t* __restrict__ y, Shapes s) {
-  constexpr int kGroups = 32 / kDownLanes;  // entries per warp step
-  using St = SlabStage<kDownCols>;
+  constexpr int kGroups = kThreads / kDownLanes;
+  constexpr int kTokensPerGroup = kBlockTokens / kGroups;
+  using St = Stages<kDownCols>;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  float* y_s = reinterpret_cast<float*>(smem_raw);
-  uint8_t* stages = smem_raw + kDownY;
-  uint16_t* tok = reinterpret_cast<uint16_t*>(stages + 2 * St::kBytes) + (threadIdx.x / 32) * kWarpChunk;
-  int32_t* seg_s = reinterpret_cast<int32_t*>(stages + 2 * St::kBytes + kTokTableBytes);
+  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * St::kStage);
   const int r = blockIdx.x, b = blockIdx.y;
   const int col0 = r * kDownCols;
-  const int lane = threadIdx.x % 32, group = lane / kDownLanes, q = lane % kDownLanes;
-  const unsigned earlier_groups = (1u << (group * kDownLanes)) - 1u;
-  const int t0 = (threadIdx.x / 32) * kWarpTokens;
+  const int group = threadIdx.x / kDownLanes, q = threadIdx.x % kDownLanes;
   const bool over_budget = OverBudget(s, seg_start);
 
-  for (int v = threadIdx.x; v < kBlockTokens * kYStride / 4; v += blockDim.x)
-    reinterpret_cast<float4*>(y_s)[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float acc[kTokensPerGroup][8];
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j)
+#pragma unroll
+    for (int v = 0; v < 8; ++v) acc[j][v] = 0.f;
+
   if (!over_budget) {
     for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
     __syncthreads();
-    StageSlabAndOffsets<kDownCols>(stages, w_down, tok_off, b, 0, col0, s);
+    StageTile<kDownCols>(smem_raw, w_down, tok_off, entries, seg_s, b, 0, col0, s);
     for (int k = 0; k < s.n_tiles; ++k) {
       CpAsyncWaitAll();
       __syncthreads();
       if (k + 1 < s.n_tiles)
-        StageSlabAndOffsets<kDownCols>(stages + ((k + 1) % 2) * St::kBytes, w_down, tok_off, b, k + 1, col0, s);
-      const uint8_t* stage = stages + (k % 2) * St::kBytes;
+        StageTile<kDownCols>(smem_raw + ((k + 1) % 2) * St::kStage, w_down, tok_off, entries, seg_s, b, k + 1, col0, s);
+      const uint8_t* stage = smem_raw + (k % 2) * St::kStage;
       const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
       const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
-      const uint32_t* ent = entries + seg_s[k];
-      const int lo = off[t0], hi = off[t0 + kWarpTokens];
-      for (int p0 = lo; p0 < hi; p0 += kWarpChunk) {
-        const int p1 = min(hi, p0 + kWarpChunk);
-        __syncwarp();
-        FillTokenTable(off, t0, p0, p1, tok);
-        for (int pb = p0; pb < p1; pb += kGroups) {  // warp-uniform
-          const int p = pb + group;
-          const bool valid = p < p1;
-          const int i = valid ? tok[p - p0] : -1 - group;  // distinct sentinels for idle groups
-          const uint32_t word = valid ? ent[p] : 0u;
-          const int rank = __popc(__match_any_sync(0xffffffffu, i) & earlier_groups) / kDownLanes;
+      const int base = seg_s[k];
+      const uint32_t* ent = seg_s[k + 1] - base <= kStageEntries
+                                ? reinterpret_cast<const uint32_t*>(stage + St::kSlab + St::kOff)
+                                : entries + base;
+#pragma unroll
+      for (int j = 0; j < kTokensPerGroup; ++j) {
+        const int i = group + kGroups * j;
+        const int lo = off[i], hi = off[i + 1];  // zero-length past the last token
+        for (int e = lo; e < hi; ++e) {
+          const uint32_t word = ent[e];
           const float h = E::ToFloat(word >> 16);
           float wv[8];
           Unpack8<E>(*reinterpret_cast<const uint4*>(slab + (word & kColumnMask) * kDownCols + q * 8), wv);
-          float* row = y_s + (valid ? i : 0) * kYStride + q * 8;
-          for (int round = 0; __any_sync(0xffffffffu, valid && rank >= round); ++round) {
-            if (valid && rank == round) {
-              float4 a = reinterpret_cast<float4*>(row)[0], c = reinterpret_cast<float4*>(row)[1];
-              a.x = fmaf(h, wv[0], a.x); a.y = fmaf(h, wv[1], a.y); a.z = fmaf(h, wv[2], a.z); a.w = fmaf(h, wv[3], a.w);
-              c.x = fmaf(h, wv[4], c.x); c.y = fmaf(h, wv[5], c.y); c.z = fmaf(h, wv[6], c.z); c.w = fmaf(h, wv[7], c.w);
-              reinterpret_cast<float4*>(row)[0] = a;
-              reinterpret_cast<float4*>(row)[1] = c;
-            }
-            __syncwarp();
-          }
+#pragma unroll
+          for (int v = 0; v < 8; ++v) acc[j][v] = fmaf(h, wv[v], acc[j][v]);
         }
       }
     }
   }
-  __syncthreads();
-  for (int v = threadIdx.x; v < kBlockTokens * (kDownCols / 8); v += blockDim.x) {
-    const int i = v / (kDownCols / 8), c = v % (kDownCols / 8);
-    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
+
+#pragma unroll
+  for (int j = 0; j < kTokensPerGroup; ++j) {
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + group + kGroups * j;
     if (t >= s.rows) continue;
-    const float* row = y_s + i * kYStride + c * 8;
     uint32_t out[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const float lo = over_budget ? __int_as_float(0x7fc00000) : row[2 * u];
-      const float hi = over_budget ? __int_as_float(0x7fc00000) : row[2 * u + 1];
-      out[u] = E::FromFloat(lo) | (E::FromFloat(hi) << 16);
+    for (int v = 0; v < 4; ++v) {
+      const float lo = over_budget ? __int_as_float(0x7fc00000) : acc[j][2 * v];
+      const float hi = over_budget ? __int_as_float(0x7fc00000) : acc[j][2 * v + 1];
+      out[v] = E::FromFloat(lo) | (E::FromFloat(hi) << 16);
     }
-    *reinterpret_cast<uint4*>(y + t * s.d + col0 + c * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(y + t * s.d + col0 + q * 8) = make_uint4(out[0], out[1], out[2], out[3]);
   }
 }
+
 }  // namespace
 }  // namespace jax_twell

@@ -68,9 +68,9 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
     status = LaunchStatus("twell_ffn_blocked finish");
     if (status.failure()) return status;
   }
-  const int smem = DownSmemBytes(s.n_tiles);
+  const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
   cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kFlatThreads, smem, stream>>>(
+  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
       static_cast<const uint16_t*>(w_down), tok_off, seg_start, entries, static_cast<uint16_t*>(y), s);
   return LaunchStatus("twell_ffn_blocked down");
 }

@@ -373,9 +373,9 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
     if (status.failure()) return status;
     h_source = h_words;
   }
-  const int smem = DownSmemBytes(s.n_tiles);
+  const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
   cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kFlatThreads, smem, stream>>>(
+  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
       w_down, tok_off, seg_start, h_source, y, s);
   TwellTrainByColumnKernel<<<segments, kThreads, 0, stream>>>(tok_off, seg_start, entries, col_off, by_col, s);
   return LaunchStatus("twell_train forward down");

@@ -270,8 +270,13 @@ def test_crossover_rule_predictions():
     m, d, f = 16384, 2048, 5632
     assert rule.sparse_can_win(m, d, f, 2) and not rule.sparse_can_win(64, d, f, 2)
     pairs = lambda p: int(p * m * f)
-    assert bool(rule.use_sparse(pairs(0.005), 0, m, d, f, 2)) and bool(rule.use_sparse(pairs(0.01), 0, m, d, f, 2))
-    assert not bool(rule.use_sparse(pairs(0.02), 0, m, d, f, 2))
+    # Fitted to the H200 (ffi/notes/training_kernels.md): the kernels lose to XLA at 0.5%
+    # (5.22 ms against 4.42 ms) and the rule crosses over near 0.38% active.
+    assert bool(rule.use_sparse(pairs(0.003), 0, m, d, f, 2))
+    for p in (0.005, 0.01, 0.02):
+        assert not bool(rule.use_sparse(pairs(p), 0, m, d, f, 2)), p
+    # Each overflowed tile adds to the sparse estimate.
+    assert not bool(rule.use_sparse(pairs(0.003), 200_000, m, d, f, 2))
     with pytest.raises(ValueError, match="multiple of 64"):
         cuda_train.check_supported(96, jnp.bfloat16)
 

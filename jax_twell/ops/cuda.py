@@ -32,6 +32,7 @@ __all__ = [
     "check_blocked_supported",
     "blocked_max_entries",
     "blocked_needed_entries",
+    "gate_counts",
 ]
 
 KERNELS = ("row", "blocked")
@@ -232,8 +233,9 @@ def blocked_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, max_entries:
 class DenseCrossover:
     """When the sparse FFN runs the fused TwELL kernel, and when dense math through XLA.
 
-    Both paths share the gate matmul and the pack (its counts give the true number of
-    active (token, neuron) pairs ``nnz``); the rule compares what comes after, in seconds:
+    Both paths share the gate matmul; a reduction over its output gives the true number of
+    active (token, neuron) pairs ``nnz`` (:func:`gate_counts`; only the sparse branches
+    pack). The rule compares what comes after, in seconds:
 
     - sparse: ``nnz * 2 * d * itemsize / pair_bandwidth`` (the kernel reads one row of
       Wu^T and one of Wd per pair, mostly from L2) + ``overflow_penalty`` per overflowed
@@ -250,16 +252,18 @@ class DenseCrossover:
     """
 
     pair_bandwidth: float = 3.3e12
-    matmul_rate: float = 6.0e14
+    # Dense up + down at M=16384, d=2048, f=5632: 1.10 ms on the H200 (XLA, bf16 results).
+    matmul_rate: float = 6.9e14
     hbm_bandwidth: float = 3.0e12
     transpose_bandwidth: float = 1.4e12
     overflow_penalty: float = 2.0e-6
     fixed_overhead: float = 1.0e-5
     margin: float = 1.0
-    # Blocked kernel (predicted, not yet measured: ffi/notes/twell_ffn_blocked.md).
+    # Blocked kernel, fitted on the H200 (ffi/notes/twell_ffn_blocked.md): ~3 ns per pair
+    # at d=2048 (1.3-1.6 ms at M=16384, 0.5%), on the slow side of the two measured versions.
     blocked_weight_bandwidth: float = 7.0e12
-    blocked_pair_rate: float = 1.2e13
-    blocked_fixed_overhead: float = 3.0e-5
+    blocked_pair_rate: float = 1.5e12
+    blocked_fixed_overhead: float = 1.0e-4
 
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
@@ -350,25 +354,23 @@ def sparse_ffn(
     if not rule.sparse_can_win(m, d, f, x.dtype.itemsize, transposed):
         return xla.ffn(x, w_gate, w_up, w_down)
     g = relu_matmul(x, w_act)
-    act = pack_twell(g, tile=tile, capacity=capacity)
-    nnz = act.counts.sum(dtype=jnp.int32)
-    n_over = act.overflowed.sum(dtype=jnp.int32)
+    # The decision needs counts only: one XLA reduction over g (~40 us at M=16384,
+    # f=5632), so a call that runs dense never pays for the pack (~150 us).
+    nnz, n_over, needed = gate_counts(g, tile=tile, capacity=capacity)
     use_sparse = rule.use_sparse(nnz, n_over, m, d, f, x.dtype.itemsize, transposed)
 
     def sparse(_):
+        act = pack_twell(g, tile=tile, capacity=capacity)
         return _twell_ffn_call(x, act, w_act, w_up if gated else None, w_down, w_up_t)
 
     def dense(_):
-        h = g
-        if gated:
-            h = h * jnp.matmul(x, w_up, preferred_element_type=jnp.float32).astype(x.dtype)
-        return jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+        return xla.up_down(x, g, w_up if gated else None, w_down)
 
     blocked = kernel == "blocked" and m >= BLOCKED_MIN_TOKENS and jnp.dtype(x.dtype) != jnp.float32
     if blocked:
         check_blocked_supported(d, tile)
         max_entries = blocked_max_entries(m, f, tile, capacity)
-        fits = blocked_needed_entries(act) <= max_entries
+        fits = needed <= max_entries
         row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
         blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
         if rule.margin == float("inf"):
@@ -379,12 +381,35 @@ def sparse_ffn(
             choice = jnp.where(fits & (blocked_cost < rule.margin * dense_cost) & (blocked_cost < row_cost), 2, choice)
 
         def blocked_branch(_):
+            act = pack_twell(g, tile=tile, capacity=capacity)
             return _blocked_call(x, act, w_act, w_up if gated else None, w_down, w_up_t, max_entries)[0]
 
         return jax.lax.switch(choice, (dense, sparse, blocked_branch), None)
     if rule.margin == float("inf"):
         return sparse(None)
     return jax.lax.cond(use_sparse, sparse, dense, None)
+
+
+def gate_counts(g: jax.Array, *, tile: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What the dispatch needs from ``g [M, f]``, without packing it (one XLA reduction).
+
+    Returns ``[]`` int32 each: active pairs ``nnz`` (the pack's ``counts.sum()``), overflowed
+    tiles (``overflowed.sum()``) and the entries the blocked kernel needs
+    (:func:`blocked_needed_entries` of the packed ``g``).
+    """
+    m, f = g.shape
+    n_tiles = -(-f // tile)
+    active = g != 0
+    if n_tiles * tile != f:
+        active = jnp.pad(active, ((0, 0), (0, n_tiles * tile - f)))
+    per_tile = active.reshape(m, n_tiles, tile).sum(axis=-1, dtype=jnp.int32)
+    over = per_tile > capacity
+    width = jnp.minimum(tile, f - tile * jnp.arange(n_tiles, dtype=jnp.int32))
+    return (
+        per_tile.sum(dtype=jnp.int32),
+        over.sum(dtype=jnp.int32),
+        jnp.where(over, width, per_tile).sum(dtype=jnp.int32),
+    )
 
 
 def gate_twell(x, w, *, tile: int, capacity: int) -> TwELL:

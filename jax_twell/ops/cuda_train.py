@@ -94,18 +94,21 @@ class TrainCrossover:
     Sparse runs where its entries fit the budget and its estimate is below ``margin`` times
     the dense one (decided on the device, per call). Below ``min_tokens`` tokens the
     kernels never run (trace time: pure XLA autodiff). ``margin=inf`` forces the kernels
-    (when the entries fit), ``margin=0`` forces dense. Constants predicted before any
-    measurement (ffi/notes/training_kernels.md); fit them to the GPU benchmark.
+    (when the entries fit), ``margin=0`` forces dense. Constants fitted to the H200
+    benchmark (ffi/notes/training_kernels.md).
     """
 
-    matmul_rate: float = 7.0e14
+    # Fitted on the H200 (ffi/notes/training_kernels.md, "Measured"): XLA's dense
+    # forward + backward 4.42 ms at M=16384, d=2048, f=5632 (9 matmuls); the kernels
+    # 4.73 ms after the gate matmul at 0.5% and 14.7 ms at 2%: ~7 ns per pair, ~1.5 ms fixed.
+    matmul_rate: float = 7.7e14
     hbm_bandwidth: float = 3.0e12
     weight_bandwidth: float = 7.0e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 1.2e13
+    pair_rate: float = 2.8e12
     grad_stream_bandwidth: float = 7.0e12
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 8.0e-5
+    fixed_overhead: float = 1.06e-3
     margin: float = 1.0
     min_tokens: int = 256
 
@@ -340,10 +343,8 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
         return _as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
 
     def dense(_):
-        h = g
-        if gated:
-            h = g * jnp.matmul(x, w_up, preferred_element_type=jnp.float32).astype(x.dtype)
-        y = jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+        h = g * jnp.matmul(x, w_up) if gated else g
+        y = jnp.matmul(h, w_down)
         l1 = jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1)
         shapes = residual_shapes(m, act.n_tiles, TILE, cfg.max_entries, gated)
         res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # not read by the dense backward

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jax_twell.ops.common import hidden_stats
 
-__all__ = ["ffn", "ffn_with_aux"]
+__all__ = ["ffn", "ffn_with_aux", "up_down"]
 
 
 def _hidden(x, w_gate, w_up):
@@ -25,6 +25,13 @@ def _hidden(x, w_gate, w_up):
         return g, g != 0
     u = jnp.matmul(x, w_up)
     return g * u, g != 0
+
+
+def up_down(x, g, w_up, w_down):
+    """Dense up and down projections from the gate activation ``g = relu(x @ W) [M, f]``:
+    ``(g * (x @ w_up)) @ w_down``, or ``g @ w_down`` when ``w_up`` is None (non-gated)."""
+    h = g if w_up is None else g * jnp.matmul(x, w_up)
+    return jnp.matmul(h, w_down)
 
 
 def ffn(x, w_gate, w_up, w_down):

@@ -1,0 +1,178 @@
+"""The inference op's dispatch (jax_twell.ops.cuda.sparse_ffn) on CPU, with reference
+stand-ins for the kernels: the counts it decides on, which branch each rule takes, and
+that every branch computes the FFN. The kernels themselves are tested on the GPU."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_twell.formats import pack_twell_reference, relu_matmul
+from jax_twell.ops import blocked_emulation as bemu
+from jax_twell.ops import cuda, reference, xla
+from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
+from specs import assert_close, fused_tolerance
+
+ROW_MARK, BLOCKED_MARK = 3.0, 5.0  # constant outputs of the stand-ins: which branch ran
+# Rules without fixed costs, so that the small test shapes are not decided dense at trace time.
+NO_FIXED = dict(fixed_overhead=0.0, transpose_bandwidth=float("inf"))
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "capacity"))
+def stand_in_pack(a, *, tile, capacity):  # a named call, recognisable in a jaxpr
+    return pack_twell_reference(a, tile=tile, capacity=capacity)
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """Kernels replaced by the reference; ``mark=True`` makes them return constants."""
+    calls = {"pack": 0}
+
+    def pack(a, *, tile, capacity):
+        calls["pack"] += 1
+        return stand_in_pack(a, tile=tile, capacity=capacity)
+
+    def install(mark: bool):
+        def row(x, act, w_act, w_up, w_down, w_up_t=None):
+            if mark:
+                return jnp.full(x.shape, ROW_MARK, x.dtype)
+            return reference.twell_ffn(x, act, w_act, w_up, w_down)
+
+        def blocked(x, act, w_act, w_up, w_down, w_up_t, max_entries):
+            if mark:
+                return (jnp.full(x.shape, BLOCKED_MARK, x.dtype),)
+            return (reference.twell_ffn(x, act, w_act, w_up, w_down),)
+
+        monkeypatch.setattr(cuda, "pack_twell", pack)
+        monkeypatch.setattr(cuda, "_twell_ffn_call", row)
+        monkeypatch.setattr(cuda, "_blocked_call", blocked)
+        return calls
+
+    return install
+
+
+def case(m=300, d=128, f=700, density=0.02, full=3, empty=5, key=0):
+    inp = synthetic_ffn_inputs(jax.random.key(key), m, d, f, density=density)
+    return with_extreme_rows(inp, full=full, empty=empty)
+
+
+@pytest.mark.parametrize("tile,capacity", [(256, 32), (128, 8), (64, 4)])
+@pytest.mark.parametrize("full,empty", [(0, 0), (4, 7), (300, 0)])
+def test_gate_counts_match_the_packed_activation(tile, capacity, full, empty):
+    # f = 700 is no multiple of any tile; `full` rows overflow every tile.
+    inp = case(full=full, empty=empty, key=tile + full)
+    g = relu_matmul(inp.x, inp.w_gate)
+    act = pack_twell_reference(g, tile=tile, capacity=capacity)
+    nnz, n_over, needed = jax.jit(lambda g: cuda.gate_counts(g, tile=tile, capacity=capacity))(g)
+    assert int(nnz) == int(act.counts.sum()) == int((np.asarray(g, np.float32) != 0).sum())
+    assert int(n_over) == int(act.overflowed.sum())
+    assert int(needed) == int(cuda.blocked_needed_entries(act))
+    if full:
+        assert int(n_over) >= full * act.n_tiles  # the adversarial rows did overflow
+
+
+@pytest.mark.parametrize("kernel", cuda.KERNELS)
+@pytest.mark.parametrize("gated", [True, False])
+def test_every_branch_computes_the_ffn(stand_ins, kernel, gated):
+    stand_ins(mark=False)
+    inp = case(m=1100, key=3)  # above BLOCKED_MIN_TOKENS, two token blocks
+    w_gate = inp.w_gate if gated else None
+    want = xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down)
+    for margin in (0.0, 1.0, float("inf")):
+        rule = cuda.DenseCrossover(margin=margin, **NO_FIXED)
+        got = jax.jit(
+            lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=8, crossover=rule, kernel=kernel)
+        )(inp.x, w_gate, inp.w_up, inp.w_down)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert_close(got, want, fused_tolerance(jnp.bfloat16, 700), f"kernel={kernel} margin={margin}")
+
+
+def run(rule, inp, kernel="row"):
+    return np.asarray(
+        jax.jit(lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, crossover=rule, kernel=kernel))(
+            inp.x
+        ),
+        np.float32,
+    )
+
+
+def test_the_rule_picks_the_branch_on_the_device(stand_ins):
+    stand_ins(mark=True)
+    sparse_inp = case(m=1100, density=0.005, full=0, empty=0, key=5)
+    dense_inp = case(m=1100, density=0.3, full=0, empty=0, key=6)
+    nnz = {
+        name: int(cuda.gate_counts(relu_matmul(i.x, i.w_gate), tile=256, capacity=8)[0])
+        for name, i in (("sparse", sparse_inp), ("dense", dense_inp))
+    }
+    assert nnz["sparse"] * 10 < nnz["dense"]
+    # A rule whose threshold falls between the two: the row kernel's cost crosses the
+    # dense cost at nnz = (dense - fixed) * pair_bandwidth / (2 d itemsize).
+    dense_cost = cuda.DenseCrossover(**NO_FIXED).dense_cost(1100, 128, 700, 2)
+    threshold = (nnz["sparse"] * nnz["dense"]) ** 0.5
+    rule = cuda.DenseCrossover(pair_bandwidth=threshold * 2 * 128 * 2 / dense_cost, **NO_FIXED)
+    assert (run(rule, sparse_inp) == ROW_MARK).all()
+    y_dense = run(rule, dense_inp)
+    assert not (y_dense == ROW_MARK).all()
+    want = np.asarray(xla.ffn(dense_inp.x, dense_inp.w_gate, dense_inp.w_up, dense_inp.w_down), np.float32)
+    np.testing.assert_array_equal(y_dense, want)  # the dense branch is XLA's FFN, bit for bit
+    # Forced either way.
+    assert (run(cuda.DenseCrossover(margin=float("inf")), dense_inp) == ROW_MARK).all()
+    np.testing.assert_array_equal(run(cuda.DenseCrossover(margin=0.0), sparse_inp), np.asarray(
+        xla.ffn(sparse_inp.x, sparse_inp.w_gate, sparse_inp.w_up, sparse_inp.w_down), np.float32))
+    # Blocked where its cost is lowest and its entries fit; the row kernel where they don't.
+    cheap_blocked = cuda.DenseCrossover(
+        blocked_pair_rate=1e30, blocked_fixed_overhead=0.0, blocked_weight_bandwidth=1e30, **NO_FIXED
+    )
+    assert (run(cheap_blocked, sparse_inp, kernel="blocked") == BLOCKED_MARK).all()
+    assert (run(cuda.DenseCrossover(margin=float("inf")), sparse_inp, kernel="blocked") == BLOCKED_MARK).all()
+    full_inp = case(m=1100, density=0.005, full=1100, empty=0, key=7)  # every tile overflows
+    g = relu_matmul(full_inp.x, full_inp.w_gate)
+    assert int(cuda.gate_counts(g, tile=256, capacity=8)[2]) > cuda.blocked_max_entries(1100, 700, 256, 8)
+    assert (run(cuda.DenseCrossover(margin=float("inf")), full_inp, kernel="blocked") == ROW_MARK).all()
+
+
+def test_the_pack_runs_only_in_the_sparse_branches(stand_ins):
+    stand_ins(mark=True)
+    inp = case(m=1100, key=8)
+
+    def packs_in(eqns):
+        return sum(1 for e in eqns if e.primitive.name in ("pjit", "jit") and e.params.get("name") == "stand_in_pack")
+
+    for kernel, n_sparse in (("row", 1), ("blocked", 2)):
+        jaxpr = jax.make_jaxpr(
+            lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
+                                      crossover=cuda.DenseCrossover(**NO_FIXED), kernel=kernel)
+        )(inp.x).jaxpr
+        assert packs_in(jaxpr.eqns) == 0, kernel  # a dense decision never packs
+        conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+        assert len(conds) == 1, kernel
+        per_branch = [packs_in(b.jaxpr.eqns) for b in conds[0].params["branches"]]
+        assert sorted(per_branch) == [0] + [1] * n_sparse, (kernel, per_branch)
+    # Decode-sized and forced-dense calls are decided at trace time: no pack, no cond.
+    jaxpr = jax.make_jaxpr(
+        lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
+                                  crossover=cuda.DenseCrossover(margin=0.0))
+    )(inp.x).jaxpr
+    assert packs_in(jaxpr.eqns) == 0 and not any(e.primitive.name == "cond" for e in jaxpr.eqns)
+
+
+def test_blocked_counts_agree_with_the_emulation():
+    inp = case(m=1500, full=9, empty=11, key=9)
+    g = relu_matmul(inp.x, inp.w_gate)
+    act = pack_twell_reference(g, tile=256, capacity=8)
+    counts = np.asarray(act.counts)
+    assert int(cuda.gate_counts(g, tile=256, capacity=8)[2]) == bemu.needed_entries(counts, 8, 256, 700)
+
+
+def test_default_rule_matches_the_h200_measurements():
+    # ffi/notes/twell_ffn.md and twell_ffn_blocked.md: at M=16384, d=2048, f=5632 dense up +
+    # down takes 1.10 ms, the row kernel 1.14 ms at 0.5% (461K pairs), the blocked ~1.3 ms.
+    rule = cuda.DenseCrossover()
+    m, d, f = 16384, 2048, 5632
+    pairs = lambda p: int(p * m * f)
+    assert not bool(rule.use_sparse(pairs(0.005), 0, m, d, f, 2))
+    assert bool(rule.use_sparse(pairs(0.003), 0, m, d, f, 2))
+    assert float(rule.blocked_cost(pairs(0.005), m, d, f, 2)) > rule.dense_cost(m, d, f, 2)
+    assert not rule.sparse_can_win(64, d, f, 2)  # decode: dense, decided at trace time
