@@ -43,6 +43,7 @@ Weights draw from a normal truncated at 2 std, rescaled to the std given.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -56,6 +57,28 @@ __all__ = ["TransformerLM", "Block", "Attention", "RMSNorm", "KVCache", "rotary"
 
 EMBED_STD = 0.02
 
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def logits_matmul(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """``einsum(spec, x, w)`` with f32 results (logits for the loss), whose backward runs in
+    ``x.dtype``: the f32 cotangent is rounded to ``x.dtype`` first, so both backward
+    matmuls are bf16 x bf16 (f32 accumulation) instead of the f32 x f32 pair that JAX's
+    own transpose of an f32-result einsum gives."""
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(x, w, spec):
+    return logits_matmul(x, w, spec), (x, w)
+
+
+def _logits_bwd(spec, saved, ct):
+    x, w = saved
+    _, vjp = jax.vjp(lambda x, w: jnp.einsum(spec, x, w), x, w)
+    return vjp(ct.astype(x.dtype))
+
+
+logits_matmul.defvjp(_logits_fwd, _logits_bwd)
 
 class KVCache(NamedTuple):
     """Fixed-size key/value cache of every layer.
@@ -238,8 +261,8 @@ class TransformerLM(nnx.Module):
     def _logits(self, x: jax.Array) -> jax.Array:
         x = self.final_norm(x)
         if self.lm_head is None:
-            return jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype), preferred_element_type=jnp.float32)
-        return jnp.einsum("btd,dv->btv", x, self.lm_head[...].astype(x.dtype), preferred_element_type=jnp.float32)
+            return logits_matmul(x, self.embed[...].astype(x.dtype), "btd,vd->btv")
+        return logits_matmul(x, self.lm_head[...].astype(x.dtype), "btd,dv->btv")
 
     def __call__(self, tokens: jax.Array) -> tuple[jax.Array, FFNStats]:
         """Training forward with FFN statistics.

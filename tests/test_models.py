@@ -301,3 +301,29 @@ def test_sharded_over_four_devices():
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "sharded ok" in result.stdout
+
+
+def test_logits_matmul_gradients_stay_in_bf16_and_match():
+    from jax_twell.models.transformer import logits_matmul
+
+    kx, kw, kc = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (2, 8, 64), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (300, 64), jnp.float32) / 8).astype(jnp.bfloat16)
+    cot = jax.random.normal(kc, (2, 8, 300), jnp.float32)
+    ours = lambda x, w: (logits_matmul(x, w, "btd,vd->btv") * cot).sum()
+    plain = lambda x, w: (jnp.einsum("btd,vd->btv", x, w, preferred_element_type=jnp.float32) * cot).sum()
+    assert logits_matmul(x, w, "btd,vd->btv").dtype == jnp.float32
+    np.testing.assert_array_equal(ours(x, w), plain(x, w))  # same forward
+    g_ours, g_plain = jax.grad(ours, (0, 1))(x, w), jax.grad(plain, (0, 1))(x, w)
+    for a, b in zip(g_ours, g_plain):
+        assert a.dtype == jnp.bfloat16
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.abs(a - b).max() <= 2.0**-6 * np.abs(b).max()
+    def f32_operand_dots(fn):
+        hlo = jax.jit(jax.grad(fn, (0, 1))).lower(x, w).as_text()
+        operands = [l.rsplit(": (", 1)[1].split(") ->")[0] for l in hlo.splitlines() if "dot_general" in l]
+        assert len(operands) == 2  # the two backward matmuls (the loss is linear in the logits)
+        return sum("f32" in o for o in operands)
+
+    assert f32_operand_dots(plain) == 2  # what JAX's own transpose does
+    assert f32_operand_dots(ours) == 0
