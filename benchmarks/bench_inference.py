@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 import jax_twell as jt
 from jax_twell.ops import cuda, xla
-from jax_twell.testing import synthetic_ffn_inputs
+from jax_twell.testing import inference_benchmark_grid, synthetic_ffn_inputs
 
 from common import run_metadata, time_calls, write_result
 
@@ -48,17 +48,7 @@ def timed(fn, args):
 
 
 def grid(quick: bool, only_m: list[int] | None = None):
-    configs = []
-    densities = [0.005, 0.01, 0.02, 0.05]
-    ms = [16384, 2048, 64, 1]
-    if quick:
-        densities, ms = [0.005, 0.02], [16384, 64]
-    for m in ms:
-        for density in densities:
-            for pattern in ("uniform", "heavy"):
-                configs.append((m, 2048, 5632, density, pattern))
-    configs += [(16384, 2048, 8192, 0.005, "uniform"), (16384, 4096, 11008, 0.005, "uniform")]
-    return [c for c in configs if only_m is None or c[0] in only_m]
+    return [c for c in inference_benchmark_grid(quick) if only_m is None or c[0] in only_m]
 
 
 def looped(op, iters):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FFNInputs", "synthetic_ffn_inputs", "with_extreme_rows", "PATTERNS"]
+__all__ = ["FFNInputs", "synthetic_ffn_inputs", "with_extreme_rows", "PATTERNS", "inference_benchmark_grid"]
 
 PATTERNS = ("uniform", "heavy", "dense")
 HEAVY_SIGMA = 1.0
@@ -80,3 +80,14 @@ def with_extreme_rows(inp: FFNInputs, *, full: int = 0, empty: int = 0) -> FFNIn
     if empty:
         x = x.at[full : full + empty, 0].set(50.0)
     return inp._replace(x=x)
+
+
+def inference_benchmark_grid(quick: bool = False) -> list[tuple[int, int, int, float, str]]:
+    """The inference benchmark's configurations ``(M, d, f, density, pattern)`` (DESIGN.md
+    §7): d=2048, f=5632 at M in {16384, 2048, 64, 1}, densities 0.5-5%, uniform and
+    heavy-tailed rows, plus (2048, 8192) and (4096, 11008) at M=16384 and 0.5%. ``quick``:
+    M in {16384, 64}, densities 0.5% and 2%. The GPU tests check every one against the
+    reference."""
+    densities, ms = ([0.005, 0.02], [16384, 64]) if quick else ([0.005, 0.01, 0.02, 0.05], [16384, 2048, 64, 1])
+    configs = [(m, 2048, 5632, p, pattern) for m in ms for p in densities for pattern in ("uniform", "heavy")]
+    return configs + [(16384, 2048, 8192, 0.005, "uniform"), (16384, 4096, 11008, 0.005, "uniform")]
