@@ -1,0 +1,43 @@
+"""One forward + backward of the CUDA training FFN at a benchmark shape, for Nsight Compute.
+
+Usage: ncu --kernel-name regex:Twell ... python benchmarks/profile_train.py [--m 16384]
+       [--d 2048] [--f 5632] [--density 0.005] [--pattern uniform] [--nongated]
+The step runs twice (compile, then the profiled run); the kernels of one step are the
+second half of what ncu lists (or skip the first step's with --launch-skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+from jax_twell.ops import cuda_train
+from jax_twell.testing import synthetic_ffn_inputs
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--d", type=int, default=2048)
+    p.add_argument("--f", type=int, default=5632)
+    p.add_argument("--density", type=float, default=0.005)
+    p.add_argument("--pattern", default="uniform")
+    p.add_argument("--nongated", action="store_true")
+    a = p.parse_args()
+    inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
+    w_gate = None if a.nongated else inp.w_gate
+    rule = cuda_train.TrainCrossover(margin=float("inf"))
+
+    def loss(x, wg, wu, wd):
+        y, l1 = cuda_train.ffn_with_aux(x, wg, wu, wd, width=128, crossover=rule)[:2]
+        return y.astype(jnp.float32).sum() + 2e-5 * l1
+
+    step = jax.jit(jax.grad(loss, (0, 2, 3)))
+    for _ in range(2):
+        jax.block_until_ready(step(inp.x, w_gate, inp.w_up, inp.w_down))
+
+
+if __name__ == "__main__":
+    main()
