@@ -16,7 +16,9 @@ Variants timed per configuration:
 - sparse: jax_twell.ops.cuda.sparse_ffn forced sparse (gate matmul, pack kernel, fused
   up+down kernel; the up weight transposed inside the call);
 - pret: as sparse, with the up weight given pre-transposed ([f, d], as a model can store it);
-- auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get).
+- auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get);
+- gather (M <= 64 only, shared by both kernels' rows): jax_twell.ops.xla.gather_ffn, the
+  decode path reading only the active neurons' weights, w_up as stored and pre-transposed.
 
 Each configuration gives one row per fused kernel ("kernel": "row" or "blocked", the
 ``kernel=`` argument of cuda.sparse_ffn; the blocked kernel's "auto" is
@@ -104,6 +106,15 @@ def main():
         dense_times = {"dense_call_ms": 1e3 * timed(jax.jit(dense_op), tuple(inp))}
         if m <= 64:
             dense_times["dense_loop_ms"] = 1e3 * timed(looped(dense_op, 50), tuple(inp)) / 50
+            # The decode path that gathers the active neurons' weights (xla.gather_ffn), with
+            # the up weight as stored ([d, f]) and pre-transposed ([f, d], rows contiguous).
+            width = xla.gather_width(m, f)
+            gather_op = lambda x, wg, wu, wd: xla.gather_ffn(x, wg, wu, wd, width=width)
+            gather_t = lambda x, wg, wu, wd, wut: xla.gather_ffn(x, wg, wu, wd, width=width, w_up_t=wut)
+            dense_times["gather_loop_ms"] = 1e3 * timed(looped(gather_op, 50), tuple(inp)) / 50
+            dense_times["gather_pret_loop_ms"] = 1e3 * timed(looped(gather_t, 50), tuple(inp) + (w_up_t,)) / 50
+            for name in ("gather", "gather_pret"):
+                dense_times[f"{name}_ratio"] = dense_times["dense_loop_ms"] / dense_times[f"{name}_loop_ms"]
         for kernel in kernels:
             row = dict(base, kernel=kernel, **dense_times)
             for name, op in kernel_ops(kernel).items():
@@ -152,6 +163,13 @@ def main():
             f"{r['max_active_per_row']:>5} {c:>5} {r[f'dense_{c}_ms']:>9.4f} {r[f'sparse_{c}_ms']:>9.4f} {r['sparse_ratio']:>6.2f} "
             f"{r[f'auto_{c}_ms']:>8.4f} {r['auto_ratio']:>6.2f}"
         )
+    for r in rows:
+        if "gather_ratio" in r and r["kernel"] == kernels[0]:
+            print(
+                f"decode gather M={r['m']} {r['density']:.3f} {r['pattern']}: dense {r['dense_loop_ms']:.4f} ms, "
+                f"gather {r['gather_loop_ms']:.4f} ms ({r['gather_ratio']:.2f}x), "
+                f"gather with w_up [f, d] {r['gather_pret_loop_ms']:.4f} ms ({r['gather_pret_ratio']:.2f}x)"
+            )
     for r in rows:
         if "breakdown_ms" in r:
             print(f"breakdown {r['kernel']} (M=16384, 0.5% uniform):", {k: round(v, 4) for k, v in r["breakdown_ms"].items()})

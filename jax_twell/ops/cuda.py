@@ -264,6 +264,11 @@ class DenseCrossover:
     blocked_weight_bandwidth: float = 7.0e12
     blocked_pair_rate: float = 1.5e12
     blocked_fixed_overhead: float = 1.0e-4
+    # Decode: calls of at most this many tokens run xla.gather_ffn (only the weights of
+    # neurons active for some token are read) with room for ``decode_active_per_token``
+    # of f per token. 0 = off: not yet measured on a GPU (ffi/notes/decode.md).
+    decode_gather_max_tokens: int = 0
+    decode_active_per_token: float = 0.01
 
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
@@ -351,6 +356,9 @@ def sparse_ffn(
     m, d = x.shape
     f = w_act.shape[1]
     transposed = w_up_t is not None or not gated
+    if 0 < m <= rule.decode_gather_max_tokens and 0 < rule.margin < float("inf"):
+        width = xla.gather_width(m, f, rule.decode_active_per_token)
+        return xla.gather_ffn(x, w_gate, w_up, w_down, width=width, w_up_t=w_up_t)
     if not rule.sparse_can_win(m, d, f, x.dtype.itemsize, transposed):
         return xla.ffn(x, w_gate, w_up, w_down)
     g = relu_matmul(x, w_act)

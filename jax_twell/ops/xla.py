@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jax_twell.ops.common import hidden_stats
 
-__all__ = ["ffn", "ffn_with_aux", "up_down"]
+__all__ = ["ffn", "ffn_with_aux", "up_down", "gather_ffn", "gather_width"]
 
 
 def _hidden(x, w_gate, w_up):
@@ -49,3 +49,46 @@ def ffn_with_aux(x, w_gate, w_up, w_down):
     h, active = _hidden(x, w_gate, w_up)
     y = jnp.matmul(h, w_down)
     return (y, *hidden_stats(h, active))
+
+
+def gather_width(m: int, f: int, active_per_token: float = 0.01) -> int:
+    """Static width of :func:`gather_ffn`'s gathered neurons for ``m`` tokens: room for
+    ``active_per_token`` of f per token (1% by default, twice the target density), rounded
+    up to 128, at most f."""
+    want = max(1.0, m * active_per_token * f)
+    return min(f, -(-int(want) // 128) * 128)
+
+
+def gather_ffn(x, w_gate, w_up, w_down, *, width: int, w_up_t=None):
+    """Decode-sized FFN that reads only the weights of neurons active for some token.
+
+    The gate matmul reads its weight once (``g = relu(x @ W)``, ``x [M, d]``); the neurons
+    active for any of the M tokens (at most ``width``, see :func:`gather_width`) are
+    gathered: their up-weight columns (rows of ``w_up_t [f, d]`` when given, the layout
+    that makes them contiguous) and their ``w_down`` rows, and the up and down projections
+    run on those alone. Where more than ``width`` neurons fire the call runs
+    :func:`up_down` densely instead (``lax.cond``, on the device): exact either way (the
+    sums run over the same products in another order, as in any matmul).
+    """
+    gated = w_gate is not None
+    w_act = w_gate if gated else w_up
+    f = w_act.shape[1]
+    width = min(int(width), f)
+    g = jax.nn.relu(jnp.matmul(x, w_act))
+    fired = (g != 0).any(axis=0)
+    n_fired = fired.sum(dtype=jnp.int32)
+
+    def gathered(_):
+        # The union of active neurons, in order, padded with neuron 0 (masked out below).
+        idx = jnp.nonzero(fired, size=width, fill_value=0)[0]
+        h = jnp.take(g, idx, axis=1)
+        if gated:
+            w_cols = jnp.take(w_up, idx, axis=1) if w_up_t is None else jnp.take(w_up_t, idx, axis=0).T
+            h = h * jnp.matmul(x, w_cols)
+        h = jnp.where(jnp.arange(width) < n_fired, h, jnp.zeros((), h.dtype))
+        return jnp.matmul(h, jnp.take(w_down, idx, axis=0))
+
+    def dense(_):
+        return up_down(x, g, w_up if gated else None, w_down)
+
+    return jax.lax.cond(n_fired <= width, gathered, dense, None)
