@@ -64,10 +64,42 @@ def test_blocked_matches_emulation_bitwise(case, gated, dtype):
         assert_close(got[0], want, fused_tolerance(dtype, f), what)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", ADVERSARIAL, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_blocked_mma_up_step_matches_emulation(case, dtype):
+    """The tensor-core up step: same layout and entries as the model, partial sums equal to
+    f32 rounding (the tensor cores add in their own order), y as exact as the CUDA-core one."""
+    m, d, f, density, pattern, full, empty = case
+    x, inp = _inputs(m, d, f, density, pattern, dtype, m + d + 1, full=full, empty=empty)
+    for tile, capacity in [(256, 32), (64, 4), (32, 1)]:
+        act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=tile, capacity=capacity)
+        need = emu.needed_entries(np.asarray(act.counts), capacity, tile, f)
+        max_entries = need + 5
+        got = cuda.blocked_ffn(
+            x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T, max_entries=max_entries, workspace=True,
+            up_mma=True,
+        )
+        _, ws = emu.blocked_ffn(
+            x, act.values, act.cols, act.counts, inp.w_gate, inp.w_up, inp.w_up.T, inp.w_down, tile=tile,
+            max_entries=max_entries,
+        )
+        what = f"{case} tile={tile} cap={capacity}"
+        np.testing.assert_array_equal(np.asarray(got[1]), ws.seg_start, what)
+        np.testing.assert_array_equal(np.asarray(got[2]), ws.tok_off, what)
+        entries = np.asarray(got[3])[:need]
+        np.testing.assert_array_equal(entries & 0xFFFF, ws.entries[:need] & 0xFFFF, what)  # columns and flags
+        normal = (ws.entries[:need] & emu.RECOMPUTE_FLAG) == 0
+        if normal.any():
+            assert_close(np.asarray(got[4])[:, :need][:, normal], ws.partial[:, :need][:, normal], 2.0**-16, what)
+        want = reference.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down)
+        assert_close(got[0], want, fused_tolerance(dtype, f), what)
+
+
+@pytest.mark.parametrize("kernel", ["blocked", "blocked_mma"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("spec", GPU_SPECS, ids=str)
-def test_blocked_ffn_matches_reference(spec, dtype, gated):
+def test_blocked_ffn_matches_reference(spec, dtype, gated, kernel):
     if spec.d % 64:
         pytest.skip("d not a multiple of 64 (a documented constraint of the blocked kernel)")
     inp = synthetic_ffn_inputs(jax.random.key(spec.m + 7), spec.m, spec.d, spec.f, density=spec.density, pattern=spec.pattern, dtype=dtype)
@@ -75,10 +107,10 @@ def test_blocked_ffn_matches_reference(spec, dtype, gated):
     for tile, capacity in [(256, 32), (64, 4)]:
         act = jt.gate_twell(inp.x, inp.w_gate, tile=tile, capacity=capacity, implementation="reference")
         with jax.default_matmul_precision("highest"):
-            y = jax.jit(lambda x, a: cuda.twell_ffn(x, a, inp.w_gate, w_up, inp.w_down, kernel="blocked"))(inp.x, act)
+            y = jax.jit(lambda x, a: cuda.twell_ffn(x, a, inp.w_gate, w_up, inp.w_down, kernel=kernel))(inp.x, act)
             want = reference.twell_ffn(inp.x, act, inp.w_gate, w_up, inp.w_down)
         assert y.dtype == dtype and y.shape == (spec.m, spec.d)
-        assert_close(y, want, fused_tolerance(dtype, spec.f), f"{spec} tile={tile} cap={capacity}")
+        assert_close(y, want, fused_tolerance(dtype, spec.f), f"{spec} {kernel} tile={tile} cap={capacity}")
 
 
 def test_blocked_sparse_ffn_forced_and_auto():
