@@ -24,7 +24,7 @@ Each configuration gives one row per fused kernel ("kernel": "row" or "blocked",
 ``kernel=`` argument of cuda.sparse_ffn; the blocked kernel's "auto" is
 cuda.sparse_ffn(kernel="blocked") under the default rule); dense is timed once and shared.
 
-Usage: python benchmarks/bench_inference.py [--quick] [--kernels row,blocked] [--m 16384,2048]
+Usage: python benchmarks/bench_inference.py [--quick] [--kernels row,blocked,blocked_mma] [--m 16384,2048]
        [--out results.json]
 """
 
@@ -69,7 +69,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--kernels", default="row,blocked", help="comma-separated fused kernels to time")
+    parser.add_argument("--kernels", default=",".join(cuda.KERNELS), help="comma-separated fused kernels to time")
     parser.add_argument("--m", default=None, help="comma-separated token counts: time only these configurations")
     args = parser.parse_args()
     kernels = args.kernels.split(",")
