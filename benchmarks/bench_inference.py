@@ -17,10 +17,10 @@ Variants timed per configuration:
   up+down kernel; the up weight transposed inside the call);
 - pret: as sparse, with the up weight given pre-transposed ([f, d], as a model can store it);
 - auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get);
-- gather (M <= 64 only, shared by both kernels' rows): jax_twell.ops.xla.gather_ffn, the
+- gather (M <= 64 only, shared by every kernel's row): jax_twell.ops.xla.gather_ffn, the
   decode path reading only the active neurons' weights, w_up as stored and pre-transposed.
 
-Each configuration gives one row per fused kernel ("kernel": "row" or "blocked", the
+Each configuration gives one row per fused kernel ("kernel": one of cuda.KERNELS, the
 ``kernel=`` argument of cuda.sparse_ffn; the blocked kernel's "auto" is
 cuda.sparse_ffn(kernel="blocked") under the default rule); dense is timed once and shared.
 
