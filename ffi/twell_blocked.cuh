@@ -272,20 +272,28 @@ inline int UpSmemBytes(int n_tiles) { return kUpX + 2 * SlabStage<kUpCols>::kByt
 
 // Stages tile k into `stage`: slab rows w[k*tile + c, col0 .. col0+kCols) (w is [f, d])
 // and the (block, tile) segment's token offsets.
-// kSwizzle (kCols == 64): 16-byte chunk q of row r is stored at chunk q ^ (r & 7), so the
-// eight rows one ldmatrix phase gathers rarely share banks (Swizzled64 below).
+// Swizzled rows for ldmatrix gathers: 16-byte chunk q of row r is stored at chunk
+// q ^ (r & 7) (rows of 8 chunks, 128 B) or q ^ ((r >> 1) & 3) (rows of 4 chunks, 64 B), so
+// that the eight rows one ldmatrix phase reads rarely share banks (never when consecutive).
+template <int kVecs>
+__host__ __device__ constexpr int SwizzleChunk(int row, int q) {
+  static_assert(kVecs == 8 || kVecs == 4, "swizzled rows hold 4 or 8 chunks of 16 bytes");
+  return kVecs == 8 ? (q ^ (row & 7)) : (q ^ ((row >> 1) & 3));
+}
+
+// kSwizzle: the slab rows are stored with SwizzleChunk.
 template <int kCols, bool kSwizzle = false>
 __device__ void StageSlabAndOffsets(uint8_t* stage, const uint16_t* w, const int32_t* tok_off, int b, int k,
                                     int col0, const Shapes& s) {
   constexpr int kVecs = kCols / 8;
-  static_assert(!kSwizzle || kVecs == 8, "the swizzle is for rows of eight 16-byte chunks");
   uint16_t* slab = reinterpret_cast<uint16_t*>(stage);
   int32_t* off = reinterpret_cast<int32_t*>(stage + SlabStage<kCols>::kSlab);
   const int width = TileWidth(s, k);
   const int64_t row0 = static_cast<int64_t>(k) * s.tile;
   for (int v = threadIdx.x; v < width * kVecs; v += blockDim.x) {
     const int row = v / kVecs, q = v % kVecs;
-    const int qs = kSwizzle ? (q ^ (row & 7)) : q;
+    int qs = q;
+    if constexpr (kSwizzle) qs = SwizzleChunk<kVecs>(row, q);
     CpAsync16(slab + row * kCols + qs * 8, w + (row0 + row) * s.d + col0 + q * 8);
   }
   const int32_t* off_g = tok_off + (static_cast<int64_t>(b) * s.n_tiles + k) * (kBlockTokens + 1);
@@ -386,10 +394,18 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpKernel(
 // away, at 16x the CUDA-core rate and 8x fewer instructions per entry. The sums run in
 // the tensor cores' order: partials equal the CUDA-core K1's to f32 rounding, not bitwise.
 
-__device__ __forceinline__ int Swizzled64(int row, int chunk) { return row * kUpCols + ((chunk ^ (row & 7)) * 8); }
+__device__ __forceinline__ int Swizzled64(int row, int chunk) { return row * kUpCols + SwizzleChunk<8>(row, chunk) * 8; }
+__device__ __forceinline__ int Swizzled32(int row, int chunk) {
+  return row * kDownCols + SwizzleChunk<4>(row, chunk) * 8;
+}
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(SmemAddr(p)));
 }
@@ -489,6 +505,105 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
     }
   }
 }
+
+// K2 on tensor cores (kernel="blocked_mma"). Warp w owns tokens [32 w, 32 w + 32) and
+// their y[., 32 columns] as mma accumulators held for the whole kernel (two row blocks of
+// 16 tokens x four blocks of 8 columns: 32 floats per lane). Per warp step, 16 consecutive
+// entries of its run: A[token][e] = h_e where entry e belongs to the token, else 0 (built
+// in registers from shuffles), B = the entries' Wd slab rows (gathered by ldmatrix.trans).
+// Deterministic (fixed instruction order); y equals the CUDA-core K2's to f32 rounding.
+template <typename E>
+__global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
+    const uint16_t* __restrict__ w_down, const int32_t* __restrict__ tok_off,
+    const int32_t* __restrict__ seg_start, const uint32_t* __restrict__ entries,
+    uint16_t* __restrict__ y, Shapes s) {
+  using St = SlabStage<kDownCols>;
+  static_assert(kWarpTokens == 32, "two row blocks of 16 tokens per warp");
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint8_t* stages = smem_raw;
+  uint16_t* tok = reinterpret_cast<uint16_t*>(stages + 2 * St::kBytes) + (threadIdx.x / 32) * kWarpChunk;
+  int32_t* seg_s = reinterpret_cast<int32_t*>(stages + 2 * St::kBytes + kTokTableBytes);
+  const int r = blockIdx.x, b = blockIdx.y;
+  const int col0 = r * kDownCols;
+  const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
+  const int t0 = (threadIdx.x / 32) * kWarpTokens;
+  const bool over_budget = OverBudget(s, seg_start);
+  // ldmatrix.trans x4 number q: matrix j = lane / 8 holds entries (j & 1) * 8 .. + 7 and
+  // columns (2 q + (j >> 1)) * 8 .. + 7, i.e. the B fragments of column blocks 2q, 2q + 1.
+  const int b_entry = (lane & 7) | ((lane >> 3) & 1) << 3, b_chunk = lane >> 4;
+
+  float acc[2][4][4];
+#pragma unroll
+  for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+    for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) acc[rb][nb][v] = 0.f;
+
+  if (!over_budget) {
+    for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
+    __syncthreads();
+    StageSlabAndOffsets<kDownCols, true>(stages, w_down, tok_off, b, 0, col0, s);
+    for (int k = 0; k < s.n_tiles; ++k) {
+      CpAsyncWaitAll();
+      __syncthreads();
+      if (k + 1 < s.n_tiles)
+        StageSlabAndOffsets<kDownCols, true>(stages + ((k + 1) % 2) * St::kBytes, w_down, tok_off, b, k + 1, col0, s);
+      const uint8_t* stage = stages + (k % 2) * St::kBytes;
+      const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
+      const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
+      const uint32_t* ent = entries + seg_s[k];
+      const int lo = off[t0], hi = off[t0 + kWarpTokens];
+      for (int p0 = lo; p0 < hi; p0 += kWarpChunk) {
+        const int p1 = min(hi, p0 + kWarpChunk);
+        __syncwarp();
+        FillTokenTable(off, t0, p0, p1, tok);
+        for (int pb = p0; pb < p1; pb += 16) {  // warp-uniform
+          const int e = pb + (lane & 15);
+          const bool valid = e < p1;
+          const uint32_t word = valid ? ent[e] : 0u;
+          // (h bits << 16) | token within the warp; 0xff (no token) for padding.
+          const uint32_t packed = valid ? ((word & 0xffff0000u) | static_cast<uint32_t>(tok[e - p0] - t0)) : 0xffu;
+          const int col = static_cast<int>(word & kColumnMask);
+          uint32_t bf[2][4];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            const int c = __shfl_sync(0xffffffffu, col, b_entry);
+            LdMatrixX4Trans(bf[q], slab + Swizzled32(c, 2 * q + b_chunk));
+          }
+          const uint32_t p_a = __shfl_sync(0xffffffffu, packed, 2 * t);
+          const uint32_t p_b = __shfl_sync(0xffffffffu, packed, 2 * t + 1);
+          const uint32_t p_c = __shfl_sync(0xffffffffu, packed, 2 * t + 8);
+          const uint32_t p_d = __shfl_sync(0xffffffffu, packed, 2 * t + 9);
+#pragma unroll
+          for (int rb = 0; rb < 2; ++rb) {
+            const uint32_t r0 = rb * 16 + g, r1 = r0 + 8;
+            auto pick = [](uint32_t p, uint32_t row) { return (p & 0xffffu) == row ? (p >> 16) : 0u; };
+            const uint32_t a[4] = {pick(p_a, r0) | pick(p_b, r0) << 16, pick(p_a, r1) | pick(p_b, r1) << 16,
+                                   pick(p_c, r0) | pick(p_d, r0) << 16, pick(p_c, r1) | pick(p_d, r1) << 16};
+#pragma unroll
+            for (int nb = 0; nb < 4; ++nb) Mma16816<E>(acc[rb][nb], a, bf[nb / 2][2 * (nb % 2)], bf[nb / 2][2 * (nb % 2) + 1]);
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int rb = 0; rb < 2; ++rb)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t tkn = static_cast<int64_t>(b) * kBlockTokens + t0 + rb * 16 + g + 8 * half;
+      if (tkn >= s.rows) continue;
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb) {
+        const float v0 = over_budget ? __int_as_float(0x7fc00000) : acc[rb][nb][2 * half];
+        const float v1 = over_budget ? __int_as_float(0x7fc00000) : acc[rb][nb][2 * half + 1];
+        *reinterpret_cast<uint32_t*>(y + tkn * s.d + col0 + nb * 8 + 2 * t) = E::FromFloat(v0) | (E::FromFloat(v1) << 16);
+      }
+    }
+}
+
+inline int DownMmaSmemBytes(int n_tiles) { return 2 * SlabStage<kDownCols>::kBytes + kTokTableBytes + SegBytes(n_tiles); }
 
 // K1.5. One thread per entry: sums the partials in range order, rounds like the reference.
 template <typename E>

@@ -18,7 +18,7 @@
 //                 in registers; per tile the Wu^T slab [tile, 64] and the segment's
 //                 offsets and entries are staged in shared memory (cp.async, two stages);
 //                 per entry one 8-lane dot -> partial[range, entry] (f32).
-//                 up_mma=1: the same step on tensor cores (TwellBlockedUpMmaKernel).
+//                 mma=1: the same step on tensor cores (TwellBlockedUpMmaKernel).
 //   K1.5 Finish   per entry: h = round(g * round(sum of the partials in range order)).
 //   K2 Down       grid (d/32, block): 4 lanes per token hold y[t, 32 columns] in f32
 //                 registers; per tile the Wd slab [tile, 32] is staged; each token's
@@ -42,7 +42,7 @@ template <typename E, bool kGated>
 ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const void* values,
                   const int16_t* cols, const int32_t* counts, const void* w_act, const void* w_up,
                   const void* w_up_t, const void* w_down, void* y, int32_t* seg_start,
-                  int32_t* tok_off, uint32_t* entries, float* partial, bool up_mma) {
+                  int32_t* tok_off, uint32_t* entries, float* partial, bool mma) {
   const auto* x16 = static_cast<const uint16_t*>(x);
   const dim3 segments(s.n_tiles, s.n_blocks);
   TwellBlockedLayoutKernel<<<segments, kThreads, 0, stream>>>(counts, tok_off, s);
@@ -60,7 +60,7 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
     const int smem = UpSmemBytes(s.n_tiles);
     const dim3 grid(s.d / kUpCols, s.n_blocks);
     const auto* up_t = static_cast<const uint16_t*>(w_up_t);
-    if (up_mma) {
+    if (mma) {
       cudaFuncSetAttribute(TwellBlockedUpMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       TwellBlockedUpMmaKernel<E><<<grid, kFlatThreads, smem, stream>>>(x16, up_t, tok_off, seg_start, entries,
                                                                        partial, s);
@@ -77,10 +77,19 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
     status = LaunchStatus("twell_ffn_blocked finish");
     if (status.failure()) return status;
   }
-  const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
-  cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
-      static_cast<const uint16_t*>(w_down), tok_off, seg_start, entries, static_cast<uint16_t*>(y), s);
+  const dim3 down_grid(s.d / kDownCols, s.n_blocks);
+  const auto* down = static_cast<const uint16_t*>(w_down);
+  if (mma) {
+    const int smem = DownMmaSmemBytes(s.n_tiles);
+    cudaFuncSetAttribute(TwellBlockedDownMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedDownMmaKernel<E><<<down_grid, kFlatThreads, smem, stream>>>(down, tok_off, seg_start, entries,
+                                                                            static_cast<uint16_t*>(y), s);
+  } else {
+    const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
+    cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedDownKernel<E><<<down_grid, kThreads, smem, stream>>>(down, tok_off, seg_start, entries,
+                                                                     static_cast<uint16_t*>(y), s);
+  }
   return LaunchStatus("twell_ffn_blocked down");
 }
 
@@ -94,7 +103,7 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> seg_start,
                        ffi::Result<ffi::Buffer<ffi::S32>> tok_off, ffi::Result<ffi::Buffer<ffi::U32>> entries,
                        float* partial, int64_t partial_rows, int64_t partial_cols, int32_t tile,
-                       bool up_mma) {
+                       bool mma) {
   const char* name = "twell_ffn_blocked: ";
   auto x_dims = x.dimensions();
   if (x_dims.size() < 1) return Invalid(std::string(name) + "x must have shape [..., d]");
@@ -148,11 +157,11 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
     return Launch<Bf16, kGated>(stream, s, x.untyped_data(), values.untyped_data(), cols.typed_data(),
                                 counts.typed_data(), w_act.untyped_data(), up, up_t, w_down.untyped_data(),
                                 y->untyped_data(), seg_start->typed_data(), tok_off->typed_data(),
-                                entries->typed_data(), partial, up_mma);
+                                entries->typed_data(), partial, mma);
   return Launch<F16, kGated>(stream, s, x.untyped_data(), values.untyped_data(), cols.typed_data(),
                              counts.typed_data(), w_act.untyped_data(), up, up_t, w_down.untyped_data(),
                              y->untyped_data(), seg_start->typed_data(), tok_off->typed_data(),
-                             entries->typed_data(), partial, up_mma);
+                             entries->typed_data(), partial, mma);
 }
 
 ffi::Error BlockedGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
@@ -160,20 +169,20 @@ ffi::Error BlockedGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer va
                         ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
                         ffi::Result<ffi::Buffer<ffi::S32>> seg_start, ffi::Result<ffi::Buffer<ffi::S32>> tok_off,
                         ffi::Result<ffi::Buffer<ffi::U32>> entries, ffi::Result<ffi::Buffer<ffi::F32>> partial,
-                        int32_t tile, int32_t up_mma) {
+                        int32_t tile, int32_t mma) {
   auto p_dims = partial->dimensions();
   if (p_dims.size() != 2) return Invalid("twell_ffn_blocked: partial must have shape [d/64, max_entries]");
   return BlockedImpl<true>(stream, x, values, cols, counts, w_gate, w_up, w_up_t, w_down, y, seg_start, tok_off,
-                           entries, partial->typed_data(), p_dims[0], p_dims[1], tile, up_mma != 0);
+                           entries, partial->typed_data(), p_dims[0], p_dims[1], tile, mma != 0);
 }
 
 ffi::Error BlockedUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                           ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up,
                           ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::Buffer<ffi::S32>> seg_start, ffi::Result<ffi::Buffer<ffi::S32>> tok_off,
-                          ffi::Result<ffi::Buffer<ffi::U32>> entries, int32_t tile) {
+                          ffi::Result<ffi::Buffer<ffi::U32>> entries, int32_t tile, int32_t mma) {
   return BlockedImpl<false>(stream, x, values, cols, counts, w_up, w_up, w_down, w_down, y, seg_start, tok_off,
-                            entries, nullptr, 0, 0, tile, false);
+                            entries, nullptr, 0, 0, tile, mma != 0);
 }
 
 }  // namespace
@@ -196,7 +205,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlockedGated, jax_twell::BlockedGated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partial
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("up_mma"));  // 1: K1 on tensor cores
+                                  .Attr<int32_t>("mma"));  // 1: K1 and K2 on tensor cores
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlocked, jax_twell::BlockedUngated,
                               xla::ffi::Ffi::Bind()
@@ -211,4 +220,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlocked, jax_twell::BlockedUngated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_start
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // tok_off
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
-                                  .Attr<int32_t>("tile"));
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("mma"));  // 1: K2 on tensor cores

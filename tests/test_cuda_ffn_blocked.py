@@ -66,8 +66,8 @@ def test_blocked_matches_emulation_bitwise(case, gated, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", ADVERSARIAL, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
-def test_blocked_mma_up_step_matches_emulation(case, dtype):
-    """The tensor-core up step: same layout and entries as the model, partial sums equal to
+def test_blocked_mma_matches_emulation(case, dtype):
+    """The tensor-core steps: same layout and entries as the model, partial sums equal to
     f32 rounding (the tensor cores add in their own order), y as exact as the CUDA-core one."""
     m, d, f, density, pattern, full, empty = case
     x, inp = _inputs(m, d, f, density, pattern, dtype, m + d + 1, full=full, empty=empty)
@@ -77,7 +77,7 @@ def test_blocked_mma_up_step_matches_emulation(case, dtype):
         max_entries = need + 5
         got = cuda.blocked_ffn(
             x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T, max_entries=max_entries, workspace=True,
-            up_mma=True,
+            mma=True,
         )
         _, ws = emu.blocked_ffn(
             x, act.values, act.cols, act.counts, inp.w_gate, inp.w_up, inp.w_up.T, inp.w_down, tile=tile,

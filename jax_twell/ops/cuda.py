@@ -104,8 +104,8 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
     ``kernel``: "row" (one CTA per token row, ffi/twell_ffn.cu), "blocked" (token blocks
     of 1024 sharing each weight slab, ffi/twell_ffn_blocked.cu; see :func:`blocked_ffn`,
     whose fallbacks apply: f32 and calls needing more than ``max_entries`` entries run
-    the row kernel) or "blocked_mma" (the same with the up step on tensor cores; not yet
-    measured on a GPU).
+    the row kernel) or "blocked_mma" (the same with the up and down steps on tensor cores;
+    not yet measured on a GPU).
 
     Gated (``w_up`` given): ``y = (act * (x @ w_up)) @ w_down``; non-gated: ``y = act @ w_down``.
     Overflowed tiles are recomputed exactly inside the kernel from ``(x, w_act[, w_up])``.
@@ -123,7 +123,7 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
     _check_kernel(kernel)
     if kernel != "row":
         return blocked_ffn(
-            x, act, w_act, w_up, w_down, w_up_t=w_up_t, max_entries=max_entries, up_mma=kernel == "blocked_mma"
+            x, act, w_act, w_up, w_down, w_up_t=w_up_t, max_entries=max_entries, mma=kernel == "blocked_mma"
         )
     return _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t)
 
@@ -177,7 +177,7 @@ def blocked_needed_entries(act: TwELL) -> jax.Array:
     return jnp.where(act.overflowed, width, act.counts).sum(dtype=jnp.int32)
 
 
-def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, up_mma: bool = False):
+def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, mma: bool = False):
     m, d = int(np.prod(x.shape[:-1])), x.shape[-1]
     n_blocks = -(-m // _blocked.BLOCK_TOKENS)
     workspace = [
@@ -189,17 +189,17 @@ def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, 
     tile = np.int32(act.tile)
     if w_up is None:
         call = kernel_call("jax_twell_ffn_blocked", (y_type, *workspace), vmap_method="sequential")
-        return call(x, act.values, act.cols, act.counts, w_act, w_down, tile=tile)
+        return call(x, act.values, act.cols, act.counts, w_act, w_down, tile=tile, mma=np.int32(mma))
     workspace.append(jax.ShapeDtypeStruct((d // _blocked.UP_COLS, max_entries), jnp.float32))
     if w_up_t is None:
         w_up_t = w_up.T
     call = kernel_call("jax_twell_ffn_blocked_gated", (y_type, *workspace), vmap_method="sequential")
-    return call(x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=tile, up_mma=np.int32(up_mma))
+    return call(x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=tile, mma=np.int32(mma))
 
 
 def blocked_ffn(
     x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, max_entries: int | None = None, workspace: bool = False,
-    up_mma: bool = False,
+    mma: bool = False,
 ):
     """Fused up + down over token blocks (``jax_twell_ffn_blocked[_gated]``).
 
@@ -212,9 +212,9 @@ def blocked_ffn(
     ``max_entries`` (default :func:`blocked_max_entries`) sizes the workspace; a call that
     needs more entries runs the row kernel instead (decided on the device, exact).
     ``workspace=True`` (tests) returns ``(y, seg_start, tok_off, entries[, partial])``
-    from the blocked kernel alone, without the fallback. ``up_mma=True`` runs the gated
-    up step on tensor cores (``kernel="blocked_mma"``; partial sums equal to f32
-    rounding, not bitwise, see ffi/notes/twell_ffn_blocked.md).
+    from the blocked kernel alone, without the fallback. ``mma=True`` runs the up
+    and down steps on tensor cores (``kernel="blocked_mma"``; sums equal to f32 rounding,
+    not bitwise, see ffi/notes/twell_ffn_blocked.md).
     """
     if jnp.dtype(x.dtype) == jnp.float32:
         if workspace:
@@ -226,13 +226,13 @@ def blocked_ffn(
     if max_entries is None:
         max_entries = blocked_max_entries(m, act.f, act.tile, act.capacity)
     if workspace:
-        return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, up_mma)
+        return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma)
     if m == 0:
         return jnp.zeros(x.shape, x.dtype)
     fits = blocked_needed_entries(act) <= max_entries
     return jax.lax.cond(
         fits,
-        lambda: _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, up_mma)[0],
+        lambda: _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma)[0],
         lambda: _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t),
     )
 
@@ -345,7 +345,7 @@ def sparse_ffn(
     """Inference FFN: XLA gate matmul, ``jax_twell_pack``, then the fused kernel or dense.
 
     ``kernel``: "row" (default), "blocked" or "blocked_mma" (the blocked kernel with its up
-    step on tensor cores). With a blocked kernel, the call picks on the
+    and down steps on tensor cores). With a blocked kernel, the call picks on the
     device, per call, among dense, the row kernel and the blocked kernel by the rule's
     costs (:meth:`DenseCrossover.blocked_cost`), the blocked kernel only where its
     workspace holds the call's entries; M below ``BLOCKED_MIN_TOKENS`` (decode sizes) is
@@ -399,8 +399,8 @@ def sparse_ffn(
 
         def blocked_branch(_):
             act = pack_twell(g, tile=tile, capacity=capacity)
-            up_mma = kernel == "blocked_mma"
-            return _blocked_call(x, act, w_act, w_up if gated else None, w_down, w_up_t, max_entries, up_mma)[0]
+            mma = kernel == "blocked_mma"
+            return _blocked_call(x, act, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma)[0]
 
         return jax.lax.switch(choice, (dense, sparse, blocked_branch), None)
     if rule.margin == float("inf"):
