@@ -11,17 +11,21 @@ quick=""; sanitize=1
 for a in "$@"; do
   case $a in --quick) quick=--quick ;; --no-sanitizer) sanitize=0 ;; esac
 done
+# A library built elsewhere (same nvcc, FFI headers no newer than this jaxlib) can be given
+# as JAX_TWELL_CUDA_LIB: then nothing is compiled here.
+if [ -n "${JAX_TWELL_CUDA_LIB:-}" ]; then export JAX_TWELL_CUDA=OFF; fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
 grep -E "spill stores|error" "$OUT/install.log" | sort | uniq -c | head
 python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); print(jt.kernel_status())"
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 170 python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_SECONDS:-170} python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
 if [ $sanitize = 1 ]; then
   for tool in memcheck racecheck; do
-    for tests in "tests/test_cuda_ffn.py -k adversarial_rows" "tests/test_cuda_ffn_blocked.py -k over_budget"; do
-      log="$OUT/sanitizer_${tool}_$(basename ${tests%% *} .py).log"
+    for spec in "tests/test_cuda_ffn.py|adversarial_rows" "tests/test_cuda_ffn_blocked.py|over_budget" \
+                "tests/test_cuda_ffn_blocked.py|mma_matches_emulation and m77"; do
+      file=${spec%%|*}; expr=${spec#*|}; log="$OUT/sanitizer_last.log"
       XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS="--xla_gpu_autotune_level=0" timeout 45 compute-sanitizer --tool $tool \
-        --kernel-name kns=Twell --print-limit 20 python3 -m pytest -q -x -m gpu $tests > "$log" 2>&1
-      echo "compute-sanitizer $tool ${tests}: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$log" | tr '\n' ' ')"
+        --kernel-name kns=Twell --print-limit 20 python3 -m pytest -q -x -m gpu "$file" -k "$expr" > "$log" 2>&1
+      echo "compute-sanitizer $tool $file -k '$expr': rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$log" | tr '\n' ' ')"
     done
   done
 fi
