@@ -7,7 +7,8 @@ synchronised runs after warm-up, never on zeros:
 - dense: jax.grad through jax_twell.ops.xla.ffn_with_aux (XLA autodiff);
 - cuda: cuda_train.ffn_with_aux forced sparse (margin inf: sparse wherever the entries
   fit the budget; "branch" says which path ran);
-- auto: cuda_train.ffn_with_aux under the default rule (TrainCrossover, predicted constants);
+- auto: cuda_train.ffn_with_aux under the default rule (TrainCrossover);
+- mma: as cuda, with the up, down and dh steps on tensor cores (mma=True);
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
 arrays other than the inputs) for dense and cuda, and the compiled forward's
@@ -87,6 +88,7 @@ def main():
     dense_op = xla.ffn_with_aux
     cuda_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE)
     auto_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH)
+    mma_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True)
     rows, memory = [], None
     for m, d, f, density, pattern in grid(args.quick):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
@@ -107,11 +109,12 @@ def main():
                 int(nnz.sum()), int((counts > cuda_train.CAPACITY).sum()), m, d, f, 2)),
         )
         operands = (*inp, cot)
-        for name, op in (("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op)):
+        for name, op in (("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("mma", mma_op)):
             row[f"{name}_step_ms"] = 1e3 * timed(step(op), operands)
-        for name, op in (("dense", dense_op), ("cuda", cuda_op)):
+        for name, op in (("dense", dense_op), ("cuda", cuda_op), ("mma", mma_op)):
             row[f"{name}_forward_ms"] = 1e3 * timed(forward(op), tuple(inp))
         row["cuda_ratio"] = row["dense_step_ms"] / row["cuda_step_ms"]
+        row["mma_ratio"] = row["dense_step_ms"] / row["mma_step_ms"]
         row["auto_ratio"] = row["dense_step_ms"] / row["auto_step_ms"]
         if memory is None and density == 0.005:
             memory = dict(
@@ -142,12 +145,13 @@ def main():
         mb = {k: (round(v / 2**20, 1) if isinstance(v, int) and k.endswith("bytes") else v) for k, v in memory.items()}
         print("memory between forward and backward (MiB):", mb)
     print(f"{'dens':>6} {'pattern':>8} {'act%':>6} {'max':>5} {'branch':>7} {'dense ms':>9} {'cuda ms':>8} {'ratio':>6} "
-          f"{'auto ms':>8} {'auto r':>6} {'fwd dense':>9} {'fwd cuda':>8}")
+          f"{'auto ms':>8} {'auto r':>6} {'mma ms':>8} {'mma r':>6} {'fwd dense':>9} {'fwd cuda':>8} {'fwd mma':>8}")
     for r in rows:
         print(
             f"{r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>6.2f} {r['max_active_per_row']:>5} "
             f"{r['branch'][:6]:>7} {r['dense_step_ms']:>9.3f} {r['cuda_step_ms']:>8.3f} {r['cuda_ratio']:>6.2f} "
-            f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f}"
+            f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['mma_step_ms']:>8.3f} {r['mma_ratio']:>6.2f} "
+            f"{r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f} {r['mma_forward_ms']:>8.3f}"
         )
 
 

@@ -351,7 +351,7 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
                          const int16_t* cols, const int32_t* counts, const uint16_t* w_act, const uint16_t* w_up,
                          const uint16_t* w_up_t, const uint16_t* w_down, uint16_t* y, int32_t* seg_start,
                          int32_t* tok_off, uint32_t* entries, uint16_t* up, uint32_t* h_words, float* partial,
-                         int32_t* col_off, uint32_t* by_col) {
+                         int32_t* col_off, uint32_t* by_col, bool mma) {
   const dim3 segments(s.n_tiles, s.n_blocks);
   TwellBlockedLayoutKernel<<<segments, kThreads, 0, stream>>>(counts, tok_off, s);
   TwellBlockedSegScanKernel<<<1, 1024, 0, stream>>>(tok_off, seg_start, s.n_blocks * s.n_tiles);
@@ -364,19 +364,33 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
   const uint32_t* h_source = entries;
   if constexpr (kGated) {
     const int smem = UpSmemBytes(s.n_tiles);
-    cudaFuncSetAttribute(TwellBlockedUpKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TwellBlockedUpKernel<E><<<dim3(s.d / kUpCols, s.n_blocks), kFlatThreads, smem, stream>>>(
-        x, w_up_t, tok_off, seg_start, entries, partial, s);
+    const dim3 grid(s.d / kUpCols, s.n_blocks);
+    if (mma) {
+      cudaFuncSetAttribute(TwellBlockedUpMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      TwellBlockedUpMmaKernel<E><<<grid, kFlatThreads, smem, stream>>>(x, w_up_t, tok_off, seg_start, entries,
+                                                                       partial, s);
+    } else {
+      cudaFuncSetAttribute(TwellBlockedUpKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      TwellBlockedUpKernel<E><<<grid, kFlatThreads, smem, stream>>>(x, w_up_t, tok_off, seg_start, entries, partial,
+                                                                    s);
+    }
     TwellTrainFinishKernel<E><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
         partial, seg_start, entries, up, h_words, s.d / kUpCols, s);
     status = LaunchStatus("twell_train forward up");
     if (status.failure()) return status;
     h_source = h_words;
   }
-  const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
-  cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TwellBlockedDownKernel<E><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
-      w_down, tok_off, seg_start, h_source, y, s);
+  const dim3 down_grid(s.d / kDownCols, s.n_blocks);
+  if (mma) {
+    const int smem = DownMmaSmemBytes(s.n_tiles);
+    cudaFuncSetAttribute(TwellBlockedDownMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedDownMmaKernel<E><<<down_grid, kFlatThreads, smem, stream>>>(w_down, tok_off, seg_start, h_source, y,
+                                                                            s);
+  } else {
+    const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
+    cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedDownKernel<E><<<down_grid, kThreads, smem, stream>>>(w_down, tok_off, seg_start, h_source, y, s);
+  }
   TwellTrainByColumnKernel<<<segments, kThreads, 0, stream>>>(tok_off, seg_start, entries, col_off, by_col, s);
   return LaunchStatus("twell_train forward down");
 }
@@ -387,11 +401,18 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                           const int32_t* seg_start, const int32_t* tok_off, const uint32_t* entries,
                           const uint16_t* up, const int32_t* col_off, const uint32_t* by_col, const float* l1_grad,
                           uint16_t* dx, uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t, float* partial,
-                          float* coef) {
+                          float* coef, bool mma) {
   int smem = UpSmemBytes(s.n_tiles);
-  cudaFuncSetAttribute(TwellBlockedUpKernel<E, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TwellBlockedUpKernel<E, false><<<dim3(s.d / kUpCols, s.n_blocks), kFlatThreads, smem, stream>>>(
-      dy, w_down, tok_off, seg_start, entries, partial, s);
+  const dim3 up_grid(s.d / kUpCols, s.n_blocks);
+  if (mma) {
+    cudaFuncSetAttribute(TwellBlockedUpMmaKernel<E, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedUpMmaKernel<E, false><<<up_grid, kFlatThreads, smem, stream>>>(dy, w_down, tok_off, seg_start,
+                                                                               entries, partial, s);
+  } else {
+    cudaFuncSetAttribute(TwellBlockedUpKernel<E, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedUpKernel<E, false><<<up_grid, kFlatThreads, smem, stream>>>(dy, w_down, tok_off, seg_start, entries,
+                                                                            partial, s);
+  }
   TwellTrainBwdFinishKernel<E, kGated><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
       partial, seg_start, entries, up, l1_grad, coef, s.d / kUpCols, s);
   ffi::Error status = LaunchStatus("twell_train backward dh");
@@ -458,7 +479,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
                        ffi::Result<ffi::Buffer<ffi::U32>> entries, uint16_t* up, int64_t up_count,
                        uint32_t* h_words, int64_t h_count, float* partial, int64_t partial_count,
                        ffi::Result<ffi::Buffer<ffi::S32>> col_off, ffi::Result<ffi::Buffer<ffi::U32>> by_col,
-                       int32_t tile) {
+                       int32_t tile, int32_t mma) {
   const char* name = "twell_train forward: ";
   auto a_dims = w_act.dimensions();
   if (a_dims.size() != 2 || x.dimensions().size() < 1 || a_dims[0] != x.dimensions().back())
@@ -499,7 +520,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   return launch(stream, s, u16(x.untyped_data()), u16(values.untyped_data()), cols.typed_data(),
                 counts.typed_data(), u16(w_act.untyped_data()), wu, wut, u16(w_down.untyped_data()),
                 static_cast<uint16_t*>(y->untyped_data()), seg_start->typed_data(), tok_off->typed_data(),
-                entries->typed_data(), up, h_words, partial, col_off->typed_data(), by_col->typed_data());
+                entries->typed_data(), up, h_words, partial, col_off->typed_data(), by_col->typed_data(), mma != 0);
 }
 
 template <bool kGated>
@@ -510,7 +531,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
                         ffi::Buffer<ffi::F32> l1_grad, ffi::Result<ffi::AnyBuffer> dx,
                         ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dw_act_t,
                         uint16_t* dw_up_t, ffi::Result<ffi::Buffer<ffi::F32>> partial,
-                        ffi::Result<ffi::Buffer<ffi::F32>> coef, int32_t tile) {
+                        ffi::Result<ffi::Buffer<ffi::F32>> coef, int32_t tile, int32_t mma) {
   const char* name = "twell_train backward: ";
   auto wd_dims = w_down.dimensions();
   if (wd_dims.size() != 2 || x.dimensions().size() < 1 || wd_dims[1] != x.dimensions().back())
@@ -553,7 +574,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
                 tok_off.typed_data(), entries.typed_data(), up, col_off.typed_data(), by_col.typed_data(),
                 l1_grad.typed_data(), static_cast<uint16_t*>(dx->untyped_data()),
                 static_cast<uint16_t*>(dw_down->untyped_data()), static_cast<uint16_t*>(dw_act_t->untyped_data()),
-                dw_up_t, partial->typed_data(), coef->typed_data());
+                dw_up_t, partial->typed_data(), coef->typed_data(), mma != 0);
 }
 
 ffi::Error ForwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
@@ -563,11 +584,11 @@ ffi::Error ForwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer va
                         ffi::Result<ffi::Buffer<ffi::U32>> entries, ffi::Result<ffi::Buffer<ffi::U16>> up,
                         ffi::Result<ffi::Buffer<ffi::U32>> h_words, ffi::Result<ffi::Buffer<ffi::F32>> partial,
                         ffi::Result<ffi::Buffer<ffi::S32>> col_off, ffi::Result<ffi::Buffer<ffi::U32>> by_col,
-                        int32_t tile) {
+                        int32_t tile, int32_t mma) {
   return ForwardImpl<true>(stream, x, values, cols, counts, w_gate, w_up, w_up_t, w_down, y, seg_start, tok_off,
                            entries, up->typed_data(), up->element_count(), h_words->typed_data(),
                            h_words->element_count(), partial->typed_data(), partial->element_count(), col_off,
-                           by_col, tile);
+                           by_col, tile, mma);
 }
 
 ffi::Error ForwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
@@ -575,9 +596,9 @@ ffi::Error ForwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> seg_start,
                           ffi::Result<ffi::Buffer<ffi::S32>> tok_off, ffi::Result<ffi::Buffer<ffi::U32>> entries,
                           ffi::Result<ffi::Buffer<ffi::S32>> col_off, ffi::Result<ffi::Buffer<ffi::U32>> by_col,
-                          int32_t tile) {
+                          int32_t tile, int32_t mma) {
   return ForwardImpl<false>(stream, x, values, cols, counts, w_up, w_up, w_down, w_down, y, seg_start, tok_off,
-                            entries, nullptr, 0, nullptr, 0, nullptr, 0, col_off, by_col, tile);
+                            entries, nullptr, 0, nullptr, 0, nullptr, 0, col_off, by_col, tile, mma);
 }
 
 ffi::Error BackwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer w_gate_t,
@@ -587,13 +608,13 @@ ffi::Error BackwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw_down,
                          ffi::Result<ffi::AnyBuffer> dw_gate_t, ffi::Result<ffi::AnyBuffer> dw_up_t,
                          ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> coef,
-                         int32_t tile) {
+                         int32_t tile, int32_t mma) {
   if (!SameDims(dw_up_t->dimensions(), {w_down.dimensions()[0], w_down.dimensions().back()}) ||
       dw_up_t->element_type() != x.element_type())
     return Invalid("twell_train backward: dw_up_t must be [f, d] of x's dtype");
   return BackwardImpl<true>(stream, x, dy, w_gate_t, w_up_t, w_down, seg_start, tok_off, entries, up.typed_data(),
                             up.element_count(), col_off, by_col, l1_grad, dx, dw_down, dw_gate_t,
-                            static_cast<uint16_t*>(dw_up_t->untyped_data()), partial, coef, tile);
+                            static_cast<uint16_t*>(dw_up_t->untyped_data()), partial, coef, tile, mma);
 }
 
 ffi::Error BackwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer w_up_t,
@@ -602,9 +623,9 @@ ffi::Error BackwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                            ffi::Buffer<ffi::F32> l1_grad, ffi::Result<ffi::AnyBuffer> dx,
                            ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dw_up_t,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> coef,
-                           int32_t tile) {
+                           int32_t tile, int32_t mma) {
   return BackwardImpl<false>(stream, x, dy, w_up_t, w_up_t, w_down, seg_start, tok_off, entries, nullptr, 0, col_off,
-                             by_col, l1_grad, dx, dw_down, dw_up_t, nullptr, partial, coef, tile);
+                             by_col, l1_grad, dx, dw_down, dw_up_t, nullptr, partial, coef, tile, mma);
 }
 
 }  // namespace
@@ -632,7 +653,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwdGated, jax_twell::ForwardGated,
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // col_off
                                   .Ret<ffi_api::Buffer<ffi_api::U32>>()      // by_col
-                                  .Attr<int32_t>("tile"));
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("mma"));  // 1: up/down steps on tensor cores
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwd, jax_twell::ForwardUngated,
                               ffi_api::Ffi::Bind()
@@ -649,7 +671,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwd, jax_twell::ForwardUngated,
                                   .Ret<ffi_api::Buffer<ffi_api::U32>>()      // entries
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // col_off
                                   .Ret<ffi_api::Buffer<ffi_api::U32>>()      // by_col
-                                  .Attr<int32_t>("tile"));
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("mma"));  // 1: up/down steps on tensor cores
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
                               ffi_api::Ffi::Bind()
@@ -672,7 +695,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
                                   .Ret<ffi_api::AnyBuffer>()                 // dw_up_t [f, d]
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
-                                  .Attr<int32_t>("tile"));
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("mma"));  // 1: up/down steps on tensor cores
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                               ffi_api::Ffi::Bind()
@@ -692,4 +716,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                                   .Ret<ffi_api::AnyBuffer>()                 // dw_up_t [f, d]
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
-                                  .Attr<int32_t>("tile"));
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("mma"));  // 1: up/down steps on tensor cores

@@ -87,13 +87,14 @@ def test_train_kernels_match_emulation_bitwise(case, gated, dtype):
             eq(bwd[3], dw_up_t_e, "dw_up_t")
 
 
+@pytest.mark.parametrize("mma", [False, True], ids=["cudacore", "mma"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("spec", GPU_SPECS, ids=str)
-def test_train_gradients_match_dense(spec, gated):
+def test_train_gradients_match_dense(spec, gated, mma):
     if spec.d % 64:
         pytest.skip("d not a multiple of 64 (a documented constraint of the training kernels)")
     x, wg, wu, wd, dy = make_case(spec.m, spec.d, spec.f, spec.density, spec.pattern, gated, key=spec.m + 3)
-    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE)[:2])
+    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, mma=mma)[:2])
     (y, l1), grads = grads_of(fn, x, wg, wu, wd, dy)
     with jax.default_matmul_precision("highest"):
         (y_d, l1_d), g_d = grads_of(dense_ffn, x, wg, wu, wd, dy)

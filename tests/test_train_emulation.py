@@ -165,7 +165,7 @@ def _emulated_pack(g, *, tile, capacity):
     return pack_twell_reference(g, tile=tile, capacity=capacity)
 
 
-def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries):
+def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False):
     gated = w_up is not None
     shapes = cuda_train.residual_shapes(x.shape[0], act.n_tiles, act.tile, max_entries, gated)
     out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), shapes, jax.ShapeDtypeStruct((max_entries,), jnp.uint32))
@@ -183,7 +183,7 @@ def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries):
     return _callback(run, out_shapes, x, act.values, act.cols, act.counts, w_act, w_down, *extra)
 
 
-def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile):
+def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=False):
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     grad = lambda w: jax.ShapeDtypeStruct(w.shape, x.dtype)

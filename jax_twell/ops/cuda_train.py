@@ -195,12 +195,14 @@ def residual_shapes(m: int, n_tiles: int, tile: int, max_entries: int, gated: bo
     )
 
 
-def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_t=None):
+def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_t=None, mma: bool = False):
     """One ``jax_twell_train_fwd[_gated]`` call: ``(y, Residuals, h_source)``.
 
     x ``[M, d]`` bf16/f16; act: TwELL of ``relu(x @ w_act)`` (tile <= 256); w_up None for
     the non-gated FFN. ``h_source`` ``[E]`` u32 holds h in its high half (h words, or the
     entries themselves when non-gated). Entries past ``seg_start[-1]`` are unwritten.
+    ``mma``: the up and down steps on tensor cores (not yet measured on a GPU; sums equal
+    to f32 rounding, not bitwise, see ffi/notes/twell_ffn_blocked.md).
     """
     m, d = x.shape
     e, tile = max_entries, act.tile
@@ -211,7 +213,7 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     if w_up is None:
         call = kernel_call("jax_twell_train_fwd", (y_type, *layout, *by_column), vmap_method="sequential")
         y, seg_start, tok_off, entries, col_off, by_col = call(
-            x, act.values, act.cols, act.counts, w_act, w_down, tile=np.int32(tile)
+            x, act.values, act.cols, act.counts, w_act, w_down, tile=np.int32(tile), mma=np.int32(mma)
         )
         return y, Residuals(seg_start, tok_off, entries, None, col_off, by_col), entries
     if w_up_t is None:
@@ -223,13 +225,16 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     ]
     call = kernel_call("jax_twell_train_fwd_gated", (y_type, *layout, *gated_ws, *by_column), vmap_method="sequential")
     y, seg_start, tok_off, entries, up, h_words, _, col_off, by_col = call(
-        x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=np.int32(tile)
+        x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=np.int32(tile), mma=np.int32(mma)
     )
     return y, Residuals(seg_start, tok_off, entries, up, col_off, by_col), h_words
 
 
-def train_backward(x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile: int, workspace: bool = False):
+def train_backward(
+    x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile: int, workspace: bool = False, mma: bool = False
+):
     """One ``jax_twell_train_bwd[_gated]`` call: ``(dx, dw_gate, dw_up, dw_down)``.
+    ``mma``: the dh step on tensor cores (as in :func:`train_forward`).
 
     ``l1_grad``: ``[]`` f32, the cotangent of the L1 term divided by M. w_gate None: the
     non-gated FFN (dw_gate None). ``workspace=True`` (tests) returns the raw results
@@ -251,14 +256,14 @@ def train_backward(x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile
     if gated:
         call = kernel_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
         out = call(x, dy, w_act_t, w_up.T, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
-                   res.by_col, l1, tile=tile_attr)
+                   res.by_col, l1, tile=tile_attr, mma=np.int32(mma))
         if workspace:
             return out
         dx, dw_down, dw_gate_t, dw_up_t = out[:4]
         return dx, dw_gate_t.T, dw_up_t.T, dw_down
     call = kernel_call("jax_twell_train_bwd", outs, vmap_method="sequential")
     out = call(x, dy, w_act_t, w_down, res.seg_start, res.tok_off, res.entries, res.col_off, res.by_col, l1,
-               tile=tile_attr)
+               tile=tile_attr, mma=np.int32(mma))
     if workspace:
         return out
     dx, dw_down, dw_up_t = out[:3]
@@ -291,6 +296,7 @@ class _Config:
     backup_capacity: int | None
     max_entries: int
     rule: TrainCrossover
+    mma: bool = False
 
 
 def _mesh_axes(*arrays) -> frozenset:
@@ -338,7 +344,9 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
     axes = _mesh_axes(x, w_gate, w_up, w_down)
 
     def sparse(_):
-        y, res, h_source = _forward_call(x, act, w_act, w_up if gated else None, w_down, max_entries=cfg.max_entries)
+        y, res, h_source = _forward_call(
+            x, act, w_act, w_up if gated else None, w_down, max_entries=cfg.max_entries, mma=cfg.mma
+        )
         l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
         return _as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
 
@@ -363,7 +371,7 @@ def _train_bwd(cfg: _Config, saved, cotangents):
     axes = _mesh_axes(x, w_gate, w_up, w_down, dy)
 
     def sparse(_):
-        grads = _backward_call(x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE)
+        grads = _backward_call(x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE, mma=cfg.mma)
         grads = _as_varying(grads, axes)
         return tuple(reference._sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
 
@@ -382,7 +390,10 @@ def _train_bwd(cfg: _Config, saved, cotangents):
 _train_ffn.defvjp(_train_fwd, _train_bwd)
 
 
-def ffn_with_aux(x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None, crossover: TrainCrossover | None = None):
+def ffn_with_aux(
+    x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
+    crossover: TrainCrossover | None = None, mma: bool = False,
+):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
     Returns ``(y [M, d], l1 [], counts [M] int32, fired [f] bool)`` like
@@ -393,6 +404,7 @@ def ffn_with_aux(x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | 
     most ``backup_capacity`` rows exceed ``width`` active neurons; otherwise the call is
     dense (exact; its backward recomputes g and u). f32 inputs and M below the rule's
     ``min_tokens`` run :func:`jax_twell.ops.xla.ffn_with_aux` (pure XLA autodiff).
+    ``mma=True`` runs the up, down and dh steps on tensor cores (not yet measured on a GPU).
     """
     m, d = x.shape
     rule = _crossover if crossover is None else crossover
@@ -400,5 +412,5 @@ def ffn_with_aux(x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | 
     check_supported(d, x.dtype)
     if m == 0 or jnp.dtype(x.dtype) == jnp.float32 or not rule.sparse_can_win(m, d, f, x.dtype.itemsize):
         return xla.ffn_with_aux(x, w_gate, w_up, w_down)
-    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule)
+    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma))
     return _train_ffn(x, w_gate, w_up, w_down, cfg)
