@@ -1,0 +1,126 @@
+"""The lane bookkeeping of the tensor-core kernels (TwellBlockedUpMmaKernel and
+TwellBlockedDownMmaKernel, ffi/twell_blocked.cuh) against a NumPy model of the PTX warp
+instructions they use: ldmatrix.m8n8.x4[.trans].b16 and mma.m16n8k16.row.col.f32 with
+the fragment layouts of the PTX ISA. Runs on CPU; it checks the kernels' index formulas
+(which lane addresses which row, where the diagonal lands, how A is built from (h, token)
+words), not the hardware. The GPU tests check the kernels themselves."""
+
+import numpy as np
+import pytest
+
+LANES = np.arange(32)
+
+
+def ldmatrix_x4(rows_by_lane, trans=False):
+    """rows_by_lane[l]: the 8 values at the address lane l gives (matrix l // 8, row l % 8).
+    Returns regs[lane][i] = (lo, hi): the pair of matrix i that thread `lane` receives."""
+    regs = np.zeros((32, 4, 2))
+    for i in range(4):
+        m = np.stack([rows_by_lane[8 * i + r] for r in range(8)])  # 8 x 8, row r from lane 8i + r
+        if trans:
+            m = m.T
+        for lane in range(32):
+            regs[lane, i] = m[lane // 4, 2 * (lane % 4) : 2 * (lane % 4) + 2]
+    return regs
+
+
+def mma_m16n8k16(a, b, c):
+    """a[lane] = 4 pairs (A 16x16 row-major fragment), b[lane] = 2 pairs (B 16x8 fragment),
+    c[lane] = 4 floats (C 16x8); returns D in the same layout as c."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for reg, (row, col) in enumerate([(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
+            A[row, col : col + 2] = a[lane, reg]
+        for reg, k in enumerate([2 * t, 2 * t + 8]):
+            B[k : k + 2, g] = b[lane, reg]
+    C = np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        C[g, 2 * t : 2 * t + 2] = c[lane, 0:2]
+        C[g + 8, 2 * t : 2 * t + 2] = c[lane, 2:4]
+    D = A @ B + C
+    d = np.zeros((32, 4))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        d[lane, 0:2] = D[g, 2 * t : 2 * t + 2]
+        d[lane, 2:4] = D[g + 8, 2 * t : 2 * t + 2]
+    return d
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_up_step_diagonals(seed):
+    rng = np.random.default_rng(seed)
+    n_valid = int(rng.integers(1, 17))
+    tokens = rng.integers(0, 32, 16)  # entry -> token row of x_s
+    columns = rng.integers(0, 256, 16)  # entry -> slab row
+    x_s, slab = rng.normal(size=(32, 64)), rng.normal(size=(256, 64))
+    valid = np.arange(16) < n_valid
+    token = np.where(valid, tokens, 0)  # lanes 0-15 hold entry `lane`; padding: token 0, column 0
+    column = np.where(valid, columns, 0)
+    a_row = (LANES & 7) | (LANES & 8)
+    a_half = LANES >> 4
+    b_entry = (LANES & 7) | ((LANES >> 4) << 3)
+    b_half = (LANES >> 3) & 1
+    d_lo, d_hi = np.zeros((32, 4)), np.zeros((32, 4))
+    for ks in range(4):
+        a = ldmatrix_x4([x_s[token[a_row[l]], (2 * ks + a_half[l]) * 8 :][:8] for l in range(32)])
+        bb = ldmatrix_x4([slab[column[b_entry[l]], (2 * ks + b_half[l]) * 8 :][:8] for l in range(32)])
+        d_lo = mma_m16n8k16(a, bb[:, 0:2], d_lo)
+        d_hi = mma_m16n8k16(a, bb[:, 2:4], d_hi)
+    got = np.full(16, np.nan)
+    for lane in range(32):
+        diag = lane >> 2
+        if (lane & 3) == (diag >> 1):
+            odd = diag & 1
+            got[diag] = d_lo[lane, 1 if odd else 0]
+            got[8 + diag] = d_hi[lane, 3 if odd else 2]
+    want = np.einsum("ed,ed->e", x_s[tokens], slab[columns])
+    np.testing.assert_allclose(got[valid], want[valid], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_down_step_accumulates_per_token(seed):
+    rng = np.random.default_rng(seed)
+    d_cols, y = 32, np.zeros((32, 32))
+    slab = rng.normal(size=(256, d_cols))
+    acc = np.zeros((2, 4, 32, 4))  # [row block][column block][lane][fragment]
+    b_entry = (LANES & 7) | (((LANES >> 3) & 1) << 3)
+    b_chunk = LANES >> 4
+    g, t = LANES >> 2, LANES & 3
+    for _ in range(3):  # three warp steps of 16 entries over the warp's 32 tokens
+        n_valid = int(rng.integers(1, 17))
+        tok = np.sort(rng.integers(0, 32, 16))  # a warp's run: entries sorted by token
+        col = rng.integers(0, 256, 16)
+        h = rng.normal(size=16)
+        valid = np.arange(16) < n_valid
+        for e in range(16):
+            if valid[e]:
+                y[tok[e]] += h[e] * slab[col[e]]
+        # packed words: (h, token) or 'no token'; column 0 for padding
+        p_tok = np.where(valid, tok, 0xFF)
+        p_h = np.where(valid, h, 0.0)
+        c = np.where(valid, col, 0)
+        bf = [ldmatrix_x4([slab[c[b_entry[l]], (2 * q + b_chunk[l]) * 8 :][:8] for l in range(32)], trans=True) for q in range(2)]
+
+        def pick(e, row):
+            return np.where(p_tok[e] == row, p_h[e], 0.0)
+
+        for rb in range(2):
+            r0, r1 = rb * 16 + g, rb * 16 + g + 8
+            a = np.zeros((32, 4, 2))
+            a[:, 0] = np.stack([pick(2 * t, r0), pick(2 * t + 1, r0)], -1)
+            a[:, 1] = np.stack([pick(2 * t, r1), pick(2 * t + 1, r1)], -1)
+            a[:, 2] = np.stack([pick(2 * t + 8, r0), pick(2 * t + 9, r0)], -1)
+            a[:, 3] = np.stack([pick(2 * t + 8, r1), pick(2 * t + 9, r1)], -1)
+            for nb in range(4):
+                b = bf[nb // 2][:, 2 * (nb % 2) : 2 * (nb % 2) + 2]
+                acc[rb, nb] = mma_m16n8k16(a, b, acc[rb, nb])
+    got = np.zeros((32, 32))
+    for rb in range(2):
+        for half in range(2):
+            for nb in range(4):
+                for lane in range(32):
+                    row = rb * 16 + g[lane] + 8 * half
+                    got[row, nb * 8 + 2 * t[lane] : nb * 8 + 2 * t[lane] + 2] = acc[rb, nb, lane, 2 * half : 2 * half + 2]
+    np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
