@@ -313,6 +313,66 @@ __device__ __forceinline__ void FillTokenTable(const int32_t* off, int t0, int p
   __syncwarp();
 }
 
+// Shared memory of the flat-walk kernels after their leading block (x for K1, nothing for
+// K2 v3): two slab stages, the per-warp token tables, the segment starts.
+struct FlatSmem {
+  uint8_t* stages;
+  uint16_t* tok;  // this warp's table
+  int32_t* seg_s;
+};
+template <int kCols>
+__device__ __forceinline__ FlatSmem CarveFlatSmem(uint8_t* base) {
+  uint8_t* tables = base + 2 * SlabStage<kCols>::kBytes;
+  return {base, reinterpret_cast<uint16_t*>(tables) + (threadIdx.x / 32) * kWarpChunk,
+          reinterpret_cast<int32_t*>(tables + kTokTableBytes)};
+}
+
+// x[block b, columns col0 .. col0 + 64) into x_s by cp.async (rows past the last token are
+// zero), swizzled for ldmatrix or plain. Lands with the first stage's wait.
+template <bool kSwizzle>
+__device__ void StageXBlock(uint16_t* x_s, const uint16_t* x, int b, int col0, const Shapes& s) {
+  constexpr int kVecs = kUpCols / 8;
+  for (int v = threadIdx.x; v < kBlockTokens * kVecs; v += blockDim.x) {
+    const int i = v / kVecs, c = v % kVecs;
+    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
+    uint16_t* dst = x_s + i * kUpCols + (kSwizzle ? SwizzleChunk<kVecs>(i, c) : c) * 8;
+    if (t < s.rows)
+      CpAsync16(dst, x + t * s.d + col0 + c * 8);
+    else
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The tile walk the flat-walk kernels share: loads the block's segment starts, stages the
+// slabs of w ([f, d], columns col0 .. col0 + kCols) and token offsets two tiles deep, and
+// for each tile calls body(segment start, slab, p0, p1) once per chunk [p0, p1) of this
+// warp's entry run, with the warp's token table filled for that chunk.
+template <int kCols, bool kSwizzle, typename Body>
+__device__ void WalkWarpRuns(const FlatSmem& m, const int32_t* seg_start, const uint16_t* w, const int32_t* tok_off,
+                             int b, int col0, const Shapes& s, Body&& body) {
+  using St = SlabStage<kCols>;
+  const int t0 = (threadIdx.x / 32) * kWarpTokens;
+  for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) m.seg_s[k] = seg_start[b * s.n_tiles + k];
+  __syncthreads();
+  StageSlabAndOffsets<kCols, kSwizzle>(m.stages, w, tok_off, b, 0, col0, s);
+  for (int k = 0; k < s.n_tiles; ++k) {
+    CpAsyncWaitAll();
+    __syncthreads();  // stage k landed; every warp is done with stage k - 1
+    if (k + 1 < s.n_tiles)
+      StageSlabAndOffsets<kCols, kSwizzle>(m.stages + ((k + 1) % 2) * St::kBytes, w, tok_off, b, k + 1, col0, s);
+    const uint8_t* stage = m.stages + (k % 2) * St::kBytes;
+    const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
+    const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
+    const int lo = off[t0], hi = off[t0 + kWarpTokens];
+    for (int p0 = lo; p0 < hi; p0 += kWarpChunk) {
+      const int p1 = min(hi, p0 + kWarpChunk);
+      __syncwarp();  // the previous chunk's table reads are done
+      FillTokenTable(off, t0, p0, p1, m.tok);
+      body(m.seg_s[k], slab, p0, p1);
+    }
+  }
+}
+
 // K1. Per entry (token t, column c of tile k) and d-range r of 64 columns: 8 lanes, lane q
 // dotting columns 8q..8q+7 of x[t] and Wu^T[k*tile + c] (f32 fma chain), then a butterfly
 // over xor 4, 2, 1 -> partial[r, entry]. x for the CTA's block and range sits in shared
@@ -325,63 +385,35 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpKernel(
     const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
     const uint32_t* __restrict__ entries, float* __restrict__ partial, Shapes s) {
   constexpr int kGroups = 32 / kUpLanes;  // entries per warp step
-  using St = SlabStage<kUpCols>;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* x_s = reinterpret_cast<uint16_t*>(smem_raw);
-  uint8_t* stages = smem_raw + kUpX;
-  uint16_t* tok = reinterpret_cast<uint16_t*>(stages + 2 * St::kBytes) + (threadIdx.x / 32) * kWarpChunk;
-  int32_t* seg_s = reinterpret_cast<int32_t*>(stages + 2 * St::kBytes + kTokTableBytes);
+  const FlatSmem m = CarveFlatSmem<kUpCols>(smem_raw + kUpX);
   if (OverBudget(s, seg_start)) return;
   const int r = blockIdx.x, b = blockIdx.y;
   const int col0 = r * kUpCols;
   const int lane = threadIdx.x % 32, group = lane / kUpLanes, q = lane % kUpLanes;
   const unsigned mask = 0xffu << (group * kUpLanes);
-  const int t0 = (threadIdx.x / 32) * kWarpTokens;
-  for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
-  for (int v = threadIdx.x; v < kBlockTokens * (kUpCols / 8); v += blockDim.x) {
-    const int i = v / (kUpCols / 8), c = v % (kUpCols / 8);
-    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
-    if (t < s.rows)
-      CpAsync16(x_s + i * kUpCols + c * 8, x + t * s.d + col0 + c * 8);
-    else
-      *reinterpret_cast<uint4*>(x_s + i * kUpCols + c * 8) = make_uint4(0, 0, 0, 0);
-  }
-  __syncthreads();  // seg_s
-  StageSlabAndOffsets<kUpCols>(stages, w_up_t, tok_off, b, 0, col0, s);
+  StageXBlock<false>(x_s, x, b, col0, s);
   float* partial_r = partial + static_cast<int64_t>(r) * s.max_entries;
-
-  for (int k = 0; k < s.n_tiles; ++k) {
-    CpAsyncWaitAll();
-    __syncthreads();  // stage k (and x) landed; every warp is done with stage k - 1
-    if (k + 1 < s.n_tiles)
-      StageSlabAndOffsets<kUpCols>(stages + ((k + 1) % 2) * St::kBytes, w_up_t, tok_off, b, k + 1, col0, s);
-    const uint8_t* stage = stages + (k % 2) * St::kBytes;
-    const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
-    const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
-    const uint32_t* ent = entries + seg_s[k];
-    float* part = partial_r + seg_s[k];
-    const int lo = off[t0], hi = off[t0 + kWarpTokens];
-    for (int p0 = lo; p0 < hi; p0 += kWarpChunk) {
-      const int p1 = min(hi, p0 + kWarpChunk);
-      __syncwarp();  // the previous chunk's table reads are done
-      FillTokenTable(off, t0, p0, p1, tok);
-      for (int p = p0 + group; p < p1; p += kGroups) {
-        const uint32_t word = ent[p];
-        if (kSkipFlagged && (word & kFlag)) continue;
-        const int i = tok[p - p0];
-        float xv[8], wv[8];
-        Unpack8<E>(*reinterpret_cast<const uint4*>(x_s + i * kUpCols + q * 8), xv);
-        Unpack8<E>(*reinterpret_cast<const uint4*>(slab + (word & kColumnMask) * kUpCols + q * 8), wv);
-        float acc = 0.f;
+  WalkWarpRuns<kUpCols, false>(m, seg_start, w_up_t, tok_off, b, col0, s,
+                               [&](int base, const uint16_t* slab, int p0, int p1) {
+    const uint32_t* ent = entries + base;
+    for (int p = p0 + group; p < p1; p += kGroups) {
+      const uint32_t word = ent[p];
+      if (kSkipFlagged && (word & kFlag)) continue;
+      const int i = m.tok[p - p0];
+      float xv[8], wv[8];
+      Unpack8<E>(*reinterpret_cast<const uint4*>(x_s + i * kUpCols + q * 8), xv);
+      Unpack8<E>(*reinterpret_cast<const uint4*>(slab + (word & kColumnMask) * kUpCols + q * 8), wv);
+      float acc = 0.f;
 #pragma unroll
-        for (int v = 0; v < 8; ++v) acc = fmaf(xv[v], wv[v], acc);
-        acc += __shfl_xor_sync(mask, acc, 4, kUpLanes);
-        acc += __shfl_xor_sync(mask, acc, 2, kUpLanes);
-        acc += __shfl_xor_sync(mask, acc, 1, kUpLanes);
-        if (q == 0) part[p] = acc;
-      }
+      for (int v = 0; v < 8; ++v) acc = fmaf(xv[v], wv[v], acc);
+      acc += __shfl_xor_sync(mask, acc, 4, kUpLanes);
+      acc += __shfl_xor_sync(mask, acc, 2, kUpLanes);
+      acc += __shfl_xor_sync(mask, acc, 1, kUpLanes);
+      if (q == 0) partial_r[base + p] = acc;
     }
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -432,78 +464,50 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_up_t,
     const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
     const uint32_t* __restrict__ entries, float* __restrict__ partial, Shapes s) {
-  using St = SlabStage<kUpCols>;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* x_s = reinterpret_cast<uint16_t*>(smem_raw);
-  uint8_t* stages = smem_raw + kUpX;
-  uint16_t* tok = reinterpret_cast<uint16_t*>(stages + 2 * St::kBytes) + (threadIdx.x / 32) * kWarpChunk;
-  int32_t* seg_s = reinterpret_cast<int32_t*>(stages + 2 * St::kBytes + kTokTableBytes);
+  const FlatSmem m = CarveFlatSmem<kUpCols>(smem_raw + kUpX);
   if (OverBudget(s, seg_start)) return;
   const int r = blockIdx.x, b = blockIdx.y;
   const int col0 = r * kUpCols;
   const int lane = threadIdx.x % 32;
-  const int t0 = (threadIdx.x / 32) * kWarpTokens;
   // Which entry of the 16 this lane addresses for ldmatrix, and which 8-column half.
   const int a_row = (lane & 7) | (lane & 8), a_half = lane >> 4;
   const int b_entry = (lane & 7) | ((lane >> 4) << 3), b_half = (lane >> 3) & 1;
   // The lane holding diagonal i (and 8 + i): 4 i + i / 2.
   const int diag = lane >> 2;
   const bool holds_diag = (lane & 3) == (diag >> 1);
-  for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
-  for (int v = threadIdx.x; v < kBlockTokens * (kUpCols / 8); v += blockDim.x) {
-    const int i = v / (kUpCols / 8), c = v % (kUpCols / 8);
-    const int64_t t = static_cast<int64_t>(b) * kBlockTokens + i;
-    uint16_t* dst = x_s + Swizzled64(i, c);
-    if (t < s.rows)
-      CpAsync16(dst, x + t * s.d + col0 + c * 8);
-    else
-      *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-  }
-  __syncthreads();
-  StageSlabAndOffsets<kUpCols, true>(stages, w_up_t, tok_off, b, 0, col0, s);
+  StageXBlock<true>(x_s, x, b, col0, s);
   float* partial_r = partial + static_cast<int64_t>(r) * s.max_entries;
-
-  for (int k = 0; k < s.n_tiles; ++k) {
-    CpAsyncWaitAll();
-    __syncthreads();
-    if (k + 1 < s.n_tiles)
-      StageSlabAndOffsets<kUpCols, true>(stages + ((k + 1) % 2) * St::kBytes, w_up_t, tok_off, b, k + 1, col0, s);
-    const uint8_t* stage = stages + (k % 2) * St::kBytes;
-    const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
-    const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
-    const uint32_t* ent = entries + seg_s[k];
-    float* part = partial_r + seg_s[k];
-    const int lo = off[t0], hi = off[t0 + kWarpTokens];
-    for (int p0 = lo; p0 < hi; p0 += kWarpChunk) {
-      const int p1 = min(hi, p0 + kWarpChunk);
-      __syncwarp();
-      FillTokenTable(off, t0, p0, p1, tok);
-      for (int pb = p0; pb < p1; pb += 16) {  // warp-uniform
-        const int e = pb + (lane & 15);
-        const bool valid = e < p1;
-        const uint32_t word = valid ? ent[e] : 0u;
-        const int token = valid ? tok[e - p0] : 0;  // padding: token 0, column 0, results dropped
-        const int a_tok = __shfl_sync(0xffffffffu, token, a_row);
-        const int b_col = static_cast<int>(__shfl_sync(0xffffffffu, word, b_entry) & kColumnMask);
-        float d_lo[4] = {0.f, 0.f, 0.f, 0.f}, d_hi[4] = {0.f, 0.f, 0.f, 0.f};
+  WalkWarpRuns<kUpCols, true>(m, seg_start, w_up_t, tok_off, b, col0, s,
+                              [&](int base, const uint16_t* slab, int p0, int p1) {
+    const uint32_t* ent = entries + base;
+    float* part = partial_r + base;
+    for (int pb = p0; pb < p1; pb += 16) {  // warp-uniform
+      const int e = pb + (lane & 15);
+      const bool valid = e < p1;
+      const uint32_t word = valid ? ent[e] : 0u;
+      const int token = valid ? m.tok[e - p0] : 0;  // padding: token 0, column 0, results dropped
+      const int a_tok = __shfl_sync(0xffffffffu, token, a_row);
+      const int b_col = static_cast<int>(__shfl_sync(0xffffffffu, word, b_entry) & kColumnMask);
+      float d_lo[4] = {0.f, 0.f, 0.f, 0.f}, d_hi[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int ks = 0; ks < kUpCols / 16; ++ks) {
-          uint32_t a[4], bb[4];
-          LdMatrixX4(a, x_s + Swizzled64(a_tok, 2 * ks + a_half));
-          LdMatrixX4(bb, slab + Swizzled64(b_col, 2 * ks + b_half));
-          Mma16816<E>(d_lo, a, bb[0], bb[1]);
-          Mma16816<E>(d_hi, a, bb[2], bb[3]);
-        }
-        const uint32_t w_lo = __shfl_sync(0xffffffffu, word, diag);
-        const uint32_t w_hi = __shfl_sync(0xffffffffu, word, diag + 8);
-        if (holds_diag) {
-          const bool odd = diag & 1;
-          if (pb + diag < p1 && !(kSkipFlagged && (w_lo & kFlag))) part[pb + diag] = odd ? d_lo[1] : d_lo[0];
-          if (pb + 8 + diag < p1 && !(kSkipFlagged && (w_hi & kFlag))) part[pb + 8 + diag] = odd ? d_hi[3] : d_hi[2];
-        }
+      for (int ks = 0; ks < kUpCols / 16; ++ks) {
+        uint32_t a[4], bb[4];
+        LdMatrixX4(a, x_s + Swizzled64(a_tok, 2 * ks + a_half));
+        LdMatrixX4(bb, slab + Swizzled64(b_col, 2 * ks + b_half));
+        Mma16816<E>(d_lo, a, bb[0], bb[1]);
+        Mma16816<E>(d_hi, a, bb[2], bb[3]);
+      }
+      const uint32_t w_lo = __shfl_sync(0xffffffffu, word, diag);
+      const uint32_t w_hi = __shfl_sync(0xffffffffu, word, diag + 8);
+      if (holds_diag) {
+        const bool odd = diag & 1;
+        if (pb + diag < p1 && !(kSkipFlagged && (w_lo & kFlag))) part[pb + diag] = odd ? d_lo[1] : d_lo[0];
+        if (pb + 8 + diag < p1 && !(kSkipFlagged && (w_hi & kFlag))) part[pb + 8 + diag] = odd ? d_hi[3] : d_hi[2];
       }
     }
-  }
+  });
 }
 
 // K2 on tensor cores (kernel="blocked_mma"). Warp w owns tokens [32 w, 32 w + 32) and
@@ -517,12 +521,9 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
     const uint16_t* __restrict__ w_down, const int32_t* __restrict__ tok_off,
     const int32_t* __restrict__ seg_start, const uint32_t* __restrict__ entries,
     uint16_t* __restrict__ y, Shapes s) {
-  using St = SlabStage<kDownCols>;
   static_assert(kWarpTokens == 32, "two row blocks of 16 tokens per warp");
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  uint8_t* stages = smem_raw;
-  uint16_t* tok = reinterpret_cast<uint16_t*>(stages + 2 * St::kBytes) + (threadIdx.x / 32) * kWarpChunk;
-  int32_t* seg_s = reinterpret_cast<int32_t*>(stages + 2 * St::kBytes + kTokTableBytes);
+  const FlatSmem m = CarveFlatSmem<kDownCols>(smem_raw);
   const int r = blockIdx.x, b = blockIdx.y;
   const int col0 = r * kDownCols;
   const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
@@ -541,52 +542,38 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
       for (int v = 0; v < 4; ++v) acc[rb][nb][v] = 0.f;
 
   if (!over_budget) {
-    for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
-    __syncthreads();
-    StageSlabAndOffsets<kDownCols, true>(stages, w_down, tok_off, b, 0, col0, s);
-    for (int k = 0; k < s.n_tiles; ++k) {
-      CpAsyncWaitAll();
-      __syncthreads();
-      if (k + 1 < s.n_tiles)
-        StageSlabAndOffsets<kDownCols, true>(stages + ((k + 1) % 2) * St::kBytes, w_down, tok_off, b, k + 1, col0, s);
-      const uint8_t* stage = stages + (k % 2) * St::kBytes;
-      const uint16_t* slab = reinterpret_cast<const uint16_t*>(stage);
-      const int32_t* off = reinterpret_cast<const int32_t*>(stage + St::kSlab);
-      const uint32_t* ent = entries + seg_s[k];
-      const int lo = off[t0], hi = off[t0 + kWarpTokens];
-      for (int p0 = lo; p0 < hi; p0 += kWarpChunk) {
-        const int p1 = min(hi, p0 + kWarpChunk);
-        __syncwarp();
-        FillTokenTable(off, t0, p0, p1, tok);
-        for (int pb = p0; pb < p1; pb += 16) {  // warp-uniform
-          const int e = pb + (lane & 15);
-          const bool valid = e < p1;
-          const uint32_t word = valid ? ent[e] : 0u;
-          // (h bits << 16) | token within the warp; 0xff (no token) for padding.
-          const uint32_t packed = valid ? ((word & 0xffff0000u) | static_cast<uint32_t>(tok[e - p0] - t0)) : 0xffu;
-          const int col = static_cast<int>(word & kColumnMask);
-          uint32_t bf[2][4];
+    WalkWarpRuns<kDownCols, true>(m, seg_start, w_down, tok_off, b, col0, s,
+                                  [&](int base, const uint16_t* slab, int p0, int p1) {
+      const uint32_t* ent = entries + base;
+      for (int pb = p0; pb < p1; pb += 16) {  // warp-uniform
+        const int e = pb + (lane & 15);
+        const bool valid = e < p1;
+        const uint32_t word = valid ? ent[e] : 0u;
+        // (h bits << 16) | token within the warp; 0xff (no token) for padding.
+        const uint32_t packed = valid ? ((word & 0xffff0000u) | static_cast<uint32_t>(m.tok[e - p0] - t0)) : 0xffu;
+        const int col = static_cast<int>(word & kColumnMask);
+        uint32_t bf[2][4];
 #pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            const int c = __shfl_sync(0xffffffffu, col, b_entry);
-            LdMatrixX4Trans(bf[q], slab + Swizzled32(c, 2 * q + b_chunk));
-          }
-          const uint32_t p_a = __shfl_sync(0xffffffffu, packed, 2 * t);
-          const uint32_t p_b = __shfl_sync(0xffffffffu, packed, 2 * t + 1);
-          const uint32_t p_c = __shfl_sync(0xffffffffu, packed, 2 * t + 8);
-          const uint32_t p_d = __shfl_sync(0xffffffffu, packed, 2 * t + 9);
+        for (int q = 0; q < 2; ++q) {
+          const int c = __shfl_sync(0xffffffffu, col, b_entry);
+          LdMatrixX4Trans(bf[q], slab + Swizzled32(c, 2 * q + b_chunk));
+        }
+        const uint32_t p_a = __shfl_sync(0xffffffffu, packed, 2 * t);
+        const uint32_t p_b = __shfl_sync(0xffffffffu, packed, 2 * t + 1);
+        const uint32_t p_c = __shfl_sync(0xffffffffu, packed, 2 * t + 8);
+        const uint32_t p_d = __shfl_sync(0xffffffffu, packed, 2 * t + 9);
 #pragma unroll
-          for (int rb = 0; rb < 2; ++rb) {
-            const uint32_t r0 = rb * 16 + g, r1 = r0 + 8;
-            auto pick = [](uint32_t p, uint32_t row) { return (p & 0xffffu) == row ? (p >> 16) : 0u; };
-            const uint32_t a[4] = {pick(p_a, r0) | pick(p_b, r0) << 16, pick(p_a, r1) | pick(p_b, r1) << 16,
-                                   pick(p_c, r0) | pick(p_d, r0) << 16, pick(p_c, r1) | pick(p_d, r1) << 16};
+        for (int rb = 0; rb < 2; ++rb) {
+          const uint32_t r0 = rb * 16 + g, r1 = r0 + 8;
+          auto pick = [](uint32_t p, uint32_t row) { return (p & 0xffffu) == row ? (p >> 16) : 0u; };
+          const uint32_t a[4] = {pick(p_a, r0) | pick(p_b, r0) << 16, pick(p_a, r1) | pick(p_b, r1) << 16,
+                                 pick(p_c, r0) | pick(p_d, r0) << 16, pick(p_c, r1) | pick(p_d, r1) << 16};
 #pragma unroll
-            for (int nb = 0; nb < 4; ++nb) Mma16816<E>(acc[rb][nb], a, bf[nb / 2][2 * (nb % 2)], bf[nb / 2][2 * (nb % 2) + 1]);
-          }
+          for (int nb = 0; nb < 4; ++nb)
+            Mma16816<E>(acc[rb][nb], a, bf[nb / 2][2 * (nb % 2)], bf[nb / 2][2 * (nb % 2) + 1]);
         }
       }
-    }
+    });
   }
 #pragma unroll
   for (int rb = 0; rb < 2; ++rb)
@@ -690,6 +677,38 @@ __global__ void __launch_bounds__(kThreads, 1) TwellBlockedDownKernel(
       out[v] = E::FromFloat(lo) | (E::FromFloat(hi) << 16);
     }
     *reinterpret_cast<uint4*>(y + t * s.d + col0 + q * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+  }
+}
+
+// Host side: K1 and K2 on grid (d / columns, blocks), CUDA-core or tensor-core version.
+template <typename E, bool kSkipFlagged = true>
+void LaunchUpStep(cudaStream_t stream, bool mma, const uint16_t* x, const uint16_t* w_t, const int32_t* tok_off,
+                  const int32_t* seg_start, const uint32_t* entries, float* partial, const Shapes& s) {
+  const int smem = UpSmemBytes(s.n_tiles);
+  const dim3 grid(s.d / kUpCols, s.n_blocks);
+  if (mma) {
+    cudaFuncSetAttribute(TwellBlockedUpMmaKernel<E, kSkipFlagged>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedUpMmaKernel<E, kSkipFlagged>
+        <<<grid, kFlatThreads, smem, stream>>>(x, w_t, tok_off, seg_start, entries, partial, s);
+  } else {
+    cudaFuncSetAttribute(TwellBlockedUpKernel<E, kSkipFlagged>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedUpKernel<E, kSkipFlagged>
+        <<<grid, kFlatThreads, smem, stream>>>(x, w_t, tok_off, seg_start, entries, partial, s);
+  }
+}
+
+template <typename E>
+void LaunchDownStep(cudaStream_t stream, bool mma, const uint16_t* w_down, const int32_t* tok_off,
+                    const int32_t* seg_start, const uint32_t* h_source, uint16_t* y, const Shapes& s) {
+  const dim3 grid(s.d / kDownCols, s.n_blocks);
+  if (mma) {
+    const int smem = DownMmaSmemBytes(s.n_tiles);
+    cudaFuncSetAttribute(TwellBlockedDownMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedDownMmaKernel<E><<<grid, kFlatThreads, smem, stream>>>(w_down, tok_off, seg_start, h_source, y, s);
+  } else {
+    const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
+    cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellBlockedDownKernel<E><<<grid, kThreads, smem, stream>>>(w_down, tok_off, seg_start, h_source, y, s);
   }
 }
 

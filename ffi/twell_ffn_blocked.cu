@@ -57,18 +57,7 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
   status = LaunchStatus("twell_ffn_blocked recompute");
   if (status.failure()) return status;
   if constexpr (kGated) {
-    const int smem = UpSmemBytes(s.n_tiles);
-    const dim3 grid(s.d / kUpCols, s.n_blocks);
-    const auto* up_t = static_cast<const uint16_t*>(w_up_t);
-    if (mma) {
-      cudaFuncSetAttribute(TwellBlockedUpMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      TwellBlockedUpMmaKernel<E><<<grid, kFlatThreads, smem, stream>>>(x16, up_t, tok_off, seg_start, entries,
-                                                                       partial, s);
-    } else {
-      cudaFuncSetAttribute(TwellBlockedUpKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      TwellBlockedUpKernel<E><<<grid, kFlatThreads, smem, stream>>>(x16, up_t, tok_off, seg_start, entries,
-                                                                    partial, s);
-    }
+    LaunchUpStep<E>(stream, mma, x16, static_cast<const uint16_t*>(w_up_t), tok_off, seg_start, entries, partial, s);
     status = LaunchStatus("twell_ffn_blocked up");
     if (status.failure()) return status;
     const int64_t blocks = std::min<int64_t>(CeilDiv(s.max_entries, 256), 132 * 16);
@@ -77,19 +66,8 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
     status = LaunchStatus("twell_ffn_blocked finish");
     if (status.failure()) return status;
   }
-  const dim3 down_grid(s.d / kDownCols, s.n_blocks);
-  const auto* down = static_cast<const uint16_t*>(w_down);
-  if (mma) {
-    const int smem = DownMmaSmemBytes(s.n_tiles);
-    cudaFuncSetAttribute(TwellBlockedDownMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TwellBlockedDownMmaKernel<E><<<down_grid, kFlatThreads, smem, stream>>>(down, tok_off, seg_start, entries,
-                                                                            static_cast<uint16_t*>(y), s);
-  } else {
-    const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
-    cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TwellBlockedDownKernel<E><<<down_grid, kThreads, smem, stream>>>(down, tok_off, seg_start, entries,
-                                                                     static_cast<uint16_t*>(y), s);
-  }
+  LaunchDownStep<E>(stream, mma, static_cast<const uint16_t*>(w_down), tok_off, seg_start, entries,
+                    static_cast<uint16_t*>(y), s);
   return LaunchStatus("twell_ffn_blocked down");
 }
 

@@ -363,34 +363,14 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
   if (status.failure()) return status;
   const uint32_t* h_source = entries;
   if constexpr (kGated) {
-    const int smem = UpSmemBytes(s.n_tiles);
-    const dim3 grid(s.d / kUpCols, s.n_blocks);
-    if (mma) {
-      cudaFuncSetAttribute(TwellBlockedUpMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      TwellBlockedUpMmaKernel<E><<<grid, kFlatThreads, smem, stream>>>(x, w_up_t, tok_off, seg_start, entries,
-                                                                       partial, s);
-    } else {
-      cudaFuncSetAttribute(TwellBlockedUpKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      TwellBlockedUpKernel<E><<<grid, kFlatThreads, smem, stream>>>(x, w_up_t, tok_off, seg_start, entries, partial,
-                                                                    s);
-    }
+    LaunchUpStep<E>(stream, mma, x, w_up_t, tok_off, seg_start, entries, partial, s);
     TwellTrainFinishKernel<E><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
         partial, seg_start, entries, up, h_words, s.d / kUpCols, s);
     status = LaunchStatus("twell_train forward up");
     if (status.failure()) return status;
     h_source = h_words;
   }
-  const dim3 down_grid(s.d / kDownCols, s.n_blocks);
-  if (mma) {
-    const int smem = DownMmaSmemBytes(s.n_tiles);
-    cudaFuncSetAttribute(TwellBlockedDownMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TwellBlockedDownMmaKernel<E><<<down_grid, kFlatThreads, smem, stream>>>(w_down, tok_off, seg_start, h_source, y,
-                                                                            s);
-  } else {
-    const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
-    cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TwellBlockedDownKernel<E><<<down_grid, kThreads, smem, stream>>>(w_down, tok_off, seg_start, h_source, y, s);
-  }
+  LaunchDownStep<E>(stream, mma, w_down, tok_off, seg_start, h_source, y, s);
   TwellTrainByColumnKernel<<<segments, kThreads, 0, stream>>>(tok_off, seg_start, entries, col_off, by_col, s);
   return LaunchStatus("twell_train forward down");
 }
@@ -402,22 +382,12 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                           const uint16_t* up, const int32_t* col_off, const uint32_t* by_col, const float* l1_grad,
                           uint16_t* dx, uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t, float* partial,
                           float* coef, bool mma) {
-  int smem = UpSmemBytes(s.n_tiles);
-  const dim3 up_grid(s.d / kUpCols, s.n_blocks);
-  if (mma) {
-    cudaFuncSetAttribute(TwellBlockedUpMmaKernel<E, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TwellBlockedUpMmaKernel<E, false><<<up_grid, kFlatThreads, smem, stream>>>(dy, w_down, tok_off, seg_start,
-                                                                               entries, partial, s);
-  } else {
-    cudaFuncSetAttribute(TwellBlockedUpKernel<E, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TwellBlockedUpKernel<E, false><<<up_grid, kFlatThreads, smem, stream>>>(dy, w_down, tok_off, seg_start, entries,
-                                                                            partial, s);
-  }
+  LaunchUpStep<E, false>(stream, mma, dy, w_down, tok_off, seg_start, entries, partial, s);
   TwellTrainBwdFinishKernel<E, kGated><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
       partial, seg_start, entries, up, l1_grad, coef, s.d / kUpCols, s);
   ffi::Error status = LaunchStatus("twell_train backward dh");
   if (status.failure()) return status;
-  smem = DxStages<kGated>::Bytes(s.n_tiles);
+  const int smem = DxStages<kGated>::Bytes(s.n_tiles);
   cudaFuncSetAttribute(TwellTrainDxKernel<E, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   TwellTrainDxKernel<E, kGated><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
       w_act_t, w_up_t, tok_off, seg_start, entries, coef, dx, s);

@@ -173,8 +173,13 @@ def blocked_max_entries(m: int, f: int, tile: int, capacity: int) -> int:
 def blocked_needed_entries(act: TwELL) -> jax.Array:
     """``[]`` int32: entries the blocked kernel needs for ``act`` (stored entries, plus the
     full width of every overflowed tile, recomputed from the weights)."""
-    width = jnp.minimum(act.tile, act.f - act.tile * jnp.arange(act.n_tiles, dtype=jnp.int32))
-    return jnp.where(act.overflowed, width, act.counts).sum(dtype=jnp.int32)
+    return jnp.where(act.overflowed, _tile_widths(act.f, act.tile), act.counts).sum(dtype=jnp.int32)
+
+
+def _tile_widths(f: int, tile: int) -> jax.Array:
+    """``[n_tiles]`` int32: columns of each tile (the last one may be narrower)."""
+    n_tiles = -(-f // tile)
+    return jnp.minimum(tile, f - tile * jnp.arange(n_tiles, dtype=jnp.int32))
 
 
 def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, mma: bool = False):
@@ -422,11 +427,10 @@ def gate_counts(g: jax.Array, *, tile: int, capacity: int) -> tuple[jax.Array, j
         active = jnp.pad(active, ((0, 0), (0, n_tiles * tile - f)))
     per_tile = active.reshape(m, n_tiles, tile).sum(axis=-1, dtype=jnp.int32)
     over = per_tile > capacity
-    width = jnp.minimum(tile, f - tile * jnp.arange(n_tiles, dtype=jnp.int32))
     return (
         per_tile.sum(dtype=jnp.int32),
         over.sum(dtype=jnp.int32),
-        jnp.where(over, width, per_tile).sum(dtype=jnp.int32),
+        jnp.where(over, _tile_widths(f, tile), per_tile).sum(dtype=jnp.int32),
     )
 
 
