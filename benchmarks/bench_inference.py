@@ -18,13 +18,16 @@ Variants timed per configuration:
 - pret: as sparse, with the up weight given pre-transposed ([f, d], as a model can store it);
 - auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get);
 - gather (M <= 64 only, shared by every kernel's row): jax_twell.ops.xla.gather_ffn, the
-  decode path reading only the active neurons' weights, w_up as stored and pre-transposed.
+  decode path reading only the active neurons' weights, w_up as stored and pre-transposed;
+- decode (M <= 64 only, shared): the gate matmul then the decode kernels
+  (cuda.decode_ffn), w_up as stored, pre-transposed, and pre-transposed with the per-call
+  dense check (DenseCrossover.decode_dense_above = 2%); "gate" is the gate matmul alone.
 
 Each configuration gives one row per fused kernel ("kernel": one of cuda.KERNELS, the
 ``kernel=`` argument of cuda.sparse_ffn; the blocked kernel's "auto" is
 cuda.sparse_ffn(kernel="blocked") under the default rule); dense is timed once and shared.
 
-Usage: python benchmarks/bench_inference.py [--quick] [--kernels row,blocked,blocked_mma] [--m 16384,2048]
+Usage: python benchmarks/bench_inference.py [--quick] [--kernels row,blocked,blocked_mma|none] [--m 16384,2048]
        [--out results.json]
 """
 
@@ -43,6 +46,8 @@ from jax_twell.testing import inference_benchmark_grid, synthetic_ffn_inputs
 from common import run_metadata, time_calls, write_result
 
 ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
+DECODE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"))
+DECODE_CHECKED = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=0.02)
 
 
 def timed(fn, args):
@@ -72,7 +77,7 @@ def main():
     parser.add_argument("--kernels", default=",".join(cuda.KERNELS), help="comma-separated fused kernels to time")
     parser.add_argument("--m", default=None, help="comma-separated token counts: time only these configurations")
     args = parser.parse_args()
-    kernels = args.kernels.split(",")
+    kernels = [k for k in args.kernels.split(",") if k != "none"]
 
     dense_op = lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd)
 
@@ -113,8 +118,23 @@ def main():
             gather_t = lambda x, wg, wu, wd, wut: xla.gather_ffn(x, wg, wu, wd, width=width, w_up_t=wut)
             dense_times["gather_loop_ms"] = 1e3 * timed(looped(gather_op, 50), tuple(inp)) / 50
             dense_times["gather_pret_loop_ms"] = 1e3 * timed(looped(gather_t, 50), tuple(inp) + (w_up_t,)) / 50
-            for name in ("gather", "gather_pret"):
+            # The decode kernels after XLA's gate (cuda.decode_ffn): as stored, pre-transposed,
+            # and pre-transposed with the per-call device check (dense above 2% active).
+            gate_op = lambda x, wg, wu, wd: jt.formats.relu_matmul(x, wg)
+            dec = lambda rule: (lambda x, wg, wu, wd, wut=None: cuda.sparse_ffn(
+                x, wg, wu, wd, tile=256, capacity=32, crossover=rule, w_up_t=wut))
+            dense_times["gate_loop_ms"] = 1e3 * timed(looped(gate_op, 50), tuple(inp)) / 50
+            # The loop's own cost per iteration (an op that only reads x), in every loop time.
+            dense_times["empty_loop_ms"] = 1e3 * timed(looped(lambda x, *w: x, 50), tuple(inp)) / 50
+            dense_times["decode_loop_ms"] = 1e3 * timed(looped(dec(DECODE), 50), tuple(inp)) / 50
+            with_t = tuple(inp) + (w_up_t,)
+            dense_times["decode_pret_loop_ms"] = 1e3 * timed(looped(dec(DECODE), 50), with_t) / 50
+            dense_times["decode_checked_pret_loop_ms"] = 1e3 * timed(looped(dec(DECODE_CHECKED), 50), with_t) / 50
+            for name in ("gather", "gather_pret", "decode", "decode_pret", "decode_checked_pret"):
                 dense_times[f"{name}_ratio"] = dense_times["dense_loop_ms"] / dense_times[f"{name}_loop_ms"]
+        if not kernels:  # --kernels none: dense and the decode paths only
+            rows.append(dict(base, kernel="none", clock=clock, **dense_times))
+            print(json.dumps(rows[-1]), flush=True)
         for kernel in kernels:
             row = dict(base, kernel=kernel, **dense_times)
             for name, op in kernel_ops(kernel).items():
@@ -158,17 +178,21 @@ def main():
     print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'kernel':>7} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'auto ms':>8} {'auto r':>6}")
     for r in rows:
         c = r["clock"]
+        if r["kernel"] == "none":
+            continue
         print(
             f"{r['m']:>6} {r['d']:>5} {r['f']:>6} {r['density']:>6.3f} {r['pattern']:>8} {r['kernel']:>7} {100 * r['measured_active_fraction']:>6.2f} "
             f"{r['max_active_per_row']:>5} {c:>5} {r[f'dense_{c}_ms']:>9.4f} {r[f'sparse_{c}_ms']:>9.4f} {r['sparse_ratio']:>6.2f} "
             f"{r[f'auto_{c}_ms']:>8.4f} {r['auto_ratio']:>6.2f}"
         )
     for r in rows:
-        if "gather_ratio" in r and r["kernel"] == kernels[0]:
+        if "gather_ratio" in r and r["kernel"] == (kernels[0] if kernels else "none"):
             print(
-                f"decode gather M={r['m']} {r['density']:.3f} {r['pattern']}: dense {r['dense_loop_ms']:.4f} ms, "
-                f"gather {r['gather_loop_ms']:.4f} ms ({r['gather_ratio']:.2f}x), "
-                f"gather with w_up [f, d] {r['gather_pret_loop_ms']:.4f} ms ({r['gather_pret_ratio']:.2f}x)"
+                f"decode M={r['m']:>2} {r['density']:.3f} {r['pattern']:>7}: dense {r['dense_loop_ms']:.4f} ms "
+                f"(gate {r['gate_loop_ms']:.4f}, empty loop {r['empty_loop_ms']:.4f}) | kernel {r['decode_loop_ms']:.4f} ({r['decode_ratio']:.2f}x), "
+                f"w_up [f, d] {r['decode_pret_loop_ms']:.4f} ({r['decode_pret_ratio']:.2f}x), "
+                f"checked {r['decode_checked_pret_loop_ms']:.4f} ({r['decode_checked_pret_ratio']:.2f}x) | "
+                f"xla gather {r['gather_pret_loop_ms']:.4f} ({r['gather_pret_ratio']:.2f}x)"
             )
     for r in rows:
         if "breakdown_ms" in r:

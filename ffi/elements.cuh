@@ -33,4 +33,33 @@ __device__ __forceinline__ float Round(float v) {
   return E::ToFloat(E::FromFloat(v));
 }
 
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Sixteen bytes of elements, as floats.
+template <typename E>
+struct Vec {
+  static constexpr int V = 16 / sizeof(typename E::Bits);
+  float v[V];
+  __device__ __forceinline__ void Unpack(const uint4& raw) {
+    const typename E::Bits* b = reinterpret_cast<const typename E::Bits*>(&raw);
+#pragma unroll
+    for (int i = 0; i < V; ++i) v[i] = E::ToFloat(b[i]);
+  }
+};
+
+// Weights are streamed once per use and shared by nothing else in the SM: skip L1.
+__device__ __forceinline__ uint4 LoadStreaming(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
 }  // namespace jax_twell

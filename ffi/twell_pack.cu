@@ -10,12 +10,12 @@
 #include <cstdint>
 
 #include "common.h"
+#include "elements.cuh"
 
 namespace jax_twell {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;
-constexpr unsigned kFullMask = 0xffffffffu;
 
 // Elements are moved as raw bits; a value is a non-zero unless all bits but the sign are
 // clear (so -0 counts as zero and NaN as non-zero, as `g != 0` does in the reference).

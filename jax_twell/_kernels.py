@@ -25,7 +25,7 @@ __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", 
 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
@@ -38,6 +38,8 @@ HANDLERS = {
     "jax_twell_train_fwd": "JaxTwellTrainFwd",
     "jax_twell_train_bwd_gated": "JaxTwellTrainBwdGated",
     "jax_twell_train_bwd": "JaxTwellTrainBwd",
+    "jax_twell_decode_gated": "JaxTwellDecodeGated",
+    "jax_twell_decode": "JaxTwellDecode",
 }
 _REGISTERED: set[str] = set()
 

@@ -176,3 +176,45 @@ def test_default_rule_matches_the_h200_measurements():
     assert bool(rule.use_sparse(pairs(0.003), 0, m, d, f, 2))
     assert float(rule.blocked_cost(pairs(0.005), m, d, f, 2)) > rule.dense_cost(m, d, f, 2)
     assert not rule.sparse_can_win(64, d, f, 2)  # decode: dense, decided at trace time
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("check", [None, 0.02])
+def test_decode_sized_calls_take_the_decode_kernel(monkeypatch, stand_ins, gated, check):
+    """With ``decode_kernel_max_tokens`` set, calls of at most that many tokens run the gate
+    matmul then the decode kernel (here a reference stand-in), with no pack; past it, or
+    with the device check on a dense call, the FFN is still right."""
+    stand_ins(mark=False)
+    seen = []
+
+    def decode(x, g, w_up, w_down, *, w_up_t=None, workspace=False):
+        seen.append(x.shape[0])
+        return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+
+    monkeypatch.setattr(cuda, "decode_ffn", decode)
+    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check, **NO_FIXED)
+    for m, density in ((1, 0.02), (64, 0.02), (64, 0.5)):
+        inp = case(m=m, density=density, full=0, empty=0, key=m)
+        w_gate = inp.w_gate if gated else None
+        fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))
+        jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down))
+        assert "stand_in_pack" not in jaxpr
+        y = fn(inp.x, w_gate, inp.w_up, inp.w_down)
+        want = xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down)
+        assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, inp.w_up.shape[1]), f"m={m} density={density}")
+    assert seen and set(seen) <= {1, 64}
+    inp = case(m=65, key=9)  # past the decode size: the usual path
+    seen.clear()
+    jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))(
+        inp.x, inp.w_gate if gated else None, inp.w_up, inp.w_down
+    )
+    assert not seen
+
+
+def test_decode_ffn_rejects_shapes_it_cannot_take():
+    x = jnp.zeros((2, 12), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cuda.decode_ffn(x, jnp.zeros((2, 40), jnp.bfloat16), None, jnp.zeros((40, 12), jnp.bfloat16))
+    with pytest.raises(ValueError, match="bf16 or f16"):
+        cuda.decode_ffn(x, jnp.zeros((2, 40), jnp.float32), None, jnp.zeros((40, 16), jnp.float32))
+    assert not cuda.decode_supported(16, 60000, jnp.bfloat16) and cuda.decode_supported(16, 50000, jnp.float16)

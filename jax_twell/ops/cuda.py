@@ -33,6 +33,9 @@ __all__ = [
     "blocked_max_entries",
     "blocked_needed_entries",
     "gate_counts",
+    "decode_ffn",
+    "decode_supported",
+    "DECODE_TILE",
 ]
 
 KERNELS = ("row", "blocked", "blocked_mma")
@@ -282,6 +285,14 @@ class DenseCrossover:
     # of f per token. 0 = off: not yet measured on a GPU (ffi/notes/decode.md).
     decode_gather_max_tokens: int = 0
     decode_active_per_token: float = 0.01
+    # Decode kernel (ffi/twell_decode.cu): calls of at most this many tokens that the kernel
+    # takes (:func:`decode_supported`) run the gate matmul then it, reading only the weight
+    # rows of active neurons. 0 = off. ``decode_dense_above``: when set, a per-call device
+    # check runs dense up + down instead where more than this fraction of (token, neuron)
+    # pairs is active (a ``lax.cond``); None = no check (the kernel's cost grows with the
+    # active pairs: see ffi/notes/decode.md for where it crosses dense).
+    decode_kernel_max_tokens: int = 0
+    decode_dense_above: float | None = None
 
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
@@ -370,6 +381,13 @@ def sparse_ffn(
     m, d = x.shape
     f = w_act.shape[1]
     transposed = w_up_t is not None or not gated
+    if 0 < m <= rule.decode_kernel_max_tokens and rule.margin > 0 and decode_supported(d, f, x.dtype):
+        g = relu_matmul(x, w_act)
+        run = lambda: decode_ffn(x, g, w_up if gated else None, w_down, w_up_t=w_up_t)
+        if rule.decode_dense_above is None or rule.margin == float("inf"):
+            return run()
+        few = jnp.count_nonzero(g) <= rule.decode_dense_above * m * f
+        return jax.lax.cond(few, run, lambda: xla.up_down(x, g, w_up if gated else None, w_down))
     if 0 < m <= rule.decode_gather_max_tokens and 0 < rule.margin < float("inf"):
         width = xla.gather_width(m, f, rule.decode_active_per_token)
         return xla.gather_ffn(x, w_gate, w_up, w_down, width=width, w_up_t=w_up_t)
@@ -411,6 +429,69 @@ def sparse_ffn(
     if rule.margin == float("inf"):
         return sparse(None)
     return jax.lax.cond(use_sparse, sparse, dense, None)
+
+
+# ---------------------------------------------------------------------------------------
+# Decode-sized calls (ffi/twell_decode.cu): the dense gate activation straight to y.
+
+DECODE_TILE = 256  # the decode kernel's column tile (its workspace layout)
+_DECODE_MAX_D = 8192
+_DECODE_MAX_F = 50000
+
+
+def decode_supported(d: int, f: int, dtype) -> bool:
+    """True when the decode kernel takes the shape: bf16 or f16, ``d`` a multiple of 8 and at
+    most 8192, ``f`` at most 50,000 (one token's entries are listed in shared memory)."""
+    return (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and 0 < d <= _DECODE_MAX_D
+        and d % 8 == 0
+        and 0 < f <= _DECODE_MAX_F
+    )
+
+
+def decode_ffn(x, g, w_up, w_down, *, w_up_t=None, workspace: bool = False):
+    """FFN output from the dense gate activation by the decode kernels (``jax_twell_decode``).
+
+    Gated (``w_up`` given): ``y = (g * (x @ w_up)) @ w_down`` with ``x @ w_up`` computed only
+    where ``g != 0``; non-gated (``w_up=None``): ``y = g @ w_down``. Reads one row of
+    ``w_up.T`` and one of ``w_down`` per active (token, neuron) pair and nothing else of the
+    weights, so it suits decode-sized token counts (the whole FFN with the gate matmul is
+    :func:`sparse_ffn` under a rule with ``decode_kernel_max_tokens``). Exact for every
+    activation pattern (no capacity); deterministic.
+
+    Args:
+      x: ``[M, d]`` bf16 or f16 (see :func:`decode_supported`).
+      g: ``[M, f]`` x's dtype: ``relu(x @ w_gate)`` (gated) or ``relu(x @ w_up)`` (non-gated).
+      w_up: ``[d, f]`` or None.  w_down: ``[f, d]``.
+      w_up_t: optional ``[f, d]`` copy of ``w_up.T`` (the layout the kernel reads); omitted,
+        it is transposed here.
+      workspace: also return the kernel's ``counts [M, ceil(f/256)]`` and ``entries`` (tests).
+    Returns:
+      ``y [M, d]`` x's dtype (and the workspace when asked).
+    Raises:
+      ValueError: shapes or dtype the kernel does not take.
+    """
+    m, f = g.shape
+    d = w_down.shape[1]
+    if not decode_supported(d, f, g.dtype):
+        raise ValueError(
+            f"the decode kernel needs bf16 or f16, d a multiple of 8 and at most {_DECODE_MAX_D}, "
+            f"f at most {_DECODE_MAX_F}; got {jnp.dtype(g.dtype).name}, d={d}, f={f}"
+        )
+    n_tiles = -(-f // DECODE_TILE)
+    out_types = (
+        jax.ShapeDtypeStruct((m, d), g.dtype),
+        jax.ShapeDtypeStruct((m, n_tiles), jnp.int32),
+        jax.ShapeDtypeStruct((m, n_tiles * DECODE_TILE), jnp.uint32),
+    )
+    if w_up is None:
+        out = kernel_call("jax_twell_decode", out_types, vmap_method="sequential")(g, w_down)
+    else:
+        if w_up_t is None:
+            w_up_t = w_up.T
+        out = kernel_call("jax_twell_decode_gated", out_types, vmap_method="sequential")(x, g, w_up_t, w_down)
+    return out if workspace else out[0]
 
 
 def gate_counts(g: jax.Array, *, tile: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:

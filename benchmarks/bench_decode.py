@@ -1,0 +1,117 @@
+"""Decode-sized FFN benchmark (M <= 64): the decode kernels against XLA's dense FFN.
+
+Clock ("stack"): one jitted call runs a stack of LAYERS FFN layers, each with its own
+weights (so weights stream from HBM as in a model, not from L2), each layer's input
+depending on the previous layer's output (``x + 1e-30 * y``: numerically x, so every layer
+keeps the synthetic sparsity, but nothing can be hoisted, sliced or skipped). Time per
+layer = median call time / LAYERS, calls back to back (DESIGN.md §7: median of many runs
+after warm-up, synchronised). This is the device time of an FFN inside a decode step; the
+inference benchmark's "loop" clock also carries a fori_loop's per-iteration cost (~11 us
+on the H200, measured there as "empty loop").
+
+Variants per configuration:
+- dense: jax_twell.ops.xla.ffn;
+- gate: the gate matmul alone (relu(x @ w_gate), reduced over f so none of it is skipped);
+- decode: cuda.sparse_ffn with the decode kernel (gate matmul, then cuda.decode_ffn), the
+  up weight as stored ([d, f]: transposed in the call);
+- decode_pret: the same with the up weight given as [f, d] (w_up_t);
+- auto: jax_twell.sparse_ffn with the default rule (what users get).
+
+Usage: python benchmarks/bench_decode.py [--quick] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+import jax_twell as jt
+from jax_twell.formats import relu_matmul
+from jax_twell.ops import cuda, xla
+from jax_twell.testing import synthetic_ffn_inputs
+
+from common import run_metadata, time_calls, write_result
+
+LAYERS = 8
+DECODE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"))
+
+
+def grid(quick: bool):
+    ms = [1, 64] if quick else [1, 16, 64]
+    densities = [0.005, 0.02] if quick else [0.005, 0.01, 0.02, 0.05]
+    configs = [(m, 2048, 5632, p, "uniform") for m in ms for p in densities]
+    return configs + [(m, 2048, 5632, 0.005, "heavy") for m in (1, 64)]
+
+
+def stacked(op):
+    def run(x, layers):
+        xi = x
+        for w in layers:
+            y = op(xi, *w)
+            xi = x + (y.astype(jnp.float32) * 1e-30).astype(x.dtype)
+        return xi
+
+    return jax.jit(run)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    def gate_only(x, wg, wu, wd, wut=None):
+        g = relu_matmul(x, wg)
+        return jnp.broadcast_to(g.astype(jnp.float32).sum(axis=1, keepdims=True), x.shape).astype(x.dtype)
+
+    ops = dict(
+        dense=lambda x, wg, wu, wd, wut=None: xla.ffn(x, wg, wu, wd),
+        gate=gate_only,
+        decode=lambda x, wg, wu, wd, wut=None: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE),
+        decode_pret=lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE, w_up_t=wut
+        ),
+        auto=lambda x, wg, wu, wd, wut=None: jt.sparse_ffn(x, wg, wu, wd),
+    )
+    rows = []
+    for m, d, f, density, pattern in grid(args.quick):
+        layers, x = [], None
+        for i in range(LAYERS):
+            inp = synthetic_ffn_inputs(jax.random.key(1000 * m + i + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
+            x = inp.x if x is None else x
+            layers.append((inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T.copy()))
+        g = relu_matmul(x, layers[0][0])
+        nnz = (g != 0).sum(axis=1)
+        row = dict(
+            m=m, d=d, f=f, density=density, pattern=pattern, layers=LAYERS,
+            measured_active_fraction=float(nnz.mean() / f), max_active_per_row=int(nnz.max()),
+        )
+        for name, op in ops.items():
+            per_call = time_calls(stacked(op), (x, tuple(layers)), min_seconds=0.02, max_reps=100, trials=9)
+            row[f"{name}_ms"] = 1e3 * per_call / LAYERS
+        for name in ("decode", "decode_pret", "auto"):
+            row[f"{name}_ratio"] = row["dense_ms"] / row[f"{name}_ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    result = dict(
+        **run_metadata("decode_ffn"), dtype="bfloat16", layers=LAYERS,
+        crossover=vars(cuda.dense_crossover()), clock=__doc__.split('Clock ("stack"): ')[1].split("Variants")[0].strip(),
+        results=rows,
+    )
+    write_result(result, args.out, "decode")
+    print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}  (ms per layer, stack of {LAYERS})")
+    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'gate':>7} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6}")
+    for r in rows:
+        print(
+            f"{r['m']:>3} {r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>5.2f} {r['dense_ms']:>7.4f} "
+            f"{r['gate_ms']:>7.4f} {r['decode_ms']:>7.4f} {r['decode_ratio']:>6.2f} {r['decode_pret_ms']:>7.4f} "
+            f"{r['decode_pret_ratio']:>6.2f} {r['auto_ms']:>7.4f} {r['auto_ratio']:>6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+// twell_decode: the sparse FFN for decode-sized token counts (M <= 64 is the target; any M
+// works), after XLA's gate matmul. Reads only the weight rows of active neurons.
+//
+//   gated:      y[t] = sum_j  g[t,j] * (x[t] . Wu^T[j]) * Wd[j, :]     (j with g[t,j] != 0)
+//   non-gated:  y[t] = sum_j  a[t,j] * Wd[j, :]
+//
+// g (resp. a) is the dense activation relu(x @ W) [M, f] that XLA's matmul wrote; at decode
+// sizes it is small (M * f * 2 bytes, 720 KB at M=64, f=5632) and reading it is cheaper
+// than any pack. Two launches:
+//
+// 1. DecodeUpKernel, grid (f / 256, M), 256 threads: CTA (tile k, token t) finds the
+//    active columns of g[t, 256 k .. 256 k + 256) (ballot + prefix over 8 warps, column
+//    order), and for each of them (gated) one warp-wide dot x[t] . Wu^T[j] with 16-byte
+//    loads of the contiguous row; h = round(g * round(u)) as the reference rounds it. Writes
+//    the tile's count and its entries (h bits << 16 | column in tile), in column order.
+//    Non-gated: h = a, no dot.
+// 2. DecodeDownKernel, grid (ceil(d / (32 V)), M), 128 threads: CTA (column chunk c, token
+//    t) lists the token's entries in shared memory (counts -> offsets by a warp scan, then
+//    one load per entry, adding the tile to each word), splits the list into four contiguous quarters, one per warp,
+//    each accumulating h * Wd[j, chunk] in f32 registers eight rows at a time (eight
+//    independent 16-byte loads in flight per lane); the four partial sums are added in warp
+//    order and y rounded once. Deterministic; no atomics.
+//
+// Weight traffic: one Wu^T row and one Wd row per active (token, neuron) pair (8 KB at
+// d=2048, bf16), the first touch of a row from HBM, repeats from L2; x, g and y once.
+// Exact for every activation pattern (there is no capacity: a tile holds all 256 columns).
+// Constraints: bf16 or f16; d a multiple of 8 and at most 8192; f at most 50,000 (the
+// token's entry list lives in shared memory).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+#include "elements.cuh"
+
+namespace jax_twell {
+namespace {
+
+constexpr int kDecTile = 256;        // columns per up CTA (one per thread)
+constexpr int kUpWarps = kDecTile / 32;
+constexpr int kDownWarps = 4;
+constexpr int kDownThreads = kDownWarps * 32;
+constexpr int kDownUnroll = 8;       // Wd rows in flight per warp step
+constexpr int kMaxD = 8192;
+constexpr int kMaxF = 50000;  // list in shared memory (200 KB); tile index fits 8 bits
+
+struct DecShapes {
+  int rows, d, f, n_tiles;
+};
+
+// 1. Active columns of one (tile, token) and, gated, their up dot products.
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(kDecTile) DecodeUpKernel(const uint16_t* __restrict__ x,
+                                                           const uint16_t* __restrict__ g,
+                                                           const uint16_t* __restrict__ w_up_t,
+                                                           int32_t* __restrict__ counts,
+                                                           uint32_t* __restrict__ entries, DecShapes s) {
+  constexpr int V = Vec<E>::V;
+  __shared__ int warp_base[kUpWarps + 1];
+  __shared__ uint32_t list[kDecTile];  // g bits << 16 | column in tile
+  const int k = blockIdx.x, t = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int col = k * kDecTile + threadIdx.x;
+  const uint32_t bits = col < s.f ? g[static_cast<int64_t>(t) * s.f + col] : 0u;
+  const bool active = E::ToFloat(bits) != 0.f;  // NaN counts as active: it reaches y as dense would
+  const unsigned ballot = __ballot_sync(kFullMask, active);
+  if (lane == 0) warp_base[warp + 1] = __popc(ballot);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    warp_base[0] = 0;
+    for (int w = 0; w < kUpWarps; ++w) warp_base[w + 1] += warp_base[w];
+  }
+  __syncthreads();
+  if (active) list[warp_base[warp] + __popc(ballot & ((1u << lane) - 1))] = (bits << 16) | threadIdx.x;
+  const int total = warp_base[kUpWarps];
+  const int64_t slot = static_cast<int64_t>(t) * s.n_tiles + k;
+  if (threadIdx.x == 0) counts[slot] = total;
+  __syncthreads();
+  uint32_t* out = entries + slot * kDecTile;
+  if constexpr (!kGated) {
+    if (threadIdx.x < total) out[threadIdx.x] = list[threadIdx.x];
+  } else {
+    const uint16_t* x_row = x + static_cast<int64_t>(t) * s.d;
+    const int n_vec = s.d / V;
+    for (int e = warp; e < total; e += kUpWarps) {
+      const uint32_t word = list[e];
+      const uint16_t* w_row = w_up_t + static_cast<int64_t>(k * kDecTile + (word & 0xffffu)) * s.d;
+      float acc = 0.f;
+      for (int i0 = 0; i0 < n_vec; i0 += 32 * 4) {
+        uint4 xr[4], wr[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = i0 + u * 32 + lane;
+          if (i < n_vec) {
+            xr[u] = *reinterpret_cast<const uint4*>(x_row + i * V);
+            wr[u] = LoadStreaming(w_row + i * V);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (i0 + u * 32 + lane < n_vec) {
+            Vec<E> xv, wv;
+            xv.Unpack(xr[u]);
+            wv.Unpack(wr[u]);
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc = fmaf(xv.v[v], wv.v[v], acc);
+          }
+        }
+      }
+      acc = WarpSum(acc);
+      if (lane == 0) {
+        const float h = E::ToFloat(word >> 16) * Round<E>(acc);
+        out[e] = (E::FromFloat(h) << 16) | (word & 0xffffu);
+      }
+    }
+  }
+}
+
+// 2. y[t, chunk] from the token's entries.
+template <typename E>
+__global__ void __launch_bounds__(kDownThreads) DecodeDownKernel(const int32_t* __restrict__ counts,
+                                                                const uint32_t* __restrict__ entries,
+                                                                const uint16_t* __restrict__ w_down,
+                                                                uint16_t* __restrict__ y, DecShapes s) {
+  constexpr int V = Vec<E>::V;
+  constexpr int kChunk = 32 * V;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  float* partial = reinterpret_cast<float*>(smem_raw);                 // [kDownWarps][kChunk]
+  int* off = reinterpret_cast<int*>(partial + kDownWarps * kChunk);    // [n_tiles + 1]
+  uint32_t* list = reinterpret_cast<uint32_t*>(off + s.n_tiles + 1);  // [nnz of the token]
+  const int c = blockIdx.x, t = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t slot0 = static_cast<int64_t>(t) * s.n_tiles;
+  // Offsets of the token's tiles in its list: warp 0 scans 32 tiles at a time.
+  if (warp == 0) {
+    int base = 0;
+    for (int k0 = 0; k0 < s.n_tiles; k0 += 32) {
+      const int k = k0 + lane;
+      const int count = k < s.n_tiles ? counts[slot0 + k] : 0;
+      int inclusive = count;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int other = __shfl_up_sync(kFullMask, inclusive, o);
+        if (lane >= o) inclusive += other;
+      }
+      if (k < s.n_tiles) off[k] = base + inclusive - count;
+      base += __shfl_sync(kFullMask, inclusive, 31);
+    }
+    if (lane == 0) off[s.n_tiles] = base;
+  }
+  __syncthreads();
+  // The token's entries in (tile, column) order to list[]: one independent load per thread
+  // and slot (the slot's tile by binary search over the offsets), so all are in flight at once.
+  const int total = off[s.n_tiles];
+  for (int p = threadIdx.x; p < total; p += kDownThreads) {
+    int k = 0;
+    for (int step = 128; step > 0; step >>= 1)  // n_tiles <= 196 (f <= 50,000)
+      if (k + step < s.n_tiles && off[k + step] <= p) k += step;
+    list[p] = entries[(slot0 + k) * kDecTile + (p - off[k])] | (static_cast<uint32_t>(k) << 8);
+  }
+  __syncthreads();
+  const int lo = static_cast<int>(static_cast<int64_t>(total) * warp / kDownWarps);
+  const int hi = static_cast<int>(static_cast<int64_t>(total) * (warp + 1) / kDownWarps);
+  const int col = c * kChunk + lane * V;
+  const bool in_range = col < s.d;
+  float acc[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) acc[v] = 0.f;
+  for (int p0 = lo; p0 < hi; p0 += kDownUnroll) {
+    uint4 raw[kDownUnroll];
+    float h[kDownUnroll];
+#pragma unroll
+    for (int u = 0; u < kDownUnroll; ++u) {
+      const int p = p0 + u;
+      h[u] = 0.f;
+      raw[u] = make_uint4(0, 0, 0, 0);
+      if (p < hi) {
+        const uint32_t word = list[p];  // h << 16 | tile << 8 | column in tile
+        h[u] = E::ToFloat(word >> 16);
+        const int64_t row = static_cast<int64_t>((word >> 8) & 0xffu) * kDecTile + (word & 0xffu);
+        if (in_range) raw[u] = LoadStreaming(w_down + row * s.d + col);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kDownUnroll; ++u) {
+      Vec<E> w;
+      w.Unpack(raw[u]);
+#pragma unroll
+      for (int v = 0; v < V; ++v) acc[v] = fmaf(h[u], w.v[v], acc[v]);
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < V; ++v) partial[warp * kChunk + lane * V + v] = acc[v];
+  __syncthreads();
+  for (int i = threadIdx.x; i < kChunk; i += kDownThreads) {
+    const int cc = c * kChunk + i;
+    if (cc >= s.d) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kDownWarps; ++w) sum += partial[w * kChunk + i];
+    y[static_cast<int64_t>(t) * s.d + cc] = static_cast<uint16_t>(E::FromFloat(sum));
+  }
+}
+
+inline int DownSmemBytes(const DecShapes& s) {
+  return kDownWarps * 32 * 8 * 4 + (s.n_tiles + 1) * 4 + s.n_tiles * kDecTile * 4;
+}
+
+template <typename E, bool kGated>
+ffi::Error Launch(cudaStream_t stream, const DecShapes& s, const void* x, const void* g, const void* w_up_t,
+                  const void* w_down, void* y, int32_t* counts, uint32_t* entries) {
+  DecodeUpKernel<E, kGated><<<dim3(s.n_tiles, s.rows), kDecTile, 0, stream>>>(
+      static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(w_up_t),
+      counts, entries, s);
+  if (auto err = LaunchStatus("DecodeUpKernel"); err.failure()) return err;
+  constexpr int kChunk = 32 * Vec<E>::V;
+  const int smem = DownSmemBytes(s);
+  // Past the default 48 KB only (f > ~11,000): nothing host-side on the common path, which
+  // XLA may capture into a CUDA graph (the handlers are command-buffer compatible).
+  if (smem > 48 * 1024) cudaFuncSetAttribute(DecodeDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  DecodeDownKernel<E><<<dim3((s.d + kChunk - 1) / kChunk, s.rows), kDownThreads, smem, stream>>>(
+      counts, entries, static_cast<const uint16_t*>(w_down), static_cast<uint16_t*>(y), s);
+  return LaunchStatus("DecodeDownKernel");
+}
+
+template <bool kGated>
+ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_up_t,
+                      ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
+                      ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::U32>> entries) {
+  auto g_dims = g.dimensions();
+  if (g_dims.size() != 2) return Invalid("twell_decode: the activation must have shape [M, f]");
+  const int64_t rows = g_dims[0], f = g_dims[1];
+  if (!SameDims(w_down.dimensions(), {f, w_down.dimensions().back()}) || w_down.dimensions().size() != 2)
+    return Invalid("twell_decode: w_down must have shape [f, d]");
+  const int64_t d = w_down.dimensions().back();
+  if (!SameDims(y->dimensions(), {rows, d})) return Invalid("twell_decode: y must have shape [M, d]");
+  if (kGated && (!SameDims(x.dimensions(), {rows, d}) || !SameDims(w_up_t.dimensions(), {f, d})))
+    return Invalid("twell_decode: x must have shape [M, d] and w_up_t [f, d]");
+  const int64_t n_tiles = CeilDiv(f, kDecTile);
+  if (!SameDims(counts->dimensions(), {rows, n_tiles}) || !SameDims(entries->dimensions(), {rows, n_tiles * kDecTile}))
+    return Invalid("twell_decode: workspace must be counts [M, ceil(f / 256)] and entries [M, 256 ceil(f / 256)]");
+  const auto dtype = g.element_type();
+  if (w_down.element_type() != dtype || y->element_type() != dtype ||
+      (kGated && (x.element_type() != dtype || w_up_t.element_type() != dtype)))
+    return Invalid("twell_decode: x, the activation, the weights and y must share one dtype");
+  if (d % 8 != 0 || d > kMaxD || d <= 0)
+    return Invalid("twell_decode: d must be a positive multiple of 8 and at most " + std::to_string(kMaxD) +
+                   ", got " + std::to_string(d));
+  if (f <= 0 || f > kMaxF) return Invalid("twell_decode: f must be in [1, " + std::to_string(kMaxF) + "]");
+  if (rows > 65535) return Invalid("twell_decode: at most 65,535 tokens per call");
+  if (rows == 0) return ffi::Error::Success();
+  const DecShapes s{static_cast<int>(rows), static_cast<int>(d), static_cast<int>(f), static_cast<int>(n_tiles)};
+  const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
+  const void* xp = kGated ? x.untyped_data() : nullptr;
+  switch (dtype) {
+    case ffi::DataType::BF16:
+      return Launch<Bf16, kGated>(stream, s, xp, g.untyped_data(), up_t, w_down.untyped_data(), y->untyped_data(),
+                                  counts->typed_data(), entries->typed_data());
+    case ffi::DataType::F16:
+      return Launch<F16, kGated>(stream, s, xp, g.untyped_data(), up_t, w_down.untyped_data(), y->untyped_data(),
+                                 counts->typed_data(), entries->typed_data());
+    default:
+      return Invalid("twell_decode: bf16 or f16 only (f32 runs the other paths)");
+  }
+}
+
+ffi::Error DecodeGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_up_t,
+                       ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                       ffi::Result<ffi::Buffer<ffi::U32>> entries) {
+  return DecodeImpl<true>(stream, x, g, w_up_t, w_down, y, counts, entries);
+}
+
+ffi::Error DecodeUngated(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::U32>> entries) {
+  return DecodeImpl<false>(stream, a, a, w_down, w_down, y, counts, entries);
+}
+
+}  // namespace
+}  // namespace jax_twell
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellDecodeGated, jax_twell::DecodeGated,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [M, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // g = relu(x @ w_gate) [M, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up_t [f, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [M, n_tiles]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>(),  // entries [M, 256 n_tiles]
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellDecode, jax_twell::DecodeUngated,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // a = relu(x @ w_up) [M, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,89 @@
+"""The decode kernels (ffi/twell_decode.cu) against the reference, on the GPU: every
+activation pattern exact (dense rows, empty rows, partial tiles), the workspace's entry
+lists, and the dispatch of decode-sized calls through cuda.sparse_ffn."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_twell.formats import pack_twell_reference, relu_matmul
+from jax_twell.ops import cuda, reference, xla
+from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
+from specs import assert_close, fused_tolerance
+
+pytestmark = pytest.mark.gpu
+
+# m, d, f, density, pattern, full rows, empty rows
+CASES = [
+    (1, 2048, 5632, 0.005, "uniform", 0, 0),
+    (64, 2048, 5632, 0.005, "heavy", 0, 0),
+    (3, 64, 260, 0.05, "uniform", 1, 1),  # f not a multiple of 256; one dense row
+    (77, 192, 1000, 0.02, "heavy", 3, 5),  # M past 64 still works
+    (16, 8, 300, 0.5, "dense", 0, 0),  # smallest d
+    (8, 8192, 700, 0.01, "uniform", 1, 2),  # largest d
+    (5, 256, 20000, 0.01, "uniform", 2, 1),  # large f: a dense row has 20,000 entries
+]
+
+
+def _want(x, g, w_up, w_down):
+    """The reference on the same g: TwELL with room for every column (nothing overflows)."""
+    act = pack_twell_reference(g, tile=256, capacity=256)
+    with jax.default_matmul_precision("highest"):
+        return reference.twell_ffn(x, act, None, w_up, w_down)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_decode_matches_reference(case, gated, dtype):
+    m, d, f, density, pattern, full, empty = case
+    inp = synthetic_ffn_inputs(jax.random.key(m * 7 + f), m, d, f, density=density, pattern=pattern, dtype=dtype)
+    inp = with_extreme_rows(inp, full=full, empty=empty)
+    g = relu_matmul(inp.x, inp.w_gate)  # non-gated too: the kernel sees only the activation
+    w_up = inp.w_up if gated else None
+    y, counts, entries = jax.jit(lambda x, g: cuda.decode_ffn(x, g, w_up, inp.w_down, workspace=True))(inp.x, g)
+    assert y.dtype == dtype and y.shape == (m, d)
+    assert_close(y, _want(inp.x, g, w_up, inp.w_down), fused_tolerance(dtype, f), f"{case} gated={gated}")
+    # The entry lists: per (token, tile) the active columns in order; non-gated h is g itself.
+    n_tiles = -(-f // cuda.DECODE_TILE)
+    active = np.zeros((m, n_tiles * cuda.DECODE_TILE), bool)
+    active[:, :f] = np.asarray(g, np.float32) != 0
+    active = active.reshape(m, n_tiles, cuda.DECODE_TILE)
+    counts, entries = np.asarray(counts), np.asarray(entries).reshape(m, n_tiles, cuda.DECODE_TILE)
+    np.testing.assert_array_equal(counts, active.sum(-1))
+    g_bits = np.pad(np.asarray(g).view(np.uint16), ((0, 0), (0, n_tiles * cuda.DECODE_TILE - f)))
+    g_bits = g_bits.reshape(m, n_tiles, cuda.DECODE_TILE)
+    for t, k in zip(*np.nonzero(counts)):
+        cols = np.nonzero(active[t, k])[0]
+        got = entries[t, k, : len(cols)]
+        np.testing.assert_array_equal(got & 0xFFFF, cols, f"token {t} tile {k}")
+        if not gated:
+            np.testing.assert_array_equal(got >> 16, g_bits[t, k, cols], f"token {t} tile {k}")
+    if full:
+        assert counts.sum(-1).max() == f  # the dense rows did list every column
+    if empty:
+        assert (counts.sum(-1) == 0).sum() >= empty
+
+
+def test_decode_is_deterministic_and_given_w_up_t():
+    inp = synthetic_ffn_inputs(jax.random.key(5), 64, 2048, 5632, density=0.01, pattern="heavy")
+    g = relu_matmul(inp.x, inp.w_gate)
+    a = cuda.decode_ffn(inp.x, g, inp.w_up, inp.w_down)
+    b = cuda.decode_ffn(inp.x, g, inp.w_up, inp.w_down, w_up_t=inp.w_up.T)
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+@pytest.mark.parametrize("check", [None, 0.02])
+@pytest.mark.parametrize("density", [0.005, 0.5])
+def test_sparse_ffn_runs_the_decode_kernel(check, density):
+    """Decode-sized calls under jit through the dispatch: the kernel (or, with the device
+    check, dense above 2% active) gives the FFN either way."""
+    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check)
+    pattern = "dense" if density == 0.5 else "uniform"
+    for m in (1, 64):
+        inp = synthetic_ffn_inputs(jax.random.key(m), m, 2048, 5632, density=density, pattern=pattern)
+        y = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))(*inp)
+        with jax.default_matmul_precision("highest"):
+            want = xla.ffn(*inp)
+        assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, 5632), f"m={m} density={density}")
