@@ -12,9 +12,10 @@ on the H200, measured there as "empty loop").
 Variants per configuration:
 - dense: jax_twell.ops.xla.ffn;
 - gate: the gate matmul alone (relu(x @ w_gate), reduced over f so none of it is skipped);
-- decode: cuda.sparse_ffn with the decode kernel (gate matmul, then cuda.decode_ffn), the
-  up weight as stored ([d, f]: transposed in the call);
+- decode: cuda.sparse_ffn with the decode kernels (our gate kernel, then the up and down
+  steps: cuda.decode_ffn_gate), the up weight as stored ([d, f]: transposed in the call);
 - decode_pret: the same with the up weight given as [f, d] (w_up_t);
+- xla_gate_pret: XLA's gate matmul, then the up and down steps (cuda.decode_ffn), w_up_t;
 - auto: jax_twell.sparse_ffn with the default rule (what users get).
 
 Usage: python benchmarks/bench_decode.py [--quick] [--out results.json]
@@ -37,6 +38,7 @@ from common import run_metadata, time_calls, write_result
 
 LAYERS = 8
 DECODE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"))
+DECODE_XLA_GATE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"), decode_fused_gate=False)
 
 
 def grid(quick: bool):
@@ -74,6 +76,9 @@ def main():
         decode_pret=lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
             x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE, w_up_t=wut
         ),
+        xla_gate_pret=lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE_XLA_GATE, w_up_t=wut
+        ),
         auto=lambda x, wg, wu, wd, wut=None: jt.sparse_ffn(x, wg, wu, wd),
     )
     rows = []
@@ -92,7 +97,7 @@ def main():
         for name, op in ops.items():
             per_call = time_calls(stacked(op), (x, tuple(layers)), min_seconds=0.02, max_reps=100, trials=9)
             row[f"{name}_ms"] = 1e3 * per_call / LAYERS
-        for name in ("decode", "decode_pret", "auto"):
+        for name in ("decode", "decode_pret", "xla_gate_pret", "auto"):
             row[f"{name}_ratio"] = row["dense_ms"] / row[f"{name}_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -104,12 +109,13 @@ def main():
     )
     write_result(result, args.out, "decode")
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}  (ms per layer, stack of {LAYERS})")
-    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'gate':>7} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6}")
+    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'xla gate':>8} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'xg pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6}")
     for r in rows:
         print(
             f"{r['m']:>3} {r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>5.2f} {r['dense_ms']:>7.4f} "
-            f"{r['gate_ms']:>7.4f} {r['decode_ms']:>7.4f} {r['decode_ratio']:>6.2f} {r['decode_pret_ms']:>7.4f} "
-            f"{r['decode_pret_ratio']:>6.2f} {r['auto_ms']:>7.4f} {r['auto_ratio']:>6.2f}"
+            f"{r['gate_ms']:>8.4f} {r['decode_ms']:>7.4f} {r['decode_ratio']:>6.2f} {r['decode_pret_ms']:>7.4f} "
+            f"{r['decode_pret_ratio']:>6.2f} {r['xla_gate_pret_ms']:>7.4f} {r['xla_gate_pret_ratio']:>6.2f} "
+            f"{r['auto_ms']:>7.4f} {r['auto_ratio']:>6.2f}"
         )
 
 

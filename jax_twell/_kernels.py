@@ -40,6 +40,8 @@ HANDLERS = {
     "jax_twell_train_bwd": "JaxTwellTrainBwd",
     "jax_twell_decode_gated": "JaxTwellDecodeGated",
     "jax_twell_decode": "JaxTwellDecode",
+    "jax_twell_decode_fused_gated": "JaxTwellDecodeFusedGated",
+    "jax_twell_decode_fused": "JaxTwellDecodeFused",
 }
 _REGISTERED: set[str] = set()
 

@@ -87,3 +87,48 @@ def test_sparse_ffn_runs_the_decode_kernel(check, density):
         with jax.default_matmul_precision("highest"):
             want = xla.ffn(*inp)
         assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, 5632), f"m={m} density={density}")
+
+
+# m, d, f, density, pattern, full rows, empty rows: shapes the gate kernel takes
+GATE_CASES = [
+    (1, 2048, 5632, 0.005, "uniform", 0, 0),
+    (16, 2048, 5632, 0.01, "heavy", 0, 0),
+    (17, 1024, 2816, 0.02, "uniform", 1, 1),  # two token blocks of 16, the second nearly empty
+    (64, 2048, 5632, 0.005, "heavy", 2, 3),
+    (5, 48, 1000, 0.05, "uniform", 0, 0),  # d not a multiple of 128 (a partial stage), f of 64
+    (33, 4096, 11008, 0.005, "uniform", 0, 0),
+]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", GATE_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_decode_gate_kernel_matches_reference(case, gated):
+    """The gate on tensor cores: its split partial sums add up to x @ w (f32), the active
+    columns are those of relu(x @ w) up to rounding ties, and y matches the reference."""
+    m, d, f, density, pattern, full, empty = case
+    inp = synthetic_ffn_inputs(jax.random.key(m * 3 + f), m, d, f, density=density, pattern=pattern)
+    inp = with_extreme_rows(inp, full=full, empty=empty)
+    w_act = inp.w_gate  # non-gated too (the activation's weight): keeps the synthetic sparsity
+    w_up = inp.w_up if gated else None
+    y, partial, counts, _ = jax.jit(lambda x: cuda.decode_ffn_gate(x, w_act, w_up, inp.w_down, workspace=True))(inp.x)
+    assert partial.shape == (cuda.decode_gate_splits(m, d, f), m, f)
+    pre = np.asarray(inp.x, np.float64) @ np.asarray(w_act, np.float64)
+    sums = np.asarray(partial, np.float64).sum(0)
+    assert np.abs(sums - pre).max() <= 1e-5 * np.abs(pre).max()
+    g = relu_matmul(inp.x, w_act)
+    active = np.asarray(g, np.float32) != 0
+    n_tiles = -(-f // cuda.DECODE_TILE)
+    per_tile = np.pad(active, ((0, 0), (0, n_tiles * cuda.DECODE_TILE - f))).reshape(m, n_tiles, -1).sum(-1)
+    assert np.abs(np.asarray(counts) - per_tile).sum() <= max(2, m * f // 20000)  # rounding ties at 0 only
+    want = _want(inp.x, g, w_up, inp.w_down)
+    assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, f), f"{case} gated={gated}")
+
+
+def test_sparse_ffn_takes_the_gate_kernel_by_default_rule_with_decode_on():
+    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64)
+    inp = synthetic_ffn_inputs(jax.random.key(9), 8, 2048, 5632, density=0.005)
+    fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))
+    assert "jax_twell_decode_fused_gated" in fn.lower(*inp).as_text()
+    with jax.default_matmul_precision("highest"):
+        want = xla.ffn(*inp)
+    assert_close(fn(*inp), want, 2 * fused_tolerance(jnp.bfloat16, 5632), "default rule, decode on")

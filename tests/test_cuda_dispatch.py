@@ -178,36 +178,44 @@ def test_default_rule_matches_the_h200_measurements():
     assert not rule.sparse_can_win(64, d, f, 2)  # decode: dense, decided at trace time
 
 
+@pytest.mark.parametrize("f", [700, 704], ids=["f700", "f704"])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("check", [None, 0.02])
-def test_decode_sized_calls_take_the_decode_kernel(monkeypatch, stand_ins, gated, check):
-    """With ``decode_kernel_max_tokens`` set, calls of at most that many tokens run the gate
-    matmul then the decode kernel (here a reference stand-in), with no pack; past it, or
-    with the device check on a dense call, the FFN is still right."""
+def test_decode_sized_calls_take_the_decode_kernel(monkeypatch, stand_ins, gated, check, f):
+    """With ``decode_kernel_max_tokens`` set, calls of at most that many tokens run the
+    decode kernels (here reference stand-ins) with no pack: the gate on our kernel
+    (``decode_ffn_gate``) where it takes the shape (f a multiple of 8) and no device check is
+    asked for, else XLA's gate then ``decode_ffn``; past the decode size, or with the device
+    check on a dense call, the FFN is still right."""
     stand_ins(mark=False)
     seen = []
 
     def decode(x, g, w_up, w_down, *, w_up_t=None, workspace=False):
-        seen.append(x.shape[0])
+        seen.append(("xla gate", x.shape[0]))
+        return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+
+    def decode_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace=False):
+        seen.append(("kernel gate", x.shape[0]))
+        g = relu_matmul(x, w_act)
         return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
 
     monkeypatch.setattr(cuda, "decode_ffn", decode)
+    monkeypatch.setattr(cuda, "decode_ffn_gate", decode_gate)
     rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check, **NO_FIXED)
+    fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))
     for m, density in ((1, 0.02), (64, 0.02), (64, 0.5)):
-        inp = case(m=m, density=density, full=0, empty=0, key=m)
+        inp = synthetic_ffn_inputs(jax.random.key(m), m, 128, f, density=density)
         w_gate = inp.w_gate if gated else None
-        fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))
         jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down))
         assert "stand_in_pack" not in jaxpr
         y = fn(inp.x, w_gate, inp.w_up, inp.w_down)
         want = xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down)
-        assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, inp.w_up.shape[1]), f"m={m} density={density}")
-    assert seen and set(seen) <= {1, 64}
+        assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, f), f"m={m} density={density}")
+    path = "kernel gate" if check is None and f % 8 == 0 else "xla gate"
+    assert seen and {p for p, _ in seen} == {path} and {m for _, m in seen} <= {1, 64}
     inp = case(m=65, key=9)  # past the decode size: the usual path
     seen.clear()
-    jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))(
-        inp.x, inp.w_gate if gated else None, inp.w_up, inp.w_down
-    )
+    fn(inp.x, inp.w_gate if gated else None, inp.w_up, inp.w_down)
     assert not seen
 
 
@@ -218,3 +226,17 @@ def test_decode_ffn_rejects_shapes_it_cannot_take():
     with pytest.raises(ValueError, match="bf16 or f16"):
         cuda.decode_ffn(x, jnp.zeros((2, 40), jnp.float32), None, jnp.zeros((40, 16), jnp.float32))
     assert not cuda.decode_supported(16, 60000, jnp.bfloat16) and cuda.decode_supported(16, 50000, jnp.float16)
+    with pytest.raises(ValueError, match="at most 64 tokens"):
+        cuda.decode_ffn_gate(jnp.zeros((65, 16), jnp.bfloat16), jnp.zeros((16, 40), jnp.bfloat16), None,
+                             jnp.zeros((40, 16), jnp.bfloat16))
+    assert not cuda.decode_gate_supported(4, 24, 64) and not cuda.decode_gate_supported(4, 32, 60)
+
+
+def test_decode_gate_splits_balance_parallelism_and_traffic():
+    # M=1: ~4 CTAs per SM over 88 column blocks; M=64: partial sums capped at 1/4 of Wg's bytes.
+    assert cuda.decode_gate_splits(1, 2048, 5632, sms=132) == 6
+    assert cuda.decode_gate_splits(64, 2048, 5632, sms=132) == 2
+    assert cuda.decode_gate_splits(64, 512, 4096, sms=132) == 1
+    for m, d, f in [(1, 64, 8), (64, 8192, 50000), (7, 16, 5632)]:
+        splits = cuda.decode_gate_splits(m, d, f, sms=132)
+        assert 1 <= splits <= -(-d // 128)

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_twell as jt
-from jax_twell.ops import cuda
+from jax_twell.ops import cuda, cuda_train
 from jax_twell.testing import synthetic_ffn_inputs
 from specs import assert_close, fused_tolerance
 
@@ -68,7 +68,15 @@ def test_sharded_training_kernels_equal_single_device(layout, gated):
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
     sharding = jt.FFNSharding(token_axes=("x",), mesh=mesh) if layout == "data" else jt.FFNSharding(tensor_axis="x", mesh=mesh)
     inp = synthetic_ffn_inputs(jax.random.key(1), 4096, 1024, 2816, density=0.01, pattern="heavy")
+    # The default rule decides this small shape dense at trace time: force the kernels.
+    previous = cuda_train.set_train_crossover(cuda_train.TrainCrossover(margin=float("inf")))
+    try:
+        _check_sharded_training(mesh, sharding, inp, layout, gated)
+    finally:
+        cuda_train.set_train_crossover(previous)
 
+
+def _check_sharded_training(mesh, sharding, inp, layout, gated):
     def loss(x, wg, wu, wd, shard):
         y, aux = jt.sparse_ffn_train(x, wg, wu, wd, implementation="cuda", sharding=shard)
         return (y.astype(jnp.float32) ** 2).mean() + 1e-3 * aux.l1, (y, aux.l1)

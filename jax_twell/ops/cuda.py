@@ -34,7 +34,9 @@ __all__ = [
     "blocked_needed_entries",
     "gate_counts",
     "decode_ffn",
+    "decode_ffn_gate",
     "decode_supported",
+    "decode_gate_supported",
     "DECODE_TILE",
 ]
 
@@ -293,6 +295,9 @@ class DenseCrossover:
     # active pairs: see ffi/notes/decode.md for where it crosses dense).
     decode_kernel_max_tokens: int = 0
     decode_dense_above: float | None = None
+    # The decode path's gate matmul on our tensor-core kernel (decode_ffn_gate: reads the
+    # gate weight once, no [M, f] round trip through XLA) where it takes the shape.
+    decode_fused_gate: bool = True
 
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
@@ -382,9 +387,12 @@ def sparse_ffn(
     f = w_act.shape[1]
     transposed = w_up_t is not None or not gated
     if 0 < m <= rule.decode_kernel_max_tokens and rule.margin > 0 and decode_supported(d, f, x.dtype):
+        unchecked = rule.decode_dense_above is None or rule.margin == float("inf")
+        if unchecked and rule.decode_fused_gate and decode_gate_supported(m, d, f):
+            return decode_ffn_gate(x, w_act, w_up if gated else None, w_down, w_up_t=w_up_t)
         g = relu_matmul(x, w_act)
         run = lambda: decode_ffn(x, g, w_up if gated else None, w_down, w_up_t=w_up_t)
-        if rule.decode_dense_above is None or rule.margin == float("inf"):
+        if unchecked:
             return run()
         few = jnp.count_nonzero(g) <= rule.decode_dense_above * m * f
         return jax.lax.cond(few, run, lambda: xla.up_down(x, g, w_up if gated else None, w_down))
@@ -491,6 +499,66 @@ def decode_ffn(x, g, w_up, w_down, *, w_up_t=None, workspace: bool = False):
         if w_up_t is None:
             w_up_t = w_up.T
         out = kernel_call("jax_twell_decode_gated", out_types, vmap_method="sequential")(x, g, w_up_t, w_down)
+    return out if workspace else out[0]
+
+
+_DECODE_GATE_MAX_TOKENS = 64
+_GATE_COLS, _GATE_ROWS = 64, 128  # the gate kernel's column block and rows per stage
+
+
+def decode_gate_supported(m: int, d: int, f: int) -> bool:
+    """True when the decode gate kernel takes the shape: at most 64 tokens, ``d`` a multiple
+    of 16, ``f`` a multiple of 8 (plus :func:`decode_supported`)."""
+    return 0 < m <= _DECODE_GATE_MAX_TOKENS and d % 16 == 0 and f % 8 == 0
+
+
+def decode_gate_splits(m: int, d: int, f: int, sms: int | None = None) -> int:
+    """Split-K count of the decode gate kernel: about four CTAs per SM streaming the gate
+    weight, but f32 partial sums (``splits * M * f * 4`` bytes, written and read once) kept
+    under a quarter of the weight's bytes."""
+    if sms is None:
+        sms = getattr(jax.devices()[0], "core_count", None) or 132
+    n_chunks = -(-d // _GATE_ROWS)
+    want = -(-4 * sms // -(-f // _GATE_COLS))
+    return max(1, min(n_chunks, want, d // (16 * m)))
+
+
+def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = False):
+    """The whole decode FFN in our kernels: gate matmul (tensor cores, split-K over d, the
+    gate weight read once), then :func:`decode_ffn`'s two steps on its result.
+
+    Same math as :func:`decode_ffn` with ``g = relu(x @ w_act)``; g is the f32 sum of the
+    split partials rounded once to x's dtype (as XLA's matmul rounds), so it matches
+    ``relu_matmul`` up to the order of the f32 additions. ``w_act``: ``w_gate`` (gated,
+    ``w_up`` given) or ``w_up`` (non-gated, ``w_up=None``), ``[d, f]``.
+    ``workspace=True`` also returns ``(partials [splits, M, f] f32, counts, entries)``.
+
+    Raises:
+      ValueError: shapes the kernels do not take (:func:`decode_supported`,
+        :func:`decode_gate_supported`).
+    """
+    m, d = x.shape
+    f = w_act.shape[1]
+    if not (decode_supported(d, f, x.dtype) and decode_gate_supported(m, d, f)):
+        raise ValueError(
+            f"the decode gate kernel needs bf16 or f16, at most {_DECODE_GATE_MAX_TOKENS} tokens, d a multiple "
+            f"of 16 and at most {_DECODE_MAX_D}, f a multiple of 8 and at most {_DECODE_MAX_F}; got "
+            f"{jnp.dtype(x.dtype).name}, M={m}, d={d}, f={f}"
+        )
+    n_tiles = -(-f // DECODE_TILE)
+    splits = decode_gate_splits(m, d, f)
+    out_types = (
+        jax.ShapeDtypeStruct((m, d), x.dtype),
+        jax.ShapeDtypeStruct((splits, m, f), jnp.float32),
+        jax.ShapeDtypeStruct((m, n_tiles), jnp.int32),
+        jax.ShapeDtypeStruct((m, n_tiles * DECODE_TILE), jnp.uint32),
+    )
+    if w_up is None:
+        out = kernel_call("jax_twell_decode_fused", out_types, vmap_method="sequential")(x, w_act, w_down)
+    else:
+        if w_up_t is None:
+            w_up_t = w_up.T
+        out = kernel_call("jax_twell_decode_fused_gated", out_types, vmap_method="sequential")(x, w_act, w_up_t, w_down)
     return out if workspace else out[0]
 
 
