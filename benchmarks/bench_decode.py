@@ -37,7 +37,7 @@ from jax_twell.testing import synthetic_ffn_inputs
 from common import run_metadata, time_calls, write_result
 
 LAYERS = 8
-DECODE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"))
+DECODE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"), decode_fused_gate=True)
 DECODE_XLA_GATE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"), decode_fused_gate=False)
 
 

@@ -56,6 +56,16 @@ __device__ __forceinline__ uint4 LoadStreaming(const void* p) {
   return r;
 }
 
+// Inclusive prefix sum of v over the lanes of a full warp (lane = threadIdx.x % 32).
+__device__ __forceinline__ int WarpInclusiveSum(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int other = __shfl_up_sync(kFullMask, v, o);
+    if (lane >= o) v += other;
+  }
+  return v;
+}
+
 __device__ __forceinline__ float WarpSum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);

@@ -8,13 +8,13 @@
 // sizes it is small (M * f * 2 bytes, 720 KB at M=64, f=5632) and reading it is cheaper
 // than any pack. Two launches:
 //
-// 1. DecodeUpKernel, grid (f / 256, M), 256 threads: CTA (tile k, token t) finds the
+// 1. TwellDecodeUpKernel, grid (f / 256, M), 256 threads: CTA (tile k, token t) finds the
 //    active columns of g[t, 256 k .. 256 k + 256) (ballot + prefix over 8 warps, column
 //    order), and for each of them (gated) one warp-wide dot x[t] . Wu^T[j] with 16-byte
 //    loads of the contiguous row; h = round(g * round(u)) as the reference rounds it. Writes
 //    the tile's count and its entries (h bits << 16 | column in tile), in column order.
 //    Non-gated: h = a, no dot.
-// 2. DecodeDownKernel, grid (ceil(d / (32 V)), M), 128 threads: CTA (column chunk c, token
+// 2. TwellDecodeDownKernel, grid (ceil(d / (32 V)), M), 128 threads: CTA (column chunk c, token
 //    t) lists the token's entries in shared memory (counts -> offsets by a warp scan, then
 //    one load per entry, adding the tile to each word), splits the list into four contiguous quarters, one per warp,
 //    each accumulating h * Wd[j, chunk] in f32 registers eight rows at a time (eight
@@ -75,7 +75,7 @@ constexpr int kGateRows = 128;  // rows of W per stage
 constexpr int kMaxGateTokens = 64;
 
 template <typename E, int kMTiles>
-__global__ void __launch_bounds__(kGateWarps * 32) DecodeGateKernel(const uint16_t* __restrict__ x,
+__global__ void __launch_bounds__(kGateWarps * 32) TwellDecodeGateKernel(const uint16_t* __restrict__ x,
                                                                     const uint16_t* __restrict__ w,
                                                                     float* __restrict__ partial, DecShapes s) {
   __shared__ __align__(128) uint16_t stage[2][kGateRows * kGateCols];
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kGateWarps * 32) DecodeGateKernel(const uint16
 
 // 1. Active columns of one (tile, token) and, gated, their up dot products.
 template <typename E, bool kGated>
-__global__ void __launch_bounds__(kDecTile) DecodeUpKernel(const uint16_t* __restrict__ x,
+__global__ void __launch_bounds__(kDecTile) TwellDecodeUpKernel(const uint16_t* __restrict__ x,
                                                            const uint16_t* __restrict__ g,
                                                            const float* __restrict__ gate_partial,
                                                            const uint16_t* __restrict__ w_up_t,
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kDecTile) DecodeUpKernel(const uint16_t* __res
 
 // 2. y[t, chunk] from the token's entries.
 template <typename E>
-__global__ void __launch_bounds__(kDownThreads) DecodeDownKernel(const int32_t* __restrict__ counts,
+__global__ void __launch_bounds__(kDownThreads) TwellDecodeDownKernel(const int32_t* __restrict__ counts,
                                                                 const uint32_t* __restrict__ entries,
                                                                 const uint16_t* __restrict__ w_down,
                                                                 uint16_t* __restrict__ y, DecShapes s) {
@@ -231,12 +231,7 @@ __global__ void __launch_bounds__(kDownThreads) DecodeDownKernel(const int32_t* 
     for (int k0 = 0; k0 < s.n_tiles; k0 += 32) {
       const int k = k0 + lane;
       const int count = k < s.n_tiles ? counts[slot0 + k] : 0;
-      int inclusive = count;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int other = __shfl_up_sync(kFullMask, inclusive, o);
-        if (lane >= o) inclusive += other;
-      }
+      const int inclusive = WarpInclusiveSum(count, lane);
       if (k < s.n_tiles) off[k] = base + inclusive - count;
       base += __shfl_sync(kFullMask, inclusive, 31);
     }
@@ -303,7 +298,7 @@ inline int DownSmemBytes(const DecShapes& s) {
 template <typename E, int kMTiles>
 void LaunchGate(cudaStream_t stream, const DecShapes& s, const void* x, const void* w, float* partial) {
   const dim3 grid((s.f + kGateCols - 1) / kGateCols, s.splits);
-  DecodeGateKernel<E, kMTiles><<<grid, kGateWarps * 32, 0, stream>>>(static_cast<const uint16_t*>(x),
+  TwellDecodeGateKernel<E, kMTiles><<<grid, kGateWarps * 32, 0, stream>>>(static_cast<const uint16_t*>(x),
                                                                       static_cast<const uint16_t*>(w), partial, s);
 }
 
@@ -320,20 +315,20 @@ ffi::Error Launch(cudaStream_t stream, const DecShapes& s, const void* x, const 
       LaunchGate<E, 2>(stream, s, x, w_act, gate_partial);
     else
       LaunchGate<E, 4>(stream, s, x, w_act, gate_partial);
-    if (auto err = LaunchStatus("DecodeGateKernel"); err.failure()) return err;
+    if (auto err = LaunchStatus("TwellDecodeGateKernel"); err.failure()) return err;
   }
-  DecodeUpKernel<E, kGated><<<dim3(s.n_tiles, s.rows), kDecTile, 0, stream>>>(
+  TwellDecodeUpKernel<E, kGated><<<dim3(s.n_tiles, s.rows), kDecTile, 0, stream>>>(
       static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(g), gate_partial,
       static_cast<const uint16_t*>(w_up_t), counts, entries, s);
-  if (auto err = LaunchStatus("DecodeUpKernel"); err.failure()) return err;
+  if (auto err = LaunchStatus("TwellDecodeUpKernel"); err.failure()) return err;
   constexpr int kChunk = 32 * Vec<E>::V;
   const int smem = DownSmemBytes(s);
   // Past the default 48 KB only (f > ~11,000): nothing host-side on the common path, which
   // XLA may capture into a CUDA graph (the handlers are command-buffer compatible).
-  if (smem > 48 * 1024) cudaFuncSetAttribute(DecodeDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  DecodeDownKernel<E><<<dim3((s.d + kChunk - 1) / kChunk, s.rows), kDownThreads, smem, stream>>>(
+  if (smem > 48 * 1024) cudaFuncSetAttribute(TwellDecodeDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  TwellDecodeDownKernel<E><<<dim3((s.d + kChunk - 1) / kChunk, s.rows), kDownThreads, smem, stream>>>(
       counts, entries, static_cast<const uint16_t*>(w_down), static_cast<uint16_t*>(y), s);
-  return LaunchStatus("DecodeDownKernel");
+  return LaunchStatus("TwellDecodeDownKernel");
 }
 
 // kFused: `act` is the gate weight [d, f] (the gate matmul runs here, split-K partials in

@@ -104,12 +104,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       const int count = k < s.n_tiles ? counts[slot0 + k] : 0;
       const bool over = count > s.capacity;
       const int stored = over ? 0 : count;
-      int inclusive = stored;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int other = __shfl_up_sync(kFullMask, inclusive, o);
-        if (lane >= o) inclusive += other;
-      }
+      const int inclusive = WarpInclusiveSum(stored, lane);
       if (k < s.n_tiles) tile_offset[k] = base + inclusive - stored;
       const unsigned over_mask = __ballot_sync(kFullMask, over);
       if (over) over_tiles[n_over + __popc(over_mask & ((1u << lane) - 1))] = k;

@@ -58,12 +58,7 @@ __global__ void TwellPackKernel(const Bits* __restrict__ g, Bits* __restrict__ v
 #pragma unroll
     for (int i = 0; i < V; ++i) nonzero |= IsNonZero(v[i]) ? (1u << i) : 0u;
     const int mine = __popc(nonzero);
-    int inclusive = mine;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int other = __shfl_up_sync(kFullMask, inclusive, offset);
-      if (lane >= offset) inclusive += other;
-    }
+    const int inclusive = WarpInclusiveSum(mine, lane);
     int slot = count + inclusive - mine;
 #pragma unroll
     for (int i = 0; i < V; ++i) {

@@ -124,8 +124,8 @@ def test_decode_gate_kernel_matches_reference(case, gated):
     assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, f), f"{case} gated={gated}")
 
 
-def test_sparse_ffn_takes_the_gate_kernel_by_default_rule_with_decode_on():
-    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64)
+def test_sparse_ffn_takes_the_gate_kernel_when_asked():
+    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_fused_gate=True)
     inp = synthetic_ffn_inputs(jax.random.key(9), 8, 2048, 5632, density=0.005)
     fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))
     assert "jax_twell_decode_fused_gated" in fn.lower(*inp).as_text()

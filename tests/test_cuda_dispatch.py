@@ -201,7 +201,7 @@ def test_decode_sized_calls_take_the_decode_kernel(monkeypatch, stand_ins, gated
 
     monkeypatch.setattr(cuda, "decode_ffn", decode)
     monkeypatch.setattr(cuda, "decode_ffn_gate", decode_gate)
-    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check, **NO_FIXED)
+    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check, decode_fused_gate=True, **NO_FIXED)
     fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))
     for m, density in ((1, 0.02), (64, 0.02), (64, 0.5)):
         inp = synthetic_ffn_inputs(jax.random.key(m), m, 128, f, density=density)

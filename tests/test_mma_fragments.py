@@ -1,9 +1,10 @@
 """The lane bookkeeping of the tensor-core kernels (TwellBlockedUpMmaKernel and
-TwellBlockedDownMmaKernel, ffi/twell_blocked.cuh) against a NumPy model of the PTX warp
-instructions they use: ldmatrix.m8n8.x4[.trans].b16 and mma.m16n8k16.row.col.f32 with
-the fragment layouts of the PTX ISA. Runs on CPU; it checks the kernels' index formulas
-(which lane addresses which row, where the diagonal lands, how A is built from (h, token)
-words), not the hardware. The GPU tests check the kernels themselves."""
+TwellBlockedDownMmaKernel, ffi/twell_blocked.cuh; TwellDecodeGateKernel,
+ffi/twell_decode.cu) against a NumPy model of the PTX warp instructions they use:
+ldmatrix.m8n8.x4[.trans].b16 and mma.m16n8k16.row.col.f32 with the fragment layouts of
+the PTX ISA. Runs on CPU; it checks the kernels' index formulas (which lane addresses
+which row, where the diagonal lands, how A is built from (h, token) words, the shared
+memory swizzle), not the hardware. The GPU tests check the kernels themselves."""
 
 import numpy as np
 import pytest
@@ -124,3 +125,52 @@ def test_down_step_accumulates_per_token(seed):
                     row = rb * 16 + g[lane] + 8 * half
                     got[row, nb * 8 + 2 * t[lane] : nb * 8 + 2 * t[lane] + 2] = acc[rb, nb, lane, 2 * half : 2 * half + 2]
     np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("m,d", [(1, 128), (17, 256), (64, 48)])
+def test_decode_gate_fragments(m, d):
+    """TwellDecodeGateKernel (ffi/twell_decode.cu): W rows stored into a stage with the chunk
+    swizzle q ^ (r & 7), B gathered back by ldmatrix.trans at the kernel's lane addresses,
+    A read from x at the kernel's (row, column) per register, D scattered to (token, column):
+    the four warps' 64 columns for every token equal x @ W."""
+    rng = np.random.default_rng(m + d)
+    cols, rows_per_stage = 64, 128
+    x, w = rng.normal(size=(m, d)), rng.normal(size=(d, cols))
+    m_tiles = -(-m // 16)
+    out = np.full((m, cols), np.nan)
+    g, t = LANES >> 2, LANES & 3
+    for warp in range(4):
+        acc = np.zeros((m_tiles, 2, 32, 4))
+        for c0 in range(0, d, rows_per_stage):
+            stage = np.zeros((rows_per_stage, cols))  # physical layout: 8 chunks of 8 per row
+            for r in range(rows_per_stage):
+                for q in range(8):
+                    if c0 + r < d:
+                        stage[r, (q ^ (r & 7)) * 8 : (q ^ (r & 7)) * 8 + 8] = w[c0 + r, q * 8 : q * 8 + 8]
+            for kk in range(0, rows_per_stage, 16):
+                k = c0 + kk
+                if k >= d:
+                    break
+                b_row = (LANES & 7) | (((LANES >> 3) & 1) << 3)
+                b_chunk = 2 * warp + (LANES >> 4)
+                r = kk + b_row
+                b = ldmatrix_x4([stage[r[l], (b_chunk[l] ^ (r[l] & 7)) * 8 :][:8] for l in range(32)], trans=True)
+                for mt in range(m_tiles):
+                    a = np.zeros((32, 4, 2))
+                    for h in range(4):
+                        row = mt * 16 + g + (h & 1) * 8
+                        col = k + 2 * t + (h >> 1) * 8
+                        for lane in range(32):
+                            if row[lane] < m:
+                                a[lane, h] = x[row[lane], col[lane] : col[lane] + 2]
+                    acc[mt, 0] = mma_m16n8k16(a, b[:, 0:2], acc[mt, 0])
+                    acc[mt, 1] = mma_m16n8k16(a, b[:, 2:4], acc[mt, 1])
+        for mt in range(m_tiles):
+            for nt in range(2):
+                for half in range(2):
+                    for lane in range(32):
+                        row = mt * 16 + g[lane] + half * 8
+                        col = warp * 16 + nt * 8 + 2 * t[lane]
+                        if row < m:
+                            out[row, col : col + 2] = acc[mt, nt, lane, 2 * half : 2 * half + 2]
+    np.testing.assert_allclose(out, x @ w, rtol=1e-9, atol=1e-9)

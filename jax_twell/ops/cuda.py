@@ -110,7 +110,7 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
     of 1024 sharing each weight slab, ffi/twell_ffn_blocked.cu; see :func:`blocked_ffn`,
     whose fallbacks apply: f32 and calls needing more than ``max_entries`` entries run
     the row kernel) or "blocked_mma" (the same with the up and down steps on tensor cores;
-    not yet measured on a GPU).
+    measured no faster, ffi/notes/twell_ffn_blocked.md).
 
     Gated (``w_up`` given): ``y = (act * (x @ w_up)) @ w_down``; non-gated: ``y = act @ w_down``.
     Overflowed tiles are recomputed exactly inside the kernel from ``(x, w_act[, w_up])``.
@@ -284,20 +284,24 @@ class DenseCrossover:
     blocked_fixed_overhead: float = 1.0e-4
     # Decode: calls of at most this many tokens run xla.gather_ffn (only the weights of
     # neurons active for some token are read) with room for ``decode_active_per_token``
-    # of f per token. 0 = off: not yet measured on a GPU (ffi/notes/decode.md).
+    # of f per token. 0 = off: measured 0.3-0.7x of dense on the H200 (ffi/notes/decode.md).
     decode_gather_max_tokens: int = 0
     decode_active_per_token: float = 0.01
     # Decode kernel (ffi/twell_decode.cu): calls of at most this many tokens that the kernel
     # takes (:func:`decode_supported`) run the gate matmul then it, reading only the weight
-    # rows of active neurons. 0 = off. ``decode_dense_above``: when set, a per-call device
+    # rows of active neurons. 0 = off (the default: measured 1.54x at M=1 and 1.25x at M=64
+    # at 0.5% active with w_up_t given, but below dense above ~2% active and without
+    # w_up_t; ffi/notes/decode.md). ``decode_dense_above``: when set, a per-call device
     # check runs dense up + down instead where more than this fraction of (token, neuron)
     # pairs is active (a ``lax.cond``); None = no check (the kernel's cost grows with the
     # active pairs: see ffi/notes/decode.md for where it crosses dense).
     decode_kernel_max_tokens: int = 0
     decode_dense_above: float | None = None
     # The decode path's gate matmul on our tensor-core kernel (decode_ffn_gate: reads the
-    # gate weight once, no [M, f] round trip through XLA) where it takes the shape.
-    decode_fused_gate: bool = True
+    # gate weight once, no [M, f] round trip through XLA) where it takes the shape. False
+    # until its GPU tests have run (written after the last GPU measurement; XLA's gate is
+    # 12-15 us of the 18-26 us decode FFN, ffi/notes/decode.md).
+    decode_fused_gate: bool = False
 
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
@@ -373,6 +377,11 @@ def sparse_ffn(
     decided at trace time as with "row" (a block would read all weights for few pairs).
     f32, or d/tile shapes the blocked kernel does not take, raise or run "row" as
     :func:`blocked_ffn` says. A margin of inf forces the blocked kernel (when it fits).
+
+    Decode sizes: with ``decode_kernel_max_tokens`` set in the rule (off by default), calls
+    of at most that many tokens run the gate matmul then the decode kernels
+    (:func:`decode_ffn`; with ``decode_fused_gate``, the gate too: :func:`decode_ffn_gate`),
+    reading only the weight rows of active neurons; give ``w_up_t`` there.
 
     x: ``[M, d]``; weights as in :func:`jax_twell.sparse_ffn`. Where ``crossover`` (default
     :func:`dense_crossover`) predicts the dense path is faster for this call's sparsity,

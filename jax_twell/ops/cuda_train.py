@@ -201,7 +201,7 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     x ``[M, d]`` bf16/f16; act: TwELL of ``relu(x @ w_act)`` (tile <= 256); w_up None for
     the non-gated FFN. ``h_source`` ``[E]`` u32 holds h in its high half (h words, or the
     entries themselves when non-gated). Entries past ``seg_start[-1]`` are unwritten.
-    ``mma``: the up and down steps on tensor cores (not yet measured on a GPU; sums equal
+    ``mma``: the up and down steps on tensor cores (measured no faster, training_kernels.md; sums equal
     to f32 rounding, not bitwise, see ffi/notes/twell_ffn_blocked.md).
     """
     m, d = x.shape
@@ -404,7 +404,7 @@ def ffn_with_aux(
     most ``backup_capacity`` rows exceed ``width`` active neurons; otherwise the call is
     dense (exact; its backward recomputes g and u). f32 inputs and M below the rule's
     ``min_tokens`` run :func:`jax_twell.ops.xla.ffn_with_aux` (pure XLA autodiff).
-    ``mma=True`` runs the up, down and dh steps on tensor cores (not yet measured on a GPU).
+    ``mma=True`` runs the up, down and dh steps on tensor cores (measured no faster: ffi/notes/training_kernels.md).
     """
     m, d = x.shape
     rule = _crossover if crossover is None else crossover
