@@ -69,17 +69,22 @@ def _unpack_weights(ws):
     return (None, *ws) if len(ws) == 2 else ws
 
 
-def shard_ffn(fn: Callable, sharding: FFNSharding, x, w_gate, w_up, w_down):
-    """Runs ``fn(x, w_gate, w_up, w_down) -> y`` per shard; ``x: [M, d]``."""
+def shard_ffn(fn: Callable, sharding: FFNSharding, x, w_gate, w_up, w_down, *, w_up_t=None):
+    """Runs ``fn(x, w_gate, w_up, w_down[, w_up_t]) -> y`` per shard; ``x: [M, d]``.
+    ``w_up_t`` (``[f, d]``, optional) is split like ``w_down`` and passed as a fifth
+    argument when given."""
     tokens, weights = sharding._specs(w_gate is not None)
+    extra = () if w_up_t is None else (w_up_t,)
 
     def body(x, *ws):
-        y = fn(x, *_unpack_weights(ws))
+        n = len(ws) - len(extra)
+        y = fn(x, *_unpack_weights(ws[:n]), *ws[n:])
         if sharding.tensor_axis is not None:
             y = jax.lax.psum(y.astype(jnp.float32), sharding.tensor_axis).astype(y.dtype)
         return y
 
-    return sharding._map(body, (tokens, *weights), tokens)(x, *_pack_weights(w_gate, w_up, w_down))
+    specs = (tokens, *weights) + ((P(sharding.tensor_axis, None),) if extra else ())
+    return sharding._map(body, specs, tokens)(x, *_pack_weights(w_gate, w_up, w_down), *extra)
 
 
 def shard_ffn_train(fn: Callable, sharding: FFNSharding, width: int, x, w_gate, w_up, w_down):

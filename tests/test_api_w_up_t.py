@@ -1,0 +1,76 @@
+"""The public sparse_ffn's optional pre-transposed up weight (``w_up_t``): checked, passed
+to the CUDA path (per shard under a mesh, split like w_down), ignored by the others."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_twell as jt
+from jax_twell.ops import api, cuda, xla
+from jax_twell.testing import synthetic_ffn_inputs
+
+
+def _inputs():
+    return synthetic_ffn_inputs(jax.random.key(3), 32, 64, 256, density=0.05)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_other_implementations_ignore_it(impl):
+    inp = _inputs()
+    a = jt.sparse_ffn(*inp, implementation=impl)
+    b = jt.sparse_ffn(*inp, implementation=impl, w_up_t=inp.w_up.T)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_bad_w_up_t_is_refused():
+    inp = _inputs()
+    with pytest.raises(ValueError, match="gated FFN only"):
+        jt.sparse_ffn(inp.x, None, inp.w_up, inp.w_down, w_up_t=inp.w_up.T)
+    with pytest.raises(ValueError, match="must be w_up.T"):
+        jt.sparse_ffn(*inp, w_up_t=inp.w_up)
+    with pytest.raises(ValueError, match="must be w_up.T"):
+        jt.sparse_ffn(*inp, w_up_t=inp.w_up.T.astype(jnp.float32))
+
+
+@pytest.fixture
+def cuda_stand_in(monkeypatch):
+    """cuda.sparse_ffn replaced by XLA's FFN, recording the w_up_t it is given."""
+    seen = []
+
+    def stand_in(x, w_gate, w_up, w_down, *, tile, capacity, w_up_t=None, **_):
+        seen.append(None if w_up_t is None else (w_up_t.shape, w_up.shape))
+        if w_up_t is not None:  # the right slice of w_up.T, per shard too
+            w_up = w_up_t.T
+        return xla.ffn(x, w_gate, w_up, w_down)
+
+    monkeypatch.setattr(cuda, "sparse_ffn", stand_in)
+    monkeypatch.setattr(api._kernels, "kernels_available", lambda: True)
+    return seen
+
+
+def test_cuda_path_receives_it(cuda_stand_in):
+    inp = _inputs()
+    y = jax.jit(lambda *a: jt.sparse_ffn(*a[:4], implementation="cuda", w_up_t=a[4]))(*inp, inp.w_up.T)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(xla.ffn(*inp), np.float32), rtol=0, atol=0)
+    assert cuda_stand_in == [((256, 64), (64, 256))]
+    jt.sparse_ffn(*inp, implementation="cuda")
+    assert cuda_stand_in[-1] is None
+
+
+@pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 host devices")
+def test_sharded_cuda_path_gets_local_rows(cuda_stand_in):
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices("cpu")[:4])
+    sharding = jt.FFNSharding(token_axes=("data",), tensor_axis="tensor", mesh=mesh)
+    inp = _inputs()
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (
+        put(inp.x, P("data", None)), put(inp.w_gate, P(None, "tensor")), put(inp.w_up, P(None, "tensor")),
+        put(inp.w_down, P("tensor", None)), put(inp.w_up.T, P("tensor", None)),
+    )
+    fn = jax.jit(lambda x, wg, wu, wd, wut: jt.sparse_ffn(x, wg, wu, wd, implementation="cuda", sharding=sharding, w_up_t=wut))
+    y = fn(*args)
+    want = xla.ffn(*inp)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+    assert cuda_stand_in and all(s == ((128, 64), (64, 128)) for s in cuda_stand_in)  # f split over 2
