@@ -9,7 +9,9 @@ Two clocks:
   (the GPU stays busy when each call outlasts its dispatch; the clock for M >= 2048);
 - "loop": the op run L times inside one jitted fori_loop (each iteration's x perturbed by
   a carried zero so nothing is hoisted but the loop-invariant weight transpose), divided
-  by L: device time per call as inside a model's decode step (the clock for M <= 64).
+  by L: device time per call plus the loop's own per-iteration cost (~11 us on the H200,
+  recorded as "empty_loop_ms"), which dilutes every ratio at M <= 64; the decode ratios
+  to quote come from benchmarks/bench_decode.py (a stack of layers in one call).
 
 Variants timed per configuration:
 - dense: jax_twell.ops.xla.ffn (gate, up, down matmuls through XLA);
