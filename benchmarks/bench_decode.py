@@ -16,6 +16,8 @@ Variants per configuration:
   steps: cuda.decode_ffn_gate), the up weight as stored ([d, f]: transposed in the call);
 - decode_pret: the same with the up weight given as [f, d] (w_up_t);
 - xla_gate_pret: XLA's gate matmul, then the up and down steps (cuda.decode_ffn), w_up_t;
+- checked_pret: as xla_gate_pret behind the per-call device check (dense above 2% active,
+  DenseCrossover.decode_dense_above);
 - auto: jax_twell.sparse_ffn with the default rule (what users get).
 
 Usage: python benchmarks/bench_decode.py [--quick] [--out results.json]
@@ -39,6 +41,7 @@ from common import run_metadata, time_calls, write_result
 LAYERS = 8
 DECODE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"), decode_fused_gate=True)
 DECODE_XLA_GATE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"), decode_fused_gate=False)
+DECODE_CHECKED = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=0.02)
 
 
 def grid(quick: bool):
@@ -79,6 +82,9 @@ def main():
         xla_gate_pret=lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
             x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE_XLA_GATE, w_up_t=wut
         ),
+        checked_pret=lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE_CHECKED, w_up_t=wut
+        ),
         auto=lambda x, wg, wu, wd, wut=None: jt.sparse_ffn(x, wg, wu, wd),
     )
     rows = []
@@ -97,7 +103,7 @@ def main():
         for name, op in ops.items():
             per_call = time_calls(stacked(op), (x, tuple(layers)), min_seconds=0.02, max_reps=100, trials=9)
             row[f"{name}_ms"] = 1e3 * per_call / LAYERS
-        for name in ("decode", "decode_pret", "xla_gate_pret", "auto"):
+        for name in ("decode", "decode_pret", "xla_gate_pret", "checked_pret", "auto"):
             row[f"{name}_ratio"] = row["dense_ms"] / row[f"{name}_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)

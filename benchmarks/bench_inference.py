@@ -21,10 +21,7 @@ Variants timed per configuration:
 - auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get);
 - gather (M <= 64 only, shared by every kernel's row): jax_twell.ops.xla.gather_ffn, the
   decode path reading only the active neurons' weights, w_up as stored and pre-transposed;
-- decode (M <= 64 only, shared): the gate matmul then the decode kernels
-  (cuda.decode_ffn), w_up as stored, pre-transposed, and pre-transposed with the per-call
-  dense check (DenseCrossover.decode_dense_above = 2%); "gate" is the gate matmul alone.
-
+- decode kernels: benchmarks/bench_decode.py (its own clock).
 Each configuration gives one row per fused kernel ("kernel": one of cuda.KERNELS, the
 ``kernel=`` argument of cuda.sparse_ffn; the blocked kernel's "auto" is
 cuda.sparse_ffn(kernel="blocked") under the default rule); dense is timed once and shared.
@@ -48,8 +45,6 @@ from jax_twell.testing import inference_benchmark_grid, synthetic_ffn_inputs
 from common import run_metadata, time_calls, write_result
 
 ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
-DECODE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"))
-DECODE_CHECKED = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=0.02)
 
 
 def timed(fn, args):
@@ -120,21 +115,11 @@ def main():
             gather_t = lambda x, wg, wu, wd, wut: xla.gather_ffn(x, wg, wu, wd, width=width, w_up_t=wut)
             dense_times["gather_loop_ms"] = 1e3 * timed(looped(gather_op, 50), tuple(inp)) / 50
             dense_times["gather_pret_loop_ms"] = 1e3 * timed(looped(gather_t, 50), tuple(inp) + (w_up_t,)) / 50
-            # The decode kernels after XLA's gate (cuda.decode_ffn): as stored, pre-transposed,
-            # and pre-transposed with the per-call device check (dense above 2% active).
-            gate_op = lambda x, wg, wu, wd: jt.formats.relu_matmul(x, wg)
-            dec = lambda rule: (lambda x, wg, wu, wd, wut=None: cuda.sparse_ffn(
-                x, wg, wu, wd, tile=256, capacity=32, crossover=rule, w_up_t=wut))
-            dense_times["gate_loop_ms"] = 1e3 * timed(looped(gate_op, 50), tuple(inp)) / 50
             # The loop's own cost per iteration (an op that only reads x), in every loop time.
             dense_times["empty_loop_ms"] = 1e3 * timed(looped(lambda x, *w: x, 50), tuple(inp)) / 50
-            dense_times["decode_loop_ms"] = 1e3 * timed(looped(dec(DECODE), 50), tuple(inp)) / 50
-            with_t = tuple(inp) + (w_up_t,)
-            dense_times["decode_pret_loop_ms"] = 1e3 * timed(looped(dec(DECODE), 50), with_t) / 50
-            dense_times["decode_checked_pret_loop_ms"] = 1e3 * timed(looped(dec(DECODE_CHECKED), 50), with_t) / 50
-            for name in ("gather", "gather_pret", "decode", "decode_pret", "decode_checked_pret"):
+            for name in ("gather", "gather_pret"):
                 dense_times[f"{name}_ratio"] = dense_times["dense_loop_ms"] / dense_times[f"{name}_loop_ms"]
-        if not kernels:  # --kernels none: dense and the decode paths only
+        if not kernels:  # --kernels none: dense and the gather path only
             rows.append(dict(base, kernel="none", clock=clock, **dense_times))
             print(json.dumps(rows[-1]), flush=True)
         for kernel in kernels:
@@ -190,11 +175,9 @@ def main():
     for r in rows:
         if "gather_ratio" in r and r["kernel"] == (kernels[0] if kernels else "none"):
             print(
-                f"decode M={r['m']:>2} {r['density']:.3f} {r['pattern']:>7}: dense {r['dense_loop_ms']:.4f} ms "
-                f"(gate {r['gate_loop_ms']:.4f}, empty loop {r['empty_loop_ms']:.4f}) | kernel {r['decode_loop_ms']:.4f} ({r['decode_ratio']:.2f}x), "
-                f"w_up [f, d] {r['decode_pret_loop_ms']:.4f} ({r['decode_pret_ratio']:.2f}x), "
-                f"checked {r['decode_checked_pret_loop_ms']:.4f} ({r['decode_checked_pret_ratio']:.2f}x) | "
-                f"xla gather {r['gather_pret_loop_ms']:.4f} ({r['gather_pret_ratio']:.2f}x)"
+                f"decode gather M={r['m']:>2} {r['density']:.3f} {r['pattern']:>7}: dense {r['dense_loop_ms']:.4f} ms "
+                f"(empty loop {r['empty_loop_ms']:.4f}), gather {r['gather_loop_ms']:.4f} ({r['gather_ratio']:.2f}x), "
+                f"with w_up [f, d] {r['gather_pret_loop_ms']:.4f} ({r['gather_pret_ratio']:.2f}x)"
             )
     for r in rows:
         if "breakdown_ms" in r:

@@ -291,8 +291,9 @@ __global__ void __launch_bounds__(kDownThreads) TwellDecodeDownKernel(const int3
   }
 }
 
+// Partial sums [warps][32 lanes x 8 two-byte elements] f32, offsets, the token's list.
 inline int DownSmemBytes(const DecShapes& s) {
-  return kDownWarps * 32 * 8 * 4 + (s.n_tiles + 1) * 4 + s.n_tiles * kDecTile * 4;
+  return kDownWarps * 32 * Vec<Bf16>::V * 4 + (s.n_tiles + 1) * 4 + s.n_tiles * kDecTile * 4;
 }
 
 template <typename E, int kMTiles>

@@ -240,3 +240,19 @@ def test_decode_gate_splits_balance_parallelism_and_traffic():
     for m, d, f in [(1, 64, 8), (64, 8192, 50000), (7, 16, 5632)]:
         splits = cuda.decode_gate_splits(m, d, f, sms=132)
         assert 1 <= splits <= -(-d // 128)
+
+
+def test_rule_setters_swap_and_check_the_type():
+    from jax_twell.ops import cuda_train
+
+    for get, put, kind, other in (
+        (cuda.dense_crossover, cuda.set_dense_crossover, cuda.DenseCrossover, cuda_train.TrainCrossover),
+        (cuda_train.train_crossover, cuda_train.set_train_crossover, cuda_train.TrainCrossover, cuda.DenseCrossover),
+    ):
+        before = get()
+        mine = kind(margin=0.5)
+        assert put(mine) is before and get() is mine
+        with pytest.raises(TypeError, match=kind.__name__):
+            put(other())
+        assert get() is mine  # a refused rule changes nothing
+        assert put(before) is mine and get() is before

@@ -7,10 +7,31 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FFNAux", "check_ffn_args", "check_activation", "check_projection_args", "hidden_stats", "make_aux", "IMPLEMENTATIONS"]
+__all__ = ["RuleSlot", "FFNAux", "check_ffn_args", "check_activation", "check_projection_args", "hidden_stats", "make_aux", "IMPLEMENTATIONS"]
 
 IMPLEMENTATIONS = ("reference", "xla", "cuda")
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+class RuleSlot:
+    """The process-wide dispatch rule of one op (a crossover dataclass), read at trace time.
+
+    ``get()`` returns it; ``set(rule)`` replaces it for later traces (a rule of the same
+    type, else TypeError) and returns the previous one.
+    """
+
+    def __init__(self, rule):
+        self._rule = rule
+
+    def get(self):
+        return self._rule
+
+    def set(self, rule):
+        kind = type(self._rule)
+        if not isinstance(rule, kind):
+            raise TypeError(f"rule must be a {kind.__name__}, got {type(rule).__name__}")
+        previous, self._rule = self._rule, rule
+        return previous
 
 
 class FFNAux(NamedTuple):

@@ -17,6 +17,7 @@ from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import blocked_emulation as _blocked
 from jax_twell.ops import xla
+from jax_twell.ops.common import RuleSlot
 
 __all__ = [
     "pack_twell",
@@ -338,21 +339,17 @@ class DenseCrossover:
         return sparse < self.margin * self.dense_cost(m, d, f, itemsize)
 
 
-_crossover = DenseCrossover()
+_crossover = RuleSlot(DenseCrossover())
 
 
 def dense_crossover() -> DenseCrossover:
     """The rule :func:`sparse_ffn` uses now (inspectable)."""
-    return _crossover
+    return _crossover.get()
 
 
 def set_dense_crossover(rule: DenseCrossover) -> DenseCrossover:
     """Replaces the crossover rule for later traces; returns the previous rule."""
-    global _crossover
-    if not isinstance(rule, DenseCrossover):
-        raise TypeError(f"rule must be a DenseCrossover, got {type(rule).__name__}")
-    previous, _crossover = _crossover, rule
-    return previous
+    return _crossover.set(rule)
 
 
 def sparse_ffn(
@@ -389,7 +386,7 @@ def sparse_ffn(
     ``w_up_t``: optional ``[f, d]`` pre-transposed up weight (see :func:`twell_ffn`).
     """
     _check_kernel(kernel)
-    rule = _crossover if crossover is None else crossover
+    rule = _crossover.get() if crossover is None else crossover
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     m, d = x.shape
@@ -467,6 +464,17 @@ def decode_supported(d: int, f: int, dtype) -> bool:
     )
 
 
+def _decode_out_types(m: int, d: int, f: int, dtype):
+    """y ``[M, d]`` and the decode kernels' workspace: per (token, 256-column tile) counts
+    and entry lists."""
+    n_tiles = -(-f // DECODE_TILE)
+    return (
+        jax.ShapeDtypeStruct((m, d), dtype),
+        jax.ShapeDtypeStruct((m, n_tiles), jnp.int32),
+        jax.ShapeDtypeStruct((m, n_tiles * DECODE_TILE), jnp.uint32),
+    )
+
+
 def decode_ffn(x, g, w_up, w_down, *, w_up_t=None, workspace: bool = False):
     """FFN output from the dense gate activation by the decode kernels (``jax_twell_decode``).
 
@@ -496,12 +504,7 @@ def decode_ffn(x, g, w_up, w_down, *, w_up_t=None, workspace: bool = False):
             f"the decode kernel needs bf16 or f16, d a multiple of 8 and at most {_DECODE_MAX_D}, "
             f"f at most {_DECODE_MAX_F}; got {jnp.dtype(g.dtype).name}, d={d}, f={f}"
         )
-    n_tiles = -(-f // DECODE_TILE)
-    out_types = (
-        jax.ShapeDtypeStruct((m, d), g.dtype),
-        jax.ShapeDtypeStruct((m, n_tiles), jnp.int32),
-        jax.ShapeDtypeStruct((m, n_tiles * DECODE_TILE), jnp.uint32),
-    )
+    out_types = _decode_out_types(m, d, f, g.dtype)
     if w_up is None:
         out = kernel_call("jax_twell_decode", out_types, vmap_method="sequential")(g, w_down)
     else:
@@ -554,14 +557,8 @@ def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = Fa
             f"of 16 and at most {_DECODE_MAX_D}, f a multiple of 8 and at most {_DECODE_MAX_F}; got "
             f"{jnp.dtype(x.dtype).name}, M={m}, d={d}, f={f}"
         )
-    n_tiles = -(-f // DECODE_TILE)
-    splits = decode_gate_splits(m, d, f)
-    out_types = (
-        jax.ShapeDtypeStruct((m, d), x.dtype),
-        jax.ShapeDtypeStruct((splits, m, f), jnp.float32),
-        jax.ShapeDtypeStruct((m, n_tiles), jnp.int32),
-        jax.ShapeDtypeStruct((m, n_tiles * DECODE_TILE), jnp.uint32),
-    )
+    y_type, *work = _decode_out_types(m, d, f, x.dtype)
+    out_types = (y_type, jax.ShapeDtypeStruct((decode_gate_splits(m, d, f), m, f), jnp.float32), *work)
     if w_up is None:
         out = kernel_call("jax_twell_decode_fused", out_types, vmap_method="sequential")(x, w_act, w_down)
     else:

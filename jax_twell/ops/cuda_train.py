@@ -24,6 +24,7 @@ from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import blocked_emulation as _blocked
 from jax_twell.ops import cuda, reference, xla
+from jax_twell.ops.common import RuleSlot
 
 __all__ = [
     "TRAINING_KERNELS_DEFAULT",
@@ -145,21 +146,17 @@ class TrainCrossover:
         return self.sparse_cost(nnz, n_overflow, m, d, f, itemsize) < self.margin * self.dense_cost(m, d, f)
 
 
-_crossover = TrainCrossover()
+_crossover = RuleSlot(TrainCrossover())
 
 
 def train_crossover() -> TrainCrossover:
     """The rule :func:`ffn_with_aux` uses now (inspectable)."""
-    return _crossover
+    return _crossover.get()
 
 
 def set_train_crossover(rule: TrainCrossover) -> TrainCrossover:
     """Replaces the training crossover rule for later traces; returns the previous one."""
-    global _crossover
-    if not isinstance(rule, TrainCrossover):
-        raise TypeError(f"rule must be a TrainCrossover, got {type(rule).__name__}")
-    previous, _crossover = _crossover, rule
-    return previous
+    return _crossover.set(rule)
 
 
 @jax.tree_util.register_dataclass
@@ -407,7 +404,7 @@ def ffn_with_aux(
     ``mma=True`` runs the up, down and dh steps on tensor cores (measured no faster: ffi/notes/training_kernels.md).
     """
     m, d = x.shape
-    rule = _crossover if crossover is None else crossover
+    rule = _crossover.get() if crossover is None else crossover
     f = w_up.shape[1]
     check_supported(d, x.dtype)
     if m == 0 or jnp.dtype(x.dtype) == jnp.float32 or not rule.sparse_can_win(m, d, f, x.dtype.itemsize):
