@@ -21,10 +21,20 @@ __device__ __forceinline__ void CpAsync4(void* dst, const void* src) {
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// Waits until at most kPending of this thread's commit groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SmemAddr(p)));
+}
+__device__ __forceinline__ void LdMatrixX2(uint32_t (&r)[2], const void* p) {  // addresses of lanes 0-15
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+               : "=r"(r[0]), "=r"(r[1])
                : "r"(SmemAddr(p)));
 }
 __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* p) {

@@ -26,9 +26,11 @@
 // Exact for every activation pattern (there is no capacity: a tile holds all 256 columns).
 // Constraints: bf16 or f16; d a multiple of 8 and at most 8192; f at most 50,000 (the
 // token's entry list lives in shared memory).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -49,103 +51,150 @@ constexpr int kMaxF = 50000;  // list in shared memory (200 KB); tile index fits
 
 struct DecShapes {
   int rows, d, f, n_tiles;
-  int splits;  // > 0: the activation comes as split-K f32 partial sums of the gate matmul
+  int splits;  // the gate kernel's K ranges (its cluster size)
 };
 
-// The activation bits of (token t, column col < f): from the dense g, or relu of the sum of
-// the gate kernel's split-K partials rounded once (NaN propagates, as XLA's relu does).
-template <typename E>
-__device__ __forceinline__ uint32_t GateBits(const uint16_t* g, const float* partial, int t, int col,
-                                            const DecShapes& s) {
-  if (s.splits == 0) return g[static_cast<int64_t>(t) * s.f + col];
-  float sum = 0.f;
-  for (int i = 0; i < s.splits; ++i) sum += partial[(static_cast<int64_t>(i) * s.rows + t) * s.f + col];
-  return E::FromFloat(sum > 0.f || sum != sum ? sum : 0.f);
+// 0. The gate matmul for decode sizes (M <= 64), on tensor cores, written as g = relu(x @ W)
+// in x's dtype. CTA (128-column block, K range): a four-stage cp.async ring of 64 W rows x
+// 128 columns plus the same 64 columns of x for every token (16-byte chunks XOR-swizzled by
+// row so every ldmatrix phase is conflict-free). The MMA's M side is W's columns (warp w owns
+// columns 16 w .. 16 w + 15: A = W^T by ldmatrix.trans), its N side the tokens (B = x by
+// ldmatrix, kNT blocks of 8), so one token wastes 7/8 of an MMA, not 15/16. The K ranges
+// of one column block form a thread-block cluster (at most 8): each CTA leaves its f32
+// partial tile in its shared memory, and after a cluster barrier CTA r sums the tiles of
+// all ranks in rank order over its share of the (token, column) pairs through distributed
+// shared memory, applies relu and rounds once. W is read once, the partial sums never reach
+// global memory, and the result is deterministic.
+constexpr int kGateCols = 128;
+constexpr int kGateWarps = 8;
+constexpr int kGateK = 64;  // W rows per stage
+constexpr int kGateStages = 4;
+constexpr int kGateMaxSplits = 8;  // portable cluster size
+constexpr int kMaxGateTokens = 64;
+constexpr int kRedStride = kGateCols + 4;  // f32 row of the partial tile: spreads the stores over the banks
+
+template <int kNT>
+constexpr int GateStageElems() {
+  return kGateK * kGateCols + 8 * kNT * kGateK;
+}
+template <int kNT>
+constexpr int GateSmemBytes() {
+  return std::max(kGateStages * GateStageElems<kNT>() * 2, 8 * kNT * kRedStride * 4);
 }
 
-// 0. The gate matmul for decode sizes (M <= 64), on tensor cores: partial[split, t, col] =
-// sum over the split's rows k of x[t, k] * W[k, col]. CTA (64-column block, K split): W rows
-// staged 128 at a time by cp.async (two stages, 16-byte chunks XOR-swizzled by row so the
-// ldmatrix.trans phases are conflict-free); warp w owns columns 16 w .. 16 w + 15 for all
-// tokens (kMTiles blocks of 16); A fragments read straight from x (L1), B by ldmatrix.trans.
-// W is read once in all; the splits keep ~4 CTAs per SM streaming it.
-constexpr int kGateCols = 64;
-constexpr int kGateWarps = 4;
-constexpr int kGateRows = 128;  // rows of W per stage
-constexpr int kMaxGateTokens = 64;
-
-template <typename E, int kMTiles>
+template <typename E, int kNT>
 __global__ void __launch_bounds__(kGateWarps * 32) TwellDecodeGateKernel(const uint16_t* __restrict__ x,
                                                                     const uint16_t* __restrict__ w,
-                                                                    float* __restrict__ partial, DecShapes s) {
-  __shared__ __align__(128) uint16_t stage[2][kGateRows * kGateCols];
-  const int n0 = blockIdx.x * kGateCols, split = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  const int n_chunks = (s.d + kGateRows - 1) / kGateRows;
-  const int c0 = static_cast<int>(static_cast<int64_t>(n_chunks) * split / s.splits);
-  const int c1 = static_cast<int>(static_cast<int64_t>(n_chunks) * (split + 1) / s.splits);
-  auto load = [&](int buf, int chunk) {
-    for (int v = threadIdx.x; v < kGateRows * 8; v += kGateWarps * 32) {
-      const int r = v / 8, q = v % 8;
-      const int k = chunk * kGateRows + r, col = n0 + q * 8;
-      uint16_t* dst = stage[buf] + r * kGateCols + (q ^ (r & 7)) * 8;
-      if (k < s.d && col < s.f)
-        CpAsync16(dst, w + static_cast<int64_t>(k) * s.f + col);
-      else
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+                                                                    uint16_t* __restrict__ g, DecShapes s) {
+  namespace cg = cooperative_groups;
+  constexpr int kM = 8 * kNT, kStage = GateStageElems<kNT>(), kThreads = kGateWarps * 32;
+  extern __shared__ __align__(128) uint16_t gate_smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int splits = static_cast<int>(cluster.num_blocks()), split = static_cast<int>(cluster.block_rank());
+  const int n0 = blockIdx.x * kGateCols;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n_chunks = (s.d + kGateK - 1) / kGateK;
+  const int c0 = n_chunks * split / splits, n_local = n_chunks * (split + 1) / splits - c0;
+  // Local chunk i into stage i % kGateStages; one commit group per call, empty past the end.
+  auto load = [&](int i) {
+    if (i < n_local) {
+      uint16_t* ws = gate_smem + (i % kGateStages) * kStage;
+      uint16_t* xs = ws + kGateK * kGateCols;
+      const int kb = (c0 + i) * kGateK;
+      for (int v = threadIdx.x; v < kGateK * (kGateCols / 8); v += kThreads) {
+        const int r = v / (kGateCols / 8), q = v % (kGateCols / 8), k = kb + r, col = n0 + q * 8;
+        uint16_t* dst = ws + r * kGateCols + (q ^ (r & 7)) * 8;
+        if (k < s.d && col < s.f)
+          CpAsync16(dst, w + static_cast<int64_t>(k) * s.f + col);
+        else
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      }
+      for (int v = threadIdx.x; v < kM * (kGateK / 8); v += kThreads) {
+        const int m = v / (kGateK / 8), q = v % (kGateK / 8), k = kb + q * 8;
+        uint16_t* dst = xs + m * kGateK + (q ^ (m & 7)) * 8;
+        if (m < s.rows && k < s.d)
+          CpAsync16(dst, x + static_cast<int64_t>(m) * s.d + k);
+        else
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      }
     }
     CpAsyncCommit();
   };
-  // ldmatrix.trans x4: lanes 8j .. 8j + 7 address matrix j = (k rows 0-7 | 8-15) x (the
-  // warp's column chunk 0 | 1): b0, b1 of n-block 0, then b0, b1 of n-block 1.
-  const int b_row = (lane & 7) | (((lane >> 3) & 1) << 3), b_chunk = 2 * warp + (lane >> 4);
-  float acc[kMTiles][2][4] = {};
-  if (c0 < c1) load(0, c0);
-  for (int c = c0; c < c1; ++c) {
-    CpAsyncWaitAll();
-    __syncthreads();  // chunk c landed; every warp is done with the other stage
-    if (c + 1 < c1) load((c - c0 + 1) % 2, c + 1);
-    const uint16_t* st = stage[(c - c0) % 2];
-#pragma unroll 2
-    for (int kk = 0; kk < kGateRows; kk += 16) {
-      const int k = c * kGateRows + kk;
-      if (k >= s.d) break;  // d is a multiple of 16
-      uint32_t b[4];
-      const int r = kk + b_row;
-      LdMatrixX4Trans(b, st + r * kGateCols + (b_chunk ^ (r & 7)) * 8);
+  // A (ldmatrix.x4.trans): lanes 8j .. 8j + 7 address matrix j = (k rows 0-7 | 8-15 for j >> 1)
+  // x (column chunk 2 w + (j & 1)): a0..a3 = (cols 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
+  const int a_k = (lane & 7) + ((lane >> 4) & 1) * 8, a_chunk = 2 * warp + ((lane >> 3) & 1);
+  // B (ldmatrix.x4): matrix j = tokens 8 (j >> 1) .. + 7 of the pair x k chunk (j & 1): b0, b1
+  // of one token block, then of the next. One block (kNT = 1): x2, lanes 0-15.
+  const int b_m = (lane & 7) + ((lane >> 4) & 1) * 8, b_chunk = (lane >> 3) & 1;
+  float acc[kNT][4] = {};
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        uint32_t a[4];
+  for (int i = 0; i < kGateStages - 1; ++i) load(i);
+  for (int i = 0; i < n_local; ++i) {
+    CpAsyncWait<kGateStages - 2>();
+    __syncthreads();  // chunk i landed for every thread; every warp is done with chunk i - 1's stage
+    load(i + kGateStages - 1);
+    const uint16_t* ws = gate_smem + (i % kGateStages) * kStage;
+    const uint16_t* xs = ws + kGateK * kGateCols;
 #pragma unroll
-        for (int h = 0; h < 4; ++h) {  // a0: (g, 2t), a1: (g + 8, 2t), a2: (g, 2t + 8), a3: (g + 8, 2t + 8)
-          const int m = mt * 16 + g + (h & 1) * 8;
-          a[h] = m < s.rows ? *reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(m) * s.d + k + 2 * t +
-                                                                 (h >> 1) * 8)
-                            : 0u;
+    for (int ks = 0; ks < kGateK / 16; ++ks) {
+      uint32_t a[4];
+      const int r = ks * 16 + a_k;
+      LdMatrixX4Trans(a, ws + r * kGateCols + (a_chunk ^ (r & 7)) * 8);
+      if constexpr (kNT == 1) {
+        uint32_t b[2];
+        const int m = lane & 7, q = 2 * ks + b_chunk;
+        LdMatrixX2(b, xs + m * kGateK + (q ^ (m & 7)) * 8);
+        Mma16816<E>(acc[0], a, b[0], b[1]);
+      } else {
+#pragma unroll
+        for (int p = 0; p < kNT / 2; ++p) {
+          uint32_t b[4];
+          const int m = p * 16 + b_m, q = 2 * ks + b_chunk;
+          LdMatrixX4(b, xs + m * kGateK + (q ^ (m & 7)) * 8);
+          Mma16816<E>(acc[2 * p], a, b[0], b[1]);
+          Mma16816<E>(acc[2 * p + 1], a, b[2], b[3]);
         }
-        Mma16816<E>(acc[mt][0], a, b[0], b[1]);
-        Mma16816<E>(acc[mt][1], a, b[2], b[3]);
       }
     }
   }
+  CpAsyncWaitAll();
+  __syncthreads();  // the stages are free: the partial tile [kM tokens][128 columns] f32 reuses them
+  float* red = reinterpret_cast<float*>(gate_smem);
+  {
+    const int col = warp * 16 + (lane >> 2), m = 2 * (lane & 3);  // C: (col g | g + 8, token 2t | 2t + 1)
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int m = mt * 16 + g + half * 8, col = n0 + warp * 16 + nt * 8 + 2 * t;
-        if (m < s.rows && col < s.f)
-          *reinterpret_cast<float2*>(partial + (static_cast<int64_t>(split) * s.rows + m) * s.f + col) =
-              make_float2(acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1]);
-      }
+    for (int nt = 0; nt < kNT; ++nt) {
+      float* row = red + (nt * 8 + m) * kRedStride + col;
+      row[0] = acc[nt][0];
+      row[kRedStride] = acc[nt][1];
+      row[8] = acc[nt][2];
+      row[kRedStride + 8] = acc[nt][3];
+    }
+  }
+  cluster.sync();  // every rank's partial tile is complete and visible to the cluster
+  constexpr int kQuads = kGateCols / 4;
+  for (int it = split * kThreads + threadIdx.x; it < s.rows * kQuads; it += splits * kThreads) {
+    const int m = it / kQuads, c = (it % kQuads) * 4;
+    if (n0 + c >= s.f) continue;  // f is a multiple of 8: a quad is all in or all out
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q = 0; q < splits; ++q) {
+      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) + m * kRedStride + c);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    auto relu = [](float v) { return E::FromFloat(v > 0.f || v != v ? v : 0.f); };  // NaN propagates
+    const uint2 out = make_uint2(relu(sum.x) | (relu(sum.y) << 16), relu(sum.z) | (relu(sum.w) << 16));
+    *reinterpret_cast<uint2*>(g + static_cast<int64_t>(m) * s.f + n0 + c) = out;
+  }
+  cluster.sync();  // no rank leaves while another still reads its tile
 }
 
 // 1. Active columns of one (tile, token) and, gated, their up dot products.
 template <typename E, bool kGated>
 __global__ void __launch_bounds__(kDecTile) TwellDecodeUpKernel(const uint16_t* __restrict__ x,
                                                            const uint16_t* __restrict__ g,
-                                                           const float* __restrict__ gate_partial,
                                                            const uint16_t* __restrict__ w_up_t,
                                                            int32_t* __restrict__ counts,
                                                            uint32_t* __restrict__ entries, DecShapes s) {
@@ -155,7 +204,7 @@ __global__ void __launch_bounds__(kDecTile) TwellDecodeUpKernel(const uint16_t* 
   const int k = blockIdx.x, t = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = k * kDecTile + threadIdx.x;
-  const uint32_t bits = col < s.f ? GateBits<E>(g, gate_partial, t, col, s) : 0u;
+  const uint32_t bits = col < s.f ? g[static_cast<int64_t>(t) * s.f + col] : 0u;
   const bool active = E::ToFloat(bits) != 0.f;  // NaN counts as active: it reaches y as dense would
   const unsigned ballot = __ballot_sync(kFullMask, active);
   if (lane == 0) warp_base[warp + 1] = __popc(ballot);
@@ -296,31 +345,44 @@ inline int DownSmemBytes(const DecShapes& s) {
   return kDownWarps * 32 * Vec<Bf16>::V * 4 + (s.n_tiles + 1) * 4 + s.n_tiles * kDecTile * 4;
 }
 
-template <typename E, int kMTiles>
-void LaunchGate(cudaStream_t stream, const DecShapes& s, const void* x, const void* w, float* partial) {
-  const dim3 grid((s.f + kGateCols - 1) / kGateCols, s.splits);
-  TwellDecodeGateKernel<E, kMTiles><<<grid, kGateWarps * 32, 0, stream>>>(static_cast<const uint16_t*>(x),
-                                                                      static_cast<const uint16_t*>(w), partial, s);
+template <typename E, int kNT>
+ffi::Error LaunchGate(cudaStream_t stream, const DecShapes& s, const void* x, const void* w, void* g) {
+  constexpr int smem = GateSmemBytes<kNT>();
+  auto kernel = TwellDecodeGateKernel<E, kNT>;
+  // Not a stream operation: allowed while XLA captures the launch into a CUDA graph.
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = 1;
+  cluster[0].val.clusterDim.y = static_cast<unsigned>(s.splits);
+  cluster[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((s.f + kGateCols - 1) / kGateCols, s.splits);
+  config.blockDim = dim3(kGateWarps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, kernel, static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
+                     static_cast<uint16_t*>(g), s);
+  return LaunchStatus("TwellDecodeGateKernel");
 }
 
-// w_act: the gate weight [d, f] when the gate runs here (gate_partial given), else null and
-// g is the dense activation.
+// w_act: the gate weight [d, f] when the gate runs here (g is then its output), else null
+// and g is the dense activation XLA computed.
 template <typename E, bool kGated>
-ffi::Error Launch(cudaStream_t stream, const DecShapes& s, const void* x, const void* g, const void* w_act,
-                  float* gate_partial, const void* w_up_t, const void* w_down, void* y, int32_t* counts,
-                  uint32_t* entries) {
-  if (gate_partial != nullptr) {
-    if (s.rows <= 16)
-      LaunchGate<E, 1>(stream, s, x, w_act, gate_partial);
-    else if (s.rows <= 32)
-      LaunchGate<E, 2>(stream, s, x, w_act, gate_partial);
-    else
-      LaunchGate<E, 4>(stream, s, x, w_act, gate_partial);
-    if (auto err = LaunchStatus("TwellDecodeGateKernel"); err.failure()) return err;
+ffi::Error Launch(cudaStream_t stream, const DecShapes& s, const void* x, void* g, const void* w_act,
+                  const void* w_up_t, const void* w_down, void* y, int32_t* counts, uint32_t* entries) {
+  if (w_act != nullptr) {
+    ffi::Error err = s.rows <= 8    ? LaunchGate<E, 1>(stream, s, x, w_act, g)
+                     : s.rows <= 16 ? LaunchGate<E, 2>(stream, s, x, w_act, g)
+                     : s.rows <= 32 ? LaunchGate<E, 4>(stream, s, x, w_act, g)
+                                    : LaunchGate<E, 8>(stream, s, x, w_act, g);
+    if (err.failure()) return err;
   }
   TwellDecodeUpKernel<E, kGated><<<dim3(s.n_tiles, s.rows), kDecTile, 0, stream>>>(
-      static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(g), gate_partial,
-      static_cast<const uint16_t*>(w_up_t), counts, entries, s);
+      static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(w_up_t),
+      counts, entries, s);
   if (auto err = LaunchStatus("TwellDecodeUpKernel"); err.failure()) return err;
   constexpr int kChunk = 32 * Vec<E>::V;
   const int smem = DownSmemBytes(s);
@@ -332,11 +394,11 @@ ffi::Error Launch(cudaStream_t stream, const DecShapes& s, const void* x, const 
   return LaunchStatus("TwellDecodeDownKernel");
 }
 
-// kFused: `act` is the gate weight [d, f] (the gate matmul runs here, split-K partials in
-// `partial` [splits, M, f] f32); otherwise `act` is the dense activation g [M, f].
+// kFused: `act` is the gate weight [d, f] (the gate matmul runs here, in `splits` K ranges,
+// and writes g [M, f] to `gate`); otherwise `act` is the dense activation g [M, f].
 template <bool kGated, bool kFused>
 ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer act, ffi::AnyBuffer w_up_t,
-                      ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, ffi::Buffer<ffi::F32>* partial,
+                      ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, ffi::AnyBuffer* gate, int64_t splits,
                       ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::U32>> entries) {
   auto a_dims = act.dimensions();
   if (a_dims.size() != 2)
@@ -354,19 +416,18 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer act,
   const int64_t n_tiles = CeilDiv(f, kDecTile);
   if (!SameDims(counts->dimensions(), {rows, n_tiles}) || !SameDims(entries->dimensions(), {rows, n_tiles * kDecTile}))
     return Invalid("twell_decode: workspace must be counts [M, ceil(f / 256)] and entries [M, 256 ceil(f / 256)]");
-  int64_t splits = 0;
   if (kFused) {
-    auto p_dims = partial->dimensions();
-    if (p_dims.size() != 3 || p_dims[1] != rows || p_dims[2] != f || p_dims[0] < 1 ||
-        p_dims[0] > CeilDiv(d, kGateRows))
-      return Invalid("twell_decode: the gate workspace must be [splits, M, f] f32 with 1 <= splits <= ceil(d / 128)");
-    splits = p_dims[0];
+    if (!SameDims(gate->dimensions(), {rows, f})) return Invalid("twell_decode: the gate output must be [M, f]");
+    if (splits < 1 || splits > kGateMaxSplits || splits > CeilDiv(d, kGateK))
+      return Invalid("twell_decode: the gate kernel's splits must be in [1, min(8, ceil(d / 64))], got " +
+                     std::to_string(splits));
     if (rows > kMaxGateTokens || d % 16 != 0 || f % 8 != 0)
       return Invalid("twell_decode: the gate kernel takes at most 64 tokens, d a multiple of 16, f a multiple of 8");
   }
   const auto dtype = act.element_type();
   if (w_down.element_type() != dtype || y->element_type() != dtype ||
-      ((kGated || kFused) && x.element_type() != dtype) || (kGated && w_up_t.element_type() != dtype))
+      ((kGated || kFused) && x.element_type() != dtype) || (kGated && w_up_t.element_type() != dtype) ||
+      (kFused && gate->element_type() != dtype))
     return Invalid("twell_decode: x, the activation, the weights and y must share one dtype");
   if (d % 8 != 0 || d > kMaxD || d <= 0)
     return Invalid("twell_decode: d must be a positive multiple of 8 and at most " + std::to_string(kMaxD) +
@@ -375,18 +436,17 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer act,
   if (rows > 65535) return Invalid("twell_decode: at most 65,535 tokens per call");
   if (rows == 0) return ffi::Error::Success();
   const DecShapes s{static_cast<int>(rows), static_cast<int>(d), static_cast<int>(f), static_cast<int>(n_tiles),
-                    static_cast<int>(splits)};
+                    static_cast<int>(kFused ? splits : 0)};
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   const void* xp = (kGated || kFused) ? x.untyped_data() : nullptr;
-  const void* g = kFused ? nullptr : act.untyped_data();
+  void* g = kFused ? gate->untyped_data() : act.untyped_data();
   const void* w_act = kFused ? act.untyped_data() : nullptr;
-  float* part = kFused ? partial->typed_data() : nullptr;
   switch (dtype) {
     case ffi::DataType::BF16:
-      return Launch<Bf16, kGated>(stream, s, xp, g, w_act, part, up_t, w_down.untyped_data(), y->untyped_data(),
+      return Launch<Bf16, kGated>(stream, s, xp, g, w_act, up_t, w_down.untyped_data(), y->untyped_data(),
                                   counts->typed_data(), entries->typed_data());
     case ffi::DataType::F16:
-      return Launch<F16, kGated>(stream, s, xp, g, w_act, part, up_t, w_down.untyped_data(), y->untyped_data(),
+      return Launch<F16, kGated>(stream, s, xp, g, w_act, up_t, w_down.untyped_data(), y->untyped_data(),
                                  counts->typed_data(), entries->typed_data());
     default:
       return Invalid("twell_decode: bf16 or f16 only (f32 runs the other paths)");
@@ -396,26 +456,26 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer act,
 using Y = ffi::Result<ffi::AnyBuffer>;
 using Counts = ffi::Result<ffi::Buffer<ffi::S32>>;
 using Entries = ffi::Result<ffi::Buffer<ffi::U32>>;
-using Partial = ffi::Result<ffi::Buffer<ffi::F32>>;
+using Gate = ffi::Result<ffi::AnyBuffer>;
 
 ffi::Error DecodeGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_up_t,
                        ffi::AnyBuffer w_down, Y y, Counts counts, Entries entries) {
-  return DecodeImpl<true, false>(stream, x, g, w_up_t, w_down, y, nullptr, counts, entries);
+  return DecodeImpl<true, false>(stream, x, g, w_up_t, w_down, y, nullptr, 0, counts, entries);
 }
 
 ffi::Error DecodeUngated(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer w_down, Y y, Counts counts,
                          Entries entries) {
-  return DecodeImpl<false, false>(stream, a, a, w_down, w_down, y, nullptr, counts, entries);
+  return DecodeImpl<false, false>(stream, a, a, w_down, w_down, y, nullptr, 0, counts, entries);
 }
 
 ffi::Error DecodeFusedGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up_t,
-                            ffi::AnyBuffer w_down, Y y, Partial partial, Counts counts, Entries entries) {
-  return DecodeImpl<true, true>(stream, x, w_gate, w_up_t, w_down, y, &*partial, counts, entries);
+                            ffi::AnyBuffer w_down, Y y, Gate gate, Counts counts, Entries entries, int32_t splits) {
+  return DecodeImpl<true, true>(stream, x, w_gate, w_up_t, w_down, y, &*gate, splits, counts, entries);
 }
 
 ffi::Error DecodeFusedUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,
-                              Y y, Partial partial, Counts counts, Entries entries) {
-  return DecodeImpl<false, true>(stream, x, w_up, w_down, w_down, y, &*partial, counts, entries);
+                              Y y, Gate gate, Counts counts, Entries entries, int32_t splits) {
+  return DecodeImpl<false, true>(stream, x, w_up, w_down, w_down, y, &*gate, splits, counts, entries);
 }
 
 }  // namespace
@@ -453,9 +513,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellDecodeFusedGated, jax_twell::DecodeFusedGa
                                   .Arg<xla::ffi::AnyBuffer>()  // w_up_t [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // gate partials [splits, M, f]
+                                  .Ret<xla::ffi::AnyBuffer>()  // g = relu(x @ w_gate) [M, f]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>(),
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Attr<int32_t>("splits"),  // K ranges of the gate matmul (cluster size)
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellDecodeFused, jax_twell::DecodeFusedUngated,
@@ -465,7 +526,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellDecodeFused, jax_twell::DecodeFusedUngated
                                   .Arg<xla::ffi::AnyBuffer>()  // w_up [d, f] (the activation's weight)
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Ret<xla::ffi::AnyBuffer>()  // a = relu(x @ w_up) [M, f]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>(),
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
+                                  .Attr<int32_t>("splits"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -232,14 +232,17 @@ def test_decode_ffn_rejects_shapes_it_cannot_take():
     assert not cuda.decode_gate_supported(4, 24, 64) and not cuda.decode_gate_supported(4, 32, 60)
 
 
-def test_decode_gate_splits_balance_parallelism_and_traffic():
-    # M=1: ~4 CTAs per SM over 88 column blocks; M=64: partial sums capped at 1/4 of Wg's bytes.
+def test_decode_gate_splits_fill_the_sms_within_a_cluster():
+    # ~2 CTAs per SM: 44 column blocks of f=5632 -> 6 K ranges, 64 of f=8192 -> 4, 86 of f=11008 -> 3.
     assert cuda.decode_gate_splits(1, 2048, 5632, sms=132) == 6
-    assert cuda.decode_gate_splits(64, 2048, 5632, sms=132) == 2
-    assert cuda.decode_gate_splits(64, 512, 4096, sms=132) == 1
-    for m, d, f in [(1, 64, 8), (64, 8192, 50000), (7, 16, 5632)]:
+    assert cuda.decode_gate_splits(64, 2048, 5632, sms=132) == 6  # m does not change it
+    assert cuda.decode_gate_splits(8, 2048, 8192, sms=132) == 4
+    assert cuda.decode_gate_splits(8, 4096, 11008, sms=132) == 3
+    assert cuda.decode_gate_splits(4, 128, 512, sms=132) == 2  # capped by d's 64-row stages
+    assert cuda.decode_gate_splits(4, 4096, 512, sms=132) == 8  # capped by the portable cluster size
+    for m, d, f in [(1, 16, 8), (64, 8192, 50000), (7, 16, 5632)]:
         splits = cuda.decode_gate_splits(m, d, f, sms=132)
-        assert 1 <= splits <= -(-d // 128)
+        assert 1 <= splits <= min(8, -(-d // 64))
 
 
 def test_rule_setters_swap_and_check_the_type():

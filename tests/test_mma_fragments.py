@@ -127,50 +127,63 @@ def test_down_step_accumulates_per_token(seed):
     np.testing.assert_allclose(got, y, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("m,d", [(1, 128), (17, 256), (64, 48)])
-def test_decode_gate_fragments(m, d):
-    """TwellDecodeGateKernel (ffi/twell_decode.cu): W rows stored into a stage with the chunk
-    swizzle q ^ (r & 7), B gathered back by ldmatrix.trans at the kernel's lane addresses,
-    A read from x at the kernel's (row, column) per register, D scattered to (token, column):
-    the four warps' 64 columns for every token equal x @ W."""
+@pytest.mark.parametrize("m,d,splits", [(1, 128, 2), (8, 64, 1), (17, 256, 3), (64, 48, 1), (40, 320, 4)])
+def test_decode_gate_fragments(m, d, splits):
+    """TwellDecodeGateKernel (ffi/twell_decode.cu): W rows and x columns stored into a stage
+    with the chunk swizzles q ^ (r & 7) and q ^ (m & 7), A (W^T) gathered back by
+    ldmatrix.trans and B (x) by ldmatrix at the kernel's lane addresses, D scattered to the
+    padded partial tile, the K ranges' tiles summed per (token, column): the eight warps'
+    128 columns for every token equal x @ W."""
     rng = np.random.default_rng(m + d)
-    cols, rows_per_stage = 64, 128
+    cols, k_stage, stride = 128, 64, 132
     x, w = rng.normal(size=(m, d)), rng.normal(size=(d, cols))
-    m_tiles = -(-m // 16)
-    out = np.full((m, cols), np.nan)
+    n_tok = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64  # the kernel's kNT = n_tok / 8
     g, t = LANES >> 2, LANES & 3
-    for warp in range(4):
-        acc = np.zeros((m_tiles, 2, 32, 4))
-        for c0 in range(0, d, rows_per_stage):
-            stage = np.zeros((rows_per_stage, cols))  # physical layout: 8 chunks of 8 per row
-            for r in range(rows_per_stage):
-                for q in range(8):
-                    if c0 + r < d:
-                        stage[r, (q ^ (r & 7)) * 8 : (q ^ (r & 7)) * 8 + 8] = w[c0 + r, q * 8 : q * 8 + 8]
-            for kk in range(0, rows_per_stage, 16):
-                k = c0 + kk
-                if k >= d:
-                    break
-                b_row = (LANES & 7) | (((LANES >> 3) & 1) << 3)
-                b_chunk = 2 * warp + (LANES >> 4)
-                r = kk + b_row
-                b = ldmatrix_x4([stage[r[l], (b_chunk[l] ^ (r[l] & 7)) * 8 :][:8] for l in range(32)], trans=True)
-                for mt in range(m_tiles):
-                    a = np.zeros((32, 4, 2))
-                    for h in range(4):
-                        row = mt * 16 + g + (h & 1) * 8
-                        col = k + 2 * t + (h >> 1) * 8
-                        for lane in range(32):
-                            if row[lane] < m:
-                                a[lane, h] = x[row[lane], col[lane] : col[lane] + 2]
-                    acc[mt, 0] = mma_m16n8k16(a, b[:, 0:2], acc[mt, 0])
-                    acc[mt, 1] = mma_m16n8k16(a, b[:, 2:4], acc[mt, 1])
-        for mt in range(m_tiles):
-            for nt in range(2):
-                for half in range(2):
-                    for lane in range(32):
-                        row = mt * 16 + g[lane] + half * 8
-                        col = warp * 16 + nt * 8 + 2 * t[lane]
-                        if row < m:
-                            out[row, col : col + 2] = acc[mt, nt, lane, 2 * half : 2 * half + 2]
+    n_chunks = -(-d // k_stage)
+    tiles = []
+    for split in range(splits):
+        c0, c1 = n_chunks * split // splits, n_chunks * (split + 1) // splits
+        red = np.full((n_tok, stride), np.nan)
+        for warp in range(8):
+            acc = np.zeros((n_tok // 8, 32, 4))
+            for c in range(c0, c1):
+                ws = np.zeros((k_stage, cols))  # physical layouts: 16 (W) and 8 (x) chunks of 8 per row
+                xs = np.zeros((n_tok, k_stage))
+                for r in range(k_stage):
+                    for q in range(cols // 8):
+                        if c * k_stage + r < d:
+                            ws[r, (q ^ (r & 7)) * 8 :][:8] = w[c * k_stage + r, q * 8 : q * 8 + 8]
+                for row in range(min(m, n_tok)):
+                    for q in range(k_stage // 8):
+                        k = c * k_stage + q * 8
+                        if k < d:
+                            xs[row, (q ^ (row & 7)) * 8 :][:8] = x[row, k : k + 8]
+                for ks in range(k_stage // 16):
+                    a_k = (LANES & 7) + ((LANES >> 4) & 1) * 8
+                    a_chunk = 2 * warp + ((LANES >> 3) & 1)
+                    r = ks * 16 + a_k
+                    a = ldmatrix_x4([ws[r[l], (a_chunk[l] ^ (r[l] & 7)) * 8 :][:8] for l in range(32)], trans=True)
+                    b_chunk = (LANES >> 3) & 1
+                    if n_tok == 8:  # x2: lanes 0-15 address matrices 0 and 1
+                        row = LANES & 7
+                        q = 2 * ks + b_chunk
+                        b = ldmatrix_x4([xs[row[l % 16], (q[l % 16] ^ (row[l % 16] & 7)) * 8 :][:8] for l in range(32)])
+                        acc[0] = mma_m16n8k16(a, b[:, 0:2], acc[0])
+                    else:
+                        for p in range(n_tok // 16):
+                            row = p * 16 + (LANES & 7) + ((LANES >> 4) & 1) * 8
+                            q = 2 * ks + b_chunk
+                            b = ldmatrix_x4([xs[row[l], (q[l] ^ (row[l] & 7)) * 8 :][:8] for l in range(32)])
+                            acc[2 * p] = mma_m16n8k16(a, b[:, 0:2], acc[2 * p])
+                            acc[2 * p + 1] = mma_m16n8k16(a, b[:, 2:4], acc[2 * p + 1])
+            col, tok = warp * 16 + (LANES >> 2), 2 * (LANES & 3)
+            for nt in range(n_tok // 8):
+                for lane in range(32):
+                    red[nt * 8 + tok[lane], col[lane]] = acc[nt, lane, 0]
+                    red[nt * 8 + tok[lane] + 1, col[lane]] = acc[nt, lane, 1]
+                    red[nt * 8 + tok[lane], col[lane] + 8] = acc[nt, lane, 2]
+                    red[nt * 8 + tok[lane] + 1, col[lane] + 8] = acc[nt, lane, 3]
+        tiles.append(red)
+    out = sum(tile[:m, :cols] for tile in tiles)  # the cluster's reduction, rank order
     np.testing.assert_allclose(out, x @ w, rtol=1e-9, atol=1e-9)
+    assert not np.isnan(np.stack(tiles)[:, :, :cols]).any()  # every (token, column) written

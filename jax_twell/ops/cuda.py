@@ -515,7 +515,7 @@ def decode_ffn(x, g, w_up, w_down, *, w_up_t=None, workspace: bool = False):
 
 
 _DECODE_GATE_MAX_TOKENS = 64
-_GATE_COLS, _GATE_ROWS = 64, 128  # the gate kernel's column block and rows per stage
+_GATE_COLS, _GATE_K, _GATE_MAX_SPLITS = 128, 64, 8  # the gate kernel's column block, rows per stage, cluster
 
 
 def decode_gate_supported(m: int, d: int, f: int) -> bool:
@@ -525,25 +525,26 @@ def decode_gate_supported(m: int, d: int, f: int) -> bool:
 
 
 def decode_gate_splits(m: int, d: int, f: int, sms: int | None = None) -> int:
-    """Split-K count of the decode gate kernel: about four CTAs per SM streaming the gate
-    weight, but f32 partial sums (``splits * M * f * 4`` bytes, written and read once) kept
-    under a quarter of the weight's bytes."""
+    """K ranges of the decode gate kernel (its thread-block cluster size, at most 8): about
+    two CTAs per SM (two fit at 64 tokens) over the ``ceil(f / 128)`` column blocks, and no
+    more ranges than d has 64-row stages. The ranges' partial sums are added in shared
+    memory, so the count costs no memory traffic; ``m`` does not change it."""
     if sms is None:
         sms = getattr(jax.devices()[0], "core_count", None) or 132
-    n_chunks = -(-d // _GATE_ROWS)
-    want = -(-4 * sms // -(-f // _GATE_COLS))
-    return max(1, min(n_chunks, want, d // (16 * m)))
+    blocks = -(-f // _GATE_COLS)
+    return max(1, min(_GATE_MAX_SPLITS, -(-d // _GATE_K), round(2 * sms / blocks)))
 
 
 def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = False):
     """The whole decode FFN in our kernels: gate matmul (tensor cores, split-K over d, the
     gate weight read once), then :func:`decode_ffn`'s two steps on its result.
 
-    Same math as :func:`decode_ffn` with ``g = relu(x @ w_act)``; g is the f32 sum of the
-    split partials rounded once to x's dtype (as XLA's matmul rounds), so it matches
-    ``relu_matmul`` up to the order of the f32 additions. ``w_act``: ``w_gate`` (gated,
-    ``w_up`` given) or ``w_up`` (non-gated, ``w_up=None``), ``[d, f]``.
-    ``workspace=True`` also returns ``(partials [splits, M, f] f32, counts, entries)``.
+    Same math as :func:`decode_ffn` with ``g = relu(x @ w_act)``: f32 accumulation, the K
+    ranges' partial sums added in a fixed order and rounded once to x's dtype (as XLA's
+    matmul rounds), so g matches ``relu_matmul`` up to the order of the f32 additions, and
+    is deterministic. ``w_act``: ``w_gate`` (gated, ``w_up`` given) or ``w_up`` (non-gated,
+    ``w_up=None``), ``[d, f]``. ``workspace=True`` also returns ``(g [M, f], counts,
+    entries)``.
 
     Raises:
       ValueError: shapes the kernels do not take (:func:`decode_supported`,
@@ -558,13 +559,15 @@ def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = Fa
             f"{jnp.dtype(x.dtype).name}, M={m}, d={d}, f={f}"
         )
     y_type, *work = _decode_out_types(m, d, f, x.dtype)
-    out_types = (y_type, jax.ShapeDtypeStruct((decode_gate_splits(m, d, f), m, f), jnp.float32), *work)
+    out_types = (y_type, jax.ShapeDtypeStruct((m, f), x.dtype), *work)
+    splits = np.int32(decode_gate_splits(m, d, f))
     if w_up is None:
-        out = kernel_call("jax_twell_decode_fused", out_types, vmap_method="sequential")(x, w_act, w_down)
+        out = kernel_call("jax_twell_decode_fused", out_types, vmap_method="sequential")(x, w_act, w_down, splits=splits)
     else:
         if w_up_t is None:
             w_up_t = w_up.T
-        out = kernel_call("jax_twell_decode_fused_gated", out_types, vmap_method="sequential")(x, w_act, w_up_t, w_down)
+        call = kernel_call("jax_twell_decode_fused_gated", out_types, vmap_method="sequential")
+        out = call(x, w_act, w_up_t, w_down, splits=splits)
     return out if workspace else out[0]
 
 
