@@ -20,7 +20,11 @@ Variants per configuration:
   DenseCrossover.decode_dense_above);
 - auto: jax_twell.sparse_ffn with the default rule (what users get).
 
-Usage: python benchmarks/bench_decode.py [--quick] [--out results.json]
+With ``--gate-splits 1,2,4,8`` it instead sweeps the gate kernel's K ranges (cluster size):
+our gate plus the steps (cuda.decode_ffn_gate, w_up_t) per split count against XLA's gate
+plus the same steps, at 0.5% uniform, M 1, 16 and 64.
+
+Usage: python benchmarks/bench_decode.py [--quick] [--gate-splits LIST] [--out results.json]
 """
 
 from __future__ import annotations
@@ -62,11 +66,49 @@ def stacked(op):
     return jax.jit(run)
 
 
+def make_layers(m, d, f, density, pattern):
+    layers, x = [], None
+    for i in range(LAYERS):
+        inp = synthetic_ffn_inputs(jax.random.key(1000 * m + i + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
+        x = inp.x if x is None else x
+        layers.append((inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T.copy()))
+    return x, layers
+
+
+def sweep_gate_splits(splits_list, out):
+    rows = []
+    for m in (1, 16, 64):
+        x, layers = make_layers(m, 2048, 5632, 0.005, "uniform")
+        row = dict(m=m, d=2048, f=5632, density=0.005, pattern="uniform", layers=LAYERS)
+        ops = dict(
+            dense=lambda x, wg, wu, wd, wut: xla.ffn(x, wg, wu, wd),
+            xla_gate=lambda x, wg, wu, wd, wut: cuda.decode_ffn(x, relu_matmul(x, wg), wu, wd, w_up_t=wut),
+        )
+        for s in splits_list:
+            ops[f"splits{s}"] = lambda x, wg, wu, wd, wut, s=s: cuda.decode_ffn_gate(x, wg, wu, wd, w_up_t=wut, splits=s)
+        for name, op in ops.items():
+            per_call = time_calls(stacked(op), (x, tuple(layers)), min_seconds=0.02, max_reps=100, trials=9)
+            row[f"{name}_ms"] = 1e3 * per_call / LAYERS
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    result = dict(**run_metadata("decode_gate_splits"), dtype="bfloat16", layers=LAYERS, results=rows,
+                  default_splits=cuda.decode_gate_splits(1, 2048, 5632))
+    write_result(result, out, "decode_gate_splits")
+    print(f"\n{result['gpu']} commit {result['commit']}  (us per layer, stack of {LAYERS}; default splits {result['default_splits']})")
+    names = [k[:-3] for k in rows[0] if k.endswith("_ms")]
+    print(f"{'M':>3} " + " ".join(f"{n:>9}" for n in names))
+    for r in rows:
+        print(f"{r['m']:>3} " + " ".join(f"{1e3 * r[n + '_ms']:>9.1f}" for n in names))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--gate-splits", default=None, help="comma-separated K range counts to sweep")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.gate_splits:
+        return sweep_gate_splits([int(v) for v in args.gate_splits.split(",")], args.out)
 
     def gate_only(x, wg, wu, wd, wut=None):
         g = relu_matmul(x, wg)
@@ -89,11 +131,7 @@ def main():
     )
     rows = []
     for m, d, f, density, pattern in grid(args.quick):
-        layers, x = [], None
-        for i in range(LAYERS):
-            inp = synthetic_ffn_inputs(jax.random.key(1000 * m + i + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
-            x = inp.x if x is None else x
-            layers.append((inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T.copy()))
+        x, layers = make_layers(m, d, f, density, pattern)
         g = relu_matmul(x, layers[0][0])
         nnz = (g != 0).sum(axis=1)
         row = dict(

@@ -57,7 +57,7 @@ struct DecShapes {
 // 0. The gate matmul for decode sizes (M <= 64), on tensor cores, written as g = relu(x @ W)
 // in x's dtype. CTA (128-column block, K range): a four-stage cp.async ring of 64 W rows x
 // 128 columns plus the same 64 columns of x for every token (16-byte chunks XOR-swizzled by
-// row so every ldmatrix phase is conflict-free). The MMA's M side is W's columns (warp w owns
+// row so every ldmatrix phase is conflict-free; three stages from 32 tokens). The MMA's M side is W's columns (warp w owns
 // columns 16 w .. 16 w + 15: A = W^T by ldmatrix.trans), its N side the tokens (B = x by
 // ldmatrix, kNT blocks of 8), so one token wastes 7/8 of an MMA, not 15/16. The K ranges
 // of one column block form a thread-block cluster (at most 8): each CTA leaves its f32
@@ -68,18 +68,22 @@ struct DecShapes {
 constexpr int kGateCols = 128;
 constexpr int kGateWarps = 8;
 constexpr int kGateK = 64;  // W rows per stage
-constexpr int kGateStages = 4;
 constexpr int kGateMaxSplits = 8;  // portable cluster size
 constexpr int kMaxGateTokens = 64;
 constexpr int kRedStride = kGateCols + 4;  // f32 row of the partial tile: spreads the stores over the banks
 
+// Stages in the ring: three CTAs fit an SM at every token count (68-72 KB each).
+template <int kNT>
+constexpr int GateStages() {
+  return kNT <= 2 ? 4 : 3;
+}
 template <int kNT>
 constexpr int GateStageElems() {
   return kGateK * kGateCols + 8 * kNT * kGateK;
 }
 template <int kNT>
 constexpr int GateSmemBytes() {
-  return std::max(kGateStages * GateStageElems<kNT>() * 2, 8 * kNT * kRedStride * 4);
+  return std::max(GateStages<kNT>() * GateStageElems<kNT>() * 2, 8 * kNT * kRedStride * 4);
 }
 
 template <typename E, int kNT>
@@ -88,6 +92,7 @@ __global__ void __launch_bounds__(kGateWarps * 32) TwellDecodeGateKernel(const u
                                                                     uint16_t* __restrict__ g, DecShapes s) {
   namespace cg = cooperative_groups;
   constexpr int kM = 8 * kNT, kStage = GateStageElems<kNT>(), kThreads = kGateWarps * 32;
+  constexpr int kGateStages = GateStages<kNT>();
   extern __shared__ __align__(128) uint16_t gate_smem[];
   cg::cluster_group cluster = cg::this_cluster();
   const int splits = static_cast<int>(cluster.num_blocks()), split = static_cast<int>(cluster.block_rank());

@@ -230,14 +230,17 @@ def test_decode_ffn_rejects_shapes_it_cannot_take():
         cuda.decode_ffn_gate(jnp.zeros((65, 16), jnp.bfloat16), jnp.zeros((16, 40), jnp.bfloat16), None,
                              jnp.zeros((40, 16), jnp.bfloat16))
     assert not cuda.decode_gate_supported(4, 24, 64) and not cuda.decode_gate_supported(4, 32, 60)
+    with pytest.raises(ValueError, match="splits must be in"):
+        cuda.decode_ffn_gate(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((128, 40), jnp.bfloat16), None,
+                             jnp.zeros((40, 128), jnp.bfloat16), splits=3)
 
 
 def test_decode_gate_splits_fill_the_sms_within_a_cluster():
-    # ~2 CTAs per SM: 44 column blocks of f=5632 -> 6 K ranges, 64 of f=8192 -> 4, 86 of f=11008 -> 3.
-    assert cuda.decode_gate_splits(1, 2048, 5632, sms=132) == 6
-    assert cuda.decode_gate_splits(64, 2048, 5632, sms=132) == 6  # m does not change it
-    assert cuda.decode_gate_splits(8, 2048, 8192, sms=132) == 4
-    assert cuda.decode_gate_splits(8, 4096, 11008, sms=132) == 3
+    # <= 3 CTAs per SM: 44 column blocks of f=5632 -> 8 K ranges (9 capped), 64 of f=8192 -> 6, 86 of f=11008 -> 4.
+    assert cuda.decode_gate_splits(1, 2048, 5632, sms=132) == 8
+    assert cuda.decode_gate_splits(64, 2048, 5632, sms=132) == 8  # m does not change it
+    assert cuda.decode_gate_splits(8, 2048, 8192, sms=132) == 6
+    assert cuda.decode_gate_splits(8, 4096, 11008, sms=132) == 4
     assert cuda.decode_gate_splits(4, 128, 512, sms=132) == 2  # capped by d's 64-row stages
     assert cuda.decode_gate_splits(4, 4096, 512, sms=132) == 8  # capped by the portable cluster size
     for m, d, f in [(1, 16, 8), (64, 8192, 50000), (7, 16, 5632)]:

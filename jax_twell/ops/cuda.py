@@ -525,17 +525,18 @@ def decode_gate_supported(m: int, d: int, f: int) -> bool:
 
 
 def decode_gate_splits(m: int, d: int, f: int, sms: int | None = None) -> int:
-    """K ranges of the decode gate kernel (its thread-block cluster size, at most 8): about
-    two CTAs per SM (two fit at 64 tokens) over the ``ceil(f / 128)`` column blocks, and no
-    more ranges than d has 64-row stages. The ranges' partial sums are added in shared
-    memory, so the count costs no memory traffic; ``m`` does not change it."""
+    """K ranges of the decode gate kernel (its thread-block cluster size, at most 8): the
+    ``ceil(f / 128)`` column blocks times the ranges fill at most the three CTAs per SM that
+    fit (one wave: a second would double the time), and no more ranges than d has 64-row
+    stages. The ranges' partial sums are added in shared memory, so the count costs no
+    memory traffic; ``m`` does not change it."""
     if sms is None:
         sms = getattr(jax.devices()[0], "core_count", None) or 132
     blocks = -(-f // _GATE_COLS)
-    return max(1, min(_GATE_MAX_SPLITS, -(-d // _GATE_K), round(2 * sms / blocks)))
+    return max(1, min(_GATE_MAX_SPLITS, -(-d // _GATE_K), 3 * sms // blocks))
 
 
-def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = False):
+def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = False, splits: int | None = None):
     """The whole decode FFN in our kernels: gate matmul (tensor cores, split-K over d, the
     gate weight read once), then :func:`decode_ffn`'s two steps on its result.
 
@@ -544,7 +545,8 @@ def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = Fa
     matmul rounds), so g matches ``relu_matmul`` up to the order of the f32 additions, and
     is deterministic. ``w_act``: ``w_gate`` (gated, ``w_up`` given) or ``w_up`` (non-gated,
     ``w_up=None``), ``[d, f]``. ``workspace=True`` also returns ``(g [M, f], counts,
-    entries)``.
+    entries)``. ``splits``: the K ranges, 1 to min(8, ceil(d / 64)) (default
+    :func:`decode_gate_splits`; for tuning).
 
     Raises:
       ValueError: shapes the kernels do not take (:func:`decode_supported`,
@@ -560,7 +562,11 @@ def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = Fa
         )
     y_type, *work = _decode_out_types(m, d, f, x.dtype)
     out_types = (y_type, jax.ShapeDtypeStruct((m, f), x.dtype), *work)
-    splits = np.int32(decode_gate_splits(m, d, f))
+    if splits is None:
+        splits = decode_gate_splits(m, d, f)
+    elif not 1 <= splits <= min(_GATE_MAX_SPLITS, -(-d // _GATE_K)):
+        raise ValueError(f"splits must be in [1, min(8, ceil(d / 64))] = [1, {min(8, -(-d // 64))}], got {splits}")
+    splits = np.int32(splits)
     if w_up is None:
         out = kernel_call("jax_twell_decode_fused", out_types, vmap_method="sequential")(x, w_act, w_down, splits=splits)
     else:
