@@ -20,9 +20,10 @@ Variants per configuration:
   DenseCrossover.decode_dense_above);
 - auto: jax_twell.sparse_ffn with the default rule (what users get).
 
-With ``--gate-splits 1,2,4,8`` it instead sweeps the gate kernel's K ranges (cluster size):
-our gate plus the steps (cuda.decode_ffn_gate, w_up_t) per split count against XLA's gate
-plus the same steps, at 0.5% uniform, M 1, 16 and 64.
+With ``--gate-splits 1,2,4,8`` it instead sweeps the gate kernel's K ranges: our gate plus
+the steps (cuda.decode_ffn_gate, w_up_t) per split count, the ranges added in a cluster
+("c<n>") or through a global workspace ("p<n>"), against XLA's gate plus the same steps, at
+0.5% uniform, M 1, 16 and 64.
 
 Usage: python benchmarks/bench_decode.py [--quick] [--gate-splits LIST] [--out results.json]
 """
@@ -85,7 +86,10 @@ def sweep_gate_splits(splits_list, out):
             xla_gate=lambda x, wg, wu, wd, wut: cuda.decode_ffn(x, relu_matmul(x, wg), wu, wd, w_up_t=wut),
         )
         for s in splits_list:
-            ops[f"splits{s}"] = lambda x, wg, wu, wd, wut, s=s: cuda.decode_ffn_gate(x, wg, wu, wd, w_up_t=wut, splits=s)
+            for cl in (True, False):
+                ops[f"{'c' if cl else 'p'}{s}"] = lambda x, wg, wu, wd, wut, s=s, cl=cl: cuda.decode_ffn_gate(
+                    x, wg, wu, wd, w_up_t=wut, splits=s, cluster=cl
+                )
         for name, op in ops.items():
             per_call = time_calls(stacked(op), (x, tuple(layers)), min_seconds=0.02, max_reps=100, trials=9)
             row[f"{name}_ms"] = 1e3 * per_call / LAYERS
@@ -96,9 +100,9 @@ def sweep_gate_splits(splits_list, out):
     write_result(result, out, "decode_gate_splits")
     print(f"\n{result['gpu']} commit {result['commit']}  (us per layer, stack of {LAYERS}; default splits {result['default_splits']})")
     names = [k[:-3] for k in rows[0] if k.endswith("_ms")]
-    print(f"{'M':>3} " + " ".join(f"{n:>9}" for n in names))
+    print(f"{'M':>3} " + " ".join(f"{n:>8}" for n in names))
     for r in rows:
-        print(f"{r['m']:>3} " + " ".join(f"{1e3 * r[n + '_ms']:>9.1f}" for n in names))
+        print(f"{r['m']:>3} " + " ".join(f"{1e3 * r[n + '_ms']:>8.1f}" for n in names))
 
 
 def main():

@@ -51,20 +51,29 @@ constexpr int kMaxF = 50000;  // list in shared memory (200 KB); tile index fits
 
 struct DecShapes {
   int rows, d, f, n_tiles;
-  int splits;  // the gate kernel's K ranges (its cluster size)
+  int splits;  // the gate kernel's K ranges
 };
 
-// 0. The gate matmul for decode sizes (M <= 64), on tensor cores, written as g = relu(x @ W)
-// in x's dtype. CTA (128-column block, K range): a four-stage cp.async ring of 64 W rows x
-// 128 columns plus the same 64 columns of x for every token (16-byte chunks XOR-swizzled by
-// row so every ldmatrix phase is conflict-free; three stages from 32 tokens). The MMA's M side is W's columns (warp w owns
-// columns 16 w .. 16 w + 15: A = W^T by ldmatrix.trans), its N side the tokens (B = x by
-// ldmatrix, kNT blocks of 8), so one token wastes 7/8 of an MMA, not 15/16. The K ranges
-// of one column block form a thread-block cluster (at most 8): each CTA leaves its f32
-// partial tile in its shared memory, and after a cluster barrier CTA r sums the tiles of
-// all ranks in rank order over its share of the (token, column) pairs through distributed
-// shared memory, applies relu and rounds once. W is read once, the partial sums never reach
-// global memory, and the result is deterministic.
+// relu of a sum, rounded once; NaN propagates, as XLA's relu does.
+template <typename E>
+__device__ __forceinline__ uint32_t ReluBits(float v) {
+  return E::FromFloat(v > 0.f || v != v ? v : 0.f);
+}
+
+// 0. The gate matmul for decode sizes (M <= 64), on tensor cores. CTA (128-column block, K
+// range): a cp.async ring of 64 W rows x 128 columns plus the same 64 columns of x for every
+// token (16-byte chunks XOR-swizzled by row so every ldmatrix phase is conflict-free; four
+// stages, three from 32 tokens, so three CTAs fit an SM). The MMA's M side is W's columns
+// (warp w owns columns 16 w .. 16 w + 15: A = W^T by ldmatrix.trans), its N side the tokens
+// (B = x by ldmatrix, kNT blocks of 8), so one token wastes 7/8 of an MMA, not 15/16. Each
+// CTA ends with its f32 partial tile [tokens][128 columns] in shared memory; the K ranges'
+// tiles are then added in range order (deterministic) in one of two ways:
+// - kCluster: the K ranges of a column block form a thread-block cluster (at most 8); after a
+//   cluster barrier each rank sums its share of the (token, column) pairs over the ranks'
+//   tiles through distributed shared memory, applies relu, rounds once and writes g. No
+//   partials in global memory, but a cluster must fit one GPC, which can leave SMs empty.
+// - otherwise: plain CTAs write their tiles to `partial` [splits, M, f] f32 and the up kernel
+//   sums them (GateBits), writing g as it goes.
 constexpr int kGateCols = 128;
 constexpr int kGateWarps = 8;
 constexpr int kGateK = 64;  // W rows per stage
@@ -86,16 +95,16 @@ constexpr int GateSmemBytes() {
   return std::max(GateStages<kNT>() * GateStageElems<kNT>() * 2, 8 * kNT * kRedStride * 4);
 }
 
-template <typename E, int kNT>
+template <typename E, int kNT, bool kCluster>
 __global__ void __launch_bounds__(kGateWarps * 32) TwellDecodeGateKernel(const uint16_t* __restrict__ x,
                                                                     const uint16_t* __restrict__ w,
-                                                                    uint16_t* __restrict__ g, DecShapes s) {
+                                                                    uint16_t* __restrict__ g,
+                                                                    float* __restrict__ partial, DecShapes s) {
   namespace cg = cooperative_groups;
   constexpr int kM = 8 * kNT, kStage = GateStageElems<kNT>(), kThreads = kGateWarps * 32;
   constexpr int kGateStages = GateStages<kNT>();
   extern __shared__ __align__(128) uint16_t gate_smem[];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int splits = static_cast<int>(cluster.num_blocks()), split = static_cast<int>(cluster.block_rank());
+  const int splits = static_cast<int>(gridDim.y), split = static_cast<int>(blockIdx.y);  // cluster: (1, splits, 1)
   const int n0 = blockIdx.x * kGateCols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_chunks = (s.d + kGateK - 1) / kGateK;
@@ -176,11 +185,22 @@ __global__ void __launch_bounds__(kGateWarps * 32) TwellDecodeGateKernel(const u
       row[kRedStride + 8] = acc[nt][3];
     }
   }
-  cluster.sync();  // every rank's partial tile is complete and visible to the cluster
   constexpr int kQuads = kGateCols / 4;
+  if constexpr (!kCluster) {
+    __syncthreads();
+    for (int it = threadIdx.x; it < s.rows * kQuads; it += kThreads) {
+      const int m = it / kQuads, c = (it % kQuads) * 4;
+      if (n0 + c < s.f)  // f is a multiple of 8: a quad is all in or all out
+        *reinterpret_cast<float4*>(partial + (static_cast<int64_t>(split) * s.rows + m) * s.f + n0 + c) =
+            *reinterpret_cast<const float4*>(red + m * kRedStride + c);
+    }
+    return;
+  }
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every rank's partial tile is complete and visible to the cluster
   for (int it = split * kThreads + threadIdx.x; it < s.rows * kQuads; it += splits * kThreads) {
     const int m = it / kQuads, c = (it % kQuads) * 4;
-    if (n0 + c >= s.f) continue;  // f is a multiple of 8: a quad is all in or all out
+    if (n0 + c >= s.f) continue;
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int q = 0; q < splits; ++q) {
       const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(red, q) + m * kRedStride + c);
@@ -189,8 +209,8 @@ __global__ void __launch_bounds__(kGateWarps * 32) TwellDecodeGateKernel(const u
       sum.z += v.z;
       sum.w += v.w;
     }
-    auto relu = [](float v) { return E::FromFloat(v > 0.f || v != v ? v : 0.f); };  // NaN propagates
-    const uint2 out = make_uint2(relu(sum.x) | (relu(sum.y) << 16), relu(sum.z) | (relu(sum.w) << 16));
+    const uint2 out =
+        make_uint2(ReluBits<E>(sum.x) | (ReluBits<E>(sum.y) << 16), ReluBits<E>(sum.z) | (ReluBits<E>(sum.w) << 16));
     *reinterpret_cast<uint2*>(g + static_cast<int64_t>(m) * s.f + n0 + c) = out;
   }
   cluster.sync();  // no rank leaves while another still reads its tile
@@ -199,7 +219,8 @@ __global__ void __launch_bounds__(kGateWarps * 32) TwellDecodeGateKernel(const u
 // 1. Active columns of one (tile, token) and, gated, their up dot products.
 template <typename E, bool kGated>
 __global__ void __launch_bounds__(kDecTile) TwellDecodeUpKernel(const uint16_t* __restrict__ x,
-                                                           const uint16_t* __restrict__ g,
+                                                           uint16_t* __restrict__ g,
+                                                           const float* __restrict__ gate_partial,
                                                            const uint16_t* __restrict__ w_up_t,
                                                            int32_t* __restrict__ counts,
                                                            uint32_t* __restrict__ entries, DecShapes s) {
@@ -209,7 +230,18 @@ __global__ void __launch_bounds__(kDecTile) TwellDecodeUpKernel(const uint16_t* 
   const int k = blockIdx.x, t = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = k * kDecTile + threadIdx.x;
-  const uint32_t bits = col < s.f ? g[static_cast<int64_t>(t) * s.f + col] : 0u;
+  uint32_t bits = 0u;
+  if (col < s.f) {
+    const int64_t at = static_cast<int64_t>(t) * s.f + col;
+    if (gate_partial == nullptr) {
+      bits = g[at];
+    } else {  // the gate kernel's K-range partial sums, added in range order; g written for the caller
+      float sum = 0.f;
+      for (int i = 0; i < s.splits; ++i) sum += gate_partial[static_cast<int64_t>(i) * s.rows * s.f + at];
+      bits = ReluBits<E>(sum);
+      g[at] = static_cast<uint16_t>(bits);
+    }
+  }
   const bool active = E::ToFloat(bits) != 0.f;  // NaN counts as active: it reaches y as dense would
   const unsigned ballot = __ballot_sync(kFullMask, active);
   if (lane == 0) warp_base[warp + 1] = __popc(ballot);
@@ -351,42 +383,44 @@ inline int DownSmemBytes(const DecShapes& s) {
 }
 
 template <typename E, int kNT>
-ffi::Error LaunchGate(cudaStream_t stream, const DecShapes& s, const void* x, const void* w, void* g) {
+ffi::Error LaunchGate(cudaStream_t stream, const DecShapes& s, const void* x, const void* w, void* g, float* partial) {
   constexpr int smem = GateSmemBytes<kNT>();
-  auto kernel = TwellDecodeGateKernel<E, kNT>;
+  const bool cluster = partial == nullptr;
+  auto kernel = cluster ? TwellDecodeGateKernel<E, kNT, true> : TwellDecodeGateKernel<E, kNT, false>;
   // Not a stream operation: allowed while XLA captures the launch into a CUDA graph.
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = 1;
-  cluster[0].val.clusterDim.y = static_cast<unsigned>(s.splits);
-  cluster[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = static_cast<unsigned>(s.splits);
+  attr[0].val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3((s.f + kGateCols - 1) / kGateCols, s.splits);
   config.blockDim = dim3(kGateWarps * 32);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  config.attrs = cluster;
-  config.numAttrs = 1;
+  config.attrs = attr;
+  config.numAttrs = cluster ? 1 : 0;
   cudaLaunchKernelEx(&config, kernel, static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w),
-                     static_cast<uint16_t*>(g), s);
+                     static_cast<uint16_t*>(g), partial, s);
   return LaunchStatus("TwellDecodeGateKernel");
 }
 
-// w_act: the gate weight [d, f] when the gate runs here (g is then its output), else null
-// and g is the dense activation XLA computed.
+// w_act: the gate weight [d, f] when the gate runs here (g is then its output; `partial`
+// its K-range sums when not summed in a cluster), else null and g is XLA's activation.
 template <typename E, bool kGated>
 ffi::Error Launch(cudaStream_t stream, const DecShapes& s, const void* x, void* g, const void* w_act,
-                  const void* w_up_t, const void* w_down, void* y, int32_t* counts, uint32_t* entries) {
+                  float* partial, const void* w_up_t, const void* w_down, void* y, int32_t* counts,
+                  uint32_t* entries) {
   if (w_act != nullptr) {
-    ffi::Error err = s.rows <= 8    ? LaunchGate<E, 1>(stream, s, x, w_act, g)
-                     : s.rows <= 16 ? LaunchGate<E, 2>(stream, s, x, w_act, g)
-                     : s.rows <= 32 ? LaunchGate<E, 4>(stream, s, x, w_act, g)
-                                    : LaunchGate<E, 8>(stream, s, x, w_act, g);
+    ffi::Error err = s.rows <= 8    ? LaunchGate<E, 1>(stream, s, x, w_act, g, partial)
+                     : s.rows <= 16 ? LaunchGate<E, 2>(stream, s, x, w_act, g, partial)
+                     : s.rows <= 32 ? LaunchGate<E, 4>(stream, s, x, w_act, g, partial)
+                                    : LaunchGate<E, 8>(stream, s, x, w_act, g, partial);
     if (err.failure()) return err;
   }
   TwellDecodeUpKernel<E, kGated><<<dim3(s.n_tiles, s.rows), kDecTile, 0, stream>>>(
-      static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(w_up_t),
+      static_cast<const uint16_t*>(x), static_cast<uint16_t*>(g), partial, static_cast<const uint16_t*>(w_up_t),
       counts, entries, s);
   if (auto err = LaunchStatus("TwellDecodeUpKernel"); err.failure()) return err;
   constexpr int kChunk = 32 * Vec<E>::V;
@@ -400,10 +434,12 @@ ffi::Error Launch(cudaStream_t stream, const DecShapes& s, const void* x, void* 
 }
 
 // kFused: `act` is the gate weight [d, f] (the gate matmul runs here, in `splits` K ranges,
-// and writes g [M, f] to `gate`); otherwise `act` is the dense activation g [M, f].
+// and g [M, f] goes to `gate`; `partial` holds the ranges' sums [splits, M, f] f32, or is
+// empty when a cluster adds them); otherwise `act` is the dense activation g [M, f].
 template <bool kGated, bool kFused>
 ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer act, ffi::AnyBuffer w_up_t,
-                      ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, ffi::AnyBuffer* gate, int64_t splits,
+                      ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, ffi::AnyBuffer* gate, ffi::Buffer<ffi::F32>* partial,
+                      int64_t splits,
                       ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::U32>> entries) {
   auto a_dims = act.dimensions();
   if (a_dims.size() != 2)
@@ -428,6 +464,8 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer act,
                      std::to_string(splits));
     if (rows > kMaxGateTokens || d % 16 != 0 || f % 8 != 0)
       return Invalid("twell_decode: the gate kernel takes at most 64 tokens, d a multiple of 16, f a multiple of 8");
+    if (partial->element_count() != 0 && !SameDims(partial->dimensions(), {splits, rows, f}))
+      return Invalid("twell_decode: the gate partials must be [splits, M, f] f32, or empty (summed in a cluster)");
   }
   const auto dtype = act.element_type();
   if (w_down.element_type() != dtype || y->element_type() != dtype ||
@@ -446,12 +484,13 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer act,
   const void* xp = (kGated || kFused) ? x.untyped_data() : nullptr;
   void* g = kFused ? gate->untyped_data() : act.untyped_data();
   const void* w_act = kFused ? act.untyped_data() : nullptr;
+  float* part = kFused && partial->element_count() != 0 ? partial->typed_data() : nullptr;
   switch (dtype) {
     case ffi::DataType::BF16:
-      return Launch<Bf16, kGated>(stream, s, xp, g, w_act, up_t, w_down.untyped_data(), y->untyped_data(),
+      return Launch<Bf16, kGated>(stream, s, xp, g, w_act, part, up_t, w_down.untyped_data(), y->untyped_data(),
                                   counts->typed_data(), entries->typed_data());
     case ffi::DataType::F16:
-      return Launch<F16, kGated>(stream, s, xp, g, w_act, up_t, w_down.untyped_data(), y->untyped_data(),
+      return Launch<F16, kGated>(stream, s, xp, g, w_act, part, up_t, w_down.untyped_data(), y->untyped_data(),
                                  counts->typed_data(), entries->typed_data());
     default:
       return Invalid("twell_decode: bf16 or f16 only (f32 runs the other paths)");
@@ -462,25 +501,27 @@ using Y = ffi::Result<ffi::AnyBuffer>;
 using Counts = ffi::Result<ffi::Buffer<ffi::S32>>;
 using Entries = ffi::Result<ffi::Buffer<ffi::U32>>;
 using Gate = ffi::Result<ffi::AnyBuffer>;
+using Partial = ffi::Result<ffi::Buffer<ffi::F32>>;
 
 ffi::Error DecodeGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_up_t,
                        ffi::AnyBuffer w_down, Y y, Counts counts, Entries entries) {
-  return DecodeImpl<true, false>(stream, x, g, w_up_t, w_down, y, nullptr, 0, counts, entries);
+  return DecodeImpl<true, false>(stream, x, g, w_up_t, w_down, y, nullptr, nullptr, 0, counts, entries);
 }
 
 ffi::Error DecodeUngated(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer w_down, Y y, Counts counts,
                          Entries entries) {
-  return DecodeImpl<false, false>(stream, a, a, w_down, w_down, y, nullptr, 0, counts, entries);
+  return DecodeImpl<false, false>(stream, a, a, w_down, w_down, y, nullptr, nullptr, 0, counts, entries);
 }
 
 ffi::Error DecodeFusedGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up_t,
-                            ffi::AnyBuffer w_down, Y y, Gate gate, Counts counts, Entries entries, int32_t splits) {
-  return DecodeImpl<true, true>(stream, x, w_gate, w_up_t, w_down, y, &*gate, splits, counts, entries);
+                            ffi::AnyBuffer w_down, Y y, Gate gate, Partial partial, Counts counts, Entries entries,
+                            int32_t splits) {
+  return DecodeImpl<true, true>(stream, x, w_gate, w_up_t, w_down, y, &*gate, &*partial, splits, counts, entries);
 }
 
 ffi::Error DecodeFusedUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,
-                              Y y, Gate gate, Counts counts, Entries entries, int32_t splits) {
-  return DecodeImpl<false, true>(stream, x, w_up, w_down, w_down, y, &*gate, splits, counts, entries);
+                              Y y, Gate gate, Partial partial, Counts counts, Entries entries, int32_t splits) {
+  return DecodeImpl<false, true>(stream, x, w_up, w_down, w_down, y, &*gate, &*partial, splits, counts, entries);
 }
 
 }  // namespace
@@ -519,9 +560,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellDecodeFusedGated, jax_twell::DecodeFusedGa
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
                                   .Ret<xla::ffi::AnyBuffer>()  // g = relu(x @ w_gate) [M, f]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // [splits, M, f] K-range sums, or [0]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
-                                  .Attr<int32_t>("splits"),  // K ranges of the gate matmul (cluster size)
+                                  .Attr<int32_t>("splits"),  // K ranges of the gate matmul
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellDecodeFused, jax_twell::DecodeFusedUngated,
@@ -532,6 +574,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellDecodeFused, jax_twell::DecodeFusedUngated
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
                                   .Ret<xla::ffi::AnyBuffer>()  // a = relu(x @ w_up) [M, f]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()
                                   .Attr<int32_t>("splits"),

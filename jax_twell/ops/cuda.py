@@ -536,7 +536,9 @@ def decode_gate_splits(m: int, d: int, f: int, sms: int | None = None) -> int:
     return max(1, min(_GATE_MAX_SPLITS, -(-d // _GATE_K), 3 * sms // blocks))
 
 
-def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = False, splits: int | None = None):
+def decode_ffn_gate(
+    x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = False, splits: int | None = None, cluster: bool = True
+):
     """The whole decode FFN in our kernels: gate matmul (tensor cores, split-K over d, the
     gate weight read once), then :func:`decode_ffn`'s two steps on its result.
 
@@ -546,7 +548,9 @@ def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = Fa
     is deterministic. ``w_act``: ``w_gate`` (gated, ``w_up`` given) or ``w_up`` (non-gated,
     ``w_up=None``), ``[d, f]``. ``workspace=True`` also returns ``(g [M, f], counts,
     entries)``. ``splits``: the K ranges, 1 to min(8, ceil(d / 64)) (default
-    :func:`decode_gate_splits`; for tuning).
+    :func:`decode_gate_splits`; for tuning). ``cluster``: the ranges' partial sums are
+    added in a thread-block cluster's shared memory (True) or written to an f32 workspace
+    ``[splits, M, f]`` and added by the next step (False); same result, bit for bit.
 
     Raises:
       ValueError: shapes the kernels do not take (:func:`decode_supported`,
@@ -560,13 +564,14 @@ def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = Fa
             f"of 16 and at most {_DECODE_MAX_D}, f a multiple of 8 and at most {_DECODE_MAX_F}; got "
             f"{jnp.dtype(x.dtype).name}, M={m}, d={d}, f={f}"
         )
-    y_type, *work = _decode_out_types(m, d, f, x.dtype)
-    out_types = (y_type, jax.ShapeDtypeStruct((m, f), x.dtype), *work)
     if splits is None:
         splits = decode_gate_splits(m, d, f)
     elif not 1 <= splits <= min(_GATE_MAX_SPLITS, -(-d // _GATE_K)):
         raise ValueError(f"splits must be in [1, min(8, ceil(d / 64))] = [1, {min(8, -(-d // 64))}], got {splits}")
     splits = np.int32(splits)
+    y_type, *work = _decode_out_types(m, d, f, x.dtype)
+    partial_shape = (0,) if cluster else (int(splits), m, f)
+    out_types = (y_type, jax.ShapeDtypeStruct((m, f), x.dtype), jax.ShapeDtypeStruct(partial_shape, jnp.float32), *work)
     if w_up is None:
         out = kernel_call("jax_twell_decode_fused", out_types, vmap_method="sequential")(x, w_act, w_down, splits=splits)
     else:
@@ -574,7 +579,7 @@ def decode_ffn_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = Fa
             w_up_t = w_up.T
         call = kernel_call("jax_twell_decode_fused_gated", out_types, vmap_method="sequential")
         out = call(x, w_act, w_up_t, w_down, splits=splits)
-    return out if workspace else out[0]
+    return (out[0], out[1], *out[3:]) if workspace else out[0]
 
 
 def gate_counts(g: jax.Array, *, tile: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
