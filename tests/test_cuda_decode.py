@@ -104,8 +104,8 @@ GATE_CASES = [
 @pytest.mark.parametrize("case", GATE_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
 def test_decode_gate_kernel_matches_reference(case, gated):
     """The gate on tensor cores: g is relu(x @ w) rounded once (up to the order of the f32
-    additions), the same on a second call (deterministic) and with the K ranges added
-    outside a cluster, the active columns are those of relu(x @ w) up to rounding ties, and
+    additions), the same on a second call (deterministic) and with the K ranges added in
+    a thread-block cluster, the active columns are those of relu(x @ w) up to rounding ties, and
     y matches the reference."""
     m, d, f, density, pattern, full, empty = case
     inp = synthetic_ffn_inputs(jax.random.key(m * 3 + f), m, d, f, density=density, pattern=pattern)
@@ -122,9 +122,9 @@ def test_decode_gate_kernel_matches_reference(case, gated):
     y2, g2, _, _ = fn(inp.x)
     np.testing.assert_array_equal(np.asarray(g2), np.asarray(g_kernel))
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
-    # the K-range sums through a global workspace instead of the cluster: the same bits
-    plain = jax.jit(lambda x: cuda.decode_ffn_gate(x, w_act, w_up, inp.w_down, workspace=True, cluster=False))
-    y3, g3, counts3, _ = plain(inp.x)
+    # the K-range sums in a cluster instead of through the workspace: the same bits
+    other = jax.jit(lambda x: cuda.decode_ffn_gate(x, w_act, w_up, inp.w_down, workspace=True, cluster=True))
+    y3, g3, counts3, _ = other(inp.x)
     np.testing.assert_array_equal(np.asarray(g3), np.asarray(g_kernel))
     np.testing.assert_array_equal(np.asarray(y3), np.asarray(y))
     np.testing.assert_array_equal(np.asarray(counts3), np.asarray(counts))

@@ -299,10 +299,10 @@ class DenseCrossover:
     decode_kernel_max_tokens: int = 0
     decode_dense_above: float | None = None
     # The decode path's gate matmul on our tensor-core kernel (decode_ffn_gate: reads the
-    # gate weight once, no [M, f] round trip through XLA) where it takes the shape. False
-    # until its GPU tests have run (written after the last GPU measurement; XLA's gate is
-    # 12-15 us of the 18-26 us decode FFN, ffi/notes/decode.md).
-    decode_fused_gate: bool = False
+    # gate weight once, split-K, deterministic) where it takes the shape (f a multiple of
+    # 8, d of 16); else XLA's. Measured 1-4 us faster than XLA's gate at M 1-64 on the H200
+    # (ffi/notes/decode.md).
+    decode_fused_gate: bool = True
 
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
@@ -537,7 +537,7 @@ def decode_gate_splits(m: int, d: int, f: int, sms: int | None = None) -> int:
 
 
 def decode_ffn_gate(
-    x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = False, splits: int | None = None, cluster: bool = True
+    x, w_act, w_up, w_down, *, w_up_t=None, workspace: bool = False, splits: int | None = None, cluster: bool = False
 ):
     """The whole decode FFN in our kernels: gate matmul (tensor cores, split-K over d, the
     gate weight read once), then :func:`decode_ffn`'s two steps on its result.
@@ -550,7 +550,9 @@ def decode_ffn_gate(
     entries)``. ``splits``: the K ranges, 1 to min(8, ceil(d / 64)) (default
     :func:`decode_gate_splits`; for tuning). ``cluster``: the ranges' partial sums are
     added in a thread-block cluster's shared memory (True) or written to an f32 workspace
-    ``[splits, M, f]`` and added by the next step (False); same result, bit for bit.
+    ``[splits, M, f]`` and added by the next step (False, the default: a cluster must fit
+    one GPC, which left SMs idle; measured in ffi/notes/decode.md); same result, bit for
+    bit.
 
     Raises:
       ValueError: shapes the kernels do not take (:func:`decode_supported`,
