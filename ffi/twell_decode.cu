@@ -1,31 +1,31 @@
 // twell_decode: the sparse FFN for decode-sized token counts (M <= 64 is the target; any M
-// works), after XLA's gate matmul. Reads only the weight rows of active neurons.
+// works for steps 1 and 2). Reads only the weight rows of active neurons.
 //
 //   gated:      y[t] = sum_j  g[t,j] * (x[t] . Wu^T[j]) * Wd[j, :]     (j with g[t,j] != 0)
 //   non-gated:  y[t] = sum_j  a[t,j] * Wd[j, :]
 //
-// g (resp. a) is the dense activation relu(x @ W) [M, f] that XLA's matmul wrote; at decode
-// sizes it is small (M * f * 2 bytes, 720 KB at M=64, f=5632) and reading it is cheaper
-// than any pack. Two launches:
+// g (resp. a) is the dense activation relu(x @ W) [M, f]: from XLA's matmul, or from our
+// gate kernel (step 0, up to 64 tokens). At decode sizes it is small (M * f * 2 bytes, 720 KB
+// at M=64, f=5632) and reading it is cheaper than any pack. Then two launches:
 //
 // 1. TwellDecodeUpKernel, grid (f / 256, M), 256 threads: CTA (tile k, token t) finds the
 //    active columns of g[t, 256 k .. 256 k + 256) (ballot + prefix over 8 warps, column
 //    order), and for each of them (gated) one warp-wide dot x[t] . Wu^T[j] with 16-byte
-//    loads of the contiguous row; h = round(g * round(u)) as the reference rounds it. Writes
-//    the tile's count and its entries (h bits << 16 | column in tile), in column order.
-//    Non-gated: h = a, no dot.
+//    loads of the contiguous row, eight per lane in flight; h = round(g * round(u)) as the
+//    reference rounds it. Writes the tile's count and its entries (h bits << 16 | column in
+//    tile), in column order. Non-gated: h = a, no dot.
 // 2. TwellDecodeDownKernel, grid (ceil(d / (32 V)), M), 128 threads: CTA (column chunk c, token
 //    t) lists the token's entries in shared memory (counts -> offsets by a warp scan, then
-//    one load per entry, adding the tile to each word), splits the list into four contiguous quarters, one per warp,
-//    each accumulating h * Wd[j, chunk] in f32 registers eight rows at a time (eight
-//    independent 16-byte loads in flight per lane); the four partial sums are added in warp
-//    order and y rounded once. Deterministic; no atomics.
+//    one load per entry, adding the tile to each word), splits the list into four contiguous
+//    quarters, one per warp, each accumulating h * Wd[j, chunk] in f32 registers eight rows
+//    at a time (eight independent 16-byte loads in flight per lane); the four partial sums
+//    are added in warp order and y rounded once. Deterministic; no atomics.
 //
 // Weight traffic: one Wu^T row and one Wd row per active (token, neuron) pair (8 KB at
 // d=2048, bf16), the first touch of a row from HBM, repeats from L2; x, g and y once.
 // Exact for every activation pattern (there is no capacity: a tile holds all 256 columns).
 // Constraints: bf16 or f16; d a multiple of 8 and at most 8192; f at most 50,000 (the
-// token's entry list lives in shared memory).
+// token's entry list lives in shared memory); the gate kernel also d a multiple of 16, f of 8.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -46,6 +46,7 @@ constexpr int kUpWarps = kDecTile / 32;
 constexpr int kDownWarps = 4;
 constexpr int kDownThreads = kDownWarps * 32;
 constexpr int kDownUnroll = 8;       // Wd rows in flight per warp step
+constexpr int kUpUnroll = 8;         // 16-byte loads of a Wu^T row in flight per lane
 constexpr int kMaxD = 8192;
 constexpr int kMaxF = 50000;  // list in shared memory (200 KB); tile index fits 8 bits
 
@@ -236,8 +237,13 @@ __global__ void __launch_bounds__(kDecTile) TwellDecodeUpKernel(const uint16_t* 
     if (gate_partial == nullptr) {
       bits = g[at];
     } else {  // the gate kernel's K-range partial sums, added in range order; g written for the caller
-      float sum = 0.f;
-      for (int i = 0; i < s.splits; ++i) sum += gate_partial[static_cast<int64_t>(i) * s.rows * s.f + at];
+      float part[kGateMaxSplits];  // all loads in flight at once (one round trip, not `splits`)
+#pragma unroll
+      for (int i = 0; i < kGateMaxSplits; ++i)
+        part[i] = i < s.splits ? gate_partial[static_cast<int64_t>(i) * s.rows * s.f + at] : 0.f;
+      float sum = part[0];
+#pragma unroll
+      for (int i = 1; i < kGateMaxSplits; ++i) sum += part[i];  // + 0 past `splits`: the same sum
       bits = ReluBits<E>(sum);
       g[at] = static_cast<uint16_t>(bits);
     }
@@ -266,21 +272,19 @@ __global__ void __launch_bounds__(kDecTile) TwellDecodeUpKernel(const uint16_t* 
       const uint32_t word = list[e];
       const uint16_t* w_row = w_up_t + static_cast<int64_t>(k * kDecTile + (word & 0xffffu)) * s.d;
       float acc = 0.f;
-      for (int i0 = 0; i0 < n_vec; i0 += 32 * 4) {
-        uint4 xr[4], wr[4];
+      for (int i0 = 0; i0 < n_vec; i0 += 32 * kUpUnroll) {  // d = 2048: the whole row in one round trip
+        uint4 wr[kUpUnroll];  // the weight loads in flight; x (read by every active column) from L1 after
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < kUpUnroll; ++u) {
           const int i = i0 + u * 32 + lane;
-          if (i < n_vec) {
-            xr[u] = *reinterpret_cast<const uint4*>(x_row + i * V);
-            wr[u] = LoadStreaming(w_row + i * V);
-          }
+          if (i < n_vec) wr[u] = LoadStreaming(w_row + i * V);
         }
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          if (i0 + u * 32 + lane < n_vec) {
+        for (int u = 0; u < kUpUnroll; ++u) {
+          const int i = i0 + u * 32 + lane;
+          if (i < n_vec) {
             Vec<E> xv, wv;
-            xv.Unpack(xr[u]);
+            xv.Unpack(*reinterpret_cast<const uint4*>(x_row + i * V));
             wv.Unpack(wr[u]);
 #pragma unroll
             for (int v = 0; v < V; ++v) acc = fmaf(xv.v[v], wv.v[v], acc);

@@ -184,8 +184,9 @@ def test_default_rule_matches_the_h200_measurements():
 def test_decode_sized_calls_take_the_decode_kernel(monkeypatch, stand_ins, gated, check, f):
     """With ``decode_kernel_max_tokens`` set, calls of at most that many tokens run the
     decode kernels (here reference stand-ins) with no pack: the gate on our kernel
-    (``decode_ffn_gate``) where it takes the shape (f a multiple of 8) and no device check is
-    asked for, else XLA's gate then ``decode_ffn``; past the decode size, or with the device
+    (``decode_ffn_gate``) where it takes the shape (f a multiple of 8), the call has at most
+    ``decode_fused_gate_max_tokens`` tokens and no device check is asked for, else XLA's
+    gate then ``decode_ffn``; past the decode size, or with the device
     check on a dense call, the FFN is still right."""
     stand_ins(mark=False)
     seen = []
@@ -211,8 +212,10 @@ def test_decode_sized_calls_take_the_decode_kernel(monkeypatch, stand_ins, gated
         y = fn(inp.x, w_gate, inp.w_up, inp.w_down)
         want = xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down)
         assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, f), f"m={m} density={density}")
-    path = "kernel gate" if check is None and f % 8 == 0 else "xla gate"
-    assert seen and {p for p, _ in seen} == {path} and {m for _, m in seen} <= {1, 64}
+    kernel_gate = check is None and f % 8 == 0  # and at most decode_fused_gate_max_tokens (32) tokens
+    assert seen and {m for _, m in seen} <= {1, 64}
+    assert {p for p, m in seen if m == 1} == {"kernel gate" if kernel_gate else "xla gate"}
+    assert {p for p, m in seen if m == 64} == {"xla gate"}
     inp = case(m=65, key=9)  # past the decode size: the usual path
     seen.clear()
     fn(inp.x, inp.w_gate if gated else None, inp.w_up, inp.w_down)

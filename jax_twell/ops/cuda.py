@@ -303,6 +303,9 @@ class DenseCrossover:
     # 8, d of 16); else XLA's. Measured 1-4 us faster than XLA's gate at M 1-64 on the H200
     # (ffi/notes/decode.md).
     decode_fused_gate: bool = True
+    # ... for calls of at most this many tokens (at M=64 XLA's gate was faster: the kernel's
+    # K-range partial sums, 11.5 MB at M=64, cost more than they save).
+    decode_fused_gate_max_tokens: int = 32
 
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
@@ -394,7 +397,7 @@ def sparse_ffn(
     transposed = w_up_t is not None or not gated
     if 0 < m <= rule.decode_kernel_max_tokens and rule.margin > 0 and decode_supported(d, f, x.dtype):
         unchecked = rule.decode_dense_above is None or rule.margin == float("inf")
-        if unchecked and rule.decode_fused_gate and decode_gate_supported(m, d, f):
+        if unchecked and rule.decode_fused_gate and m <= rule.decode_fused_gate_max_tokens and decode_gate_supported(m, d, f):
             return decode_ffn_gate(x, w_act, w_up if gated else None, w_down, w_up_t=w_up_t)
         g = relu_matmul(x, w_act)
         run = lambda: decode_ffn(x, g, w_up if gated else None, w_down, w_up_t=w_up_t)
