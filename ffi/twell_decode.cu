@@ -55,6 +55,14 @@ struct DecShapes {
   int splits;  // the gate kernel's K ranges
 };
 
+// Programmatic dependent launch (sm_90): the up and down steps are launched allowed to
+// start while the previous kernel in the stream finishes (their CTAs get resident and
+// wait), and the previous kernel of ours says when that may begin. Wait returns once the
+// previous grid has completed and its writes are visible; without the launch attribute
+// both are no-ops.
+__device__ __forceinline__ void WaitPreviousGrid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void AllowNextGrid() { asm volatile("griddepcontrol.launch_dependents;"); }
+
 // relu of a sum, rounded once; NaN propagates, as XLA's relu does.
 template <typename E>
 __device__ __forceinline__ uint32_t ReluBits(float v) {
@@ -172,6 +180,7 @@ __global__ void __launch_bounds__(kGateWarps * 32) TwellDecodeGateKernel(const u
       }
     }
   }
+  AllowNextGrid();  // only the epilogue is left: the up step's CTAs may get resident
   CpAsyncWaitAll();
   __syncthreads();  // the stages are free: the partial tile [kM tokens][128 columns] f32 reuses them
   float* red = reinterpret_cast<float*>(gate_smem);
@@ -229,6 +238,8 @@ __global__ void __launch_bounds__(kDecTile) TwellDecodeUpKernel(const uint16_t* 
   __shared__ int warp_base[kUpWarps + 1];
   __shared__ uint32_t list[kDecTile];  // g bits << 16 | column in tile
   const int k = blockIdx.x, t = blockIdx.y;
+  WaitPreviousGrid();  // g (or the gate's partials) comes from the previous kernel
+  AllowNextGrid();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int col = k * kDecTile + threadIdx.x;
   uint32_t bits = 0u;
@@ -313,6 +324,7 @@ __global__ void __launch_bounds__(kDownThreads) TwellDecodeDownKernel(const int3
   int* off = reinterpret_cast<int*>(partial + kDownWarps * kChunk);    // [n_tiles + 1]
   uint32_t* list = reinterpret_cast<uint32_t*>(off + s.n_tiles + 1);  // [nnz of the token]
   const int c = blockIdx.x, t = blockIdx.y;
+  WaitPreviousGrid();  // counts and entries come from the up step
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t slot0 = static_cast<int64_t>(t) * s.n_tiles;
   // Offsets of the token's tiles in its list: warp 0 scans 32 tiles at a time.
@@ -423,17 +435,30 @@ ffi::Error Launch(cudaStream_t stream, const DecShapes& s, const void* x, void* 
                                     : LaunchGate<E, 8>(stream, s, x, w_act, g, partial);
     if (err.failure()) return err;
   }
-  TwellDecodeUpKernel<E, kGated><<<dim3(s.n_tiles, s.rows), kDecTile, 0, stream>>>(
-      static_cast<const uint16_t*>(x), static_cast<uint16_t*>(g), partial, static_cast<const uint16_t*>(w_up_t),
-      counts, entries, s);
+  cudaLaunchAttribute overlap[1];
+  overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(s.n_tiles, s.rows);
+  config.blockDim = dim3(kDecTile);
+  config.stream = stream;
+  config.attrs = overlap;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, TwellDecodeUpKernel<E, kGated>, static_cast<const uint16_t*>(x),
+                     static_cast<uint16_t*>(g), static_cast<const float*>(partial),
+                     static_cast<const uint16_t*>(w_up_t), counts, entries, s);
   if (auto err = LaunchStatus("TwellDecodeUpKernel"); err.failure()) return err;
   constexpr int kChunk = 32 * Vec<E>::V;
   const int smem = DownSmemBytes(s);
   // Past the default 48 KB only (f > ~11,000): nothing host-side on the common path, which
   // XLA may capture into a CUDA graph (the handlers are command-buffer compatible).
   if (smem > 48 * 1024) cudaFuncSetAttribute(TwellDecodeDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TwellDecodeDownKernel<E><<<dim3((s.d + kChunk - 1) / kChunk, s.rows), kDownThreads, smem, stream>>>(
-      counts, entries, static_cast<const uint16_t*>(w_down), static_cast<uint16_t*>(y), s);
+  config.gridDim = dim3((s.d + kChunk - 1) / kChunk, s.rows);
+  config.blockDim = dim3(kDownThreads);
+  config.dynamicSmemBytes = smem;
+  cudaLaunchKernelEx(&config, TwellDecodeDownKernel<E>, static_cast<const int32_t*>(counts),
+                     static_cast<const uint32_t*>(entries), static_cast<const uint16_t*>(w_down),
+                     static_cast<uint16_t*>(y), s);
   return LaunchStatus("TwellDecodeDownKernel");
 }
 
