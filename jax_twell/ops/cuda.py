@@ -290,7 +290,7 @@ class DenseCrossover:
     decode_active_per_token: float = 0.01
     # Decode kernel (ffi/twell_decode.cu): calls of at most this many tokens that the kernel
     # takes (:func:`decode_supported`) run the gate matmul then it, reading only the weight
-    # rows of active neurons. 0 = off (the default: measured 1.54x at M=1 and 1.25x at M=64
+    # rows of active neurons. 0 = off (the default: measured 1.4-1.5x at M=1 and 1.1-1.25x at M=64
     # at 0.5% active with w_up_t given, but below dense above ~2% active and without
     # w_up_t; ffi/notes/decode.md). ``decode_dense_above``: when set, a per-call device
     # check runs dense up + down instead where more than this fraction of (token, neuron)
