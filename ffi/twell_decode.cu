@@ -81,8 +81,8 @@ __device__ __forceinline__ uint32_t ReluBits(float v) {
 //   cluster barrier each rank sums its share of the (token, column) pairs over the ranks'
 //   tiles through distributed shared memory, applies relu, rounds once and writes g. No
 //   partials in global memory, but a cluster must fit one GPC, which can leave SMs empty.
-// - otherwise: plain CTAs write their tiles to `partial` [splits, M, f] f32 and the up kernel
-//   sums them (GateBits), writing g as it goes.
+// - otherwise (the default): plain CTAs write their tiles to `partial` [splits, M, f] f32 and
+//   the up kernel adds them in range order as it reads g, writing g for the caller.
 constexpr int kGateCols = 128;
 constexpr int kGateWarps = 8;
 constexpr int kGateK = 64;  // W rows per stage
