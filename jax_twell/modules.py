@@ -196,6 +196,11 @@ class SparseFFN(_FFN):
       sharding: ``jax_twell.FFNSharding`` to run the ops per shard of a device mesh
         (needed whenever the operands are sharded; None for unsharded use).
       param_dtype: parameter storage dtype (f32 default); compute runs in ``x.dtype``.
+      active_fraction: this layer's expected fraction of active (token, neuron) pairs, a
+        Python float or None; passed to ``sparse_ffn_train`` (with the "cuda"
+        implementation the sparse-or-dense choice is then made per layer at trace time).
+        A plain attribute: set it from measured statistics (``FFNAux.nnz_mean / d_ff``)
+        and re-jit when the layer's choice changes.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     See the module docstring for the parameter layout, initialisation and entry points.
@@ -211,16 +216,23 @@ class SparseFFN(_FFN):
         width: int = DEFAULT_WIDTH,
         sharding: FFNSharding | None = None,
         param_dtype=jnp.float32,
+        active_fraction: float | None = None,
         rngs: nnx.Rngs,
     ):
         super().__init__(d_model, d_ff, gated=gated, width=width, param_dtype=param_dtype, rngs=rngs)
         self.implementation = implementation
         self.sharding = sharding
+        self.active_fraction = active_fraction
 
     def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
         """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""
         return sparse_ffn_train(
-            x, *self._weights(x.dtype), width=self.width, implementation=self.implementation, sharding=self.sharding
+            x,
+            *self._weights(x.dtype),
+            width=self.width,
+            implementation=self.implementation,
+            sharding=self.sharding,
+            active_fraction=self.active_fraction,
         )
 
     def infer(self, x: jax.Array) -> jax.Array:

@@ -3,6 +3,7 @@ against reference.ffn_with_aux and the dense formula on adversarial inputs, the 
 layout, and the op's glue (custom_vjp, dense crossover, statistics) with the model standing
 in for the kernels."""
 
+import dataclasses
 import functools
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import blocked_emulation as bemu
-from jax_twell.ops import cuda_train, reference
+from jax_twell.ops import cuda_train, reference, xla
 from jax_twell.ops import train_emulation as emu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close
@@ -279,6 +280,54 @@ def test_crossover_rule_predictions():
     assert not bool(rule.use_sparse(pairs(0.003), 200_000, m, d, f, 2))
     with pytest.raises(ValueError, match="multiple of 64"):
         cuda_train.check_supported(96, jnp.bfloat16)
+
+
+# Crosses over at 0.5% active for d=64 (no fixed costs): dense is 16 M d f / rate, sparse
+# 0.005 M f (8 d + 4 d) / 1e12 at the crossover.
+CROSSES_AT_HALF_PERCENT = cuda_train.TrainCrossover(
+    matmul_rate=16 * 64 / (0.005 * 12 * 64 / 1e12), hbm_bandwidth=1e30, weight_bandwidth=1e30,
+    transpose_bandwidth=1e30, pair_rate=1e12, grad_stream_bandwidth=1e12, fixed_overhead=0.0, min_tokens=1,
+)
+
+
+@pytest.mark.parametrize("fraction,sparse", [(0.001, True), (0.02, False)], ids=["sparse", "dense"])
+def test_active_fraction_decides_at_trace_time(emulated_kernels, fraction, sparse):
+    """Given the layer's active fraction, the op is either the kernels with no cost check
+    on the device, or plain XLA autodiff with no kernel and no cond; both exact."""
+    rule = CROSSES_AT_HALF_PERCENT
+    assert rule.prefers_sparse(300, 64, 520, 2, fraction) == sparse
+    x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", True, full=2, empty=3, key=15)
+    fn = lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=rule, active_fraction=fraction)[:2]
+    jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: fn(*a)[0].astype(jnp.float32).sum(), (0, 1, 2, 3)))(x, wg, wu, wd))
+    assert ("cond" in jaxpr) == sparse  # sparse: only the entry-budget check remains
+    assert ("callback" in jaxpr) == sparse
+    if not sparse:
+        xla_jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: xla.ffn_with_aux(*a)[0].astype(jnp.float32).sum(), (0, 1, 2, 3)))(x, wg, wu, wd))
+        assert jaxpr == xla_jaxpr  # the dense formula's autodiff, nothing added
+    (y, l1), grads = grads_of(jax.jit(fn), x, wg, wu, wd, dy)
+    (y_ref, l1_ref), g_ref = grads_of(lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
+    jax.block_until_ready(grads)
+    assert KERNEL_CALLS == (["forward", "backward"] if sparse else [])
+    for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
+        assert_close(g, r, GRAD_TOL, f"{name} fraction={fraction}")
+    assert_close(y, y_ref, GRAD_TOL, "y")
+    np.testing.assert_allclose(l1, l1_ref, rtol=2e-2)
+
+
+def test_active_fraction_is_checked_and_follows_the_rule():
+    rule = CROSSES_AT_HALF_PERCENT
+    assert rule.prefers_sparse(300, 64, 520, 2, 0.0) and not rule.prefers_sparse(300, 64, 520, 2, 1.0)
+    assert not cuda_train.TrainCrossover(margin=0.0).prefers_sparse(300, 64, 520, 2, 0.0)
+    assert cuda_train.TrainCrossover(margin=float("inf")).prefers_sparse(300, 64, 520, 2, 1.0)
+    assert not dataclasses.replace(rule, min_tokens=301).prefers_sparse(300, 64, 520, 2, 0.0)
+    # The fitted H200 rule at the benchmark shape: dense above ~0.38% active.
+    h200 = cuda_train.TrainCrossover()
+    assert h200.prefers_sparse(16384, 2048, 5632, 2, 0.003) and not h200.prefers_sparse(16384, 2048, 5632, 2, 0.005)
+    with pytest.raises(ValueError, match="active_fraction"):
+        rule.prefers_sparse(300, 64, 520, 2, 1.5)
+    x, wg, wu, wd, _ = make_case(64, 64, 256, 0.05, "uniform", True, key=16)
+    with pytest.raises(ValueError, match="active_fraction"):
+        jt.sparse_ffn_train(x, wg, wu, wd, active_fraction=-0.1)
 
 
 @pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 host devices")

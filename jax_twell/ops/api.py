@@ -268,6 +268,7 @@ def sparse_ffn_train(
     backup_capacity: int | None = None,
     implementation: str | None = None,
     sharding: FFNSharding | None = None,
+    active_fraction: float | None = None,
 ) -> tuple[jax.Array, FFNAux]:
     """Training FFN: output, L1 term and sparsity statistics, differentiable.
 
@@ -290,17 +291,26 @@ def sparse_ffn_train(
         until the training kernels are measured: ``cuda_train.TRAINING_KERNELS_DEFAULT``).
       sharding: run per shard of a device mesh (see :class:`jax_twell.FFNSharding`);
         statistics are combined exactly across shards.
+      active_fraction: "cuda" only: this layer's expected fraction of active (token,
+        neuron) pairs (a Python float, e.g. ``aux.nnz_mean / f`` over recent steps). The
+        sparse-or-dense choice is then made at trace time, per layer, and the dense side
+        is plain XLA autodiff; None decides per call on the device (see
+        :func:`jax_twell.ops.cuda_train.ffn_with_aux`). Other implementations ignore it.
     Returns:
       ``(y [..., d], FFNAux)``.
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     _check_hybrid_layout(width, backup_capacity)
+    if active_fraction is not None and not 0.0 <= active_fraction <= 1.0:
+        raise ValueError(f"active_fraction must be a float in [0, 1], got {active_fraction!r}")
     kernels = dict(
         reference=functools.partial(reference.ffn_with_aux, width=width, backup_capacity=backup_capacity),
         xla=xla.ffn_with_aux,
     )
     if implementation == "cuda" or (cuda_train.TRAINING_KERNELS_DEFAULT and cuda_train.supports(x.shape[-1], x.dtype)):
-        kernels["cuda"] = functools.partial(cuda_train.ffn_with_aux, width=width, backup_capacity=backup_capacity)
+        kernels["cuda"] = functools.partial(
+            cuda_train.ffn_with_aux, width=width, backup_capacity=backup_capacity, active_fraction=active_fraction
+        )
     fn = _choose("sparse_ffn_train", implementation, kernels, "xla")
     x2, lead = _flatten_tokens(x)
     if sharding is not None:

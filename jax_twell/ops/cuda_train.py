@@ -131,6 +131,20 @@ class TrainCrossover:
         cost = cost + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
         return cost + self.sparse_fixed_cost(m, d, f, itemsize)
 
+    def prefers_sparse(self, m: int, d: int, f: int, itemsize: int, active_fraction: float) -> bool:
+        """Static: True where the kernels are predicted faster for calls of ``m`` tokens
+        with ``active_fraction`` of the (token, neuron) pairs active (no overflow assumed).
+        What :func:`ffn_with_aux` decides at trace time when given ``active_fraction``."""
+        if not 0.0 <= active_fraction <= 1.0:
+            raise ValueError(f"active_fraction must be in [0, 1], got {active_fraction}")
+        if self.margin == float("inf"):
+            return True
+        if m < self.min_tokens or self.margin <= 0:
+            return False
+        per_pair = 8.0 * d / self.pair_rate + 2.0 * d * itemsize / self.grad_stream_bandwidth
+        cost = active_fraction * m * f * per_pair + self.sparse_fixed_cost(m, d, f, itemsize)
+        return cost < self.margin * self.dense_cost(m, d, f)
+
     def sparse_can_win(self, m: int, d: int, f: int, itemsize: int) -> bool:
         """Static: False where the kernels should not even be traced (tiny M, fixed costs)."""
         if self.margin == float("inf"):
@@ -389,7 +403,7 @@ _train_ffn.defvjp(_train_fwd, _train_bwd)
 
 def ffn_with_aux(
     x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
-    crossover: TrainCrossover | None = None, mma: bool = False,
+    crossover: TrainCrossover | None = None, mma: bool = False, active_fraction: float | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -402,6 +416,15 @@ def ffn_with_aux(
     dense (exact; its backward recomputes g and u). f32 inputs and M below the rule's
     ``min_tokens`` run :func:`jax_twell.ops.xla.ffn_with_aux` (pure XLA autodiff).
     ``mma=True`` runs the up, down and dh steps on tensor cores (measured no faster: ffi/notes/training_kernels.md).
+
+    ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
+    steps): the choice is made at trace time instead (:meth:`TrainCrossover.prefers_sparse`
+    for this call's M): where dense is predicted faster the call is pure XLA autodiff (the
+    dense formula's cost, nothing added); else the kernels, dense only where the entries do
+    not fit (exactness). The per-call device decision costs the dense side ~15% (its
+    residuals share the sparse side's static shapes, so its backward recomputes g and u);
+    a per-layer trace-time choice does not. Each distinct decision is a distinct trace:
+    change it when a layer's density crosses, not every step.
     """
     m, d = x.shape
     rule = _crossover.get() if crossover is None else crossover
@@ -409,5 +432,9 @@ def ffn_with_aux(
     check_supported(d, x.dtype)
     if m == 0 or jnp.dtype(x.dtype) == jnp.float32 or not rule.sparse_can_win(m, d, f, x.dtype.itemsize):
         return xla.ffn_with_aux(x, w_gate, w_up, w_down)
+    if active_fraction is not None:
+        if not rule.prefers_sparse(m, d, f, x.dtype.itemsize, active_fraction):
+            return xla.ffn_with_aux(x, w_gate, w_up, w_down)
+        rule = dataclasses.replace(rule, margin=float("inf"))  # decided: only the entry budget is checked per call
     cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma))
     return _train_ffn(x, w_gate, w_up, w_down, cfg)
