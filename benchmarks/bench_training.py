@@ -1,13 +1,17 @@
 """Training FFN benchmark: forward + backward (with the L1 term) of the CUDA training op
 against XLA's dense autodiff, same process, same inputs (DESIGN.md §7).
 
-Per configuration (M=16384, d=2048, f=5632, bf16; densities 0.5/1/2/5%; uniform and heavy
+Per configuration (M=16384, d=2048, f=5632, bf16; densities 0.25/0.5/1/2/5%; uniform and heavy
 rows; synthetic sparsity through a real gate matmul), each timing the median of many
 synchronised runs after warm-up, never on zeros:
 - dense: jax.grad through jax_twell.ops.xla.ffn_with_aux (XLA autodiff);
 - cuda: cuda_train.ffn_with_aux forced sparse (margin inf: sparse wherever the entries
   fit the budget; "branch" says which path ran);
-- auto: cuda_train.ffn_with_aux under the default rule (TrainCrossover);
+- auto: cuda_train.ffn_with_aux under the default rule (TrainCrossover), decided per call
+  on the device;
+- layer: the same rule decided at trace time from the measured active fraction
+  (``active_fraction=``, as a training loop would pass each layer's): XLA autodiff where
+  the rule says dense, the kernels where it says sparse;
 - mma: as cuda, with the up, down and dh steps on tensor cores (mma=True);
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
@@ -42,7 +46,7 @@ def timed(fn, args):
 
 
 def grid(quick: bool):
-    densities = [0.005, 0.02] if quick else [0.005, 0.01, 0.02, 0.05]
+    densities = [0.005, 0.02] if quick else [0.0025, 0.005, 0.01, 0.02, 0.05]
     return [(16384, 2048, 5632, p, pattern) for p in densities for pattern in ("uniform", "heavy")]
 
 
@@ -109,13 +113,17 @@ def main():
                 int(nnz.sum()), int((counts > cuda_train.CAPACITY).sum()), m, d, f, 2)),
         )
         operands = (*inp, cot)
-        for name, op in (("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("mma", mma_op)):
+        fraction = row["measured_active_fraction"]
+        layer_op = lambda x, wg, wu, wd, p=fraction: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, active_fraction=p)
+        row["layer_rule_sparse"] = cuda_train.train_crossover().prefers_sparse(m, d, f, 2, fraction)
+        for name, op in (("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("layer", layer_op), ("mma", mma_op)):
             row[f"{name}_step_ms"] = 1e3 * timed(step(op), operands)
         for name, op in (("dense", dense_op), ("cuda", cuda_op), ("mma", mma_op)):
             row[f"{name}_forward_ms"] = 1e3 * timed(forward(op), tuple(inp))
         row["cuda_ratio"] = row["dense_step_ms"] / row["cuda_step_ms"]
         row["mma_ratio"] = row["dense_step_ms"] / row["mma_step_ms"]
         row["auto_ratio"] = row["dense_step_ms"] / row["auto_step_ms"]
+        row["layer_ratio"] = row["dense_step_ms"] / row["layer_step_ms"]
         if memory is None and density == 0.005:
             memory = dict(
                 m=m, d=d, f=f,
@@ -145,12 +153,12 @@ def main():
         mb = {k: (round(v / 2**20, 1) if isinstance(v, int) and k.endswith("bytes") else v) for k, v in memory.items()}
         print("memory between forward and backward (MiB):", mb)
     print(f"{'dens':>6} {'pattern':>8} {'act%':>6} {'max':>5} {'branch':>7} {'dense ms':>9} {'cuda ms':>8} {'ratio':>6} "
-          f"{'auto ms':>8} {'auto r':>6} {'mma ms':>8} {'mma r':>6} {'fwd dense':>9} {'fwd cuda':>8} {'fwd mma':>8}")
+          f"{'auto ms':>8} {'auto r':>6} {'layer r':>7} {'mma ms':>8} {'mma r':>6} {'fwd dense':>9} {'fwd cuda':>8} {'fwd mma':>8}")
     for r in rows:
         print(
             f"{r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>6.2f} {r['max_active_per_row']:>5} "
             f"{r['branch'][:6]:>7} {r['dense_step_ms']:>9.3f} {r['cuda_step_ms']:>8.3f} {r['cuda_ratio']:>6.2f} "
-            f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['mma_step_ms']:>8.3f} {r['mma_ratio']:>6.2f} "
+            f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['layer_ratio']:>7.2f} {r['mma_step_ms']:>8.3f} {r['mma_ratio']:>6.2f} "
             f"{r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f} {r['mma_forward_ms']:>8.3f}"
         )
 
