@@ -27,6 +27,7 @@ def setup_state():
         step=state.step + 7,
         opt_state=jax.tree.map(lambda x: x + 0.5 if x.dtype == np.float32 else x + 3, state.opt_state),
         since_fired=state.since_fired + 2,
+        ffn_sparse=state.ffn_sparse.at[0].set(True),
     )
     return setup, state
 
@@ -77,6 +78,7 @@ def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path, setup_state):
     assert writer.latest_step() == 5
     restored = writer.restore(setup.abstract_state)
     np.testing.assert_array_equal(restored.since_fired, state.since_fired)
+    np.testing.assert_array_equal(restored.ffn_sparse, state.ffn_sparse)
     writer.save(6, restored)
     writer.wait()
     assert not partial.exists(), "the writer removes leftovers of interrupted saves"

@@ -25,12 +25,15 @@ from jax_twell.train.dead_neurons import gate_weight_name
 
 class TrainState(NamedTuple):
     """step: [] int32; params: pure dict of the model's nnx.Param values; opt_state: optax
-    state; since_fired: [L, f] int32, steps since each FFN neuron last fired."""
+    state; since_fired: [L, f] int32, steps since each FFN neuron last fired; ffn_sparse:
+    [L] bool, the layers whose FFN is traced on the sparse training kernels
+    (`jax_twell.train.ffn_paths`; all False unless the FFN runs on "cuda")."""
 
     step: jax.Array
     params: dict
     opt_state: Any
     since_fired: jax.Array
+    ffn_sparse: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +112,13 @@ def setup_model(
         def init_state() -> TrainState:
             _, params, _ = _split_model(model_cfg, seed)
             params = nnx.to_pure_dict(params)
-            return TrainState(jnp.int32(0), params, tx.init(params), jnp.zeros((num_layers, d_ff), jnp.int32))
+            return TrainState(
+                jnp.int32(0),
+                params,
+                tx.init(params),
+                jnp.zeros((num_layers, d_ff), jnp.int32),
+                jnp.zeros((num_layers,), jnp.bool_),
+            )
 
         abstract = jax.eval_shape(init_state)
         shardings = TrainState(
@@ -117,6 +126,7 @@ def setup_model(
             params_shardings,
             _opt_state_shardings(abstract.opt_state, params_shardings, abs_params, mesh),
             fired_sharding,
+            sharding.replicated(mesh),
         )
         abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
         rest = jax.jit(lambda: nnx.to_pure_dict(_split_model(model_cfg, seed)[2]), out_shardings=sharding.replicated(mesh))()

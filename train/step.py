@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_twell.train import sharding
+from jax_twell.train import ffn_paths, sharding
 from jax_twell.train.config import TrainConfig
 from jax_twell.train.dead_neurons import reinit_dead_gates, update_since_fired
 from jax_twell.train.loss import l1_coefficient, lm_loss
@@ -34,6 +34,10 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
     batch_size / grad_accum, T + 1] int32. Trace inside `sharding.mesh_context(setup.mesh)`.
     """
     base_key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), DEAD_REINIT_SALT)
+    path_rule = None
+    if ffn_paths.enabled(cfg.model):
+        seq_len = cfg.seq_len or cfg.model.max_seq_len
+        path_rule = ffn_paths.path_rule(cfg.model, setup.mesh, cfg.batch_size // cfg.grad_accum, seq_len)
 
     def micro_step(params, l1_coef, tokens):
         def loss_fn(p):
@@ -65,6 +69,11 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
             params = reinit_dead_gates(params, dead, jax.random.fold_in(base_key, state.step))
 
         ce, l1 = aux.ce.mean(), aux.l1.mean()
+        nnz_mean = aux.stats.nnz_mean.mean(axis=0)
+        ffn_sparse = state.ffn_sparse
+        if path_rule is not None:  # the layers' sides change at log steps only (the loop re-jits then)
+            at_log = (state.step + 1) % cfg.log_every == 0
+            ffn_sparse = jnp.where(at_log, path_rule.next(ffn_sparse, nnz_mean / setup.d_ff), ffn_sparse)
         metrics = dict(
             loss=ce + l1_coef * l1,
             ce=ce,
@@ -73,13 +82,13 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
             l1_coef=l1_coef,
             lr=jnp.asarray(schedule(state.step), jnp.float32),
             grad_norm=grad_norm,
-            nnz_mean=aux.stats.nnz_mean.mean(axis=0),
+            nnz_mean=nnz_mean,
             nnz_max=aux.stats.nnz_max.max(axis=0),
             rows_over_capacity=aux.stats.rows_over_capacity.sum(axis=0),
             fired_fraction=fired.mean(axis=-1, dtype=jnp.float32),
             dead_fraction=dead.mean(axis=-1, dtype=jnp.float32),
         )
-        return TrainState(state.step + 1, params, opt_state, since_fired), metrics
+        return TrainState(state.step + 1, params, opt_state, since_fired, ffn_sparse), metrics
 
     batch_sharding = sharding.batch_sharding(setup.mesh, 3)
     return jax.jit(

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from jax_twell.train import config as config_lib
-from jax_twell.train import data, metrics, sharding
+from jax_twell.train import data, ffn_paths, metrics, sharding
 from jax_twell.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jax_twell.train.evaluate import evaluate
 from jax_twell.train.optimizer import learning_rate_schedule, make_optimizer
@@ -127,8 +127,17 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
             state = checkpointer.restore(setup.abstract_state)
         else:
             state = setup.init()
-        train_step = make_train_step(cfg, setup, tx, schedule)
         eval_step = make_eval_step(setup)
+        steps_by_paths = {}  # one jitted step per choice of sparse layers (ffn_paths)
+
+        def train_step_for(paths: tuple[bool, ...]):
+            if paths not in steps_by_paths:
+                traced = ffn_paths.with_paths(setup, paths) if ffn_paths.enabled(cfg.model) else setup
+                steps_by_paths[paths] = make_train_step(cfg, traced, tx, schedule)
+            return steps_by_paths[paths]
+
+        paths = tuple(bool(v) for v in jax.device_get(state.ffn_sparse))
+        train_step = train_step_for(paths)
         log = metrics.MetricsLog(workdir, resume_step=restored_step) if lead else None
         flops_token = metrics.flops_per_token(setup.num_params, setup.num_layers, cfg.model.d_model, seq_len)
         peak = metrics.peak_flops_per_device(jax.devices()[0], cfg.peak_tflops)
@@ -170,6 +179,12 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                     timer_step, timer = done, time.perf_counter()
                 if done % cfg.log_every == 0 or done == cfg.steps:
                     values = jax.device_get(step_metrics)
+                    if ffn_paths.enabled(cfg.model):  # the step moves layers between sides at log steps
+                        new_paths = tuple(bool(v) for v in jax.device_get(state.ffn_sparse))
+                        if new_paths != paths:
+                            paths, train_step = new_paths, train_step_for(new_paths)
+                            if lead:
+                                progress.console.print(f"step {done}: {ffn_paths.describe(paths)} (re-jit)")
                     now = time.perf_counter()
                     steps_timed = done - timer_step
                     tokens_per_s = steps_timed * cfg.batch_size * seq_len / (now - timer) if steps_timed else 0.0

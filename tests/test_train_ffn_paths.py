@@ -1,0 +1,129 @@
+"""The per-layer trace-time choice of the CUDA training FFN in the loop (train/ffn_paths):
+the rule's hysteresis, the register in the train state (updated at log steps only), and
+the model traced with each layer's side. On CPU the sparse FFN runs the reference
+implementation with the choice switched on by hand: the mechanism, not the kernels."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_twell.ops import cuda_train
+from jax_twell.train import config, ffn_paths, optimizer, sharding
+from jax_twell.train.state import setup_model
+from jax_twell.train.step import make_train_step
+from test_train_step import CFG, _batch
+
+# Crosses over at 0.5% active for m=300, d=64, f=520 (see test_train_emulation).
+HALF_PERCENT = cuda_train.TrainCrossover(
+    matmul_rate=16 * 64 / (0.005 * 12 * 64 / 1e12), hbm_bandwidth=1e30, weight_bandwidth=1e30,
+    transpose_bandwidth=1e30, pair_rate=1e12, grad_stream_bandwidth=1e12, fixed_overhead=0.0, min_tokens=1,
+)
+
+
+@pytest.fixture
+def rule():
+    def use(r):
+        previous = cuda_train.set_train_crossover(r)
+        restore.append(previous)
+
+    restore = []
+    yield use
+    for previous in restore[::-1]:
+        cuda_train.set_train_crossover(previous)
+
+
+def test_sides_change_with_hysteresis(rule):
+    rule(HALF_PERCENT)
+    paths = ffn_paths.PathRule(m=300, d=64, f=520)
+    sparse = jnp.asarray([False, False, True, True, False])
+    fraction = jnp.asarray([0.001, 0.0048, 0.0052, 0.02, 0.0])
+    # dense -> sparse only when 10% denser would still win; sparse -> dense only when 10%
+    # sparser would lose: 0.48% stays dense, 0.52% stays sparse.
+    np.testing.assert_array_equal(paths.next(sparse, fraction), [True, False, True, False, True])
+    rule(dataclasses.replace(HALF_PERCENT, min_tokens=301))  # the kernels never run for 300 tokens
+    np.testing.assert_array_equal(paths.next(sparse, fraction), [False] * 5)
+
+
+def test_path_rule_sees_one_shard_of_one_micro_batch():
+    model = dataclasses.replace(CFG.model, ffn_implementation="cuda", d_ff=64)
+    mesh = sharding.make_mesh(config.MeshConfig(data=1), jax.devices()[:1])
+    r = ffn_paths.path_rule(model, mesh, micro_batch=4, seq_len=32)
+    assert (r.m, r.d, r.f) == (128, model.d_model, 64)
+    assert ffn_paths.enabled(model) and not ffn_paths.enabled(CFG.model)
+
+
+def _setup(cfg):
+    mesh = sharding.make_mesh(config.MeshConfig(data=1), jax.devices()[:1])
+    tx = optimizer.make_optimizer(cfg.optim, cfg.steps)
+    schedule = optimizer.learning_rate_schedule(cfg.optim, cfg.steps)
+    return mesh, tx, schedule
+
+
+def test_the_state_moves_layers_at_log_steps_and_the_traced_sides_follow(monkeypatch, rule):
+    monkeypatch.setattr(ffn_paths, "enabled", lambda model_cfg: True)  # reference FFN, choice on
+    rule(cuda_train.TrainCrossover(margin=float("inf")))  # every layer prefers the kernels
+    cfg = dataclasses.replace(CFG, log_every=3)
+    mesh, tx, schedule = _setup(cfg)
+    with sharding.mesh_context(mesh):
+        setup = setup_model(cfg.model, cfg.seed, tx, mesh)
+        state = setup.init()
+        assert not np.asarray(state.ffn_sparse).any()  # dense from initialisation
+        step = make_train_step(cfg, ffn_paths.with_paths(setup, (False,) * setup.num_layers), tx, schedule)
+        seen = []
+        for i in range(4):
+            state, metrics = step(state, _batch(i, cfg))
+            seen.append(tuple(np.asarray(state.ffn_sparse)))
+        assert seen[:2] == [(False, False)] * 2 and seen[2:] == [(True, True)] * 2  # after step 3 only
+
+        # Each layer's FFN is traced with its side; the reference FFN ignores it, so the
+        # loss is the same whichever side each layer is on.
+        mixed = ffn_paths.with_paths(setup, (True, False))
+        model = mixed.bind(state.params)
+        assert [layer.ffn.active_fraction for layer in model.layers] == [0.0, 1.0]
+        assert setup.bind(state.params).layers[0].ffn.active_fraction is None
+        losses = [  # the step donates its state: each gets a copy
+            float(make_train_step(cfg, s, tx, schedule)(jax.tree.map(jnp.copy, state), _batch(5, cfg))[1]["loss"])
+            for s in (setup, mixed)
+        ]
+        assert losses[0] == losses[1]
+    with pytest.raises(ValueError, match="one side per layer"):
+        ffn_paths.with_paths(setup, (True,))
+
+
+def test_the_register_stays_off_without_the_cuda_ffn():
+    mesh, tx, schedule = _setup(CFG)
+    with sharding.mesh_context(mesh):
+        setup = setup_model(CFG.model, CFG.seed, tx, mesh)
+        state = setup.init()
+        step = make_train_step(dataclasses.replace(CFG, log_every=1), setup, tx, schedule)
+        state, _ = step(state, _batch(0))
+    assert not np.asarray(state.ffn_sparse).any()
+
+
+def test_the_loop_re_jits_when_layers_change_side(monkeypatch, rule, tmp_path):
+    """In the bundled loop: the layers start dense, move to the kernels' side at the first
+    log step where the rule says so, the loop says it re-jits, and the run goes on."""
+    import io
+
+    from rich.console import Console
+
+    from jax_twell.train.trainer import train
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(40):  # the split is by file (a hash of its name)
+        (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 200)
+    monkeypatch.setattr(ffn_paths, "enabled", lambda model_cfg: True)
+    rule(cuda_train.TrainCrossover(margin=float("inf")))
+    cfg = dataclasses.replace(
+        CFG, workdir=str(tmp_path / "run"), steps=6, log_every=2, eval_every=100, eval_batches=1,
+        checkpoint_every=100, data=dataclasses.replace(CFG.data, source=str(corpus), eval_percent=20),
+    )
+    out = io.StringIO()
+    last = train(cfg, console=Console(file=out, width=200))
+    assert last["train"]["step"] == 6 and np.isfinite(last["train"]["loss"])
+    text = out.getvalue()
+    assert text.count("re-jit") == 1 and "step 2: FFN on the sparse kernels in 2/2 layers" in text
