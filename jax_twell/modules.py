@@ -60,6 +60,7 @@ from jax_twell.ops.common import hidden_stats, make_aux
 __all__ = [
     "SparseFFN",
     "DenseFFN",
+    "InferenceCache",
     "FFNAux",
     "FFNStats",
     "stack_stats",
@@ -182,6 +183,11 @@ class _FFN(nnx.Module):
         return y
 
 
+class InferenceCache(nnx.Variable):
+    """Derived arrays kept for inference (not trained, not parameters): a snapshot of the
+    weights it was made from."""
+
+
 class SparseFFN(_FFN):
     """ReLU-gated (or non-gated ReLU) FFN on jax-twell's sparse ops.
 
@@ -197,10 +203,11 @@ class SparseFFN(_FFN):
         (needed whenever the operands are sharded; None for unsharded use).
       param_dtype: parameter storage dtype (f32 default); compute runs in ``x.dtype``.
       active_fraction: this layer's expected fraction of active (token, neuron) pairs, a
-        Python float or None; passed to ``sparse_ffn_train`` (with the "cuda"
-        implementation the sparse-or-dense choice is then made per layer at trace time).
-        A plain attribute: set it from measured statistics (``FFNAux.nnz_mean / d_ff``)
-        and re-jit when the layer's choice changes.
+        Python float or None; passed to ``sparse_ffn_train`` and ``sparse_ffn`` (with the
+        "cuda" implementation the sparse-or-dense choice is then made per layer at trace
+        time, and decode-sized inference calls may take the decode kernels). A plain
+        attribute: set it from measured statistics (``FFNAux.nnz_mean / d_ff``, or
+        ``TransformerLM.calibrate_ffn``) and re-jit when the layer's choice changes.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     See the module docstring for the parameter layout, initialisation and entry points.
@@ -223,6 +230,20 @@ class SparseFFN(_FFN):
         self.implementation = implementation
         self.sharding = sharding
         self.active_fraction = active_fraction
+        self.w_up_t: InferenceCache | None = nnx.data(None)  # data, not structure: set later
+
+    def cache_transposed_up_weight(self, dtype=jnp.bfloat16) -> None:
+        """Keeps ``w_up.T`` ``[f, d]`` in ``dtype`` (an ``InferenceCache``) for ``infer``:
+        the layout the CUDA kernels read, which they would otherwise transpose in every
+        call (at decode sizes that costs more than the kernels save). A snapshot: call it
+        again after the weights change (training does not update it), or
+        :meth:`clear_inference_cache`. No effect on the training forward."""
+        if self.gated:
+            self.w_up_t = nnx.data(InferenceCache(self.w_up[...].T.astype(dtype)))
+
+    def clear_inference_cache(self) -> None:
+        """Drops what :meth:`cache_transposed_up_weight` kept."""
+        self.w_up_t = nnx.data(None)
 
     def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
         """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""
@@ -237,7 +258,15 @@ class SparseFFN(_FFN):
 
     def infer(self, x: jax.Array) -> jax.Array:
         """Inference forward, no statistics: ``x [..., d]`` -> ``y [..., d]`` of ``x.dtype``."""
-        return sparse_ffn(x, *self._weights(x.dtype), implementation=self.implementation, sharding=self.sharding)
+        w_up_t = None if self.w_up_t is None else self.w_up_t[...].astype(x.dtype)
+        return sparse_ffn(
+            x,
+            *self._weights(x.dtype),
+            implementation=self.implementation,
+            sharding=self.sharding,
+            w_up_t=w_up_t,
+            active_fraction=self.active_fraction,
+        )
 
 
 class DenseFFN(_FFN):

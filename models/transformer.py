@@ -14,6 +14,11 @@ Entry points (``B`` batch, ``T`` tokens, ``V`` vocabulary, ``L`` layers)::
     logits, cache = model.prefill(tokens, max_len)     # inference, fills a KV cache
     logits, cache = model.decode_step(next_tokens, cache)
 
+For serving on the CUDA kernels, ``model.calibrate_ffn(sample_tokens)`` stores each
+layer's measured active fraction (decode-sized calls then take the decode kernels where
+they win, chosen at trace time) and ``model.cache_for_decode()`` keeps the up weights in
+the layout those kernels read.
+
 ``prefill`` and ``decode_step`` use the FFN's inference path (no statistics); jit them
 (``nnx.jit``, or ``nnx.split`` + ``jax.jit`` as ``generate`` does). The cache has a fixed
 size ``max_len``; a step that would run past it returns NaN logits (the cache is then
@@ -48,6 +53,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_twell.models.config import ModelConfig
@@ -280,6 +286,28 @@ class TransformerLM(nnx.Module):
             x, aux = block(layer, x)
             auxes.append(aux)
         return self._logits(x), stack_stats(auxes)
+
+    def calibrate_ffn(self, tokens: jax.Array) -> list[float]:
+        """Measures each sparse FFN layer's fraction of active (token, neuron) pairs on
+        ``tokens [B, T]`` (the training forward) and stores it as the layer's
+        ``active_fraction``, the per-layer choice the CUDA ops then make at trace time
+        (decode kernels or dense for inference; kernels or XLA for training). Returns the
+        fractions, one per layer. Re-jit code that captured the model after calling it.
+        """
+        stats = nnx.jit(lambda model, t: model(t)[1])(self, jnp.asarray(tokens, jnp.int32))
+        fractions = [float(v) / self.cfg.d_ff for v in np.asarray(stats.nnz_mean, np.float64)]
+        for layer, fraction in zip(self.layers, fractions):
+            if isinstance(layer.ffn, SparseFFN):
+                layer.ffn.active_fraction = min(max(fraction, 0.0), 1.0)
+        return fractions
+
+    def cache_for_decode(self, dtype=None) -> None:
+        """Keeps each sparse FFN's up weight transposed for the decode kernels
+        (``SparseFFN.cache_transposed_up_weight``, in the model's compute dtype by
+        default). A snapshot of the current weights."""
+        for layer in self.layers:
+            if isinstance(layer.ffn, SparseFFN):
+                layer.ffn.cache_transposed_up_weight(jnp.dtype(dtype or self.cfg.dtype))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Empty cache for ``batch`` rows and ``max_len`` positions (zeros, length 0)."""

@@ -265,3 +265,58 @@ def test_rule_setters_swap_and_check_the_type():
             put(other())
         assert get() is mine  # a refused rule changes nothing
         assert put(before) is mine and get() is before
+
+
+def test_decode_wins_follows_the_measured_bounds():
+    rule = cuda.DenseCrossover()
+    assert rule.decode_wins(1, 0.02) and not rule.decode_wins(1, 0.03)
+    assert rule.decode_wins(16, 0.01) and not rule.decode_wins(16, 0.02)
+    assert rule.decode_wins(64, 0.005) and not rule.decode_wins(64, 0.01)
+    assert rule.decode_wins(2, 0.01) and not rule.decode_wins(2, 0.02)  # M=2 takes M=16's bound
+    assert not rule.decode_wins(65, 0.0) and not rule.decode_wins(0, 0.0)
+    assert not cuda.DenseCrossover(margin=0.0).decode_wins(1, 0.0)
+    with pytest.raises(ValueError, match="active_fraction"):
+        rule.decode_wins(1, 2.0)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_known_active_fraction_picks_decode_at_trace_time(monkeypatch, stand_ins, gated):
+    """With the layer's active fraction known, decode-sized calls take the decode kernels
+    where they win, with no device check and no pack, under the default rule (decode off);
+    elsewhere the usual paths; gated calls need w_up_t."""
+    stand_ins(mark=False)
+    seen = []
+
+    def decode(x, g, w_up, w_down, *, w_up_t=None, workspace=False):
+        seen.append(("xla gate", x.shape[0]))
+        return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+
+    def decode_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace=False):
+        seen.append(("kernel gate", x.shape[0]))
+        g = relu_matmul(x, w_act)
+        return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+
+    monkeypatch.setattr(cuda, "decode_ffn", decode)
+    monkeypatch.setattr(cuda, "decode_ffn_gate", decode_gate)
+    assert cuda.dense_crossover().decode_kernel_max_tokens == 0  # the default: decode off without knowledge
+    for m, fraction, with_t, want in [
+        (1, 0.005, True, "kernel gate"),
+        (16, 0.01, True, "kernel gate"),
+        (64, 0.005, True, "xla gate"),  # above decode_fused_gate_max_tokens
+        (64, 0.02, True, None),  # past the M=64 bound: dense
+        (1, 0.005, False, "kernel gate" if not gated else None),  # gated needs w_up_t
+        (65, 0.0, True, None),
+    ]:
+        inp = synthetic_ffn_inputs(jax.random.key(m), m, 128, 704, density=0.02)
+        w_gate = inp.w_gate if gated else None
+        w_up_t = inp.w_up.T if (with_t and gated) else None
+        fn = jax.jit(lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=256, capacity=32, w_up_t=wut, active_fraction=fraction))
+        seen.clear()
+        jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down, w_up_t))
+        if want is not None:
+            assert seen == [(want, m)] and "cond" not in jaxpr and "stand_in_pack" not in jaxpr, (m, fraction)
+        else:
+            assert not seen, (m, fraction, with_t)
+        y = fn(inp.x, w_gate, inp.w_up, inp.w_down, w_up_t)
+        assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 704), f"m={m}")

@@ -327,3 +327,38 @@ def test_logits_matmul_gradients_stay_in_bf16_and_match():
 
     assert f32_operand_dots(plain) == 2  # what JAX's own transpose does
     assert f32_operand_dots(ours) == 0
+
+
+def test_calibrate_ffn_stores_each_layers_active_fraction_and_decode_cache(monkeypatch):
+    import jax_twell.modules as modules_lib
+
+    model = TransformerLM(TINY, rngs=nnx.Rngs(3))
+    tokens = jax.random.randint(jax.random.key(4), (2, 16), 0, TINY.vocab_size)
+    fractions = model.calibrate_ffn(tokens)
+    _, stats = model(tokens)
+    np.testing.assert_allclose(fractions, np.asarray(stats.nnz_mean) / TINY.d_ff, rtol=1e-6)
+    assert all(0.0 < p < 1.0 for p in fractions)  # ReLU at initialisation: about half active
+    assert [layer.ffn.active_fraction for layer in model.layers] == pytest.approx(fractions)
+
+    model.cache_for_decode()
+    for layer in model.layers:
+        cached = layer.ffn.w_up_t[...]
+        assert cached.dtype == jnp.dtype(TINY.dtype)
+        np.testing.assert_array_equal(cached, layer.ffn.w_up[...].T.astype(TINY.dtype))
+
+    seen = []  # what the inference path passes to the op
+    real = modules_lib.sparse_ffn
+
+    def spy(x, *weights, **kwargs):
+        seen.append(kwargs)
+        return real(x, *weights, **kwargs)
+
+    monkeypatch.setattr(modules_lib, "sparse_ffn", spy)
+    logits, _ = model.prefill(tokens, 20)
+    assert len(seen) == TINY.n_layers
+    for kwargs, layer, p in zip(seen, model.layers, fractions):
+        assert kwargs["active_fraction"] == pytest.approx(p) and kwargs["w_up_t"].shape == (TINY.d_ff, TINY.d_model)
+    assert np.isfinite(np.asarray(logits)).all()
+    for layer in model.layers:
+        layer.ffn.clear_inference_cache()
+        assert layer.ffn.w_up_t is None

@@ -14,6 +14,7 @@ Leading batch dimensions are accepted everywhere (``x: [..., d]``).
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 
@@ -197,6 +198,11 @@ def twell_ffn(
     return fn(x, act, w_act, w_up, w_down)
 
 
+def _check_fraction(active_fraction) -> None:
+    if active_fraction is not None and not (isinstance(active_fraction, numbers.Real) and 0.0 <= active_fraction <= 1.0):
+        raise ValueError(f"active_fraction must be a Python float in [0, 1] or None, got {active_fraction!r}")
+
+
 def sparse_ffn(
     x: jax.Array,
     w_gate: jax.Array | None,
@@ -208,6 +214,7 @@ def sparse_ffn(
     implementation: str | None = None,
     sharding: FFNSharding | None = None,
     w_up_t: jax.Array | None = None,
+    active_fraction: float | None = None,
 ) -> jax.Array:
     """Inference FFN with a ReLU gate, computed on the sparse activation.
 
@@ -228,6 +235,11 @@ def sparse_ffn(
         each call (23 MB at d=2048, f=5632), which at decode sizes costs more than the
         sparse kernels save. A model that serves can keep it next to ``w_up``. The other
         implementations ignore it.
+      active_fraction: "cuda" only: this layer's known fraction of active (token, neuron)
+        pairs (a Python float, e.g. from ``TransformerLM.calibrate_ffn``). Decode-sized
+        calls then pick the decode kernels or dense at trace time, with no device check
+        (:meth:`jax_twell.ops.cuda.DenseCrossover.decode_wins`; the kernels need
+        ``w_up_t`` when gated). Other implementations ignore it.
     Returns:
       y: ``[..., d]`` dtype of x.
 
@@ -238,6 +250,7 @@ def sparse_ffn(
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     _check_tiling(tile, capacity)
+    _check_fraction(active_fraction)
     if w_up_t is not None:
         if w_gate is None:
             raise ValueError("w_up_t applies to the gated FFN only (non-gated, w_up is the activation's weight)")
@@ -247,7 +260,9 @@ def sparse_ffn(
     kernels = dict(
         reference=ignore_t(functools.partial(reference.ffn, tile=tile, capacity=capacity)),
         xla=ignore_t(xla.ffn),
-        cuda=lambda x, wg, wu, wd, wut=None: cuda.sparse_ffn(x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=wut),
+        cuda=lambda x, wg, wu, wd, wut=None: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=wut, active_fraction=active_fraction
+        ),
     )
     if implementation is None and not cuda.supports(x.shape[-1], x.dtype):
         del kernels["cuda"]  # shapes the kernel does not take run dense
@@ -301,8 +316,7 @@ def sparse_ffn_train(
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     _check_hybrid_layout(width, backup_capacity)
-    if active_fraction is not None and not 0.0 <= active_fraction <= 1.0:
-        raise ValueError(f"active_fraction must be a float in [0, 1], got {active_fraction!r}")
+    _check_fraction(active_fraction)
     kernels = dict(
         reference=functools.partial(reference.ffn_with_aux, width=width, backup_capacity=backup_capacity),
         xla=xla.ffn_with_aux,

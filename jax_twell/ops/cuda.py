@@ -306,6 +306,26 @@ class DenseCrossover:
     # ... for calls of at most this many tokens (at M=64 XLA's gate was faster: the kernel's
     # K-range partial sums, 11.5 MB at M=64, cost more than they save).
     decode_fused_gate_max_tokens: int = 32
+    # Decode kernels chosen at trace time from a layer's known active fraction (the
+    # ``active_fraction`` argument, e.g. measured by TransformerLM.calibrate_ffn): a call
+    # of M tokens runs them, without any device check, where M is at most one of these
+    # token counts and the fraction is below its bound (the first count >= M), and the up
+    # weight is given as [f, d] (or the FFN is non-gated). Measured crossovers on the H200,
+    # d=2048, f=5632 (decode_84e3a52.json): ~2.9% active at M=1, ~1.7% at M=16, ~0.9% at
+    # M=64; the bounds keep a margin.
+    decode_active_below: tuple[tuple[int, float], ...] = ((1, 0.025), (16, 0.015), (64, 0.008))
+
+    def decode_wins(self, m: int, active_fraction: float) -> bool:
+        """Static: True where the decode kernels beat dense for ``m`` tokens at this
+        active fraction (:attr:`decode_active_below`)."""
+        if not 0.0 <= active_fraction <= 1.0:
+            raise ValueError(f"active_fraction must be in [0, 1], got {active_fraction}")
+        if m <= 0 or self.margin <= 0:
+            return False
+        for tokens, bound in sorted(self.decode_active_below):
+            if m <= tokens:
+                return active_fraction < bound
+        return False
 
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
@@ -366,6 +386,7 @@ def sparse_ffn(
     crossover: DenseCrossover | None = None,
     w_up_t=None,
     kernel: str = "row",
+    active_fraction: float | None = None,
 ):
     """Inference FFN: XLA gate matmul, ``jax_twell_pack``, then the fused kernel or dense.
 
@@ -381,7 +402,11 @@ def sparse_ffn(
     Decode sizes: with ``decode_kernel_max_tokens`` set in the rule (off by default), calls
     of at most that many tokens run the gate matmul then the decode kernels
     (:func:`decode_ffn`; with ``decode_fused_gate``, the gate too: :func:`decode_ffn_gate`),
-    reading only the weight rows of active neurons; give ``w_up_t`` there.
+    reading only the weight rows of active neurons; give ``w_up_t`` there. With a known
+    ``active_fraction`` (this layer's, a Python float), decode-sized calls choose at
+    trace time instead, with no device check: the decode kernels where
+    :meth:`DenseCrossover.decode_wins` and the up weight comes as ``w_up_t`` (or the FFN
+    is non-gated), else the paths below.
 
     x: ``[M, d]``; weights as in :func:`jax_twell.sparse_ffn`. Where ``crossover`` (default
     :func:`dense_crossover`) predicts the dense path is faster for this call's sparsity,
@@ -395,8 +420,9 @@ def sparse_ffn(
     m, d = x.shape
     f = w_act.shape[1]
     transposed = w_up_t is not None or not gated
-    if 0 < m <= rule.decode_kernel_max_tokens and rule.margin > 0 and decode_supported(d, f, x.dtype):
-        unchecked = rule.decode_dense_above is None or rule.margin == float("inf")
+    known = active_fraction is not None and transposed and rule.decode_wins(m, active_fraction)
+    if (known or 0 < m <= rule.decode_kernel_max_tokens) and rule.margin > 0 and decode_supported(d, f, x.dtype):
+        unchecked = known or rule.decode_dense_above is None or rule.margin == float("inf")
         if unchecked and rule.decode_fused_gate and m <= rule.decode_fused_gate_max_tokens and decode_gate_supported(m, d, f):
             return decode_ffn_gate(x, w_act, w_up if gated else None, w_down, w_up_t=w_up_t)
         g = relu_matmul(x, w_act)
