@@ -53,6 +53,30 @@ def stand_ins(monkeypatch):
     return install
 
 
+@pytest.fixture
+def decode_stand_ins(monkeypatch):
+    """The decode kernels replaced by the reference; returns the list each call appends
+    ``(path, M)`` to: "kernel gate" (decode_ffn_gate) or "xla gate" (decode_ffn)."""
+
+    def install():
+        seen = []
+
+        def decode(x, g, w_up, w_down, *, w_up_t=None, workspace=False):
+            seen.append(("xla gate", x.shape[0]))
+            return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+
+        def decode_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace=False):
+            seen.append(("kernel gate", x.shape[0]))
+            g = relu_matmul(x, w_act)
+            return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+
+        monkeypatch.setattr(cuda, "decode_ffn", decode)
+        monkeypatch.setattr(cuda, "decode_ffn_gate", decode_gate)
+        return seen
+
+    return install
+
+
 def case(m=300, d=128, f=700, density=0.02, full=3, empty=5, key=0):
     inp = synthetic_ffn_inputs(jax.random.key(key), m, d, f, density=density)
     return with_extreme_rows(inp, full=full, empty=empty)
@@ -181,7 +205,7 @@ def test_default_rule_matches_the_h200_measurements():
 @pytest.mark.parametrize("f", [700, 704], ids=["f700", "f704"])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("check", [None, 0.02])
-def test_decode_sized_calls_take_the_decode_kernel(monkeypatch, stand_ins, gated, check, f):
+def test_decode_sized_calls_take_the_decode_kernel(decode_stand_ins, stand_ins, gated, check, f):
     """With ``decode_kernel_max_tokens`` set, calls of at most that many tokens run the
     decode kernels (here reference stand-ins) with no pack: the gate on our kernel
     (``decode_ffn_gate``) where it takes the shape (f a multiple of 8), the call has at most
@@ -189,19 +213,7 @@ def test_decode_sized_calls_take_the_decode_kernel(monkeypatch, stand_ins, gated
     gate then ``decode_ffn``; past the decode size, or with the device
     check on a dense call, the FFN is still right."""
     stand_ins(mark=False)
-    seen = []
-
-    def decode(x, g, w_up, w_down, *, w_up_t=None, workspace=False):
-        seen.append(("xla gate", x.shape[0]))
-        return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
-
-    def decode_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace=False):
-        seen.append(("kernel gate", x.shape[0]))
-        g = relu_matmul(x, w_act)
-        return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
-
-    monkeypatch.setattr(cuda, "decode_ffn", decode)
-    monkeypatch.setattr(cuda, "decode_ffn_gate", decode_gate)
+    seen = decode_stand_ins()
     rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check, decode_fused_gate=True, **NO_FIXED)
     fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))
     for m, density in ((1, 0.02), (64, 0.02), (64, 0.5)):
@@ -280,24 +292,12 @@ def test_decode_wins_follows_the_measured_bounds():
 
 
 @pytest.mark.parametrize("gated", [True, False])
-def test_known_active_fraction_picks_decode_at_trace_time(monkeypatch, stand_ins, gated):
+def test_known_active_fraction_picks_decode_at_trace_time(decode_stand_ins, stand_ins, gated):
     """With the layer's active fraction known, decode-sized calls take the decode kernels
     where they win, with no device check and no pack, under the default rule (decode off);
     elsewhere the usual paths; gated calls need w_up_t."""
     stand_ins(mark=False)
-    seen = []
-
-    def decode(x, g, w_up, w_down, *, w_up_t=None, workspace=False):
-        seen.append(("xla gate", x.shape[0]))
-        return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
-
-    def decode_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace=False):
-        seen.append(("kernel gate", x.shape[0]))
-        g = relu_matmul(x, w_act)
-        return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
-
-    monkeypatch.setattr(cuda, "decode_ffn", decode)
-    monkeypatch.setattr(cuda, "decode_ffn_gate", decode_gate)
+    seen = decode_stand_ins()
     assert cuda.dense_crossover().decode_kernel_max_tokens == 0  # the default: decode off without knowledge
     for m, fraction, with_t, want in [
         (1, 0.005, True, "kernel gate"),
