@@ -554,11 +554,12 @@ def decode_gate_supported(m: int, d: int, f: int) -> bool:
 
 
 def decode_gate_splits(m: int, d: int, f: int, sms: int | None = None) -> int:
-    """K ranges of the decode gate kernel (its thread-block cluster size, at most 8): the
+    """K ranges of the decode gate kernel (at most 8, the portable cluster size): the
     ``ceil(f / 128)`` column blocks times the ranges fill at most the three CTAs per SM that
     fit (one wave: a second would double the time), and no more ranges than d has 64-row
-    stages. The ranges' partial sums are added in shared memory, so the count costs no
-    memory traffic; ``m`` does not change it."""
+    stages. Their f32 partial sums (``splits * M * f * 4`` bytes, through the workspace by
+    default) are why the decode path keeps XLA's gate above 32 tokens; ``m`` does not
+    change the count."""
     if sms is None:
         sms = getattr(jax.devices()[0], "core_count", None) or 132
     blocks = -(-f // _GATE_COLS)
