@@ -38,6 +38,8 @@ class ModelConfig:
       norm_eps: RMSNorm epsilon.
       n_kv_heads: key/value heads for grouped-query attention (``K``); None = ``n_heads``.
       ffn_implementation: ``implementation=`` for the sparse FFN ops (None = default).
+        With ``"cuda"`` the bundled training loop also chooses, per layer and at trace
+        time, between the training kernels and XLA autodiff (``jax_twell.train.ffn_paths``).
       ffn_sharding: ``jax_twell.FFNSharding`` for the sparse FFN ops when the model runs
         sharded over a mesh (with ``LOGICAL_AXIS_RULES``:
         ``FFNSharding(token_axes=("data", "fsdp"), tensor_axis="tensor")``); None
