@@ -228,3 +228,8 @@ def save(cfg: TrainConfig, path: str | Path) -> None:
 def load(path: str | Path) -> TrainConfig:
     """Reads a config written by `save`."""
     return from_dict(json.loads(Path(path).read_text()))
+
+
+def seq_len_of(cfg: TrainConfig) -> int:
+    """Training sequence length: cfg.seq_len, or the model's context when 0."""
+    return cfg.seq_len or cfg.model.max_seq_len

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jax_twell.train import ffn_paths, sharding
-from jax_twell.train.config import TrainConfig
+from jax_twell.train.config import TrainConfig, seq_len_of
 from jax_twell.train.dead_neurons import reinit_dead_gates, update_since_fired
 from jax_twell.train.loss import l1_coefficient, lm_loss
 from jax_twell.train.state import ModelSetup, TrainState
@@ -36,8 +36,7 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
     base_key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), DEAD_REINIT_SALT)
     path_rule = None
     if ffn_paths.enabled(cfg.model):
-        seq_len = cfg.seq_len or cfg.model.max_seq_len
-        path_rule = ffn_paths.path_rule(cfg.model, setup.mesh, cfg.batch_size // cfg.grad_accum, seq_len)
+        path_rule = ffn_paths.path_rule(cfg.model, setup.mesh, cfg.batch_size // cfg.grad_accum, seq_len_of(cfg))
 
     def micro_step(params, l1_coef, tokens):
         def loss_fn(p):

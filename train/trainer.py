@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from jax_twell.train import config as config_lib
+from jax_twell.train.config import seq_len_of
 from jax_twell.train import data, ffn_paths, metrics, sharding
 from jax_twell.train.checkpoint import CHECKPOINT_DIR, Checkpointer
 from jax_twell.train.evaluate import evaluate
@@ -40,11 +41,6 @@ CONFIG_FILE = "config.json"
 
 class RunExistsError(RuntimeError):
     """The work directory already holds checkpoints of another run."""
-
-
-def seq_len_of(cfg: config_lib.TrainConfig) -> int:
-    """Training sequence length: cfg.seq_len, or the model's context when 0."""
-    return cfg.seq_len or cfg.model.max_seq_len
 
 
 class _StopRequest:

@@ -125,9 +125,13 @@ class TrainCrossover:
             + 5.0 * d * f * itemsize / self.transpose_bandwidth
         )
 
+    def pair_cost(self, d: int, itemsize: int) -> float:
+        """Seconds per active pair: the FMAs of the up, down and backward steps, and the
+        weight gradients' x/dy slices."""
+        return 8.0 * d / self.pair_rate + 2.0 * d * itemsize / self.grad_stream_bandwidth
+
     def sparse_cost(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int) -> jax.Array:
-        per_pair = 8.0 * d / self.pair_rate + 2.0 * d * itemsize / self.grad_stream_bandwidth
-        cost = jnp.asarray(nnz).astype(jnp.float32) * per_pair
+        cost = jnp.asarray(nnz).astype(jnp.float32) * self.pair_cost(d, itemsize)
         cost = cost + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
         return cost + self.sparse_fixed_cost(m, d, f, itemsize)
 
@@ -139,10 +143,10 @@ class TrainCrossover:
             raise ValueError(f"active_fraction must be in [0, 1], got {active_fraction}")
         if self.margin == float("inf"):
             return True
-        if m < self.min_tokens or self.margin <= 0:
+        if self.margin <= 0 or not self.sparse_can_win(m, d, f, itemsize):
             return False
-        per_pair = 8.0 * d / self.pair_rate + 2.0 * d * itemsize / self.grad_stream_bandwidth
-        cost = active_fraction * m * f * per_pair + self.sparse_fixed_cost(m, d, f, itemsize)
+        # sparse_cost in Python floats: this runs while tracing, where jnp would stage it
+        cost = active_fraction * m * f * self.pair_cost(d, itemsize) + self.sparse_fixed_cost(m, d, f, itemsize)
         return cost < self.margin * self.dense_cost(m, d, f)
 
     def sparse_can_win(self, m: int, d: int, f: int, itemsize: int) -> bool:
