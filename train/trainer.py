@@ -27,9 +27,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from jax_twell.train import config as config_lib
-from jax_twell.train.config import seq_len_of
 from jax_twell.train import data, ffn_paths, metrics, sharding
 from jax_twell.train.checkpoint import CHECKPOINT_DIR, Checkpointer
+from jax_twell.train.config import seq_len_of
 from jax_twell.train.evaluate import evaluate
 from jax_twell.train.optimizer import learning_rate_schedule, make_optimizer
 from jax_twell.train.state import setup_model
