@@ -26,8 +26,15 @@ constexpr int kMaxTile = 256;
 constexpr int kThreads = 512;
 constexpr int kStageEntries = 4096;  // larger segments are read from global memory
 constexpr int kMaxTiles = 4096;
+// Entry word: value bits << 16 | kFlag (overflowed tile) | (token % 32) << 8 | column.
+// The token field is the entry's row within the 32-token run a warp of K1/K2 owns, so the
+// steps need no token lookup (blocked_emulation.py models the same word).
 constexpr uint32_t kFlag = 0x8000u;
-constexpr uint32_t kColumnMask = 0x7fffu;
+constexpr uint32_t kColumnMask = 0xffu;  // tiles hold at most kMaxTile = 256 columns
+constexpr int kWordTokenShift = 8;
+__host__ __device__ constexpr uint32_t TokenBits(int64_t token_in_block) {
+  return static_cast<uint32_t>(token_in_block & 31) << kWordTokenShift;
+}
 
 // Eight 2-byte elements of a 16-byte vector, as floats.
 template <typename E>
@@ -139,11 +146,11 @@ __global__ void __launch_bounds__(256) TwellBlockedScatterKernel(const Bits* __r
       const int64_t src = (t * s.n_tiles + k) * s.capacity;
       for (int e = 0; e < c; ++e)
         if (e0 + e < s.max_entries)
-          entries[e0 + e] = (static_cast<uint32_t>(values[src + e]) << 16) |
+          entries[e0 + e] = (static_cast<uint32_t>(values[src + e]) << 16) | TokenBits(i) |
                             (static_cast<uint32_t>(cols[src + e]) & kColumnMask);
     } else {
       for (int e = 0; e < width; ++e)
-        if (e0 + e < s.max_entries) entries[e0 + e] = kFlag | static_cast<uint32_t>(e);
+        if (e0 + e < s.max_entries) entries[e0 + e] = kFlag | TokenBits(i) | static_cast<uint32_t>(e);
     }
   }
 }
@@ -190,10 +197,10 @@ __global__ void __launch_bounds__(kMaxTile) TwellBlockedRecomputeKernel(
       const float h = kGated ? Round<E>(g * Round<E>(u_sum)) : g;
       const int64_t e = seg_start[seg] + tok_off[static_cast<int64_t>(seg) * (kBlockTokens + 1) + i] + threadIdx.x;
       if constexpr (kTrain) {
-        entries[e] = (E::FromFloat(g) << 16) | kFlag | static_cast<uint32_t>(threadIdx.x);
+        entries[e] = (E::FromFloat(g) << 16) | kFlag | TokenBits(i) | static_cast<uint32_t>(threadIdx.x);
         up[e] = static_cast<uint16_t>(E::FromFloat(u_sum));
       } else {
-        entries[e] = (E::FromFloat(h) << 16) | kFlag | static_cast<uint32_t>(threadIdx.x);
+        entries[e] = (E::FromFloat(h) << 16) | kFlag | TokenBits(i) | static_cast<uint32_t>(threadIdx.x);
       }
     }
     __syncthreads();
@@ -406,20 +413,66 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpKernel(
 }
 
 // ---------------------------------------------------------------------------------------
-// K1 on tensor cores (kernel="blocked_mma"): same work split, layout and output as K1, but
-// 16 entries per warp step go through mma.m16n8k16: A = the 16 entries' x rows, B = their
-// Wu^T slab rows in two halves of 8; the wanted dot products are the diagonals
-// D[i][i] (entries 0-7, first mma) and D'[8 + i][i] (entries 8-15, second mma), both held
-// by lane 4i + i/2. Rows are gathered straight from shared memory by ldmatrix (one row
-// address per lane), x and slabs stored with Swizzled64. 7/8 of the products are thrown
-// away, at 16x the CUDA-core rate and 8x fewer instructions per entry. The sums run in
-// the tensor cores' order: partials equal the CUDA-core K1's to f32 rounding, not bitwise.
+// Tensor-core steps (kernel="blocked_mma"), version 4: pre-decoded entries.
+//
+// Version 3 spent most of its instructions on bookkeeping repeated for every column range:
+// staging the 1025 token offsets of each (block, tile), filling a per-warp token table,
+// looking each entry's token up in it. Version 4 reads the token from the entry word
+// itself (bits 8-12: token % 32, the entry's row within its warp's run) and the warp's
+// run bounds from two offsets loaded a tile ahead, so a warp step is: one coalesced load
+// of 16 words (the next step's already in flight), a few shuffles, ldmatrix and mma.
+// The down step also covers 64 columns per warp (16 tokens x 8 column blocks of
+// accumulators), twice version 3's, so each entry's bookkeeping serves twice the columns.
 
+// Slab rows of 64 columns (8 chunks of 16 bytes), chunk-swizzled for ldmatrix gathers.
 __device__ __forceinline__ int Swizzled64(int row, int chunk) { return row * kUpCols + SwizzleChunk<8>(row, chunk) * 8; }
-__device__ __forceinline__ int Swizzled32(int row, int chunk) {
-  return row * kDownCols + SwizzleChunk<4>(row, chunk) * 8;
+
+constexpr int kSlab64Elems = kMaxTile * kUpCols;  // one stage: [kMaxTile, 64] 2-byte elements
+constexpr int kSlab64Bytes = kSlab64Elems * 2;
+
+// Stages tile k's slab rows w[k*tile + c, col0 .. col0 + 64) (w is [f, d]), swizzled.
+__device__ void StageSlab64(uint16_t* slab, const uint16_t* w, int k, int col0, const Shapes& s) {
+  constexpr int kVecs = kUpCols / 8;
+  const int width = TileWidth(s, k);
+  const int64_t row0 = static_cast<int64_t>(k) * s.tile;
+  for (int v = threadIdx.x; v < width * kVecs; v += blockDim.x) {
+    const int row = v / kVecs, q = v % kVecs;
+    CpAsync16(slab + Swizzled64(row, q), w + (row0 + row) * s.d + col0 + q * 8);
+  }
+  CpAsyncCommit();
 }
 
+// The tile walk of the version-4 steps: this warp owns tokens [t0, t0 + kTokens) of block
+// b (kTokens 16 or 32, t0 a multiple of kTokens). Stages the 64-column slabs of w two tiles
+// deep and calls body(segment start, slab, lo, hi) per tile with the warp's entry run
+// [lo, hi) (segment-relative); the run bounds of the next tile are loaded a tile ahead.
+template <int kTokens, typename Body>
+__device__ void WalkRunsV4(uint16_t* stages, int32_t* seg_s, const int32_t* seg_start, const uint16_t* w,
+                           const int32_t* tok_off, int b, int t0, int col0, const Shapes& s, Body&& body) {
+  const int lane = threadIdx.x % 32;
+  for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
+  // Lane 0 holds off[t0], lane 1 off[t0 + kTokens] of the tile about to be walked.
+  const int32_t* off_b = tok_off + static_cast<int64_t>(b) * s.n_tiles * (kBlockTokens + 1) + t0 + (lane & 1) * kTokens;
+  int bound = lane < 2 ? off_b[0] : 0;
+  StageSlab64(stages, w, 0, col0, s);
+  for (int k = 0; k < s.n_tiles; ++k) {
+    const int next_bound = (lane < 2 && k + 1 < s.n_tiles) ? off_b[static_cast<int64_t>(k + 1) * (kBlockTokens + 1)] : 0;
+    CpAsyncWaitAll();
+    __syncthreads();  // stage k landed (and seg_s, at k = 0); every warp is done with stage k - 1
+    if (k + 1 < s.n_tiles) StageSlab64(stages + ((k + 1) % 2) * kSlab64Elems, w, k + 1, col0, s);
+    const int lo = __shfl_sync(0xffffffffu, bound, 0), hi = __shfl_sync(0xffffffffu, bound, 1);
+    body(seg_s[k], stages + (k % 2) * kSlab64Elems, lo, hi);
+    bound = next_bound;
+  }
+}
+
+// K1 on tensor cores. Warp w owns tokens [32 w, 32 w + 32) of the block. 16 entries per
+// warp step go through mma.m16n8k16: A = the 16 entries' x rows, B = their Wu^T slab rows
+// in two halves of 8; the wanted dot products are the diagonals D[i][i] (entries 0-7,
+// first mma) and D'[8 + i][i] (entries 8-15, second mma), both held by lane 4i + i/2. Rows
+// are gathered straight from shared memory by ldmatrix (one row address per lane), x and
+// slabs swizzled. 7/8 of the products are thrown away, at 16x the CUDA-core rate. The sums
+// run in the tensor cores' order: partials equal the CUDA-core K1's to f32 rounding.
 template <typename E, bool kSkipFlagged = true>
 __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_up_t,
@@ -427,11 +480,13 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
     const uint32_t* __restrict__ entries, float* __restrict__ partial, Shapes s) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* x_s = reinterpret_cast<uint16_t*>(smem_raw);
-  const FlatSmem m = CarveFlatSmem<kUpCols>(smem_raw + kUpX);
+  uint16_t* stages = reinterpret_cast<uint16_t*>(smem_raw + kUpX);
+  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + kUpX + 2 * kSlab64Bytes);
   if (OverBudget(s, seg_start)) return;
   const int r = blockIdx.x, b = blockIdx.y;
   const int col0 = r * kUpCols;
   const int lane = threadIdx.x % 32;
+  const int t0 = (threadIdx.x / 32) * 32;
   // Which entry of the 16 this lane addresses for ldmatrix, and which 8-column half.
   const int a_row = (lane & 7) | (lane & 8), a_half = lane >> 4;
   const int b_entry = (lane & 7) | ((lane >> 4) << 3), b_half = (lane >> 3) & 1;
@@ -440,16 +495,15 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
   const bool holds_diag = (lane & 3) == (diag >> 1);
   StageXBlock<true>(x_s, x, b, col0, s);
   float* partial_r = partial + static_cast<int64_t>(r) * s.max_entries;
-  WalkWarpRuns<kUpCols, true>(m, seg_start, w_up_t, tok_off, b, col0, s,
-                              [&](int base, const uint16_t* slab, int p0, int p1) {
+  WalkRunsV4<32>(stages, seg_s, seg_start, w_up_t, tok_off, b, t0, col0, s,
+                 [&](int base, const uint16_t* slab, int lo, int hi) {
     const uint32_t* ent = entries + base;
     float* part = partial_r + base;
-    for (int pb = p0; pb < p1; pb += 16) {  // warp-uniform
-      const int e = pb + (lane & 15);
-      const bool valid = e < p1;
-      const uint32_t word = valid ? ent[e] : 0u;
-      const int token = valid ? m.tok[e - p0] : 0;  // padding: token 0, column 0, results dropped
-      const int a_tok = __shfl_sync(0xffffffffu, token, a_row);
+    uint32_t word = lo + (lane & 15) < hi ? ent[lo + (lane & 15)] : 0u;  // padding: token t0, column 0
+    for (int pb = lo; pb < hi; pb += 16) {  // warp-uniform
+      const int en = pb + 16 + (lane & 15);
+      const uint32_t next = en < hi ? ent[en] : 0u;
+      const int a_tok = t0 + static_cast<int>((__shfl_sync(0xffffffffu, word, a_row) >> kWordTokenShift) & 31);
       const int b_col = static_cast<int>(__shfl_sync(0xffffffffu, word, b_entry) & kColumnMask);
       float d_lo[4] = {0.f, 0.f, 0.f, 0.f}, d_hi[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -464,94 +518,95 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
       const uint32_t w_hi = __shfl_sync(0xffffffffu, word, diag + 8);
       if (holds_diag) {
         const bool odd = diag & 1;
-        if (pb + diag < p1 && !(kSkipFlagged && (w_lo & kFlag))) part[pb + diag] = odd ? d_lo[1] : d_lo[0];
-        if (pb + 8 + diag < p1 && !(kSkipFlagged && (w_hi & kFlag))) part[pb + 8 + diag] = odd ? d_hi[3] : d_hi[2];
+        if (pb + diag < hi && !(kSkipFlagged && (w_lo & kFlag))) part[pb + diag] = odd ? d_lo[1] : d_lo[0];
+        if (pb + 8 + diag < hi && !(kSkipFlagged && (w_hi & kFlag))) part[pb + 8 + diag] = odd ? d_hi[3] : d_hi[2];
       }
+      word = next;
     }
   });
 }
 
-// K2 on tensor cores (kernel="blocked_mma"). Warp w owns tokens [32 w, 32 w + 32) and
-// their y[., 32 columns] as mma accumulators held for the whole kernel (two row blocks of
-// 16 tokens x four blocks of 8 columns: 32 floats per lane). Per warp step, 16 consecutive
-// entries of its run: A[token][e] = h_e where entry e belongs to the token, else 0 (built
-// in registers from shuffles), B = the entries' Wd slab rows (gathered by ldmatrix.trans).
-// Deterministic (fixed instruction order); y equals the CUDA-core K2's to f32 rounding.
+inline int UpMmaSmemBytes(int n_tiles) { return kUpX + 2 * kSlab64Bytes + SegBytes(n_tiles); }
+
+// K2 on tensor cores. A CTA covers half a block (512 tokens) and 64 model columns; warp w
+// owns tokens [16 w, 16 w + 16) of that half and their y[., 64 columns] as mma accumulators
+// held for the whole kernel (eight blocks of 8 columns: 32 floats per lane). Per warp
+// step, 16 consecutive entries of its run: A[token][e] = h_e where entry e belongs to the
+// token, else 0 (built in registers from four shuffles), B = the entries' Wd slab rows
+// (gathered by ldmatrix.trans). Deterministic (fixed instruction order); y equals the
+// CUDA-core K2's to f32 rounding.
+constexpr int kDownMmaTokens = 16;  // tokens per warp
+constexpr int kDownMmaHalf = kDownMmaTokens * (kFlatThreads / 32);  // tokens per CTA: 512
+static_assert(kBlockTokens % kDownMmaHalf == 0, "a block splits into whole CTA token ranges");
+
 template <typename E>
 __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
     const uint16_t* __restrict__ w_down, const int32_t* __restrict__ tok_off,
     const int32_t* __restrict__ seg_start, const uint32_t* __restrict__ entries,
     uint16_t* __restrict__ y, Shapes s) {
-  static_assert(kWarpTokens == 32, "two row blocks of 16 tokens per warp");
+  constexpr int kParts = kBlockTokens / kDownMmaHalf;
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  const FlatSmem m = CarveFlatSmem<kDownCols>(smem_raw);
-  const int r = blockIdx.x, b = blockIdx.y;
-  const int col0 = r * kDownCols;
+  uint16_t* stages = reinterpret_cast<uint16_t*>(smem_raw);
+  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * kSlab64Bytes);
+  const int r = blockIdx.x, b = blockIdx.y / kParts;
+  const int col0 = r * kUpCols;
   const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  const int t0 = (threadIdx.x / 32) * kWarpTokens;
+  const int t0 = (blockIdx.y % kParts) * kDownMmaHalf + (threadIdx.x / 32) * kDownMmaTokens;
   const bool over_budget = OverBudget(s, seg_start);
   // ldmatrix.trans x4 number q: matrix j = lane / 8 holds entries (j & 1) * 8 .. + 7 and
   // columns (2 q + (j >> 1)) * 8 .. + 7, i.e. the B fragments of column blocks 2q, 2q + 1.
   const int b_entry = (lane & 7) | ((lane >> 3) & 1) << 3, b_chunk = lane >> 4;
 
-  float acc[2][4][4];
+  float acc[8][4];
 #pragma unroll
-  for (int rb = 0; rb < 2; ++rb)
+  for (int nb = 0; nb < 8; ++nb)
 #pragma unroll
-    for (int nb = 0; nb < 4; ++nb)
-#pragma unroll
-      for (int v = 0; v < 4; ++v) acc[rb][nb][v] = 0.f;
+    for (int v = 0; v < 4; ++v) acc[nb][v] = 0.f;
 
   if (!over_budget) {
-    WalkWarpRuns<kDownCols, true>(m, seg_start, w_down, tok_off, b, col0, s,
-                                  [&](int base, const uint16_t* slab, int p0, int p1) {
+    WalkRunsV4<kDownMmaTokens>(stages, seg_s, seg_start, w_down, tok_off, b, t0, col0, s,
+                               [&](int base, const uint16_t* slab, int lo, int hi) {
       const uint32_t* ent = entries + base;
-      for (int pb = p0; pb < p1; pb += 16) {  // warp-uniform
-        const int e = pb + (lane & 15);
-        const bool valid = e < p1;
-        const uint32_t word = valid ? ent[e] : 0u;
-        // (h bits << 16) | token within the warp; 0xff (no token) for padding.
-        const uint32_t packed = valid ? ((word & 0xffff0000u) | static_cast<uint32_t>(m.tok[e - p0] - t0)) : 0xffu;
-        const int col = static_cast<int>(word & kColumnMask);
-        uint32_t bf[2][4];
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int c = __shfl_sync(0xffffffffu, col, b_entry);
-          LdMatrixX4Trans(bf[q], slab + Swizzled32(c, 2 * q + b_chunk));
-        }
+      uint32_t word = lo + (lane & 15) < hi ? ent[lo + (lane & 15)] : 0u;
+      for (int pb = lo; pb < hi; pb += 16) {  // warp-uniform
+        const int en = pb + 16 + (lane & 15);
+        const uint32_t next = en < hi ? ent[en] : 0u;
+        // (h bits << 16) | row of the entry's token in this warp's 16; 0xff (no row) for padding.
+        const uint32_t packed = pb + (lane & 15) < hi ? ((word & 0xffff0000u) | ((word >> kWordTokenShift) & 15u)) : 0xffu;
+        const int c = __shfl_sync(0xffffffffu, static_cast<int>(word & kColumnMask), b_entry);
         const uint32_t p_a = __shfl_sync(0xffffffffu, packed, 2 * t);
         const uint32_t p_b = __shfl_sync(0xffffffffu, packed, 2 * t + 1);
         const uint32_t p_c = __shfl_sync(0xffffffffu, packed, 2 * t + 8);
         const uint32_t p_d = __shfl_sync(0xffffffffu, packed, 2 * t + 9);
+        auto pick = [](uint32_t p, uint32_t row) { return (p & 0xffffu) == row ? (p >> 16) : 0u; };
+        const uint32_t r0 = g, r1 = g + 8;
+        const uint32_t a[4] = {pick(p_a, r0) | pick(p_b, r0) << 16, pick(p_a, r1) | pick(p_b, r1) << 16,
+                               pick(p_c, r0) | pick(p_d, r0) << 16, pick(p_c, r1) | pick(p_d, r1) << 16};
 #pragma unroll
-        for (int rb = 0; rb < 2; ++rb) {
-          const uint32_t r0 = rb * 16 + g, r1 = r0 + 8;
-          auto pick = [](uint32_t p, uint32_t row) { return (p & 0xffffu) == row ? (p >> 16) : 0u; };
-          const uint32_t a[4] = {pick(p_a, r0) | pick(p_b, r0) << 16, pick(p_a, r1) | pick(p_b, r1) << 16,
-                                 pick(p_c, r0) | pick(p_d, r0) << 16, pick(p_c, r1) | pick(p_d, r1) << 16};
-#pragma unroll
-          for (int nb = 0; nb < 4; ++nb)
-            Mma16816<E>(acc[rb][nb], a, bf[nb / 2][2 * (nb % 2)], bf[nb / 2][2 * (nb % 2) + 1]);
+        for (int q = 0; q < 4; ++q) {
+          uint32_t bf[4];
+          LdMatrixX4Trans(bf, slab + Swizzled64(c, 2 * q + b_chunk));
+          Mma16816<E>(acc[2 * q], a, bf[0], bf[1]);
+          Mma16816<E>(acc[2 * q + 1], a, bf[2], bf[3]);
         }
+        word = next;
       }
     });
   }
 #pragma unroll
-  for (int rb = 0; rb < 2; ++rb)
+  for (int half = 0; half < 2; ++half) {
+    const int64_t tkn = static_cast<int64_t>(b) * kBlockTokens + t0 + g + 8 * half;
+    if (tkn >= s.rows) continue;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t tkn = static_cast<int64_t>(b) * kBlockTokens + t0 + rb * 16 + g + 8 * half;
-      if (tkn >= s.rows) continue;
-#pragma unroll
-      for (int nb = 0; nb < 4; ++nb) {
-        const float v0 = over_budget ? __int_as_float(0x7fc00000) : acc[rb][nb][2 * half];
-        const float v1 = over_budget ? __int_as_float(0x7fc00000) : acc[rb][nb][2 * half + 1];
-        *reinterpret_cast<uint32_t*>(y + tkn * s.d + col0 + nb * 8 + 2 * t) = E::FromFloat(v0) | (E::FromFloat(v1) << 16);
-      }
+    for (int nb = 0; nb < 8; ++nb) {
+      const float v0 = over_budget ? __int_as_float(0x7fc00000) : acc[nb][2 * half];
+      const float v1 = over_budget ? __int_as_float(0x7fc00000) : acc[nb][2 * half + 1];
+      *reinterpret_cast<uint32_t*>(y + tkn * s.d + col0 + nb * 8 + 2 * t) = E::FromFloat(v0) | (E::FromFloat(v1) << 16);
     }
+  }
 }
 
-inline int DownMmaSmemBytes(int n_tiles) { return 2 * SlabStage<kDownCols>::kBytes + kTokTableBytes + SegBytes(n_tiles); }
+inline int DownMmaSmemBytes(int n_tiles) { return 2 * kSlab64Bytes + SegBytes(n_tiles); }
 
 // K1.5. One thread per entry: sums the partials in range order, rounds like the reference.
 template <typename E>
@@ -641,17 +696,18 @@ __global__ void __launch_bounds__(kThreads, 1) TwellBlockedDownKernel(
   }
 }
 
-// Host side: K1 and K2 on grid (d / columns, blocks), CUDA-core or tensor-core version.
+// Host side: K1 and K2 on grid (d / columns, blocks or half blocks), CUDA-core or tensor-core version.
 template <typename E, bool kSkipFlagged = true>
 void LaunchUpStep(cudaStream_t stream, bool mma, const uint16_t* x, const uint16_t* w_t, const int32_t* tok_off,
                   const int32_t* seg_start, const uint32_t* entries, float* partial, const Shapes& s) {
-  const int smem = UpSmemBytes(s.n_tiles);
   const dim3 grid(s.d / kUpCols, s.n_blocks);
   if (mma) {
+    const int smem = UpMmaSmemBytes(s.n_tiles);
     cudaFuncSetAttribute(TwellBlockedUpMmaKernel<E, kSkipFlagged>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     TwellBlockedUpMmaKernel<E, kSkipFlagged>
         <<<grid, kFlatThreads, smem, stream>>>(x, w_t, tok_off, seg_start, entries, partial, s);
   } else {
+    const int smem = UpSmemBytes(s.n_tiles);
     cudaFuncSetAttribute(TwellBlockedUpKernel<E, kSkipFlagged>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     TwellBlockedUpKernel<E, kSkipFlagged>
         <<<grid, kFlatThreads, smem, stream>>>(x, w_t, tok_off, seg_start, entries, partial, s);
@@ -661,12 +717,13 @@ void LaunchUpStep(cudaStream_t stream, bool mma, const uint16_t* x, const uint16
 template <typename E>
 void LaunchDownStep(cudaStream_t stream, bool mma, const uint16_t* w_down, const int32_t* tok_off,
                     const int32_t* seg_start, const uint32_t* h_source, uint16_t* y, const Shapes& s) {
-  const dim3 grid(s.d / kDownCols, s.n_blocks);
   if (mma) {
     const int smem = DownMmaSmemBytes(s.n_tiles);
+    const dim3 grid(s.d / kUpCols, s.n_blocks * (kBlockTokens / kDownMmaHalf));
     cudaFuncSetAttribute(TwellBlockedDownMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     TwellBlockedDownMmaKernel<E><<<grid, kFlatThreads, smem, stream>>>(w_down, tok_off, seg_start, h_source, y, s);
   } else {
+    const dim3 grid(s.d / kDownCols, s.n_blocks);
     const int smem = Stages<kDownCols>::Bytes(s.n_tiles);
     cudaFuncSetAttribute(TwellBlockedDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     TwellBlockedDownKernel<E><<<grid, kThreads, smem, stream>>>(w_down, tok_off, seg_start, h_source, y, s);

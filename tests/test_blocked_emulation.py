@@ -86,14 +86,16 @@ def test_layout_invariants():
         e0 = ws.seg_start[b * n_tiles + k] + ws.tok_off[b, k, i]
         width = min(tile, 600 - k * tile)
         words = ws.entries[e0 : e0 + width]
-        assert np.all(words & emu.RECOMPUTE_FLAG) and np.array_equal(words & 0x7FFF, np.arange(width))
+        assert np.all(words & emu.RECOMPUTE_FLAG) and np.array_equal(words & emu.COLUMN_MASK, np.arange(width))
+        assert np.all((words >> emu.WORD_TOKEN_SHIFT) & 31 == t % 32)  # the token's row in its warp's run
     # Stored entries keep the tile's column order, unflagged, with h in the high half.
     t, k = np.argwhere((counts > 1) & ~over)[0]
     b, i = t // emu.BLOCK_TOKENS, t % emu.BLOCK_TOKENS
     e0 = ws.seg_start[b * n_tiles + k] + ws.tok_off[b, k, i]
     words = ws.entries[e0 : e0 + counts[t, k]]
     assert not np.any(words & emu.RECOMPUTE_FLAG)
-    np.testing.assert_array_equal(words & 0x7FFF, np.asarray(act.cols[t, k, : counts[t, k]]))
+    np.testing.assert_array_equal(words & emu.COLUMN_MASK, np.asarray(act.cols[t, k, : counts[t, k]]))
+    assert np.all((words >> emu.WORD_TOKEN_SHIFT) & 31 == t % 32)
     assert_close(y, want, fused_tolerance(jnp.bfloat16, 600), "layout case")
 
 

@@ -131,7 +131,7 @@ def test_forward_is_the_blocked_kernel_and_residuals_are_sparse():
         start, co = res.seg_start[s], res.col_off.reshape(-1, tile + 1)[s]
         words = res.by_col[start : start + co[-1]]
         local = words & ((1 << emu.TOKEN_SHIFT) - 1)
-        cols = res.entries[start + local] & 0x7FFF
+        cols = res.entries[start + local] & bemu.COLUMN_MASK
         assert np.all(np.diff(cols.astype(np.int64)) >= 0)
         for c in np.nonzero(np.diff(co))[0]:
             assert np.all(cols[co[c] - 0 : co[c + 1]] == c)

@@ -16,8 +16,10 @@ Layout (constants shared with the CUDA source; change both together):
   in order, each token's entries in column order): ``seg_start[s]`` is the segment's
   first entry, ``seg_start[-1]`` the total. ``tok_off[b, k, i]`` (``i`` in
   ``[0, BT]``) is the exclusive prefix of ``r`` over the segment's tokens.
-- An entry is one uint32: bits 0-14 the column within the tile, bit 15 set for an
-  entry of an overflowed tile, bits 16-31 the value bits (g, then h after the up step).
+- An entry is one uint32: bits 0-7 the column within the tile (tiles hold at most 256
+  columns), bits 8-12 the token's index modulo 32 (its row within the 32-token run of the
+  block that one warp of the up and down steps owns), bit 15 set for an entry of an
+  overflowed tile, bits 16-31 the value bits (g, then h after the up step).
 - ``partial[r, e]`` (gated): the up dot product of entry ``e`` over model columns
   ``[r*UP_COLS, (r+1)*UP_COLS)``, summed by ``UP_LANES`` lanes of ``UP_COLS/UP_LANES``
   columns each and combined by a butterfly (xor 4, 2, 1).
@@ -38,6 +40,8 @@ UP_LANES = 8  # lanes per token in the up step: 8 columns (16 bytes) each
 DOWN_COLS = 32  # model columns per down CTA
 MAX_TILE = 256  # a tile's weight slab (tile x UP_COLS x 2 bytes) is staged in shared memory
 RECOMPUTE_FLAG = 0x8000
+COLUMN_MASK = 0xFF  # bits of the column within the tile
+WORD_TOKEN_SHIFT = 8  # token % 32 sits in bits 8-12
 
 _F32 = np.float32
 
@@ -93,6 +97,11 @@ def needed_entries(counts: np.ndarray, capacity: int, tile: int, f: int) -> int:
     return int(reserved(counts, capacity, tile, f).sum())
 
 
+def token_bits(tok: np.ndarray) -> np.ndarray:
+    """The entry word's token field: ``(token % 32) << WORD_TOKEN_SHIFT``."""
+    return ((np.asarray(tok, np.int64) % 32) << WORD_TOKEN_SHIFT).astype(np.uint32)
+
+
 def _entry_table(seg_start, tok_off, counts, capacity: int, tile: int, f: int):
     """Per reserved entry, in entry order: (index, token, tile, slot, overflowed)."""
     m, n_tiles = counts.shape
@@ -143,6 +152,7 @@ def blocked_ffn(x, values, cols, counts, w_act, w_up, w_up_t, w_down, *, tile: i
     normal = ~over
     s_norm = np.minimum(slot, capacity - 1)
     word = np.where(normal, (values_bits[tok, tk, s_norm] << 16) | cols[tok, tk, s_norm], RECOMPUTE_FLAG | slot)
+    word = word | token_bits(tok)
     entries[index[keep]] = word[keep].astype(np.uint32)
 
     # Recompute: exact h for every column of an overflowed tile (sequential f32 dots, as
@@ -159,7 +169,7 @@ def blocked_ffn(x, values, cols, counts, w_act, w_up, w_up_t, w_down, *, tile: i
                 up = (up + xr[:, i] * w_up[i, neuron]).astype(_F32)
         g = _round(np.where(pre > 0, pre, 0), dt)
         h = _round(g * _round(up, dt), dt) if gated else g
-        entries[index[rec]] = (_bits(h, dt) << 16) | RECOMPUTE_FLAG | slot[rec].astype(np.uint32)
+        entries[index[rec]] = (_bits(h, dt) << 16) | RECOMPUTE_FLAG | token_bits(tok[rec]) | slot[rec].astype(np.uint32)
 
     partial = None
     if gated and total <= max_entries:
@@ -169,7 +179,7 @@ def blocked_ffn(x, values, cols, counts, w_act, w_up, w_up_t, w_down, *, tile: i
         partial = np.zeros((n_ranges, max_entries), _F32)
         sel = np.nonzero(normal & keep)[0]
         e, t_sel = index[sel], tok[sel]
-        neuron = tk[sel] * tile + (entries[e] & 0x7FFF)
+        neuron = tk[sel] * tile + (entries[e] & COLUMN_MASK)
         for r in range(n_ranges):
             lane_sums = np.zeros((UP_LANES, sel.size), _F32)
             for lane in range(UP_LANES):
@@ -198,8 +208,8 @@ def blocked_ffn(x, values, cols, counts, w_act, w_up, w_up_t, w_down, *, tile: i
             sel = order[(tk[order] == k) & (slot[order] == s)]
             word = entries[index[sel]]
             h = _from_bits(word >> 16, dt)
-            acc[tok[sel]] = (acc[tok[sel]] + h[:, None] * w_down[k * tile + (word & 0x7FFF)]).astype(_F32)
+            acc[tok[sel]] = (acc[tok[sel]] + h[:, None] * w_down[k * tile + (word & COLUMN_MASK)]).astype(_F32)
     return acc.astype(dt), Workspace(seg_start, tok_off, entries, partial)
 
 
-__all__ = ["blocked_ffn", "layout", "needed_entries", "reserved", "Workspace"]
+__all__ = ["blocked_ffn", "layout", "needed_entries", "reserved", "token_bits", "Workspace"]

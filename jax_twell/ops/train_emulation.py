@@ -105,7 +105,7 @@ def _by_column(entries, seg_start, tok_off, tile: int, m: int):
     tok, tk, _slot = _entries_in_order(seg_start, tok_off, m)
     word = entries[:total]
     fired = ((word >> 16) & 0x7FFF) != 0
-    col = (word & 0x7FFF).astype(np.int64)
+    col = (word & _b.COLUMN_MASK).astype(np.int64)
     seg = (tok // _b.BLOCK_TOKENS) * n_tiles + tk
     a = np.nonzero(fired)[0]
     hist = np.zeros((n_blocks * n_tiles, tile), np.int64)
@@ -168,7 +168,7 @@ def train_forward(x, values, cols, counts, w_act, w_up, w_up_t, w_down, *, tile:
         g_bits[rec] = _b._bits(np.where(pre > 0, pre, 0), dt)
         u[rec] = _b._round(up, dt)
     entries = np.zeros(max_entries, np.uint32)
-    entries[index] = (g_bits << 16) | np.where(over, _b.RECOMPUTE_FLAG, 0).astype(np.uint32) | col.astype(np.uint32)
+    entries[index] = (g_bits << 16) | np.where(over, _b.RECOMPUTE_FLAG, 0).astype(np.uint32) | _b.token_bits(tok) | col.astype(np.uint32)
     g = _b._from_bits(g_bits, dt)
     up_bits = None
     if gated:
@@ -202,7 +202,7 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
     total = int(res.seg_start[-1])
     tok, tk, slot = _entries_in_order(res.seg_start, res.tok_off, m)
     word = res.entries[:total]
-    col = (word & 0x7FFF).astype(np.int64)
+    col = (word & _b.COLUMN_MASK).astype(np.int64)
     neuron = tk * tile + col
     fired = ((word >> 16) & 0x7FFF) != 0
     g = _b._from_bits(word >> 16, dt)
