@@ -19,6 +19,8 @@ Variants timed per configuration:
   up+down kernel; the up weight transposed inside the call);
 - pret: as sparse, with the up weight given pre-transposed ([f, d], as a model can store it);
 - auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get);
+- layer: cuda.sparse_ffn given the measured active fraction (what a calibrated SparseFFN
+  layer runs: where the rule predicts dense, XLA's dense FFN with no device check);
 - gather (M <= 64 only, shared by every kernel's row): jax_twell.ops.xla.gather_ffn, the
   decode path reading only the active neurons' weights, w_up as stored and pre-transposed;
 - decode kernels: benchmarks/bench_decode.py (its own clock).
@@ -91,6 +93,13 @@ def main():
             auto_op = lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, kernel=kernel)
         return dict(sparse=sparse_op, pret=pret_op, auto=auto_op)
 
+    def layer_op(kernel, fraction):
+        # The trace-time choice of a layer whose active fraction is known (SparseFFN's
+        # active_fraction, e.g. from TransformerLM.calibrate_ffn): dense is XLA's FFN itself.
+        return lambda x, wg, wu, wd: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=256, capacity=32, kernel=kernel, active_fraction=fraction
+        )
+
     rows = []
     for m, d, f, density, pattern in grid(args.quick, [int(v) for v in args.m.split(",")] if args.m else None):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
@@ -124,13 +133,14 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
         for kernel in kernels:
             row = dict(base, kernel=kernel, **dense_times)
-            for name, op in kernel_ops(kernel).items():
+            ops = dict(kernel_ops(kernel), layer=layer_op(kernel, base["measured_active_fraction"]))
+            for name, op in ops.items():
                 operands = tuple(inp) + ((w_up_t,) if name == "pret" else ())
                 row[f"{name}_call_ms"] = 1e3 * timed(jax.jit(op), operands)
                 if m <= 64:
                     iters = 50
                     row[f"{name}_loop_ms"] = 1e3 * timed(looped(op, iters), operands) / iters
-            for name in ("sparse", "pret", "auto"):
+            for name in ("sparse", "pret", "auto", "layer"):
                 row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
             row["clock"] = clock
             if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632:
@@ -162,7 +172,7 @@ def main():
     write_result(result, args.out, "inference")
 
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}")
-    print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'kernel':>7} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'auto ms':>8} {'auto r':>6}")
+    print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'kernel':>7} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'auto ms':>8} {'auto r':>6} {'layer r':>7}")
     for r in rows:
         c = r["clock"]
         if r["kernel"] == "none":
@@ -170,7 +180,7 @@ def main():
         print(
             f"{r['m']:>6} {r['d']:>5} {r['f']:>6} {r['density']:>6.3f} {r['pattern']:>8} {r['kernel']:>7} {100 * r['measured_active_fraction']:>6.2f} "
             f"{r['max_active_per_row']:>5} {c:>5} {r[f'dense_{c}_ms']:>9.4f} {r[f'sparse_{c}_ms']:>9.4f} {r['sparse_ratio']:>6.2f} "
-            f"{r[f'auto_{c}_ms']:>8.4f} {r['auto_ratio']:>6.2f}"
+            f"{r[f'auto_{c}_ms']:>8.4f} {r['auto_ratio']:>6.2f} {r['layer_ratio']:>7.2f}"
         )
     for r in rows:
         if "gather_ratio" in r and r["kernel"] == (kernels[0] if kernels else "none"):

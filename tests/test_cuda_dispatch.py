@@ -320,3 +320,32 @@ def test_known_active_fraction_picks_decode_at_trace_time(decode_stand_ins, stan
             assert not seen, (m, fraction, with_t)
         y = fn(inp.x, w_gate, inp.w_up, inp.w_down, w_up_t)
         assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 704), f"m={m}")
+
+
+@pytest.mark.parametrize("kernel", cuda.KERNELS)
+@pytest.mark.parametrize("gated", [True, False])
+def test_known_active_fraction_past_decode_sizes(stand_ins, kernel, gated):
+    """Past decode sizes a known fraction where the rule predicts dense gives XLA's dense FFN
+    itself (same jaxpr: no counts, no pack, no device branch); where it predicts sparse, the
+    per-call device choice still runs on the true counts."""
+    stand_ins(mark=False)
+    rule = cuda.DenseCrossover(**NO_FIXED)
+    inp = case(m=1100, key=5)
+    w_gate = inp.w_gate if gated else None
+    assert rule.sparse_predicted(1100, 128, 700, 2, 0.0, kernel=kernel)
+    assert not rule.sparse_predicted(1100, 128, 700, 2, 1.0, kernel=kernel)
+    assert cuda.DenseCrossover(margin=float("inf")).sparse_predicted(1100, 128, 700, 2, 1.0)
+    assert not cuda.DenseCrossover(margin=0.0).sparse_predicted(1100, 128, 700, 2, 0.0)
+    with pytest.raises(ValueError, match="active_fraction"):
+        rule.sparse_predicted(1100, 128, 700, 2, -0.1)
+    dense_jaxpr = str(jax.make_jaxpr(lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd))(inp.x, w_gate, inp.w_up, inp.w_down))
+    for fraction, dense in [(1.0, True), (0.0, False)]:
+        fn = lambda x, wg, wu, wd: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=256, capacity=8, crossover=rule, kernel=kernel, active_fraction=fraction
+        )
+        jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down))
+        assert (jaxpr == dense_jaxpr) == dense, fraction
+        if not dense:
+            assert "cond" in jaxpr or "switch" in jaxpr
+        y = jax.jit(fn)(inp.x, w_gate, inp.w_up, inp.w_down)
+        assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 700), f"{fraction}")

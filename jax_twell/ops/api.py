@@ -239,7 +239,10 @@ def sparse_ffn(
         pairs (a Python float, e.g. from ``TransformerLM.calibrate_ffn``). Decode-sized
         calls then pick the decode kernels or dense at trace time, with no device check
         (:meth:`jax_twell.ops.cuda.DenseCrossover.decode_wins`; the kernels need
-        ``w_up_t`` when gated). Other implementations ignore it.
+        ``w_up_t`` when gated); larger calls where the rule predicts dense at that
+        fraction run XLA's dense FFN with no device check
+        (:meth:`~jax_twell.ops.cuda.DenseCrossover.sparse_predicted`). Other
+        implementations ignore it.
     Returns:
       y: ``[..., d]`` dtype of x.
 

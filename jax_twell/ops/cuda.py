@@ -330,15 +330,20 @@ class DenseCrossover:
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
         plus CUDA-core work per (pair, model column) of the up and down steps."""
+        return self._blocked_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize)
+
+    def _blocked_seconds(self, nnz, m: int, d: int, f: int, itemsize: int):
         n_blocks = -(-m // _blocked.BLOCK_TOKENS)
         weights = n_blocks * 2.0 * d * f * itemsize / self.blocked_weight_bandwidth
-        pairs = jnp.asarray(nnz).astype(jnp.float32) * (2.0 * d / self.blocked_pair_rate)
-        return weights + pairs + self.blocked_fixed_overhead
+        return weights + nnz * (2.0 * d / self.blocked_pair_rate) + self.blocked_fixed_overhead
 
     def row_cost(self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool) -> jax.Array:
         """Seconds for the row kernel (the ``sparse`` side of :meth:`use_sparse`)."""
-        sparse = jnp.asarray(nnz).astype(jnp.float32) * (2.0 * d * itemsize / self.pair_bandwidth)
-        sparse = sparse + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
+        as_f32 = lambda v: jnp.asarray(v).astype(jnp.float32)
+        return self._row_seconds(as_f32(nnz), as_f32(n_overflow), d, f, itemsize, transposed)
+
+    def _row_seconds(self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool):
+        sparse = nnz * (2.0 * d * itemsize / self.pair_bandwidth) + n_overflow * self.overflow_penalty
         return sparse + self.sparse_fixed_cost(d, f, itemsize, transposed)
 
     def dense_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
@@ -353,6 +358,26 @@ class DenseCrossover:
         if self.margin == float("inf"):
             return True
         return self.sparse_fixed_cost(d, f, itemsize, transposed) < self.margin * self.dense_cost(m, d, f, itemsize)
+
+    def sparse_predicted(
+        self, m: int, d: int, f: int, itemsize: int, active_fraction: float, transposed: bool = False, kernel: str = "row"
+    ) -> bool:
+        """Static: True where, at a known ``active_fraction`` of active (token, neuron) pairs
+        (no overflow assumed), the row kernel (or, for ``kernel`` "blocked"/"blocked_mma"
+        and at least ``BLOCKED_MIN_TOKENS`` tokens, the cheaper of the row and blocked
+        kernels) is predicted faster than dense up + down. What :func:`sparse_ffn` decides
+        at trace time for calls past decode sizes when given ``active_fraction``."""
+        if not 0.0 <= active_fraction <= 1.0:
+            raise ValueError(f"active_fraction must be in [0, 1], got {active_fraction}")
+        if self.margin == float("inf"):
+            return True
+        if self.margin <= 0:
+            return False
+        nnz = active_fraction * m * f
+        cost = self._row_seconds(nnz, 0.0, d, f, itemsize, transposed)  # Python floats: runs while tracing
+        if kernel != "row" and m >= BLOCKED_MIN_TOKENS:
+            cost = min(cost, self._blocked_seconds(nnz, m, d, f, itemsize))
+        return cost < self.margin * self.dense_cost(m, d, f, itemsize)
 
     def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int, transposed: bool = False) -> jax.Array:
         """``[]`` bool on device: True where the fused sparse kernel should run."""
@@ -406,7 +431,10 @@ def sparse_ffn(
     ``active_fraction`` (this layer's, a Python float), decode-sized calls choose at
     trace time instead, with no device check: the decode kernels where
     :meth:`DenseCrossover.decode_wins` and the up weight comes as ``w_up_t`` (or the FFN
-    is non-gated), else the paths below.
+    is non-gated), else the paths below. Past decode sizes a known ``active_fraction``
+    where :meth:`DenseCrossover.sparse_predicted` says dense runs XLA's dense FFN with
+    nothing added (no count, no device branch: exactly XLA's time); where it says sparse,
+    the per-call device choice below still runs (it sees the true counts).
 
     x: ``[M, d]``; weights as in :func:`jax_twell.sparse_ffn`. Where ``crossover`` (default
     :func:`dense_crossover`) predicts the dense path is faster for this call's sparsity,
@@ -435,6 +463,10 @@ def sparse_ffn(
         width = xla.gather_width(m, f, rule.decode_active_per_token)
         return xla.gather_ffn(x, w_gate, w_up, w_down, width=width, w_up_t=w_up_t)
     if not rule.sparse_can_win(m, d, f, x.dtype.itemsize, transposed):
+        return xla.ffn(x, w_gate, w_up, w_down)
+    if active_fraction is not None and not rule.sparse_predicted(
+        m, d, f, x.dtype.itemsize, active_fraction, transposed, kernel
+    ):
         return xla.ffn(x, w_gate, w_up, w_down)
     g = relu_matmul(x, w_act)
     # The decision needs counts only: one XLA reduction over g (~40 us at M=16384,
