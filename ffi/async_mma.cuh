@@ -21,6 +21,9 @@ __device__ __forceinline__ void CpAsync4(void* dst, const void* src) {
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;"); }
 __device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// Waits until at most kPending of this thread's committed cp.async groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWaitPending() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
 // Waits until at most kPending of this thread's commit groups are still in flight.
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {

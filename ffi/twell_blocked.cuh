@@ -443,27 +443,53 @@ __device__ void StageSlab64(uint16_t* slab, const uint16_t* w, int k, int col0, 
 }
 
 // The tile walk of the version-4 steps: this warp owns tokens [t0, t0 + kTokens) of block
-// b (kTokens 16 or 32, t0 a multiple of kTokens). Stages the 64-column slabs of w two tiles
-// deep and calls body(segment start, slab, lo, hi) per tile with the warp's entry run
-// [lo, hi) (segment-relative); the run bounds of the next tile are loaded a tile ahead.
-template <int kTokens, typename Body>
-__device__ void WalkRunsV4(uint16_t* stages, int32_t* seg_s, const int32_t* seg_start, const uint16_t* w,
+// b (kTokens 16 or 32, t0 a multiple of kTokens). Stages the 64-column slabs of w in a ring
+// of kStages buffers (kStages - 1 tiles ahead) and calls body(segment start, slab, lo, hi,
+// word) per tile with the warp's entry run [lo, hi) (segment-relative) and the run's first
+// 16 entry words (lane i holds word lo + i % 16, 0 past hi). Nothing of a tile's
+// bookkeeping waits on memory when the tile starts: its segment start and run bounds are
+// loaded two tiles ahead, its first words one tile ahead.
+template <int kTokens, int kStages, typename Body>
+__device__ void WalkRunsV4(uint16_t* stages, const int32_t* seg_start, const uint32_t* entries, const uint16_t* w,
                            const int32_t* tok_off, int b, int t0, int col0, const Shapes& s, Body&& body) {
+  static_assert(kStages >= 2, "a ring of at least two stages");
   const int lane = threadIdx.x % 32;
-  for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
-  // Lane 0 holds off[t0], lane 1 off[t0 + kTokens] of the tile about to be walked.
+  // Lane 0 loads off[t0], lane 1 off[t0 + kTokens], lane 2 the segment start, of tile k.
   const int32_t* off_b = tok_off + static_cast<int64_t>(b) * s.n_tiles * (kBlockTokens + 1) + t0 + (lane & 1) * kTokens;
-  int bound = lane < 2 ? off_b[0] : 0;
-  StageSlab64(stages, w, 0, col0, s);
-  for (int k = 0; k < s.n_tiles; ++k) {
-    const int next_bound = (lane < 2 && k + 1 < s.n_tiles) ? off_b[static_cast<int64_t>(k + 1) * (kBlockTokens + 1)] : 0;
-    CpAsyncWaitAll();
-    __syncthreads();  // stage k landed (and seg_s, at k = 0); every warp is done with stage k - 1
-    if (k + 1 < s.n_tiles) StageSlab64(stages + ((k + 1) % 2) * kSlab64Elems, w, k + 1, col0, s);
-    const int lo = __shfl_sync(0xffffffffu, bound, 0), hi = __shfl_sync(0xffffffffu, bound, 1);
-    body(seg_s[k], stages + (k % 2) * kSlab64Elems, lo, hi);
-    bound = next_bound;
+  const int32_t* seg_b = seg_start + static_cast<int64_t>(b) * s.n_tiles;
+  auto load_meta = [&](int k) -> int {
+    if (k >= s.n_tiles || lane > 2) return 0;
+    return lane == 2 ? seg_b[k] : off_b[static_cast<int64_t>(k) * (kBlockTokens + 1)];
+  };
+  auto first_words = [&](int lo, int hi, int base) -> uint32_t {
+    return lo + (lane & 15) < hi ? entries[static_cast<int64_t>(base) + lo + (lane & 15)] : 0u;
+  };
+  int meta = load_meta(0), next_meta = load_meta(1);
+  for (int j = 0; j < kStages - 1; ++j) {
+    if (j < s.n_tiles)
+      StageSlab64(stages + j * kSlab64Elems, w, j, col0, s);
+    else
+      CpAsyncCommit();  // empty group: the wait below counts one group per tile
   }
+  int lo = __shfl_sync(0xffffffffu, meta, 0), hi = __shfl_sync(0xffffffffu, meta, 1);
+  int base = __shfl_sync(0xffffffffu, meta, 2);
+  uint32_t word = first_words(lo, hi, base);
+  for (int k = 0; k < s.n_tiles; ++k) {
+    const int meta_after = load_meta(k + 2);
+    const int lo1 = __shfl_sync(0xffffffffu, next_meta, 0), hi1 = __shfl_sync(0xffffffffu, next_meta, 1);
+    const int base1 = __shfl_sync(0xffffffffu, next_meta, 2);
+    const uint32_t word1 = first_words(lo1, hi1, base1);  // zero-length past the last tile
+    CpAsyncWaitPending<kStages - 2>();
+    __syncthreads();  // stage k landed; every warp is done with stage k - 1
+    const int ahead = k + kStages - 1;
+    if (ahead < s.n_tiles)
+      StageSlab64(stages + (ahead % kStages) * kSlab64Elems, w, ahead, col0, s);
+    else
+      CpAsyncCommit();
+    body(base, stages + (k % kStages) * kSlab64Elems, lo, hi, word);
+    lo = lo1, hi = hi1, base = base1, word = word1, next_meta = meta_after;
+  }
+  CpAsyncWaitAll();
 }
 
 // K1 on tensor cores. Warp w owns tokens [32 w, 32 w + 32) of the block. 16 entries per
@@ -473,6 +499,7 @@ __device__ void WalkRunsV4(uint16_t* stages, int32_t* seg_s, const int32_t* seg_
 // are gathered straight from shared memory by ldmatrix (one row address per lane), x and
 // slabs swizzled. 7/8 of the products are thrown away, at 16x the CUDA-core rate. The sums
 // run in the tensor cores' order: partials equal the CUDA-core K1's to f32 rounding.
+constexpr int kUpMmaStages = 3;  // x (128 KB) + 3 slabs of 32 KB: 224 KB of shared memory
 template <typename E, bool kSkipFlagged = true>
 __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_up_t,
@@ -481,7 +508,6 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* x_s = reinterpret_cast<uint16_t*>(smem_raw);
   uint16_t* stages = reinterpret_cast<uint16_t*>(smem_raw + kUpX);
-  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + kUpX + 2 * kSlab64Bytes);
   if (OverBudget(s, seg_start)) return;
   const int r = blockIdx.x, b = blockIdx.y;
   const int col0 = r * kUpCols;
@@ -495,11 +521,11 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
   const bool holds_diag = (lane & 3) == (diag >> 1);
   StageXBlock<true>(x_s, x, b, col0, s);
   float* partial_r = partial + static_cast<int64_t>(r) * s.max_entries;
-  WalkRunsV4<32>(stages, seg_s, seg_start, w_up_t, tok_off, b, t0, col0, s,
-                 [&](int base, const uint16_t* slab, int lo, int hi) {
+  WalkRunsV4<32, kUpMmaStages>(stages, seg_start, entries, w_up_t, tok_off, b, t0, col0, s,
+                                [&](int base, const uint16_t* slab, int lo, int hi, uint32_t word) {
     const uint32_t* ent = entries + base;
     float* part = partial_r + base;
-    uint32_t word = lo + (lane & 15) < hi ? ent[lo + (lane & 15)] : 0u;  // padding: token t0, column 0
+    // word: this step's 16 entries (padding: 0, i.e. token t0, column 0, results dropped)
     for (int pb = lo; pb < hi; pb += 16) {  // warp-uniform
       const int en = pb + 16 + (lane & 15);
       const uint32_t next = en < hi ? ent[en] : 0u;
@@ -526,7 +552,7 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
   });
 }
 
-inline int UpMmaSmemBytes(int n_tiles) { return kUpX + 2 * kSlab64Bytes + SegBytes(n_tiles); }
+inline int UpMmaSmemBytes() { return kUpX + kUpMmaStages * kSlab64Bytes; }
 
 // K2 on tensor cores. A CTA covers half a block (512 tokens) and 64 model columns; warp w
 // owns tokens [16 w, 16 w + 16) of that half and their y[., 64 columns] as mma accumulators
@@ -537,6 +563,7 @@ inline int UpMmaSmemBytes(int n_tiles) { return kUpX + 2 * kSlab64Bytes + SegByt
 // CUDA-core K2's to f32 rounding.
 constexpr int kDownMmaTokens = 16;  // tokens per warp
 constexpr int kDownMmaHalf = kDownMmaTokens * (kFlatThreads / 32);  // tokens per CTA: 512
+constexpr int kDownMmaStages = 4;  // 4 slabs of 32 KB
 static_assert(kBlockTokens % kDownMmaHalf == 0, "a block splits into whole CTA token ranges");
 
 template <typename E>
@@ -547,7 +574,6 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
   constexpr int kParts = kBlockTokens / kDownMmaHalf;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* stages = reinterpret_cast<uint16_t*>(smem_raw);
-  int32_t* seg_s = reinterpret_cast<int32_t*>(smem_raw + 2 * kSlab64Bytes);
   const int r = blockIdx.x, b = blockIdx.y / kParts;
   const int col0 = r * kUpCols;
   const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
@@ -564,10 +590,9 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
     for (int v = 0; v < 4; ++v) acc[nb][v] = 0.f;
 
   if (!over_budget) {
-    WalkRunsV4<kDownMmaTokens>(stages, seg_s, seg_start, w_down, tok_off, b, t0, col0, s,
-                               [&](int base, const uint16_t* slab, int lo, int hi) {
+    WalkRunsV4<kDownMmaTokens, kDownMmaStages>(stages, seg_start, entries, w_down, tok_off, b, t0, col0, s,
+                                               [&](int base, const uint16_t* slab, int lo, int hi, uint32_t word) {
       const uint32_t* ent = entries + base;
-      uint32_t word = lo + (lane & 15) < hi ? ent[lo + (lane & 15)] : 0u;
       for (int pb = lo; pb < hi; pb += 16) {  // warp-uniform
         const int en = pb + 16 + (lane & 15);
         const uint32_t next = en < hi ? ent[en] : 0u;
@@ -606,7 +631,7 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
   }
 }
 
-inline int DownMmaSmemBytes(int n_tiles) { return 2 * kSlab64Bytes + SegBytes(n_tiles); }
+inline int DownMmaSmemBytes() { return kDownMmaStages * kSlab64Bytes; }
 
 // K1.5. One thread per entry: sums the partials in range order, rounds like the reference.
 template <typename E>
@@ -702,7 +727,7 @@ void LaunchUpStep(cudaStream_t stream, bool mma, const uint16_t* x, const uint16
                   const int32_t* seg_start, const uint32_t* entries, float* partial, const Shapes& s) {
   const dim3 grid(s.d / kUpCols, s.n_blocks);
   if (mma) {
-    const int smem = UpMmaSmemBytes(s.n_tiles);
+    const int smem = UpMmaSmemBytes();
     cudaFuncSetAttribute(TwellBlockedUpMmaKernel<E, kSkipFlagged>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     TwellBlockedUpMmaKernel<E, kSkipFlagged>
         <<<grid, kFlatThreads, smem, stream>>>(x, w_t, tok_off, seg_start, entries, partial, s);
@@ -718,7 +743,7 @@ template <typename E>
 void LaunchDownStep(cudaStream_t stream, bool mma, const uint16_t* w_down, const int32_t* tok_off,
                     const int32_t* seg_start, const uint32_t* h_source, uint16_t* y, const Shapes& s) {
   if (mma) {
-    const int smem = DownMmaSmemBytes(s.n_tiles);
+    const int smem = DownMmaSmemBytes();
     const dim3 grid(s.d / kUpCols, s.n_blocks * (kBlockTokens / kDownMmaHalf));
     cudaFuncSetAttribute(TwellBlockedDownMmaKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     TwellBlockedDownMmaKernel<E><<<grid, kFlatThreads, smem, stream>>>(w_down, tok_off, seg_start, h_source, y, s);
