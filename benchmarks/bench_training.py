@@ -5,20 +5,21 @@ Per configuration (M=16384, d=2048, f=5632, bf16; densities 0.25/0.5/1/2/5%; uni
 rows; synthetic sparsity through a real gate matmul), each timing the median of many
 synchronised runs after warm-up, never on zeros:
 - dense: jax.grad through jax_twell.ops.xla.ffn_with_aux (XLA autodiff);
-- cuda: cuda_train.ffn_with_aux forced sparse (margin inf: sparse wherever the entries
+- cuda: cuda_train.ffn_with_aux forced sparse, CUDA-core steps (mma=False; margin inf: sparse wherever the entries
   fit the budget; "branch" says which path ran);
 - auto: cuda_train.ffn_with_aux under the default rule (TrainCrossover), decided per call
   on the device;
 - layer: the same rule decided at trace time from the measured active fraction
   (``active_fraction=``, as a training loop would pass each layer's): XLA autodiff where
   the rule says dense, the kernels where it says sparse;
-- mma: as cuda, with the up, down and dh steps on tensor cores (mma=True);
+- mma: as cuda, with the up, down and dh steps on tensor cores (mma=True, the default of
+  ffn_with_aux; auto and layer use it);
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
 arrays other than the inputs) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
-Usage: python benchmarks/bench_training.py [--quick] [--out results.json]
+Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--out results.json]
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ def timed(fn, args):
     return time_calls(fn, args, min_seconds=0.05, max_reps=100)
 
 
-def grid(quick: bool):
-    densities = [0.005, 0.02] if quick else [0.0025, 0.005, 0.01, 0.02, 0.05]
+def grid(quick: bool, densities: list[float] | None = None):
+    if densities is None:
+        densities = [0.005, 0.02] if quick else [0.0025, 0.005, 0.01, 0.02, 0.05]
     return [(16384, 2048, 5632, p, pattern) for p in densities for pattern in ("uniform", "heavy")]
 
 
@@ -87,14 +89,18 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--densities", default=None, help="comma-separated active fractions (default: the grid's)")
     args = parser.parse_args()
+    densities = [float(v) for v in args.densities.split(",")] if args.densities else None
 
     dense_op = xla.ffn_with_aux
-    cuda_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE)
+    cuda_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
+        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=False
+    )
     auto_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH)
     mma_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True)
     rows, memory = [], None
-    for m, d, f, density, pattern in grid(args.quick):
+    for m, d, f, density, pattern in grid(args.quick, densities):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
         cot = jax.random.normal(jax.random.key(1), (m, d), jnp.float32)
         act = cuda.gate_twell(inp.x, inp.w_gate, tile=cuda_train.TILE, capacity=cuda_train.CAPACITY)

@@ -30,10 +30,12 @@ __all__ = [
     "dense_crossover",
     "set_dense_crossover",
     "KERNELS",
+    "blocked_supported",
     "check_blocked_supported",
     "blocked_max_entries",
     "blocked_needed_entries",
     "gate_counts",
+    "sampled_gate_counts",
     "decode_ffn",
     "decode_ffn_gate",
     "decode_supported",
@@ -141,9 +143,15 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
 BLOCKED_MIN_TOKENS = 256  # below, the row kernel reads fewer weight bytes (see DenseCrossover)
 
 
-def _check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+def _check_kernel(kernel: str, allow_auto: bool = False) -> None:
+    allowed = KERNELS + (("auto",) if allow_auto else ())
+    if kernel not in allowed:
+        raise ValueError(f"kernel must be one of {allowed}, got {kernel!r}")
+
+
+def blocked_supported(d: int, tile: int) -> bool:
+    """Whether the blocked kernel takes this shape (:func:`check_blocked_supported`)."""
+    return d % _blocked.UP_COLS == 0 and d <= 16384 and tile <= _blocked.MAX_TILE
 
 
 def check_blocked_supported(d: int, tile: int) -> None:
@@ -252,9 +260,9 @@ def blocked_ffn(
 class DenseCrossover:
     """When the sparse FFN runs the fused TwELL kernel, and when dense math through XLA.
 
-    Both paths share the gate matmul; a reduction over its output gives the true number of
-    active (token, neuron) pairs ``nnz`` (:func:`gate_counts`; only the sparse branches
-    pack). The rule compares what comes after, in seconds:
+    Both paths share the gate matmul; a reduction over a sample of its rows estimates the
+    number of active (token, neuron) pairs ``nnz`` (:func:`sampled_gate_counts`; only the
+    sparse branches pack). The rule compares what comes after, in seconds:
 
     - sparse: ``nnz * 2 * d * itemsize / pair_bandwidth`` (the kernel reads one row of
       Wu^T and one of Wd per pair, mostly from L2) + ``overflow_penalty`` per overflowed
@@ -278,11 +286,18 @@ class DenseCrossover:
     overflow_penalty: float = 2.0e-6
     fixed_overhead: float = 1.0e-5
     margin: float = 1.0
-    # Blocked kernel, fitted on the H200 (ffi/notes/twell_ffn_blocked.md): ~3 ns per pair
-    # at d=2048 (1.3-1.6 ms at M=16384, 0.5%), on the slow side of the two measured versions.
-    blocked_weight_bandwidth: float = 7.0e12
-    blocked_pair_rate: float = 1.5e12
+    # Blocked kernel with its tensor-core steps (version 4), fitted on the H200
+    # (ffi/notes/twell_ffn_blocked.md, inference_quick_440ebb0.json): after gate + pack,
+    # ~1.0 ms at M=16384, d=2048, f=5632, 0.5% active and ~2.5 ms at 2% (~1.06 ns per pair);
+    # the same constants give (2048, 8192) and (4096, 11008) within 5%.
+    blocked_weight_bandwidth: float = 1.8e12
+    blocked_pair_rate: float = 3.86e12
     blocked_fixed_overhead: float = 1.0e-4
+    # The per-call choice counts the active pairs of about this many rows of g, evenly
+    # spaced (all rows below 2x this many), and scales up: a full count reads all of g
+    # (~0.1 ms at M=16384, f=5632), which a dense decision would pay for nothing. The
+    # sparse branches still check the blocked kernel's exact entry budget after packing.
+    count_sample_rows: int = 1024
     # Decode: calls of at most this many tokens run xla.gather_ffn (only the weights of
     # neurons active for some token are read) with room for ``decode_active_per_token``
     # of f per token. 0 = off: measured 0.3-0.7x of dense on the H200 (ffi/notes/decode.md).
@@ -410,13 +425,14 @@ def sparse_ffn(
     capacity: int,
     crossover: DenseCrossover | None = None,
     w_up_t=None,
-    kernel: str = "row",
+    kernel: str = "auto",
     active_fraction: float | None = None,
 ):
     """Inference FFN: XLA gate matmul, ``jax_twell_pack``, then the fused kernel or dense.
 
-    ``kernel``: "row" (default), "blocked" or "blocked_mma" (the blocked kernel with its up
-    and down steps on tensor cores). With a blocked kernel, the call picks on the
+    ``kernel``: "auto" (default: "blocked_mma" where the shape allows it, else "row"),
+    "row", "blocked" or "blocked_mma" (the blocked kernel with its up and down steps on
+    tensor cores). With a blocked kernel, the call picks on the
     device, per call, among dense, the row kernel and the blocked kernel by the rule's
     costs (:meth:`DenseCrossover.blocked_cost`), the blocked kernel only where its
     workspace holds the call's entries; M below ``BLOCKED_MIN_TOKENS`` (decode sizes) is
@@ -441,12 +457,14 @@ def sparse_ffn(
     the up and down projections run dense through XLA from the same gate activation.
     ``w_up_t``: optional ``[f, d]`` pre-transposed up weight (see :func:`twell_ffn`).
     """
-    _check_kernel(kernel)
+    _check_kernel(kernel, allow_auto=True)
     rule = _crossover.get() if crossover is None else crossover
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     m, d = x.shape
     f = w_act.shape[1]
+    if kernel == "auto":
+        kernel = "blocked_mma" if blocked_supported(d, tile) else "row"
     transposed = w_up_t is not None or not gated
     known = active_fraction is not None and transposed and rule.decode_wins(m, active_fraction)
     if (known or 0 < m <= rule.decode_kernel_max_tokens) and rule.margin > 0 and decode_supported(d, f, x.dtype):
@@ -469,14 +487,16 @@ def sparse_ffn(
     ):
         return xla.ffn(x, w_gate, w_up, w_down)
     g = relu_matmul(x, w_act)
-    # The decision needs counts only: one XLA reduction over g (~40 us at M=16384,
-    # f=5632), so a call that runs dense never pays for the pack (~150 us).
-    nnz, n_over, needed = gate_counts(g, tile=tile, capacity=capacity)
+    # The decision needs counts only, estimated from a sample of g's rows (one small XLA
+    # reduction), so a call that runs dense pays neither a full count nor the pack.
+    nnz, n_over = sampled_gate_counts(g, tile=tile, capacity=capacity, rows=rule.count_sample_rows)
     use_sparse = rule.use_sparse(nnz, n_over, m, d, f, x.dtype.itemsize, transposed)
 
-    def sparse(_):
-        act = pack_twell(g, tile=tile, capacity=capacity)
+    def row_kernel(act):
         return _twell_ffn_call(x, act, w_act, w_up if gated else None, w_down, w_up_t)
+
+    def sparse(_):
+        return row_kernel(pack_twell(g, tile=tile, capacity=capacity))
 
     def dense(_):
         return xla.up_down(x, g, w_up if gated else None, w_down)
@@ -485,22 +505,25 @@ def sparse_ffn(
     if blocked:
         check_blocked_supported(d, tile)
         max_entries = blocked_max_entries(m, f, tile, capacity)
-        fits = needed <= max_entries
-        row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
-        blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
         if rule.margin == float("inf"):
-            choice = jnp.where(fits, 2, 1)
+            prefer_blocked, any_sparse = jnp.bool_(True), jnp.bool_(True)
         else:
-            choice = jnp.where(use_sparse, jnp.where(fits & (blocked_cost < row_cost), 2, 1), 0)
-            dense_cost = rule.dense_cost(m, d, f, x.dtype.itemsize)
-            choice = jnp.where(fits & (blocked_cost < rule.margin * dense_cost) & (blocked_cost < row_cost), 2, choice)
+            row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
+            blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
+            prefer_blocked = blocked_cost < row_cost
+            any_sparse = use_sparse | (blocked_cost < rule.margin * rule.dense_cost(m, d, f, x.dtype.itemsize))
 
-        def blocked_branch(_):
+        def sparse_branch(_):
             act = pack_twell(g, tile=tile, capacity=capacity)
+            # The blocked kernel only where the call's exact entries fit its workspace.
+            fits = blocked_needed_entries(act) <= max_entries
             mma = kernel == "blocked_mma"
-            return _blocked_call(x, act, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma)[0]
+            run_blocked = lambda a: _blocked_call(x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma)[0]
+            return jax.lax.cond(prefer_blocked & fits, run_blocked, row_kernel, act)
 
-        return jax.lax.switch(choice, (dense, sparse, blocked_branch), None)
+        if rule.margin == float("inf"):
+            return sparse_branch(None)
+        return jax.lax.cond(any_sparse, sparse_branch, dense, None)
     if rule.margin == float("inf"):
         return sparse(None)
     return jax.lax.cond(use_sparse, sparse, dense, None)
@@ -665,6 +688,22 @@ def gate_counts(g: jax.Array, *, tile: int, capacity: int) -> tuple[jax.Array, j
         over.sum(dtype=jnp.int32),
         jnp.where(over, _tile_widths(f, tile), per_tile).sum(dtype=jnp.int32),
     )
+
+
+def sampled_gate_counts(g: jax.Array, *, tile: int, capacity: int, rows: int) -> tuple[jax.Array, jax.Array]:
+    """Estimates of :func:`gate_counts`' first two values (active pairs, overflowed tiles)
+    from evenly spaced rows of ``g [M, f]``: every ``M // rows``-th row, scaled to M
+    (``[]`` float32 each). Exact when ``M < 2 * rows`` (every row is counted). Reads about
+    ``rows / M`` of g; the estimate steers only the speed choice of :func:`sparse_ffn`,
+    never what is computed."""
+    if rows <= 0:
+        raise ValueError(f"rows must be positive, got {rows}")
+    m = g.shape[0]
+    stride = max(1, m // rows)
+    sample = g[::stride] if stride > 1 else g
+    nnz, n_over, _ = gate_counts(sample, tile=tile, capacity=capacity)
+    scale = m / sample.shape[0]
+    return nnz.astype(jnp.float32) * scale, n_over.astype(jnp.float32) * scale
 
 
 def gate_twell(x, w, *, tile: int, capacity: int) -> TwELL:

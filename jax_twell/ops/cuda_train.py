@@ -99,17 +99,18 @@ class TrainCrossover:
     benchmark (ffi/notes/training_kernels.md).
     """
 
-    # Fitted on the H200 (ffi/notes/training_kernels.md, "Measured"): XLA's dense
-    # forward + backward 4.42 ms at M=16384, d=2048, f=5632 (9 matmuls); the kernels
-    # 4.73 ms after the gate matmul at 0.5% and 14.7 ms at 2%: ~7 ns per pair, ~1.5 ms fixed.
+    # Fitted on the H200 (ffi/notes/training_kernels.md, "Measured"; training_440ebb0):
+    # XLA's dense forward + backward 4.41 ms at M=16384, d=2048, f=5632 (9 matmuls); the
+    # kernels with their tensor-core steps (the default) 4.07 ms after the gate matmul at
+    # 0.5% and 10.7 ms at 2%: ~4.7 ns per pair, ~1.9 ms fixed; crossover ~0.47% active.
     matmul_rate: float = 7.7e14
     hbm_bandwidth: float = 3.0e12
     weight_bandwidth: float = 7.0e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 2.8e12
+    pair_rate: float = 3.96e12
     grad_stream_bandwidth: float = 7.0e12
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 1.06e-3
+    fixed_overhead: float = 1.48e-3
     margin: float = 1.0
     min_tokens: int = 256
 
@@ -407,7 +408,7 @@ _train_ffn.defvjp(_train_fwd, _train_bwd)
 
 def ffn_with_aux(
     x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
-    crossover: TrainCrossover | None = None, mma: bool = False, active_fraction: float | None = None,
+    crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -419,7 +420,9 @@ def ffn_with_aux(
     most ``backup_capacity`` rows exceed ``width`` active neurons; otherwise the call is
     dense (exact; its backward recomputes g and u). f32 inputs and M below the rule's
     ``min_tokens`` run :func:`jax_twell.ops.xla.ffn_with_aux` (pure XLA autodiff).
-    ``mma=True`` runs the up, down and dh steps on tensor cores (measured no faster: ffi/notes/training_kernels.md).
+    ``mma`` (default True) runs the up, down and dh steps on tensor cores (version 4 of the
+    blocked steps: 4.62 ms against 4.96 ms on CUDA cores at the benchmark shape, 0.5%
+    active; ffi/notes/training_kernels.md); False, the CUDA-core steps (bit-exact model).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
     steps): the choice is made at trace time instead (:meth:`TrainCrossover.prefers_sparse`
