@@ -285,7 +285,10 @@ class DenseCrossover:
     transpose_bandwidth: float = 1.4e12
     overflow_penalty: float = 2.0e-6
     fixed_overhead: float = 1.0e-5
-    margin: float = 1.0
+    # Sparse runs only where predicted at least 10% faster than dense: the per-call branch
+    # itself costs ~0.1 ms at M=16384, d=2048, f=5632 (measured: the blocked kernel forced
+    # 1.00x of dense, chosen through the branch 0.93x; inference_quick_ac4e9a0.json).
+    margin: float = 0.9
     # Blocked kernel with its tensor-core steps (version 4), fitted on the H200
     # (ffi/notes/twell_ffn_blocked.md, inference_quick_440ebb0.json): after gate + pack,
     # ~1.0 ms at M=16384, d=2048, f=5632, 0.5% active and ~2.5 ms at 2% (~1.06 ns per pair);
