@@ -277,13 +277,11 @@ __host__ __device__ constexpr int SwizzleChunk(int row, int q) {
   return kVecs == 8 ? (q ^ (row & 7)) : (q ^ ((row >> 1) & 3));
 }
 
-// kSwizzle: the slab rows are stored with SwizzleChunk.
-template <int kCols, bool kSwizzle = false>
-__device__ void StageSlabAndOffsets(uint8_t* stage, const uint16_t* w, const int32_t* tok_off, int b, int k,
-                                    int col0, const Shapes& s) {
+// Issues (no commit) the cp.async copies of tile k's slab rows w[k*tile + c, col0 .. col0 +
+// kCols) (w is [f, d]) into slab [kMaxTile, kCols], stored with SwizzleChunk if kSwizzle.
+template <int kCols, bool kSwizzle>
+__device__ void CopySlabRows(uint16_t* slab, const uint16_t* w, int k, int col0, const Shapes& s) {
   constexpr int kVecs = kCols / 8;
-  uint16_t* slab = reinterpret_cast<uint16_t*>(stage);
-  int32_t* off = reinterpret_cast<int32_t*>(stage + SlabStage<kCols>::kSlab);
   const int width = TileWidth(s, k);
   const int64_t row0 = static_cast<int64_t>(k) * s.tile;
   for (int v = threadIdx.x; v < width * kVecs; v += blockDim.x) {
@@ -292,6 +290,14 @@ __device__ void StageSlabAndOffsets(uint8_t* stage, const uint16_t* w, const int
     if constexpr (kSwizzle) qs = SwizzleChunk<kVecs>(row, q);
     CpAsync16(slab + row * kCols + qs * 8, w + (row0 + row) * s.d + col0 + q * 8);
   }
+}
+
+// kSwizzle: the slab rows are stored with SwizzleChunk.
+template <int kCols, bool kSwizzle = false>
+__device__ void StageSlabAndOffsets(uint8_t* stage, const uint16_t* w, const int32_t* tok_off, int b, int k,
+                                    int col0, const Shapes& s) {
+  CopySlabRows<kCols, kSwizzle>(reinterpret_cast<uint16_t*>(stage), w, k, col0, s);
+  int32_t* off = reinterpret_cast<int32_t*>(stage + SlabStage<kCols>::kSlab);
   const int32_t* off_g = tok_off + (static_cast<int64_t>(b) * s.n_tiles + k) * (kBlockTokens + 1);
   for (int i = threadIdx.x; i <= kBlockTokens; i += blockDim.x) CpAsync4(off + i, off_g + i);
   CpAsyncCommit();
@@ -430,15 +436,10 @@ __device__ __forceinline__ int Swizzled64(int row, int chunk) { return row * kUp
 constexpr int kSlab64Elems = kMaxTile * kUpCols;  // one stage: [kMaxTile, 64] 2-byte elements
 constexpr int kSlab64Bytes = kSlab64Elems * 2;
 
-// Stages tile k's slab rows w[k*tile + c, col0 .. col0 + 64) (w is [f, d]), swizzled.
+// Stages tile k's slab rows w[k*tile + c, col0 .. col0 + 64) (w is [f, d]), swizzled as
+// Swizzled64 reads them, as one cp.async group.
 __device__ void StageSlab64(uint16_t* slab, const uint16_t* w, int k, int col0, const Shapes& s) {
-  constexpr int kVecs = kUpCols / 8;
-  const int width = TileWidth(s, k);
-  const int64_t row0 = static_cast<int64_t>(k) * s.tile;
-  for (int v = threadIdx.x; v < width * kVecs; v += blockDim.x) {
-    const int row = v / kVecs, q = v % kVecs;
-    CpAsync16(slab + Swizzled64(row, q), w + (row0 + row) * s.d + col0 + q * 8);
-  }
+  CopySlabRows<kUpCols, true>(slab, w, k, col0, s);
   CpAsyncCommit();
 }
 

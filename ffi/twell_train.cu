@@ -180,18 +180,6 @@ __global__ void __launch_bounds__(256) TwellTrainBwdFinishKernel(const float* __
   }
 }
 
-// Copies rows [k*tile, k*tile + width) x columns [col0, col0 + kCols) of w [f, d] to slab.
-template <int kCols>
-__device__ void StageSlab(uint16_t* slab, const uint16_t* w, int k, int col0, const Shapes& s) {
-  constexpr int kVecs = kCols / 8;
-  const int width = TileWidth(s, k);
-  const int64_t row0 = static_cast<int64_t>(k) * s.tile;
-  for (int v = threadIdx.x; v < width * kVecs; v += blockDim.x) {
-    const int row = v / kVecs, q = v % kVecs;
-    CpAsync16(slab + row * kCols + q * 8, w + (row0 + row) * s.d + col0 + q * 8);
-  }
-}
-
 template <bool kGated>
 struct DxStages {
   using St = Stages<kDownCols>;
@@ -228,14 +216,14 @@ __global__ void __launch_bounds__(kThreads, 1) TwellTrainDxKernel(
   if (!over_budget) {
     for (int k = threadIdx.x; k <= s.n_tiles; k += blockDim.x) seg_s[k] = seg_start[b * s.n_tiles + k];
     __syncthreads();
-    if (kGated) StageSlab<kDownCols>(reinterpret_cast<uint16_t*>(smem_raw + St::kStage), w_up_t, 0, col0, s);
+    if (kGated) CopySlabRows<kDownCols, false>(reinterpret_cast<uint16_t*>(smem_raw + St::kStage), w_up_t, 0, col0, s);
     StageTile<kDownCols>(smem_raw, w_act_t, tok_off, entries, seg_s, b, 0, col0, s);
     for (int k = 0; k < s.n_tiles; ++k) {
       CpAsyncWaitAll();
       __syncthreads();
       if (k + 1 < s.n_tiles) {
         uint8_t* next = smem_raw + ((k + 1) % 2) * Dx::kStage;
-        if (kGated) StageSlab<kDownCols>(reinterpret_cast<uint16_t*>(next + St::kStage), w_up_t, k + 1, col0, s);
+        if (kGated) CopySlabRows<kDownCols, false>(reinterpret_cast<uint16_t*>(next + St::kStage), w_up_t, k + 1, col0, s);
         StageTile<kDownCols>(next, w_act_t, tok_off, entries, seg_s, b, k + 1, col0, s);
       }
       const uint8_t* stage = smem_raw + (k % 2) * Dx::kStage;
