@@ -436,25 +436,29 @@ __device__ __forceinline__ int Swizzled64(int row, int chunk) { return row * kUp
 constexpr int kSlab64Elems = kMaxTile * kUpCols;  // one stage: [kMaxTile, 64] 2-byte elements
 constexpr int kSlab64Bytes = kSlab64Elems * 2;
 
-// Stages tile k's slab rows w[k*tile + c, col0 .. col0 + 64) (w is [f, d]), swizzled as
-// Swizzled64 reads them, as one cp.async group.
-__device__ void StageSlab64(uint16_t* slab, const uint16_t* w, int k, int col0, const Shapes& s) {
-  CopySlabRows<kUpCols, true>(slab, w, k, col0, s);
-  CpAsyncCommit();
-}
 
 // The tile walk of the version-4 steps: this warp owns tokens [t0, t0 + kTokens) of block
-// b (kTokens 16 or 32, t0 a multiple of kTokens). Stages the 64-column slabs of w in a ring
-// of kStages buffers (kStages - 1 tiles ahead) and calls body(segment start, slab, lo, hi,
-// word) per tile with the warp's entry run [lo, hi) (segment-relative) and the run's first
-// 16 entry words (lane i holds word lo + i % 16, 0 past hi). Nothing of a tile's
-// bookkeeping waits on memory when the tile starts: its segment start and run bounds are
-// loaded two tiles ahead, its first words one tile ahead.
-template <int kTokens, int kStages, typename Body>
+// b (kTokens 16 or 32, t0 a multiple of kTokens). Stages the 64-column slabs of w (and of
+// w2 when kSlabs is 2, right after w's in the same ring slot) in a ring of kStages slots
+// (kStages - 1 tiles ahead) and calls body(segment start, slab, lo, hi, word) per tile with
+// the warp's entry run [lo, hi) (segment-relative) and the run's first 16 entry words
+// (lane i holds word lo + i % 16, 0 past hi). Nothing of a tile's bookkeeping waits on
+// memory when the tile starts: its segment start and run bounds are loaded two tiles
+// ahead, its first words one tile ahead.
+template <int kTokens, int kStages, int kSlabs = 1, typename Body>
 __device__ void WalkRunsV4(uint16_t* stages, const int32_t* seg_start, const uint32_t* entries, const uint16_t* w,
-                           const int32_t* tok_off, int b, int t0, int col0, const Shapes& s, Body&& body) {
+                           const uint16_t* w2, const int32_t* tok_off, int b, int t0, int col0, const Shapes& s,
+                           Body&& body) {
   static_assert(kStages >= 2, "a ring of at least two stages");
+  static_assert(kSlabs == 1 || kSlabs == 2, "one or two weight slabs per stage");
+  constexpr int kSlot = kSlabs * kSlab64Elems;
   const int lane = threadIdx.x % 32;
+  auto stage = [&](int j, int k) {
+    uint16_t* slot = stages + j * kSlot;
+    CopySlabRows<kUpCols, true>(slot, w, k, col0, s);
+    if constexpr (kSlabs == 2) CopySlabRows<kUpCols, true>(slot + kSlab64Elems, w2, k, col0, s);
+    CpAsyncCommit();
+  };
   // Lane 0 loads off[t0], lane 1 off[t0 + kTokens], lane 2 the segment start, of tile k.
   const int32_t* off_b = tok_off + static_cast<int64_t>(b) * s.n_tiles * (kBlockTokens + 1) + t0 + (lane & 1) * kTokens;
   const int32_t* seg_b = seg_start + static_cast<int64_t>(b) * s.n_tiles;
@@ -468,7 +472,7 @@ __device__ void WalkRunsV4(uint16_t* stages, const int32_t* seg_start, const uin
   int meta = load_meta(0), next_meta = load_meta(1);
   for (int j = 0; j < kStages - 1; ++j) {
     if (j < s.n_tiles)
-      StageSlab64(stages + j * kSlab64Elems, w, j, col0, s);
+      stage(j, j);
     else
       CpAsyncCommit();  // empty group: the wait below counts one group per tile
   }
@@ -484,22 +488,15 @@ __device__ void WalkRunsV4(uint16_t* stages, const int32_t* seg_start, const uin
     __syncthreads();  // stage k landed; every warp is done with stage k - 1
     const int ahead = k + kStages - 1;
     if (ahead < s.n_tiles)
-      StageSlab64(stages + (ahead % kStages) * kSlab64Elems, w, ahead, col0, s);
+      stage(ahead % kStages, ahead);
     else
       CpAsyncCommit();
-    body(base, stages + (k % kStages) * kSlab64Elems, lo, hi, word);
+    body(base, stages + (k % kStages) * kSlot, lo, hi, word);
     lo = lo1, hi = hi1, base = base1, word = word1, next_meta = meta_after;
   }
   CpAsyncWaitAll();
 }
 
-// K1 on tensor cores. Warp w owns tokens [32 w, 32 w + 32) of the block. 16 entries per
-// warp step go through mma.m16n8k16: A = the 16 entries' x rows, B = their Wu^T slab rows
-// in two halves of 8; the wanted dot products are the diagonals D[i][i] (entries 0-7,
-// first mma) and D'[8 + i][i] (entries 8-15, second mma), both held by lane 4i + i/2. Rows
-// are gathered straight from shared memory by ldmatrix (one row address per lane), x and
-// slabs swizzled. 7/8 of the products are thrown away, at 16x the CUDA-core rate. The sums
-// run in the tensor cores' order: partials equal the CUDA-core K1's to f32 rounding.
 constexpr int kUpMmaStages = 3;  // x (128 KB) + 3 slabs of 32 KB: 224 KB of shared memory
 template <typename E, bool kSkipFlagged = true>
 __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
@@ -522,7 +519,7 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
   const bool holds_diag = (lane & 3) == (diag >> 1);
   StageXBlock<true>(x_s, x, b, col0, s);
   float* partial_r = partial + static_cast<int64_t>(r) * s.max_entries;
-  WalkRunsV4<32, kUpMmaStages>(stages, seg_start, entries, w_up_t, tok_off, b, t0, col0, s,
+  WalkRunsV4<32, kUpMmaStages>(stages, seg_start, entries, w_up_t, nullptr, tok_off, b, t0, col0, s,
                                 [&](int base, const uint16_t* slab, int lo, int hi, uint32_t word) {
     const uint32_t* ent = entries + base;
     float* part = partial_r + base;
@@ -562,36 +559,91 @@ inline int UpMmaSmemBytes() { return kUpX + kUpMmaStages * kSlab64Bytes; }
 // token, else 0 (built in registers from four shuffles), B = the entries' Wd slab rows
 // (gathered by ldmatrix.trans). Deterministic (fixed instruction order); y equals the
 // CUDA-core K2's to f32 rounding.
+// The A fragment (m16n8k16, rows = the warp's 16 tokens, k = the step's 16 entries) of a
+// step whose entry e (lane e % 16) packs `value bits << 16 | row of its token` (0xff: no
+// row, padding): A[row][e] = value where row matches, else 0. Lane (g = lane / 4, t =
+// lane % 4) holds rows g and g + 8 of entries 2t, 2t + 1, 2t + 8, 2t + 9.
+__device__ __forceinline__ void OneHotRowsA(uint32_t packed, int g, int t, uint32_t (&a)[4]) {
+  const uint32_t p_a = __shfl_sync(0xffffffffu, packed, 2 * t);
+  const uint32_t p_b = __shfl_sync(0xffffffffu, packed, 2 * t + 1);
+  const uint32_t p_c = __shfl_sync(0xffffffffu, packed, 2 * t + 8);
+  const uint32_t p_d = __shfl_sync(0xffffffffu, packed, 2 * t + 9);
+  auto pick = [](uint32_t p, uint32_t row) { return (p & 0xffffu) == row ? (p >> 16) : 0u; };
+  const uint32_t r0 = g, r1 = g + 8;
+  a[0] = pick(p_a, r0) | pick(p_b, r0) << 16;
+  a[1] = pick(p_a, r1) | pick(p_b, r1) << 16;
+  a[2] = pick(p_c, r0) | pick(p_d, r0) << 16;
+  a[3] = pick(p_c, r1) | pick(p_d, r1) << 16;
+}
+
+// Writes a warp's m16n8 accumulators over 64 columns (rows = tokens row0 .. row0 + 15, past
+// the last token skipped) to out [rows, d] in E, rounded once; NaN when over_budget.
+template <typename E>
+__device__ __forceinline__ void StoreWarpRows64(const float (&acc)[8][4], uint16_t* out, int64_t row0, int col0,
+                                                int g, int t, bool over_budget, const Shapes& s) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t tkn = row0 + g + 8 * half;
+    if (tkn >= s.rows) continue;
+#pragma unroll
+    for (int nb = 0; nb < 8; ++nb) {
+      const float v0 = over_budget ? __int_as_float(0x7fc00000) : acc[nb][2 * half];
+      const float v1 = over_budget ? __int_as_float(0x7fc00000) : acc[nb][2 * half + 1];
+      *reinterpret_cast<uint32_t*>(out + tkn * s.d + col0 + nb * 8 + 2 * t) = E::FromFloat(v0) | (E::FromFloat(v1) << 16);
+    }
+  }
+}
+
 constexpr int kDownMmaTokens = 16;  // tokens per warp
 constexpr int kDownMmaHalf = kDownMmaTokens * (kFlatThreads / 32);  // tokens per CTA: 512
 constexpr int kDownMmaStages = 4;  // 4 slabs of 32 KB
 static_assert(kBlockTokens % kDownMmaHalf == 0, "a block splits into whole CTA token ranges");
+
+// Where a thread of a down-shaped mma step (grid (d / 64, 2 x blocks), kFlatThreads)
+// works: block b, columns [col0, col0 + 64), its warp's tokens [t0, t0 + 16) of the block,
+// its mma fragment coordinates (g, t), and the entry and column chunk it addresses in an
+// ldmatrix.trans x4 (matrix j = lane / 8 holds entries (j & 1) * 8 .. + 7 and columns
+// (2 q + (j >> 1)) * 8 .. + 7 of call q: the B fragments of column blocks 2q and 2q + 1).
+struct DownMmaThread {
+  int b, col0, t0, g, t, b_entry, b_chunk;
+  bool over_budget;
+};
+__device__ __forceinline__ DownMmaThread DownMmaThreadOf(const int32_t* seg_start, const Shapes& s) {
+  constexpr int kParts = kBlockTokens / kDownMmaHalf;
+  const int lane = threadIdx.x % 32;
+  return {static_cast<int>(blockIdx.y / kParts),
+          static_cast<int>(blockIdx.x * kUpCols),
+          static_cast<int>((blockIdx.y % kParts) * kDownMmaHalf + (threadIdx.x / 32) * kDownMmaTokens),
+          lane >> 2,
+          lane & 3,
+          (lane & 7) | ((lane >> 3) & 1) << 3,
+          lane >> 4,
+          OverBudget(s, seg_start)};
+}
+
+__device__ __forceinline__ void ZeroAcc(float (&acc)[8][4]) {
+#pragma unroll
+  for (int nb = 0; nb < 8; ++nb)
+#pragma unroll
+    for (int v = 0; v < 4; ++v) acc[nb][v] = 0.f;
+}
 
 template <typename E>
 __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
     const uint16_t* __restrict__ w_down, const int32_t* __restrict__ tok_off,
     const int32_t* __restrict__ seg_start, const uint32_t* __restrict__ entries,
     uint16_t* __restrict__ y, Shapes s) {
-  constexpr int kParts = kBlockTokens / kDownMmaHalf;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   uint16_t* stages = reinterpret_cast<uint16_t*>(smem_raw);
-  const int r = blockIdx.x, b = blockIdx.y / kParts;
-  const int col0 = r * kUpCols;
-  const int lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
-  const int t0 = (blockIdx.y % kParts) * kDownMmaHalf + (threadIdx.x / 32) * kDownMmaTokens;
-  const bool over_budget = OverBudget(s, seg_start);
-  // ldmatrix.trans x4 number q: matrix j = lane / 8 holds entries (j & 1) * 8 .. + 7 and
-  // columns (2 q + (j >> 1)) * 8 .. + 7, i.e. the B fragments of column blocks 2q, 2q + 1.
-  const int b_entry = (lane & 7) | ((lane >> 3) & 1) << 3, b_chunk = lane >> 4;
-
+  const DownMmaThread th = DownMmaThreadOf(seg_start, s);
+  const int b = th.b, col0 = th.col0, t0 = th.t0, g = th.g, t = th.t, b_entry = th.b_entry, b_chunk = th.b_chunk;
+  const int lane = threadIdx.x % 32;
+  const bool over_budget = th.over_budget;
   float acc[8][4];
-#pragma unroll
-  for (int nb = 0; nb < 8; ++nb)
-#pragma unroll
-    for (int v = 0; v < 4; ++v) acc[nb][v] = 0.f;
+  ZeroAcc(acc);
 
   if (!over_budget) {
-    WalkRunsV4<kDownMmaTokens, kDownMmaStages>(stages, seg_start, entries, w_down, tok_off, b, t0, col0, s,
+    WalkRunsV4<kDownMmaTokens, kDownMmaStages>(stages, seg_start, entries, w_down, nullptr, tok_off, b, t0, col0, s,
                                                [&](int base, const uint16_t* slab, int lo, int hi, uint32_t word) {
       const uint32_t* ent = entries + base;
       for (int pb = lo; pb < hi; pb += 16) {  // warp-uniform
@@ -600,14 +652,8 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
         // (h bits << 16) | row of the entry's token in this warp's 16; 0xff (no row) for padding.
         const uint32_t packed = pb + (lane & 15) < hi ? ((word & 0xffff0000u) | ((word >> kWordTokenShift) & 15u)) : 0xffu;
         const int c = __shfl_sync(0xffffffffu, static_cast<int>(word & kColumnMask), b_entry);
-        const uint32_t p_a = __shfl_sync(0xffffffffu, packed, 2 * t);
-        const uint32_t p_b = __shfl_sync(0xffffffffu, packed, 2 * t + 1);
-        const uint32_t p_c = __shfl_sync(0xffffffffu, packed, 2 * t + 8);
-        const uint32_t p_d = __shfl_sync(0xffffffffu, packed, 2 * t + 9);
-        auto pick = [](uint32_t p, uint32_t row) { return (p & 0xffffu) == row ? (p >> 16) : 0u; };
-        const uint32_t r0 = g, r1 = g + 8;
-        const uint32_t a[4] = {pick(p_a, r0) | pick(p_b, r0) << 16, pick(p_a, r1) | pick(p_b, r1) << 16,
-                               pick(p_c, r0) | pick(p_d, r0) << 16, pick(p_c, r1) | pick(p_d, r1) << 16};
+        uint32_t a[4];
+        OneHotRowsA(packed, g, t, a);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           uint32_t bf[4];
@@ -619,17 +665,7 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
       }
     });
   }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t tkn = static_cast<int64_t>(b) * kBlockTokens + t0 + g + 8 * half;
-    if (tkn >= s.rows) continue;
-#pragma unroll
-    for (int nb = 0; nb < 8; ++nb) {
-      const float v0 = over_budget ? __int_as_float(0x7fc00000) : acc[nb][2 * half];
-      const float v1 = over_budget ? __int_as_float(0x7fc00000) : acc[nb][2 * half + 1];
-      *reinterpret_cast<uint32_t*>(y + tkn * s.d + col0 + nb * 8 + 2 * t) = E::FromFloat(v0) | (E::FromFloat(v1) << 16);
-    }
-  }
+  StoreWarpRows64<E>(acc, y, static_cast<int64_t>(b) * kBlockTokens + t0, col0, g, t, over_budget, s);
 }
 
 inline int DownMmaSmemBytes() { return kDownMmaStages * kSlab64Bytes; }

@@ -266,6 +266,67 @@ __global__ void __launch_bounds__(kThreads, 1) TwellTrainDxKernel(
   }
 }
 
+// dx on tensor cores (bit 1 of the backward's `mma` attribute; off by default: written,
+// compiled, not yet run on a GPU). The version-4 down step's structure (twell_blocked.cuh):
+// a CTA covers half a block (512 tokens) and 64 columns, warp w tokens [16 w, 16 w + 16)
+// with dx[., 64 columns] as mma accumulators; per step of 16 entries, A = the entries'
+// coefficients (dh * u for the activation's weight, dh * g for the up weight, rounded to E
+// as XLA's dense backward rounds dg and du) one-hot on their token rows, B = the entries'
+// Wact^T (and Wu^T) slab rows, both staged in one ring slot. Equal to the CUDA-core dx to
+// the rounding of the coefficients to E and the tensor cores' addition order.
+constexpr int kDxMmaStages = 3;  // gated: 3 slots of two 32 KB slabs
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(kFlatThreads, 1) TwellTrainDxMmaKernel(
+    const uint16_t* __restrict__ w_act_t, const uint16_t* __restrict__ w_up_t,
+    const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
+    const uint32_t* __restrict__ entries, const float* __restrict__ coef, uint16_t* __restrict__ dx, Shapes s) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint16_t* stages = reinterpret_cast<uint16_t*>(smem_raw);
+  const float* coef_gate = coef + s.max_entries;
+  const float* coef_up = coef + 2 * s.max_entries;
+  const DownMmaThread th = DownMmaThreadOf(seg_start, s);
+  const int lane = threadIdx.x % 32;
+  float acc[8][4];
+  ZeroAcc(acc);
+
+  if (!th.over_budget) {
+    WalkRunsV4<kDownMmaTokens, kDxMmaStages, kGated ? 2 : 1>(
+        stages, seg_start, entries, w_act_t, w_up_t, tok_off, th.b, th.t0, th.col0, s,
+        [&](int base, const uint16_t* slab, int lo, int hi, uint32_t word) {
+          const uint32_t* ent = entries + base;
+          // Coefficient bits of entry e (0 past the run), in E.
+          auto coef_bits = [&](const float* c, int e) { return e < hi ? E::FromFloat(c[base + e]) : 0u; };
+          uint32_t cg = coef_bits(coef_gate, lo + (lane & 15));
+          uint32_t cu = kGated ? coef_bits(coef_up, lo + (lane & 15)) : 0u;
+          for (int pb = lo; pb < hi; pb += 16) {  // warp-uniform
+            const int en = pb + 16 + (lane & 15);
+            const uint32_t next = en < hi ? ent[en] : 0u;
+            const uint32_t next_g = coef_bits(coef_gate, en);
+            const uint32_t next_u = kGated ? coef_bits(coef_up, en) : 0u;
+            const uint32_t row = pb + (lane & 15) < hi ? ((word >> kWordTokenShift) & 15u) : 0xffu;
+            const int c = __shfl_sync(0xffffffffu, static_cast<int>(word & kColumnMask), th.b_entry);
+            uint32_t a_g[4], a_u[4];
+            OneHotRowsA(cg << 16 | row, th.g, th.t, a_g);
+            if constexpr (kGated) OneHotRowsA(cu << 16 | row, th.g, th.t, a_u);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              uint32_t bf[4];
+              LdMatrixX4Trans(bf, slab + Swizzled64(c, 2 * q + th.b_chunk));
+              Mma16816<E>(acc[2 * q], a_g, bf[0], bf[1]);
+              Mma16816<E>(acc[2 * q + 1], a_g, bf[2], bf[3]);
+              if constexpr (kGated) {
+                LdMatrixX4Trans(bf, slab + kSlab64Elems + Swizzled64(c, 2 * q + th.b_chunk));
+                Mma16816<E>(acc[2 * q], a_u, bf[0], bf[1]);
+                Mma16816<E>(acc[2 * q + 1], a_u, bf[2], bf[3]);
+              }
+            }
+            word = next, cg = next_g, cu = next_u;
+          }
+        });
+  }
+  StoreWarpRows64<E>(acc, dx, static_cast<int64_t>(th.b) * kBlockTokens + th.t0, th.col0, th.g, th.t, th.over_budget, s);
+}
+
 // Weight gradients of tile k, model columns [32 r, 32 r + 32): group g (4 lanes) owns neurons
 // g, g + 64, ... of the tile; per neuron the by_col lists of the blocks in order.
 template <typename E, bool kGated>
@@ -369,16 +430,24 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                           const int32_t* seg_start, const int32_t* tok_off, const uint32_t* entries,
                           const uint16_t* up, const int32_t* col_off, const uint32_t* by_col, const float* l1_grad,
                           uint16_t* dx, uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t, float* partial,
-                          float* coef, bool mma) {
-  LaunchUpStep<E, false>(stream, mma, dy, w_down, tok_off, seg_start, entries, partial, s);
+                          float* coef, int32_t mma) {
+  const bool steps_mma = (mma & 1) != 0, dx_mma = (mma & 2) != 0;
+  LaunchUpStep<E, false>(stream, steps_mma, dy, w_down, tok_off, seg_start, entries, partial, s);
   TwellTrainBwdFinishKernel<E, kGated><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
       partial, seg_start, entries, up, l1_grad, coef, s.d / kUpCols, s);
   ffi::Error status = LaunchStatus("twell_train backward dh");
   if (status.failure()) return status;
-  const int smem = DxStages<kGated>::Bytes(s.n_tiles);
-  cudaFuncSetAttribute(TwellTrainDxKernel<E, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  TwellTrainDxKernel<E, kGated><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
-      w_act_t, w_up_t, tok_off, seg_start, entries, coef, dx, s);
+  if (dx_mma) {
+    const int smem = kDxMmaStages * (kGated ? 2 : 1) * kSlab64Bytes;
+    cudaFuncSetAttribute(TwellTrainDxMmaKernel<E, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellTrainDxMmaKernel<E, kGated><<<dim3(s.d / kUpCols, s.n_blocks * (kBlockTokens / kDownMmaHalf)), kFlatThreads,
+                                       smem, stream>>>(w_act_t, w_up_t, tok_off, seg_start, entries, coef, dx, s);
+  } else {
+    const int smem = DxStages<kGated>::Bytes(s.n_tiles);
+    cudaFuncSetAttribute(TwellTrainDxKernel<E, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellTrainDxKernel<E, kGated><<<dim3(s.d / kDownCols, s.n_blocks), kThreads, smem, stream>>>(
+        w_act_t, w_up_t, tok_off, seg_start, entries, coef, dx, s);
+  }
   status = LaunchStatus("twell_train backward dx");
   if (status.failure()) return status;
   TwellTrainWeightGradKernel<E, kGated><<<dim3(s.n_tiles, s.d / kGradCols), kGradThreads, 0, stream>>>(
@@ -532,7 +601,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
                 tok_off.typed_data(), entries.typed_data(), up, col_off.typed_data(), by_col.typed_data(),
                 l1_grad.typed_data(), static_cast<uint16_t*>(dx->untyped_data()),
                 static_cast<uint16_t*>(dw_down->untyped_data()), static_cast<uint16_t*>(dw_act_t->untyped_data()),
-                dw_up_t, partial->typed_data(), coef->typed_data(), mma != 0);
+                dw_up_t, partial->typed_data(), coef->typed_data(), mma);
 }
 
 ffi::Error ForwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
@@ -654,7 +723,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // 1: up/down steps on tensor cores
+                                  .Attr<int32_t>("mma"));  // bit 0: dh step on tensor cores; bit 1: dx too
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                               ffi_api::Ffi::Bind()
@@ -675,4 +744,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // 1: up/down steps on tensor cores
+                                  .Attr<int32_t>("mma"));  // bit 0: dh step on tensor cores; bit 1: dx too

@@ -87,6 +87,26 @@ def test_train_kernels_match_emulation_bitwise(case, gated, dtype):
             eq(bwd[3], dw_up_t_e, "dw_up_t")
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", ADVERSARIAL, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_dx_on_tensor_cores_matches_cuda_cores(case, gated):
+    """Experimental dx on tensor cores (``train_backward(dx_mma=True)``): the weight gradients,
+    partial sums and coefficients equal the CUDA-core backward's bit for bit; dx equals it to
+    the rounding of its coefficients to bf16 (XLA's dense backward rounds dg and du so too)."""
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + d + 5)
+    w_act = wg if gated else wu
+    act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
+    e = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
+    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=e)
+    l1 = jnp.float32(L1 / m)
+    cc = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, tile=256, workspace=True)
+    tc = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, tile=256, workspace=True, dx_mma=True)
+    for i in range(1, len(cc)):
+        np.testing.assert_array_equal(_bits(tc[i]), _bits(cc[i]), f"result {i}")
+    assert_close(tc[0], cc[0], 2.0**-6, f"dx {case} gated={gated}")
+
+
 @pytest.mark.parametrize("mma", [False, True], ids=["cudacore", "mma"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("spec", GPU_SPECS, ids=str)

@@ -247,10 +247,14 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
 
 
 def train_backward(
-    x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile: int, workspace: bool = False, mma: bool = False
+    x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile: int, workspace: bool = False, mma: bool = False,
+    dx_mma: bool = False,
 ):
     """One ``jax_twell_train_bwd[_gated]`` call: ``(dx, dw_gate, dw_up, dw_down)``.
-    ``mma``: the dh step on tensor cores (as in :func:`train_forward`).
+    ``mma``: the dh step on tensor cores (as in :func:`train_forward`). ``dx_mma``
+    (experimental, off everywhere by default: written and compiled, not yet run on a GPU):
+    dx on tensor cores too, its coefficients rounded to x's dtype as XLA's dense backward
+    rounds them (ffi/notes/training_kernels.md).
 
     ``l1_grad``: ``[]`` f32, the cotangent of the L1 term divided by M. w_gate None: the
     non-gated FFN (dw_gate None). ``workspace=True`` (tests) returns the raw results
@@ -269,17 +273,18 @@ def train_backward(
     ]
     l1 = jnp.reshape(l1_grad, (1,)).astype(jnp.float32)
     tile_attr = np.int32(tile)
+    mma_attr = np.int32(int(bool(mma)) | int(bool(dx_mma)) << 1)  # bit 0: dh step, bit 1: dx
     if gated:
         call = kernel_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
         out = call(x, dy, w_act_t, w_up.T, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
-                   res.by_col, l1, tile=tile_attr, mma=np.int32(mma))
+                   res.by_col, l1, tile=tile_attr, mma=mma_attr)
         if workspace:
             return out
         dx, dw_down, dw_gate_t, dw_up_t = out[:4]
         return dx, dw_gate_t.T, dw_up_t.T, dw_down
     call = kernel_call("jax_twell_train_bwd", outs, vmap_method="sequential")
     out = call(x, dy, w_act_t, w_down, res.seg_start, res.tok_off, res.entries, res.col_off, res.by_col, l1,
-               tile=tile_attr, mma=np.int32(mma))
+               tile=tile_attr, mma=mma_attr)
     if workspace:
         return out
     dx, dw_down, dw_up_t = out[:3]
