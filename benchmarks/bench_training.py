@@ -14,12 +14,13 @@ synchronised runs after warm-up, never on zeros:
   the rule says dense, the kernels where it says sparse;
 - mma: as cuda, with the up, down and dh steps on tensor cores (mma=True, the default of
   ffn_with_aux; auto and layer use it);
+- dxmma (with --dx-mma): as mma, with the experimental dx on tensor cores too;
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
 arrays other than the inputs) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
-Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--out results.json]
+Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--dx-mma] [--out results.json]
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--densities", default=None, help="comma-separated active fractions (default: the grid's)")
+    parser.add_argument("--dx-mma", action="store_true", help="also time the experimental dx on tensor cores")
     args = parser.parse_args()
     densities = [float(v) for v in args.densities.split(",")] if args.densities else None
 
@@ -99,6 +101,9 @@ def main():
     )
     auto_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH)
     mma_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True)
+    dxmma_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
+        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, dx_mma=True
+    )
     rows, memory = [], None
     for m, d, f, density, pattern in grid(args.quick, densities):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
@@ -122,8 +127,13 @@ def main():
         fraction = row["measured_active_fraction"]
         layer_op = lambda x, wg, wu, wd, p=fraction: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, active_fraction=p)
         row["layer_rule_sparse"] = cuda_train.train_crossover().prefers_sparse(m, d, f, 2, fraction)
-        for name, op in (("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("layer", layer_op), ("mma", mma_op)):
+        variants = [("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("layer", layer_op), ("mma", mma_op)]
+        if args.dx_mma:
+            variants.append(("dxmma", dxmma_op))
+        for name, op in variants:
             row[f"{name}_step_ms"] = 1e3 * timed(step(op), operands)
+        if args.dx_mma:
+            row["dxmma_ratio"] = row["dense_step_ms"] / row["dxmma_step_ms"]
         for name, op in (("dense", dense_op), ("cuda", cuda_op), ("mma", mma_op)):
             row[f"{name}_forward_ms"] = 1e3 * timed(forward(op), tuple(inp))
         row["cuda_ratio"] = row["dense_step_ms"] / row["cuda_step_ms"]
@@ -166,6 +176,7 @@ def main():
             f"{r['branch'][:6]:>7} {r['dense_step_ms']:>9.3f} {r['cuda_step_ms']:>8.3f} {r['cuda_ratio']:>6.2f} "
             f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['layer_ratio']:>7.2f} {r['mma_step_ms']:>8.3f} {r['mma_ratio']:>6.2f} "
             f"{r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f} {r['mma_forward_ms']:>8.3f}"
+            + (f" dx-mma {r['dxmma_step_ms']:.3f} ms ({r['dxmma_ratio']:.2f}x)" if "dxmma_step_ms" in r else "")
         )
 
 

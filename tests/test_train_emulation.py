@@ -358,3 +358,20 @@ def test_op_glue_under_a_mesh(emulated_kernels, layout):
     _, g_ref = grads_of(ref, x, wg, wu, wd, dy)
     for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
         assert_close(g, r, GRAD_TOL, f"{layout} {name}")
+
+
+def test_experimental_dx_mma_reaches_the_backward_only_when_asked(emulated_kernels, monkeypatch):
+    """``ffn_with_aux(dx_mma=True)`` asks the backward call for dx on tensor cores; by default
+    the backward call gets no such request (the experimental kernel stays off)."""
+    seen = []
+
+    def backward(*args, **kwargs):
+        seen.append(kwargs.pop("dx_mma", False))
+        return _emulated_backward(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_train, "_backward_call", backward)
+    x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", True, key=14)
+    for flag in (False, True):
+        fn = lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_mma=flag)[:2]
+        grads_of(jax.jit(fn), x, wg, wu, wd, dy)
+    assert seen == [False, True]

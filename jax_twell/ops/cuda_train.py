@@ -318,6 +318,7 @@ class _Config:
     max_entries: int
     rule: TrainCrossover
     mma: bool = False
+    dx_mma: bool = False
 
 
 def _mesh_axes(*arrays) -> frozenset:
@@ -392,7 +393,10 @@ def _train_bwd(cfg: _Config, saved, cotangents):
     axes = _mesh_axes(x, w_gate, w_up, w_down, dy)
 
     def sparse(_):
-        grads = _backward_call(x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE, mma=cfg.mma)
+        extra = {"dx_mma": True} if cfg.dx_mma else {}  # experimental (train_backward)
+        grads = _backward_call(
+            x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE, mma=cfg.mma, **extra
+        )
         grads = _as_varying(grads, axes)
         return tuple(reference._sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
 
@@ -414,6 +418,7 @@ _train_ffn.defvjp(_train_fwd, _train_bwd)
 def ffn_with_aux(
     x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
     crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
+    dx_mma: bool = False,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -428,6 +433,8 @@ def ffn_with_aux(
     ``mma`` (default True) runs the up, down and dh steps on tensor cores (version 4 of the
     blocked steps: 4.62 ms against 4.96 ms on CUDA cores at the benchmark shape, 0.5%
     active; ffi/notes/training_kernels.md); False, the CUDA-core steps (bit-exact model).
+    ``dx_mma`` (experimental, off: not yet run on a GPU): dx on tensor cores as well
+    (:func:`train_backward`).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
     steps): the choice is made at trace time instead (:meth:`TrainCrossover.prefers_sparse`
@@ -448,5 +455,5 @@ def ffn_with_aux(
         if not rule.prefers_sparse(m, d, f, x.dtype.itemsize, active_fraction):
             return xla.ffn_with_aux(x, w_gate, w_up, w_down)
         rule = dataclasses.replace(rule, margin=float("inf"))  # decided: only the entry budget is checked per call
-    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma))
+    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), bool(dx_mma))
     return _train_ffn(x, w_gate, w_up, w_down, cfg)
