@@ -347,7 +347,7 @@ class DenseCrossover:
 
     def blocked_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
         """Seconds for the blocked kernel: weight slabs once per block of 1024 tokens (L2),
-        plus CUDA-core work per (pair, model column) of the up and down steps."""
+        plus the up and down steps' work per (pair, model column)."""
         return self._blocked_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize)
 
     def _blocked_seconds(self, nnz, m: int, d: int, f: int, itemsize: int):
@@ -382,8 +382,8 @@ class DenseCrossover:
     ) -> bool:
         """Static: True where, at a known ``active_fraction`` of active (token, neuron) pairs
         (no overflow assumed), the row kernel (or, for ``kernel`` "blocked"/"blocked_mma"
-        and at least ``BLOCKED_MIN_TOKENS`` tokens, the cheaper of the row and blocked
-        kernels) is predicted faster than dense up + down. What :func:`sparse_ffn` decides
+        (one of :data:`KERNELS`) and at least ``BLOCKED_MIN_TOKENS`` tokens, the cheaper of
+        the row and blocked kernels) is predicted faster than dense up + down. What :func:`sparse_ffn` decides
         at trace time for calls past decode sizes when given ``active_fraction``."""
         if not 0.0 <= active_fraction <= 1.0:
             raise ValueError(f"active_fraction must be in [0, 1], got {active_fraction}")
