@@ -552,13 +552,6 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedUpMmaKernel(
 
 inline int UpMmaSmemBytes() { return kUpX + kUpMmaStages * kSlab64Bytes; }
 
-// K2 on tensor cores. A CTA covers half a block (512 tokens) and 64 model columns; warp w
-// owns tokens [16 w, 16 w + 16) of that half and their y[., 64 columns] as mma accumulators
-// held for the whole kernel (eight blocks of 8 columns: 32 floats per lane). Per warp
-// step, 16 consecutive entries of its run: A[token][e] = h_e where entry e belongs to the
-// token, else 0 (built in registers from four shuffles), B = the entries' Wd slab rows
-// (gathered by ldmatrix.trans). Deterministic (fixed instruction order); y equals the
-// CUDA-core K2's to f32 rounding.
 // The A fragment (m16n8k16, rows = the warp's 16 tokens, k = the step's 16 entries) of a
 // step whose entry e (lane e % 16) packs `value bits << 16 | row of its token` (0xff: no
 // row, padding): A[row][e] = value where row matches, else 0. Lane (g = lane / 4, t =
@@ -628,6 +621,13 @@ __device__ __forceinline__ void ZeroAcc(float (&acc)[8][4]) {
     for (int v = 0; v < 4; ++v) acc[nb][v] = 0.f;
 }
 
+// K2 on tensor cores. A CTA covers half a block (512 tokens) and 64 model columns; warp w
+// owns tokens [16 w, 16 w + 16) of that half and their y[., 64 columns] as mma accumulators
+// held for the whole kernel (eight blocks of 8 columns: 32 floats per lane). Per warp
+// step, 16 consecutive entries of its run: A[token][e] = h_e where entry e belongs to the
+// token, else 0 (built in registers from four shuffles), B = the entries' Wd slab rows
+// (gathered by ldmatrix.trans). Deterministic (fixed instruction order); y equals the
+// CUDA-core K2's to f32 rounding.
 template <typename E>
 __global__ void __launch_bounds__(kFlatThreads, 1) TwellBlockedDownMmaKernel(
     const uint16_t* __restrict__ w_down, const int32_t* __restrict__ tok_off,
