@@ -184,7 +184,7 @@ def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False):
     return _callback(run, out_shapes, x, act.values, act.cols, act.counts, w_act, w_down, *extra)
 
 
-def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=False):
+def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=False, dx_mma=False):
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     grad = lambda w: jax.ShapeDtypeStruct(w.shape, x.dtype)
@@ -362,11 +362,11 @@ def test_op_glue_under_a_mesh(emulated_kernels, layout):
 
 def test_experimental_dx_mma_reaches_the_backward_only_when_asked(emulated_kernels, monkeypatch):
     """``ffn_with_aux(dx_mma=True)`` asks the backward call for dx on tensor cores; by default
-    the backward call gets no such request (the experimental kernel stays off)."""
+    it asks for the CUDA-core dx (the experimental kernel stays off)."""
     seen = []
 
     def backward(*args, **kwargs):
-        seen.append(kwargs.pop("dx_mma", False))
+        seen.append(kwargs["dx_mma"])
         return _emulated_backward(*args, **kwargs)
 
     monkeypatch.setattr(cuda_train, "_backward_call", backward)

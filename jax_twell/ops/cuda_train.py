@@ -393,9 +393,8 @@ def _train_bwd(cfg: _Config, saved, cotangents):
     axes = _mesh_axes(x, w_gate, w_up, w_down, dy)
 
     def sparse(_):
-        extra = {"dx_mma": True} if cfg.dx_mma else {}  # experimental (train_backward)
         grads = _backward_call(
-            x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE, mma=cfg.mma, **extra
+            x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE, mma=cfg.mma, dx_mma=cfg.dx_mma
         )
         grads = _as_varying(grads, axes)
         return tuple(reference._sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
