@@ -97,13 +97,15 @@ def test_dx_on_tensor_cores_matches_cuda_cores(case, gated):
     x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + d + 5)
     w_act = wg if gated else wu
     act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
-    e = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
-    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=e)
+    need = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f)
+    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=need + 5)
     l1 = jnp.float32(L1 / m)
     cc = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, tile=256, workspace=True)
     tc = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, tile=256, workspace=True, dx_mma=True)
-    for i in range(1, len(cc)):
+    for i in range(1, len(cc) - 2):  # the weight gradients
         np.testing.assert_array_equal(_bits(tc[i]), _bits(cc[i]), f"result {i}")
+    for i in (-2, -1):  # partials and coefficients: defined for the first `need` entries only
+        np.testing.assert_array_equal(_bits(tc[i][:, :need]), _bits(cc[i][:, :need]), f"result {i}")
     assert_close(tc[0], cc[0], 2.0**-6, f"dx {case} gated={gated}")
 
 
