@@ -12,15 +12,15 @@ synchronised runs after warm-up, never on zeros:
 - layer: the same rule decided at trace time from the measured active fraction
   (``active_fraction=``, as a training loop would pass each layer's): XLA autodiff where
   the rule says dense, the kernels where it says sparse;
-- mma: as cuda, with the up, down and dh steps on tensor cores (mma=True, the default of
-  ffn_with_aux; auto and layer use it);
-- dxmma (with --dx-mma): as mma, with the experimental dx on tensor cores too;
+- mma: as cuda, with the up, down, dh and dx steps on tensor cores (mma=True, the default
+  of ffn_with_aux; auto and layer use it);
+- cdx (with --cudacore-dx): as mma, with dx on CUDA cores (dx_mma=False);
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
 arrays other than the inputs) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
-Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--dx-mma] [--out results.json]
+Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--out results.json]
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--densities", default=None, help="comma-separated active fractions (default: the grid's)")
-    parser.add_argument("--dx-mma", action="store_true", help="also time the experimental dx on tensor cores")
+    parser.add_argument("--cudacore-dx", action="store_true", help="also time the tensor-core steps with dx on CUDA cores")
     args = parser.parse_args()
     densities = [float(v) for v in args.densities.split(",")] if args.densities else None
 
@@ -101,8 +101,8 @@ def main():
     )
     auto_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH)
     mma_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True)
-    dxmma_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
-        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, dx_mma=True
+    cdx_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
+        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, dx_mma=False
     )
     rows, memory = [], None
     for m, d, f, density, pattern in grid(args.quick, densities):
@@ -128,12 +128,12 @@ def main():
         layer_op = lambda x, wg, wu, wd, p=fraction: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, active_fraction=p)
         row["layer_rule_sparse"] = cuda_train.train_crossover().prefers_sparse(m, d, f, 2, fraction)
         variants = [("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("layer", layer_op), ("mma", mma_op)]
-        if args.dx_mma:
-            variants.append(("dxmma", dxmma_op))
+        if args.cudacore_dx:
+            variants.append(("cdx", cdx_op))
         for name, op in variants:
             row[f"{name}_step_ms"] = 1e3 * timed(step(op), operands)
-        if args.dx_mma:
-            row["dxmma_ratio"] = row["dense_step_ms"] / row["dxmma_step_ms"]
+        if args.cudacore_dx:
+            row["cdx_ratio"] = row["dense_step_ms"] / row["cdx_step_ms"]
         for name, op in (("dense", dense_op), ("cuda", cuda_op), ("mma", mma_op)):
             row[f"{name}_forward_ms"] = 1e3 * timed(forward(op), tuple(inp))
         row["cuda_ratio"] = row["dense_step_ms"] / row["cuda_step_ms"]
@@ -176,7 +176,7 @@ def main():
             f"{r['branch'][:6]:>7} {r['dense_step_ms']:>9.3f} {r['cuda_step_ms']:>8.3f} {r['cuda_ratio']:>6.2f} "
             f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['layer_ratio']:>7.2f} {r['mma_step_ms']:>8.3f} {r['mma_ratio']:>6.2f} "
             f"{r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f} {r['mma_forward_ms']:>8.3f}"
-            + (f" dx-mma {r['dxmma_step_ms']:.3f} ms ({r['dxmma_ratio']:.2f}x)" if "dxmma_step_ms" in r else "")
+            + (f" cuda-core dx {r['cdx_step_ms']:.3f} ms ({r['cdx_ratio']:.2f}x)" if "cdx_step_ms" in r else "")
         )
 
 

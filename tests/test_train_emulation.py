@@ -360,18 +360,18 @@ def test_op_glue_under_a_mesh(emulated_kernels, layout):
         assert_close(g, r, GRAD_TOL, f"{layout} {name}")
 
 
-def test_experimental_dx_mma_reaches_the_backward_only_when_asked(emulated_kernels, monkeypatch):
-    """``ffn_with_aux(dx_mma=True)`` asks the backward call for dx on tensor cores; by default
-    it asks for the CUDA-core dx (the experimental kernel stays off)."""
+def test_dx_mma_follows_mma_unless_given(emulated_kernels, monkeypatch):
+    """``ffn_with_aux`` asks the backward call for dx on tensor cores when ``dx_mma`` says
+    so, and by default exactly when ``mma`` does (the default: both on)."""
     seen = []
 
     def backward(*args, **kwargs):
-        seen.append(kwargs["dx_mma"])
+        seen.append((kwargs["mma"], kwargs["dx_mma"]))
         return _emulated_backward(*args, **kwargs)
 
     monkeypatch.setattr(cuda_train, "_backward_call", backward)
     x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", True, key=14)
-    for flag in (False, True):
-        fn = lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_mma=flag)[:2]
+    for kw in ({}, dict(mma=False), dict(dx_mma=False), dict(mma=False, dx_mma=True)):
+        fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
         grads_of(jax.jit(fn), x, wg, wu, wd, dy)
-    assert seen == [False, True]
+    assert seen == [(True, True), (False, False), (True, False), (False, True)]

@@ -99,18 +99,19 @@ class TrainCrossover:
     benchmark (ffi/notes/training_kernels.md).
     """
 
-    # Fitted on the H200 (ffi/notes/training_kernels.md, "Measured"; training_440ebb0):
-    # XLA's dense forward + backward 4.41 ms at M=16384, d=2048, f=5632 (9 matmuls); the
-    # kernels with their tensor-core steps (the default) 4.07 ms after the gate matmul at
-    # 0.5% and 10.7 ms at 2%: ~4.7 ns per pair, ~1.9 ms fixed; crossover ~0.47% active.
+    # Fitted on the H200 (ffi/notes/training_kernels.md, "Measured"; training_390b82b):
+    # XLA's dense forward + backward 4.32 ms at M=16384, d=2048, f=5632 (9 matmuls); the
+    # kernels with their tensor-core steps and dx (the default) 3.20-3.22 ms at 0.25% and
+    # 4.04-4.09 ms at 0.5% (whole step): ~3.75 ns per pair, ~1.97 ms fixed after the gate
+    # matmul; crossover ~0.57% active.
     matmul_rate: float = 7.7e14
     hbm_bandwidth: float = 3.0e12
     weight_bandwidth: float = 7.0e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 3.96e12
+    pair_rate: float = 6.35e12
     grad_stream_bandwidth: float = 7.0e12
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 1.48e-3
+    fixed_overhead: float = 1.557e-3
     margin: float = 1.0
     min_tokens: int = 256
 
@@ -251,10 +252,10 @@ def train_backward(
     dx_mma: bool = False,
 ):
     """One ``jax_twell_train_bwd[_gated]`` call: ``(dx, dw_gate, dw_up, dw_down)``.
-    ``mma``: the dh step on tensor cores (as in :func:`train_forward`). ``dx_mma``
-    (experimental, off everywhere by default: written and compiled, not yet run on a GPU):
-    dx on tensor cores too, its coefficients rounded to x's dtype as XLA's dense backward
-    rounds them (ffi/notes/training_kernels.md).
+    ``mma``: the dh step on tensor cores (as in :func:`train_forward`). ``dx_mma``: dx on
+    tensor cores too, its coefficients rounded to x's dtype as XLA's dense backward rounds
+    them (ffi/notes/training_kernels.md); False, dx on CUDA cores from the f32
+    coefficients (the bit-exact model's dx).
 
     ``l1_grad``: ``[]`` f32, the cotangent of the L1 term divided by M. w_gate None: the
     non-gated FFN (dw_gate None). ``workspace=True`` (tests) returns the raw results
@@ -417,7 +418,7 @@ _train_ffn.defvjp(_train_fwd, _train_bwd)
 def ffn_with_aux(
     x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
     crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
-    dx_mma: bool = False,
+    dx_mma: bool | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -430,10 +431,10 @@ def ffn_with_aux(
     dense (exact; its backward recomputes g and u). f32 inputs and M below the rule's
     ``min_tokens`` run :func:`jax_twell.ops.xla.ffn_with_aux` (pure XLA autodiff).
     ``mma`` (default True) runs the up, down and dh steps on tensor cores (version 4 of the
-    blocked steps: 4.62 ms against 4.96 ms on CUDA cores at the benchmark shape, 0.5%
-    active; ffi/notes/training_kernels.md); False, the CUDA-core steps (bit-exact model).
-    ``dx_mma`` (experimental, off: not yet run on a GPU): dx on tensor cores as well
-    (:func:`train_backward`).
+    blocked steps; ffi/notes/training_kernels.md); False, the CUDA-core steps (the
+    bit-exact model).
+    ``dx_mma`` (default: as ``mma``) runs the backward's dx on tensor cores as well
+    (:func:`train_backward`; 4.09 ms against 4.47 ms with dx on CUDA cores at 0.5%).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
     steps): the choice is made at trace time instead (:meth:`TrainCrossover.prefers_sparse`
@@ -454,5 +455,5 @@ def ffn_with_aux(
         if not rule.prefers_sparse(m, d, f, x.dtype.itemsize, active_fraction):
             return xla.ffn_with_aux(x, w_gate, w_up, w_down)
         rule = dataclasses.replace(rule, margin=float("inf"))  # decided: only the entry budget is checked per call
-    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), bool(dx_mma))
+    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), bool(mma if dx_mma is None else dx_mma))
     return _train_ffn(x, w_gate, w_up, w_down, cfg)
