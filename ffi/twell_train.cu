@@ -266,8 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) TwellTrainDxKernel(
   }
 }
 
-// dx on tensor cores (bit 1 of the backward's `mma` attribute; off by default: written,
-// compiled, not yet run on a GPU). The version-4 down step's structure (twell_blocked.cuh):
+// dx on tensor cores (bit 1 of the backward's `mma` attribute; what ffn_with_aux runs by
+// default). The version-4 down step's structure (twell_blocked.cuh):
 // a CTA covers half a block (512 tokens) and 64 columns, warp w tokens [16 w, 16 w + 16)
 // with dx[., 64 columns] as mma accumulators; per step of 16 entries, A = the entries'
 // coefficients (dh * u for the activation's weight, dh * g for the up weight, rounded to E

@@ -90,7 +90,7 @@ def test_train_kernels_match_emulation_bitwise(case, gated, dtype):
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("case", ADVERSARIAL, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
 def test_dx_on_tensor_cores_matches_cuda_cores(case, gated):
-    """Experimental dx on tensor cores (``train_backward(dx_mma=True)``): the weight gradients,
+    """dx on tensor cores (``train_backward(dx_mma=True)``): the weight gradients,
     partial sums and coefficients equal the CUDA-core backward's bit for bit; dx equals it to
     the rounding of its coefficients to bf16 (XLA's dense backward rounds dg and du so too)."""
     m, d, f, density, pattern, full, empty = case
@@ -106,7 +106,10 @@ def test_dx_on_tensor_cores_matches_cuda_cores(case, gated):
         np.testing.assert_array_equal(_bits(tc[i]), _bits(cc[i]), f"result {i}")
     for i in (-2, -1):  # partials and coefficients: defined for the first `need` entries only
         np.testing.assert_array_equal(_bits(tc[i][:, :need]), _bits(cc[i][:, :need]), f"result {i}")
-    assert_close(tc[0], cc[0], 2.0**-6, f"dx {case} gated={gated}")
+    # Each coefficient rounded to bf16 (2^-9 relative) before a sum that may cancel: a
+    # single-token row of ~13 terms measured 0.0165 of the row's largest value. A wrong or
+    # lost entry moves dx by a whole term (O(1) here).
+    assert_close(tc[0], cc[0], 2.0**-5, f"dx {case} gated={gated}")
 
 
 @pytest.mark.parametrize("mma", [False, True], ids=["cudacore", "mma"])
