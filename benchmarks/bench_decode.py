@@ -18,7 +18,9 @@ Variants per configuration:
 - xla_gate_pret: XLA's gate matmul, then the up and down steps (cuda.decode_ffn), w_up_t;
 - checked_pret: as xla_gate_pret behind the per-call device check (dense above 2% active,
   DenseCrossover.decode_dense_above);
-- auto: jax_twell.sparse_ffn with the default rule (what users get).
+- auto: jax_twell.sparse_ffn with the default rule (what users get);
+- rows (M <= 4): cuda.decode_ffn_rows, the whole FFN in two launches from the weights
+  stored by neuron (w_gate.T and w_up.T given, as a decode cache would hold them).
 
 With ``--gate-splits 1,2,4,8`` it instead sweeps the gate kernel's K ranges: our gate plus
 the steps (cuda.decode_ffn_gate, w_up_t) per split count, the ranges added in a cluster
@@ -50,7 +52,7 @@ DECODE_CHECKED = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_a
 
 
 def grid(quick: bool):
-    ms = [1, 64] if quick else [1, 16, 64]
+    ms = [1, 4, 64] if quick else [1, 4, 16, 64]
     densities = [0.005, 0.02] if quick else [0.005, 0.01, 0.02, 0.05]
     configs = [(m, 2048, 5632, p, "uniform") for m in ms for p in densities]
     return configs + [(m, 2048, 5632, 0.005, "heavy") for m in (1, 64)]
@@ -72,7 +74,7 @@ def make_layers(m, d, f, density, pattern):
     for i in range(LAYERS):
         inp = synthetic_ffn_inputs(jax.random.key(1000 * m + i + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
         x = inp.x if x is None else x
-        layers.append((inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T.copy()))
+        layers.append((inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T.copy(), inp.w_gate.T.copy()))
     return x, layers
 
 
@@ -82,12 +84,12 @@ def sweep_gate_splits(splits_list, out):
         x, layers = make_layers(m, 2048, 5632, 0.005, "uniform")
         row = dict(m=m, d=2048, f=5632, density=0.005, pattern="uniform", layers=LAYERS)
         ops = dict(
-            dense=lambda x, wg, wu, wd, wut: xla.ffn(x, wg, wu, wd),
-            xla_gate=lambda x, wg, wu, wd, wut: cuda.decode_ffn(x, relu_matmul(x, wg), wu, wd, w_up_t=wut),
+            dense=lambda x, wg, wu, wd, wut, wgt: xla.ffn(x, wg, wu, wd),
+            xla_gate=lambda x, wg, wu, wd, wut, wgt: cuda.decode_ffn(x, relu_matmul(x, wg), wu, wd, w_up_t=wut),
         )
         for s in splits_list:
             for cl in (True, False):
-                ops[f"{'c' if cl else 'p'}{s}"] = lambda x, wg, wu, wd, wut, s=s, cl=cl: cuda.decode_ffn_gate(
+                ops[f"{'c' if cl else 'p'}{s}"] = lambda x, wg, wu, wd, wut, wgt, s=s, cl=cl: cuda.decode_ffn_gate(
                     x, wg, wu, wd, w_up_t=wut, splits=s, cluster=cl
                 )
         for name, op in ops.items():
@@ -114,24 +116,25 @@ def main():
     if args.gate_splits:
         return sweep_gate_splits([int(v) for v in args.gate_splits.split(",")], args.out)
 
-    def gate_only(x, wg, wu, wd, wut=None):
+    def gate_only(x, wg, wu, wd, wut=None, wgt=None):
         g = relu_matmul(x, wg)
         return jnp.broadcast_to(g.astype(jnp.float32).sum(axis=1, keepdims=True), x.shape).astype(x.dtype)
 
     ops = dict(
-        dense=lambda x, wg, wu, wd, wut=None: xla.ffn(x, wg, wu, wd),
+        dense=lambda x, wg, wu, wd, wut=None, wgt=None: xla.ffn(x, wg, wu, wd),
         gate=gate_only,
-        decode=lambda x, wg, wu, wd, wut=None: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE),
-        decode_pret=lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+        decode=lambda x, wg, wu, wd, wut=None, wgt=None: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE),
+        decode_pret=lambda x, wg, wu, wd, wut, wgt=None: cuda.sparse_ffn(
             x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE, w_up_t=wut
         ),
-        xla_gate_pret=lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+        xla_gate_pret=lambda x, wg, wu, wd, wut, wgt=None: cuda.sparse_ffn(
             x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE_XLA_GATE, w_up_t=wut
         ),
-        checked_pret=lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+        checked_pret=lambda x, wg, wu, wd, wut, wgt=None: cuda.sparse_ffn(
             x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE_CHECKED, w_up_t=wut
         ),
-        auto=lambda x, wg, wu, wd, wut=None: jt.sparse_ffn(x, wg, wu, wd),
+        auto=lambda x, wg, wu, wd, wut=None, wgt=None: jt.sparse_ffn(x, wg, wu, wd),
+        rows=lambda x, wg, wu, wd, wut, wgt: cuda.decode_ffn_rows(x, wgt, wd, w_up_t=wut),
     )
     rows = []
     for m, d, f, density, pattern in grid(args.quick):
@@ -143,9 +146,14 @@ def main():
             measured_active_fraction=float(nnz.mean() / f), max_active_per_row=int(nnz.max()),
         )
         for name, op in ops.items():
+            if name == "rows" and m > cuda.DECODE_ROWS_MAX_TOKENS:
+                row["rows_ms"] = row["rows_ratio"] = None
+                continue
             per_call = time_calls(stacked(op), (x, tuple(layers)), min_seconds=0.02, max_reps=100, trials=9)
             row[f"{name}_ms"] = 1e3 * per_call / LAYERS
-        for name in ("decode", "decode_pret", "xla_gate_pret", "checked_pret", "auto"):
+        for name in ("decode", "decode_pret", "xla_gate_pret", "checked_pret", "auto", "rows"):
+            if row[f"{name}_ms"] is None:
+                continue
             row[f"{name}_ratio"] = row["dense_ms"] / row[f"{name}_ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -157,13 +165,14 @@ def main():
     )
     write_result(result, args.out, "decode")
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}  (ms per layer, stack of {LAYERS})")
-    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'xla gate':>8} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'xg pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6}")
+    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'xla gate':>8} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'xg pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6} {'rows':>7} {'ratio':>6}")
     for r in rows:
         print(
             f"{r['m']:>3} {r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>5.2f} {r['dense_ms']:>7.4f} "
             f"{r['gate_ms']:>8.4f} {r['decode_ms']:>7.4f} {r['decode_ratio']:>6.2f} {r['decode_pret_ms']:>7.4f} "
             f"{r['decode_pret_ratio']:>6.2f} {r['xla_gate_pret_ms']:>7.4f} {r['xla_gate_pret_ratio']:>6.2f} "
             f"{r['auto_ms']:>7.4f} {r['auto_ratio']:>6.2f}"
+            + (f" {r['rows_ms']:>7.4f} {r['rows_ratio']:>6.2f}" if r["rows_ms"] is not None else f" {'-':>7} {'-':>6}")
         )
 
 

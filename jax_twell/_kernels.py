@@ -25,7 +25,7 @@ __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", 
 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
@@ -42,6 +42,8 @@ HANDLERS = {
     "jax_twell_decode": "JaxTwellDecode",
     "jax_twell_decode_fused_gated": "JaxTwellDecodeFusedGated",
     "jax_twell_decode_fused": "JaxTwellDecodeFused",
+    "jax_twell_decode_rows_gated": "JaxTwellDecodeRowsGated",
+    "jax_twell_decode_rows": "JaxTwellDecodeRows",
 }
 _REGISTERED: set[str] = set()
 

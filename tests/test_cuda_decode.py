@@ -145,3 +145,61 @@ def test_sparse_ffn_takes_the_gate_kernel_when_asked():
     with jax.default_matmul_precision("highest"):
         want = xla.ffn(*inp)
     assert_close(fn(*inp), want, 2 * fused_tolerance(jnp.bfloat16, 5632), "default rule, decode on")
+
+
+# m, d, f, density, pattern, full rows, empty rows: shapes the rows kernel takes (1-4 tokens)
+ROWS_CASES = [
+    (1, 2048, 5632, 0.005, "uniform", 0, 0),
+    (4, 2048, 5632, 0.01, "heavy", 0, 0),
+    (3, 64, 260, 0.05, "uniform", 1, 1),  # f not a multiple of 16; a dense row, an empty row
+    (2, 8, 300, 0.5, "dense", 0, 0),  # smallest d
+    (1, 8192, 700, 0.01, "uniform", 1, 0),  # largest d, one dense token
+    (4, 8192, 1000, 0.02, "uniform", 0, 1),  # 64 KB of staged x (past the default 48 KB)
+    (2, 64, 70000, 0.02, "heavy", 1, 0),  # 4,375 neuron groups: the sum lists them in two passes
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_decode_rows_kernel_matches_reference(case, gated, dtype):
+    """The rows kernel: its activation is relu(x @ w) rounded once (up to the order of the
+    f32 additions), its flags count each 16-neuron group's active neurons per token, y
+    matches the reference on that activation, and a second call gives the same bits."""
+    m, d, f, density, pattern, full, empty = case
+    inp = synthetic_ffn_inputs(jax.random.key(m * 5 + f), m, d, f, density=density, pattern=pattern, dtype=dtype)
+    inp = with_extreme_rows(inp, full=full, empty=empty)
+    w_act = inp.w_gate  # non-gated too (the activation's weight): keeps the synthetic sparsity
+    w_up = inp.w_up if gated else None
+    w_up_t = inp.w_up.T if gated else None
+    fn = jax.jit(lambda x, wa_t, wu_t, wd: cuda.decode_ffn_rows(x, wa_t, wd, w_up_t=wu_t, workspace=True))
+    y, g, flags = fn(inp.x, w_act.T, w_up_t, inp.w_down)
+    assert y.shape == (m, d) and y.dtype == dtype and g.shape == (m, f) and flags.shape == (-(-f // 16), m)
+    pre = np.maximum(np.asarray(inp.x, np.float64) @ np.asarray(w_act, np.float64), 0.0)
+    ulp = 2.0**-8 if dtype == jnp.bfloat16 else 2.0**-11
+    err = np.abs(np.asarray(g, np.float64) - pre)
+    assert np.all(err <= ulp * np.abs(pre) + 1e-5 * np.abs(pre).max()), err.max()
+    active = np.pad(np.asarray(g, np.float32) != 0, ((0, 0), (0, -f % 16))).reshape(m, -1, 16).sum(-1).T
+    flags = np.asarray(flags)
+    if gated:  # h = g * u may round to zero where g does not
+        assert np.all(flags <= active) and flags.sum() >= active.sum() - max(2, active.sum() // 100)
+    else:
+        np.testing.assert_array_equal(flags, active)
+    if full:
+        assert active.sum(0).max() == f
+    if empty:
+        assert (active.sum(0) == 0).sum() >= empty
+    assert_close(y, _want(inp.x, g, w_up, inp.w_down), fused_tolerance(dtype, f), f"{case} gated={gated}")
+    y2, g2, _ = fn(inp.x, w_act.T, w_up_t, inp.w_down)
+    np.testing.assert_array_equal(np.asarray(y2).view(np.uint16), np.asarray(y).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(g2).view(np.uint16), np.asarray(g).view(np.uint16))
+
+
+def test_decode_rows_kernel_refuses_what_it_cannot_take():
+    inp = synthetic_ffn_inputs(jax.random.key(2), 5, 64, 256, density=0.05)
+    with pytest.raises(ValueError, match="1 to 4 tokens"):
+        cuda.decode_ffn_rows(inp.x, inp.w_gate.T, inp.w_down, w_up_t=inp.w_up.T)
+    with pytest.raises(ValueError, match="w_up_t must be"):
+        cuda.decode_ffn_rows(inp.x[:2], inp.w_gate.T, inp.w_down, w_up_t=inp.w_up)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cuda.decode_ffn_rows(inp.x[:2, :60], inp.w_gate.T[:, :60], inp.w_down[:, :60])

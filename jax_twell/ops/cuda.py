@@ -38,6 +38,8 @@ __all__ = [
     "sampled_gate_counts",
     "decode_ffn",
     "decode_ffn_gate",
+    "decode_ffn_rows",
+    "decode_rows_supported",
     "decode_supported",
     "decode_gate_supported",
     "DECODE_TILE",
@@ -670,6 +672,72 @@ def decode_ffn_gate(
         call = kernel_call("jax_twell_decode_fused_gated", out_types, vmap_method="sequential")
         out = call(x, w_act, w_up_t, w_down, splits=splits)
     return (out[0], out[1], *out[3:]) if workspace else out[0]
+
+
+DECODE_ROWS_MAX_TOKENS = 4
+DECODE_ROWS_NEURONS = 16  # neurons per CTA of the rows kernel (its workspace layout)
+_DECODE_ROWS_MAX_F = 1 << 20
+
+
+def decode_rows_supported(m: int, d: int, f: int, dtype) -> bool:
+    """True when :func:`decode_ffn_rows` takes the shape: bf16 or f16, 1 to 4 tokens, ``d`` a
+    multiple of 8 and at most 8192, ``f`` at most 2^20."""
+    return (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and 0 < m <= DECODE_ROWS_MAX_TOKENS
+        and 0 < d <= _DECODE_MAX_D
+        and d % 8 == 0
+        and 0 < f <= _DECODE_ROWS_MAX_F
+    )
+
+
+def decode_ffn_rows(x, w_act_t, w_down, *, w_up_t=None, workspace: bool = False):
+    """The whole FFN for 1-4 tokens from weights stored by neuron, in two launches
+    (``jax_twell_decode_rows``, ffi/twell_decode_rows.cu).
+
+    Gated (``w_up_t`` given): ``y = (relu(x @ w_act_t.T) * (x @ w_up_t.T)) @ w_down``;
+    non-gated (``w_up_t=None``): ``y = relu(x @ w_act_t.T) @ w_down``. Each warp streams
+    whole rows of ``w_act_t`` (the gate weight, read once, its rows contiguous), then reads
+    one ``w_up_t`` row and one ``w_down`` row per neuron active for some token, and nothing
+    else of the weights. f32 accumulation; the activation is rounded once to x's dtype (as
+    XLA's matmul rounds), h as the reference rounds it, y summed over neurons in a fixed
+    order and rounded once: deterministic, exact for every activation pattern.
+
+    Args:
+      x: ``[M, d]`` bf16 or f16, 1 <= M <= 4 (see :func:`decode_rows_supported`).
+      w_act_t: ``[f, d]``: ``w_gate.T`` (gated) or ``w_up.T`` (non-gated).
+      w_down: ``[f, d]``.
+      w_up_t: ``[f, d]`` ``w_up.T`` for the gated FFN, or None.
+      workspace: also return the activation ``g [M, f]`` and the per-CTA flags
+        ``[ceil(f / 16), M]`` (active neurons of each 16-neuron group per token; tests).
+    Returns:
+      ``y [M, d]`` x's dtype (and the workspace when asked).
+    Raises:
+      ValueError: shapes or dtype the kernel does not take.
+    """
+    m, d = x.shape
+    f = w_act_t.shape[0]
+    if not decode_rows_supported(m, d, f, x.dtype):
+        raise ValueError(
+            f"the decode rows kernel needs bf16 or f16, 1 to {DECODE_ROWS_MAX_TOKENS} tokens, d a multiple of 8 "
+            f"and at most {_DECODE_MAX_D}, f at most {_DECODE_ROWS_MAX_F}; got {jnp.dtype(x.dtype).name}, M={m}, "
+            f"d={d}, f={f}"
+        )
+    for name, w in (("w_act_t", w_act_t), ("w_up_t", w_up_t), ("w_down", w_down)):
+        if w is not None and (w.shape != (f, d) or w.dtype != x.dtype):
+            raise ValueError(f"{name} must be [f, d] = [{f}, {d}] in x's dtype, got {w.shape} {w.dtype}")
+    groups = -(-f // DECODE_ROWS_NEURONS)
+    out_types = (
+        jax.ShapeDtypeStruct((m, d), x.dtype),
+        jax.ShapeDtypeStruct((m, f), x.dtype),
+        jax.ShapeDtypeStruct((groups, m, d), jnp.float32),
+        jax.ShapeDtypeStruct((groups, m), jnp.int32),
+    )
+    if w_up_t is None:
+        out = kernel_call("jax_twell_decode_rows", out_types, vmap_method="sequential")(x, w_act_t, w_down)
+    else:
+        out = kernel_call("jax_twell_decode_rows_gated", out_types, vmap_method="sequential")(x, w_act_t, w_up_t, w_down)
+    return (out[0], out[1], out[3]) if workspace else out[0]
 
 
 def gate_counts(g: jax.Array, *, tile: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
