@@ -11,11 +11,10 @@
 //
 // 1. TwellDecodeRowsKernel, grid ceil(f / 16), 256 threads: CTA c owns neurons [16 c, 16 c + 16),
 //    warp w neurons 16 c + 2 w and + 1. x (at most four tokens) is staged in shared memory; the
-//    warp copies both gate rows into its own shared-memory slice by cp.async (2048 elements
-//    of each per pass: d = 2048 in one round trip, 23 MB in flight over the grid without
-//    holding it in registers), dots them with every token, sums over the lanes and applies
-//    relu, rounding once as XLA's matmul does. Gated, a neuron active for some token copies
-//    its Wu^T row the same way for the up dot products. Then all 256 threads add the CTA's active neurons'
+//    warp loads both gate rows (1024 elements of each at a time, four 16-byte loads per lane
+//    and row in flight), dots them with every token, sums over the lanes and applies relu, rounding
+//    once as XLA's matmul does. Gated, a neuron active for some token loads its Wu^T row the
+//    same way for the up dot products. Then all 256 threads add the CTA's active neurons'
 //    Wd rows, weighted by h, in neuron order (thread = 8 model columns, every active row's
 //    load in flight at once), and write the CTA's f32 partial y for each token that has an
 //    active neuron here, plus per token the number of such neurons (0: nothing written).
@@ -32,7 +31,6 @@
 #include <cstdint>
 #include <string>
 
-#include "async_mma.cuh"
 #include "common.h"
 #include "elements.cuh"
 
@@ -43,7 +41,7 @@ constexpr int kRowsWarps = 8;
 constexpr int kRowsThreads = kRowsWarps * 32;
 constexpr int kRowsPerWarp = 2;
 constexpr int kRowsPerCta = kRowsWarps * kRowsPerWarp;  // 16 neurons
-constexpr int kRowsChunk = 32 * 8 * 8;                  // elements of a row in flight per pass (2048)
+constexpr int kRowsChunk = 32 * 8 * 4;                  // elements of a row in flight per pass (1024)
 constexpr int kRowsMaxTokens = 4;
 constexpr int kRowsMaxD = 8192;
 constexpr int kRowsMaxF = 1 << 20;
@@ -56,47 +54,36 @@ __device__ __forceinline__ void RowsWaitPreviousGrid() { asm volatile("griddepco
 __device__ __forceinline__ void RowsAllowNextGrid() { asm volatile("griddepcontrol.launch_dependents;"); }
 
 // acc[r][t] = row row0 + r of `w` . x[t] over all d, summed over the warp (every lane gets
-// it); a row not `want`ed reads nothing and gives 0. The warp copies 2048 elements of each
-// row at a time into its slice of shared memory (`buf`, 2 x 2048 elements) by cp.async, so
-// whole rows are in flight without holding them in registers, then lane covers elements
-// 8 (lane + 32 i) .. + 7 of the pass.
+// it); a row not `want`ed reads nothing and gives 0. Lane covers elements 8 (lane + 32 i) ..
+// + 7 of each 1024-element pass.
 template <typename E, int kM>
 __device__ __forceinline__ void DotRows(const uint16_t* __restrict__ w, int64_t row0, const bool want[kRowsPerWarp],
-                                        const uint16_t* xs, uint16_t* buf, int d, int lane,
-                                        float acc[kRowsPerWarp][kM]) {
-  constexpr int kVecs = kRowsChunk / (32 * 8);  // 16-byte copies per lane and row per pass
+                                        const uint16_t* xs, int d, int lane, float acc[kRowsPerWarp][kM]) {
+  constexpr int kVecs = kRowsChunk / (32 * 8);  // 16-byte loads per lane and row per pass
   for (int base = 0; base < d; base += kRowsChunk) {
-    __syncwarp();  // every lane is done with the previous pass's copy
+    uint4 raw[kRowsPerWarp][kVecs];
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
 #pragma unroll
       for (int i = 0; i < kVecs; ++i) {
         const int e = base + 8 * (lane + 32 * i);
-        uint16_t* dst = buf + r * kRowsChunk + 8 * (lane + 32 * i);
-        if (want[r] && e < d)
-          CpAsync16(dst, w + (row0 + r) * d + e);
-        else
-          *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+        raw[r][i] = want[r] && e < d ? LoadStreaming(w + (row0 + r) * d + e) : make_uint4(0, 0, 0, 0);
       }
     }
-    CpAsyncCommit();
-    CpAsyncWaitAll();  // each lane reads back only what it copied: no barrier needed
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
       const int e = base + 8 * (lane + 32 * i);
       if (e >= d) break;
-      Vec<E> wv[kRowsPerWarp];  // each weight vector unpacked once, then used by every token
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r)
-        wv[r].Unpack(*reinterpret_cast<const uint4*>(buf + r * kRowsChunk + 8 * (lane + 32 * i)));
-#pragma unroll
-      for (int t = 0; t < kM; ++t) {
+      for (int t = 0; t < kM; ++t) {  // one token's x at a time: few registers beside the loads
         Vec<E> xv;
         xv.Unpack(*reinterpret_cast<const uint4*>(xs + t * d + e));
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; ++r) {
+          Vec<E> wv;
+          wv.Unpack(raw[r][i]);
 #pragma unroll
-          for (int v = 0; v < 8; ++v) acc[r][t] = fmaf(wv[r].v[v], xv.v[v], acc[r][t]);
+          for (int v = 0; v < 8; ++v) acc[r][t] = fmaf(wv.v[v], xv.v[v], acc[r][t]);
         }
       }
     }
@@ -113,9 +100,7 @@ __global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_act_t, const uint16_t* __restrict__ w_up_t,
     const uint16_t* __restrict__ w_down, uint16_t* __restrict__ g, float* __restrict__ partial,
     int32_t* __restrict__ flags, RowsShapes s) {
-  extern __shared__ __align__(16) uint16_t smem[];  // x [kM][d] (rows past M zeros), then the warps' row buffers
-  uint16_t* xs = smem;
-  uint16_t* buf = smem + kM * s.d + threadIdx.x / 32 * kRowsPerWarp * kRowsChunk;
+  extern __shared__ __align__(16) uint16_t xs[];  // [kM][d]; rows past M are zeros
   __shared__ uint32_t h_bits[kRowsPerCta][kM];     // h (0: inactive) of neuron n, token t
   __shared__ int active_rows[kRowsPerCta + 1];     // local neurons active for some token, in order; [16] = count
   const int cta = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -132,7 +117,7 @@ __global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) want[r] = row0 + r < s.f;
   float acc[kRowsPerWarp][kM] = {};
-  DotRows<E, kM>(w_act_t, row0, want, xs, buf, s.d, lane, acc);
+  DotRows<E, kM>(w_act_t, row0, want, xs, s.d, lane, acc);
   uint32_t a_bits[kRowsPerWarp][kM];
   bool any[kRowsPerWarp];
 #pragma unroll
@@ -148,7 +133,7 @@ __global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
   }
   if constexpr (kGated) {
     float u[kRowsPerWarp][kM] = {};
-    if (any[0] || any[1]) DotRows<E, kM>(w_up_t, row0, any, xs, buf, s.d, lane, u);
+    if (any[0] || any[1]) DotRows<E, kM>(w_up_t, row0, any, xs, s.d, lane, u);
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
 #pragma unroll
@@ -295,10 +280,11 @@ __global__ void __launch_bounds__(kRowsThreads) TwellDecodeRowsSumKernel(const f
 template <typename E, int kM, bool kGated>
 ffi::Error LaunchRows(cudaStream_t stream, const RowsShapes& s, const void* x, const void* w_act_t,
                       const void* w_up_t, const void* w_down, void* g, float* partial, int32_t* flags, void* y) {
-  const int smem = (kM * s.d + kRowsPerCta * kRowsChunk) * 2;  // x, then 2 rows x 2048 elements per warp
+  const int smem = kM * s.d * 2;
   auto kernel = TwellDecodeRowsKernel<E, kM, kGated>;
-  // Not a stream operation: allowed while XLA captures the launch into a CUDA graph.
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  // Past the default 48 KB only (4 tokens at d > 6144): nothing host-side on the common
+  // path, which XLA may capture into a CUDA graph.
+  if (smem > 48 * 1024) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   kernel<<<s.n_ctas, kRowsThreads, smem, stream>>>(
       static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w_act_t), static_cast<const uint16_t*>(w_up_t),
       static_cast<const uint16_t*>(w_down), static_cast<uint16_t*>(g), partial, flags, s);
