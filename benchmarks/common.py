@@ -67,3 +67,13 @@ def write_result(result: dict, out: str | None, prefix: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return path
+
+
+def add_shape_arguments(parser, *, m: int) -> None:
+    """The profile scripts' shape options: --m (default ``m``), --d 2048, --f 5632,
+    --density 0.005, --pattern uniform."""
+    parser.add_argument("--m", type=int, default=m)
+    parser.add_argument("--d", type=int, default=2048)
+    parser.add_argument("--f", type=int, default=5632)
+    parser.add_argument("--density", type=float, default=0.005)
+    parser.add_argument("--pattern", default="uniform")

@@ -18,15 +18,13 @@ from jax_twell.formats import relu_matmul
 from jax_twell.ops import cuda
 from jax_twell.testing import synthetic_ffn_inputs
 
+from common import add_shape_arguments
+
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--path", default="rows", choices=["rows", "gate", "xla_gate"])
-    p.add_argument("--m", type=int, default=1)
-    p.add_argument("--d", type=int, default=2048)
-    p.add_argument("--f", type=int, default=5632)
-    p.add_argument("--density", type=float, default=0.005)
-    p.add_argument("--pattern", default="uniform")
+    add_shape_arguments(p, m=1)
     a = p.parse_args()
     inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
     w_gate_t, w_up_t = inp.w_gate.T.copy(), inp.w_up.T.copy()

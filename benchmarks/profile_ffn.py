@@ -14,15 +14,13 @@ import jax
 from jax_twell.ops import cuda
 from jax_twell.testing import synthetic_ffn_inputs
 
+from common import add_shape_arguments
+
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--kernel", default="blocked", choices=cuda.KERNELS)
-    p.add_argument("--m", type=int, default=16384)
-    p.add_argument("--d", type=int, default=2048)
-    p.add_argument("--f", type=int, default=5632)
-    p.add_argument("--density", type=float, default=0.005)
-    p.add_argument("--pattern", default="uniform")
+    add_shape_arguments(p, m=16384)
     a = p.parse_args()
     inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
     op = jax.jit(

@@ -16,14 +16,12 @@ import jax.numpy as jnp
 from jax_twell.ops import cuda_train
 from jax_twell.testing import synthetic_ffn_inputs
 
+from common import add_shape_arguments
+
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--m", type=int, default=16384)
-    p.add_argument("--d", type=int, default=2048)
-    p.add_argument("--f", type=int, default=5632)
-    p.add_argument("--density", type=float, default=0.005)
-    p.add_argument("--pattern", default="uniform")
+    add_shape_arguments(p, m=16384)
     p.add_argument("--nongated", action="store_true")
     p.add_argument("--dx-mma", action="store_true", help="dx on tensor cores (ffn_with_aux(dx_mma=True))")
     a = p.parse_args()

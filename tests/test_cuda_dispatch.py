@@ -257,6 +257,21 @@ def test_decode_ffn_rejects_shapes_it_cannot_take():
                              jnp.zeros((40, 128), jnp.bfloat16), splits=3)
 
 
+def test_decode_rows_rejects_shapes_it_cannot_take():
+    x = jnp.zeros((5, 64), jnp.bfloat16)
+    w = jnp.zeros((256, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="1 to 4 tokens"):
+        cuda.decode_ffn_rows(x, w, w, w_up_t=w)
+    with pytest.raises(ValueError, match="w_up_t must be"):
+        cuda.decode_ffn_rows(x[:2], w, w, w_up_t=w.T)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cuda.decode_ffn_rows(x[:2, :60], w[:, :60], w[:, :60])
+    with pytest.raises(ValueError, match="bf16 or f16"):
+        cuda.decode_ffn_rows(x[:2].astype(jnp.float32), w.astype(jnp.float32), w.astype(jnp.float32))
+    assert cuda.decode_rows_supported(4, 8192, 2**20, jnp.float16)
+    assert not cuda.decode_rows_supported(0, 64, 256, jnp.bfloat16) and not cuda.decode_rows_supported(1, 8200, 256, jnp.bfloat16)
+
+
 def test_decode_gate_splits_fill_the_sms_within_a_cluster():
     # <= 3 CTAs per SM: 44 column blocks of f=5632 -> 8 K ranges (9 capped), 64 of f=8192 -> 6, 86 of f=11008 -> 4.
     assert cuda.decode_gate_splits(1, 2048, 5632, sms=132) == 8
