@@ -10,9 +10,10 @@
 // streams whole 4 KB rows (d = 2048, bf16) and no K range needs a second pass to be summed:
 //
 // 1. TwellDecodeRowsKernel, grid ceil(f / 16), 256 threads: CTA c owns neurons [16 c, 16 c + 16),
-//    warp w neurons 16 c + 2 w and + 1. x (at most four tokens) is staged in shared memory; the
-//    warp loads both gate rows (1024 elements of each at a time, four 16-byte loads per lane
-//    and row in flight), dots them with every token, sums over the lanes and applies relu, rounding
+//    warp w neurons 16 c + 2 w and + 1. Each warp issues the loads of both its gate rows
+//    (2048 elements of each per pass, eight 16-byte loads per lane and row in flight: d =
+//    2048 in one round trip, two CTAs per SM for the registers) before x (at most four
+//    tokens) is staged in shared memory, then dots them with every token, sums over the lanes and applies relu, rounding
 //    once as XLA's matmul does. Gated, a neuron active for some token loads its Wu^T row the
 //    same way for the up dot products. Then all 256 threads add the CTA's active neurons'
 //    Wd rows, weighted by h, in neuron order (thread = 8 model columns, every active row's
@@ -41,7 +42,7 @@ constexpr int kRowsWarps = 8;
 constexpr int kRowsThreads = kRowsWarps * 32;
 constexpr int kRowsPerWarp = 2;
 constexpr int kRowsPerCta = kRowsWarps * kRowsPerWarp;  // 16 neurons
-constexpr int kRowsChunk = 32 * 8 * 4;                  // elements of a row in flight per pass (1024)
+constexpr int kRowsChunk = 32 * 8 * 8;                  // elements of a row in flight per pass (2048)
 constexpr int kRowsMaxTokens = 4;
 constexpr int kRowsMaxD = 8192;
 constexpr int kRowsMaxF = 1 << 20;
@@ -53,40 +54,59 @@ struct RowsShapes {
 __device__ __forceinline__ void RowsWaitPreviousGrid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void RowsAllowNextGrid() { asm volatile("griddepcontrol.launch_dependents;"); }
 
-// acc[r][t] = row row0 + r of `w` . x[t] over all d, summed over the warp (every lane gets
-// it); a row not `want`ed reads nothing and gives 0. Lane covers elements 8 (lane + 32 i) ..
-// + 7 of each 1024-element pass.
-template <typename E, int kM>
-__device__ __forceinline__ void DotRows(const uint16_t* __restrict__ w, int64_t row0, const bool want[kRowsPerWarp],
-                                        const uint16_t* xs, int d, int lane, float acc[kRowsPerWarp][kM]) {
-  constexpr int kVecs = kRowsChunk / (32 * 8);  // 16-byte loads per lane and row per pass
-  for (int base = 0; base < d; base += kRowsChunk) {
-    uint4 raw[kRowsPerWarp][kVecs];
+// Row r of a warp's pair (row0 + r of `w`, nothing where not `want`ed: zeros), elements
+// [base, base + 2048): lane's 16-byte vectors 8 (lane + 32 i) .. + 7 into raw[r][i], all in
+// flight at once.
+constexpr int kRowsVecs = kRowsChunk / (32 * 8);
+__device__ __forceinline__ void IssueRows(uint4 raw[kRowsPerWarp][kRowsVecs], const uint16_t* __restrict__ w,
+                                          int64_t row0, const bool want[kRowsPerWarp], int base, int d, int lane) {
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
+  for (int r = 0; r < kRowsPerWarp; ++r) {
 #pragma unroll
-      for (int i = 0; i < kVecs; ++i) {
-        const int e = base + 8 * (lane + 32 * i);
-        raw[r][i] = want[r] && e < d ? LoadStreaming(w + (row0 + r) * d + e) : make_uint4(0, 0, 0, 0);
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kVecs; ++i) {
+    for (int i = 0; i < kRowsVecs; ++i) {
       const int e = base + 8 * (lane + 32 * i);
-      if (e >= d) break;
+      raw[r][i] = want[r] && e < d ? LoadStreaming(w + (row0 + r) * d + e) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// acc[r][t] += the lane's share of raw[r] . x[t] over [base, base + 2048); each weight
+// vector unpacked once for every token.
+template <typename E, int kM>
+__device__ __forceinline__ void AccumulateRows(const uint4 raw[kRowsPerWarp][kRowsVecs], const uint16_t* xs, int base,
+                                               int d, int lane, float acc[kRowsPerWarp][kM]) {
 #pragma unroll
-      for (int t = 0; t < kM; ++t) {  // one token's x at a time: few registers beside the loads
-        Vec<E> xv;
-        xv.Unpack(*reinterpret_cast<const uint4*>(xs + t * d + e));
+  for (int i = 0; i < kRowsVecs; ++i) {
+    const int e = base + 8 * (lane + 32 * i);
+    if (e >= d) break;
+    Vec<E> wv[kRowsPerWarp];
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) {
-          Vec<E> wv;
-          wv.Unpack(raw[r][i]);
+    for (int r = 0; r < kRowsPerWarp; ++r) wv[r].Unpack(raw[r][i]);
 #pragma unroll
-          for (int v = 0; v < 8; ++v) acc[r][t] = fmaf(wv.v[v], xv.v[v], acc[r][t]);
-        }
+    for (int t = 0; t < kM; ++t) {
+      Vec<E> xv;
+      xv.Unpack(*reinterpret_cast<const uint4*>(xs + t * d + e));
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+#pragma unroll
+        for (int v = 0; v < 8; ++v) acc[r][t] = fmaf(wv[r].v[v], xv.v[v], acc[r][t]);
       }
     }
+  }
+}
+
+// acc[r][t] = row row0 + r of `w` . x[t] over all d, summed over the warp (every lane gets
+// it); a row not `want`ed reads nothing and gives 0. `raw` holds the first pass, already
+// issued (IssueRows at base 0): the caller may overlap it with other work.
+template <typename E, int kM>
+__device__ __forceinline__ void FinishDotRows(uint4 raw[kRowsPerWarp][kRowsVecs], const uint16_t* __restrict__ w,
+                                              int64_t row0, const bool want[kRowsPerWarp], const uint16_t* xs, int d,
+                                              int lane, float acc[kRowsPerWarp][kM]) {
+  for (int base = 0;;) {
+    AccumulateRows<E, kM>(raw, xs, base, d, lane, acc);
+    base += kRowsChunk;
+    if (base >= d) break;
+    IssueRows(raw, w, row0, want, base, d, lane);
   }
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -96,15 +116,22 @@ __device__ __forceinline__ void DotRows(const uint16_t* __restrict__ w, int64_t 
 }
 
 template <typename E, int kM, bool kGated>
-__global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
+__global__ void __launch_bounds__(kRowsThreads, 2) TwellDecodeRowsKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_act_t, const uint16_t* __restrict__ w_up_t,
     const uint16_t* __restrict__ w_down, uint16_t* __restrict__ g, float* __restrict__ partial,
     int32_t* __restrict__ flags, RowsShapes s) {
   extern __shared__ __align__(16) uint16_t xs[];  // [kM][d]; rows past M are zeros
   __shared__ uint32_t h_bits[kRowsPerCta][kM];     // h (0: inactive) of neuron n, token t
   __shared__ int active_rows[kRowsPerCta + 1];     // local neurons active for some token, in order; [16] = count
+  __shared__ int token_count[kM];                   // per token, its active neurons here
   const int cta = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_base = cta * kRowsPerCta;
+  const int row0 = n_base + warp * kRowsPerWarp;
+  bool want[kRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) want[r] = row0 + r < s.f;
+  uint4 raw[kRowsPerWarp][kRowsVecs];
+  IssueRows(raw, w_act_t, row0, want, 0, s.d, lane);  // the gate rows' first pass, in flight while x is staged
   for (int i = threadIdx.x; i < kM * s.d / 8; i += kRowsThreads) {
     const int t = i / (s.d / 8), e = 8 * (i % (s.d / 8));
     *reinterpret_cast<uint4*>(xs + t * s.d + e) =
@@ -112,12 +139,8 @@ __global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
   }
   __syncthreads();
 
-  const int row0 = n_base + warp * kRowsPerWarp;
-  bool want[kRowsPerWarp];
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) want[r] = row0 + r < s.f;
   float acc[kRowsPerWarp][kM] = {};
-  DotRows<E, kM>(w_act_t, row0, want, xs, s.d, lane, acc);
+  FinishDotRows<E, kM>(raw, w_act_t, row0, want, xs, s.d, lane, acc);
   uint32_t a_bits[kRowsPerWarp][kM];
   bool any[kRowsPerWarp];
 #pragma unroll
@@ -133,7 +156,10 @@ __global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
   }
   if constexpr (kGated) {
     float u[kRowsPerWarp][kM] = {};
-    if (any[0] || any[1]) DotRows<E, kM>(w_up_t, row0, any, xs, s.d, lane, u);
+    if (any[0] || any[1]) {
+      IssueRows(raw, w_up_t, row0, any, 0, s.d, lane);
+      FinishDotRows<E, kM>(raw, w_up_t, row0, any, xs, s.d, lane, u);
+    }
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
 #pragma unroll
@@ -151,25 +177,26 @@ __global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int n_active = 0;
+  if (threadIdx.x == 0) {  // the active neurons in order, and per token how many (the sum kernel's flags)
+    int n_active = 0, count[kM] = {};
     for (int n = 0; n < kRowsPerCta; ++n) {
       bool a = false;
 #pragma unroll
-      for (int t = 0; t < kM; ++t) a |= h_bits[n][t] != 0u;
+      for (int t = 0; t < kM; ++t) {
+        const bool on = h_bits[n][t] != 0u;
+        count[t] += on;
+        a |= on;
+      }
       if (a) active_rows[n_active++] = n;
     }
     active_rows[kRowsPerCta] = n_active;
+#pragma unroll
+    for (int t = 0; t < kM; ++t) token_count[t] = count[t];
   }
   RowsAllowNextGrid();  // the sum kernel's CTAs may get resident; they wait for this grid to finish
   __syncthreads();
   const int n_active = active_rows[kRowsPerCta];
-  // Tokens with an active neuron in this CTA, and how many neurons (the sum kernel's flags).
-  if (threadIdx.x < kM && threadIdx.x < s.rows) {
-    int count = 0;
-    for (int i = 0; i < n_active; ++i) count += h_bits[active_rows[i]][threadIdx.x] != 0u;
-    flags[static_cast<int64_t>(cta) * s.rows + threadIdx.x] = count;
-  }
+  if (threadIdx.x < s.rows) flags[static_cast<int64_t>(cta) * s.rows + threadIdx.x] = token_count[threadIdx.x];
   if (n_active == 0) return;
   // Down: thread = 8 model columns per 2048-column pass; every active row's load in flight.
   for (int c0 = 8 * threadIdx.x; c0 < s.d; c0 += 8 * kRowsThreads) {
@@ -198,9 +225,7 @@ __global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
 #pragma unroll
     for (int t = 0; t < kM; ++t) {
       if (t >= s.rows) break;
-      bool has = false;
-      for (int i = 0; i < n_active; ++i) has |= h_bits[active_rows[i]][t] != 0u;
-      if (!has) continue;
+      if (token_count[t] == 0) continue;
       float* out = partial + (static_cast<int64_t>(cta) * s.rows + t) * s.d + c0;
       reinterpret_cast<float4*>(out)[0] = make_float4(y[t][0], y[t][1], y[t][2], y[t][3]);
       reinterpret_cast<float4*>(out)[1] = make_float4(y[t][4], y[t][5], y[t][6], y[t][7]);
