@@ -11,10 +11,10 @@
 //
 // 1. TwellDecodeRowsKernel, grid ceil(f / 16), 256 threads: CTA c owns neurons [16 c, 16 c + 16),
 //    warp w neurons 16 c + 2 w and + 1. Each warp issues the loads of both its gate rows
-//    (2048 elements of each per pass, eight 16-byte loads per lane and row in flight: d =
-//    2048 in one round trip, two CTAs per SM for the registers) before x (at most four
-//    tokens) is staged in shared memory, then dots them with every token, sums over the lanes and applies relu, rounding
-//    once as XLA's matmul does. Gated, a neuron active for some token loads its Wu^T row the
+//    (1024 elements of each per pass, four 16-byte loads per lane and row in flight; three
+//    CTAs per SM) before x (at most four tokens) is staged in shared memory, then dots them
+//    with every token, sums over the lanes and applies relu, rounding once as XLA's matmul
+//    does. Gated, a neuron active for some token loads its Wu^T row the
 //    same way for the up dot products. Then all 256 threads add the CTA's active neurons'
 //    Wd rows, weighted by h, in neuron order (thread = 8 model columns, every active row's
 //    load in flight at once), and write the CTA's f32 partial y for each token that has an
@@ -42,7 +42,7 @@ constexpr int kRowsWarps = 8;
 constexpr int kRowsThreads = kRowsWarps * 32;
 constexpr int kRowsPerWarp = 2;
 constexpr int kRowsPerCta = kRowsWarps * kRowsPerWarp;  // 16 neurons
-constexpr int kRowsChunk = 32 * 8 * 8;                  // elements of a row in flight per pass (2048)
+constexpr int kRowsChunk = 32 * 8 * 4;                  // elements of a row in flight per pass (1024)
 constexpr int kRowsMaxTokens = 4;
 constexpr int kRowsMaxD = 8192;
 constexpr int kRowsMaxF = 1 << 20;
@@ -55,7 +55,7 @@ __device__ __forceinline__ void RowsWaitPreviousGrid() { asm volatile("griddepco
 __device__ __forceinline__ void RowsAllowNextGrid() { asm volatile("griddepcontrol.launch_dependents;"); }
 
 // Row r of a warp's pair (row0 + r of `w`, nothing where not `want`ed: zeros), elements
-// [base, base + 2048): lane's 16-byte vectors 8 (lane + 32 i) .. + 7 into raw[r][i], all in
+// [base, base + 1024): lane's 16-byte vectors 8 (lane + 32 i) .. + 7 into raw[r][i], all in
 // flight at once.
 constexpr int kRowsVecs = kRowsChunk / (32 * 8);
 __device__ __forceinline__ void IssueRows(uint4 raw[kRowsPerWarp][kRowsVecs], const uint16_t* __restrict__ w,
@@ -70,7 +70,7 @@ __device__ __forceinline__ void IssueRows(uint4 raw[kRowsPerWarp][kRowsVecs], co
   }
 }
 
-// acc[r][t] += the lane's share of raw[r] . x[t] over [base, base + 2048); each weight
+// acc[r][t] += the lane's share of raw[r] . x[t] over [base, base + 1024); each weight
 // vector unpacked once for every token.
 template <typename E, int kM>
 __device__ __forceinline__ void AccumulateRows(const uint4 raw[kRowsPerWarp][kRowsVecs], const uint16_t* xs, int base,
@@ -116,7 +116,7 @@ __device__ __forceinline__ void FinishDotRows(uint4 raw[kRowsPerWarp][kRowsVecs]
 }
 
 template <typename E, int kM, bool kGated>
-__global__ void __launch_bounds__(kRowsThreads, 2) TwellDecodeRowsKernel(
+__global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ w_act_t, const uint16_t* __restrict__ w_up_t,
     const uint16_t* __restrict__ w_down, uint16_t* __restrict__ g, float* __restrict__ partial,
     int32_t* __restrict__ flags, RowsShapes s) {
