@@ -5,7 +5,10 @@ weights (so weights stream from HBM as in a model, not from L2), each layer's in
 depending on the previous layer's output (``x + 1e-30 * y``: numerically x, so every layer
 keeps the synthetic sparsity, but nothing can be hoisted, sliced or skipped). Time per
 layer = median call time / LAYERS, calls back to back (DESIGN.md §7: median of many runs
-after warm-up, synchronised). This is the device time of an FFN inside a decode step; the
+after warm-up, synchronised), the variants of a configuration timed in interleaved rounds
+(each round times every variant once: a drift of the GPU clock falls on all of them alike;
+``<variant>_spread`` is the interquartile range over the rounds / the median). This is the
+device time of an FFN inside a decode step; the
 inference benchmark's "loop" clock also carries a fori_loop's per-iteration cost (~11 us
 on the H200, measured there as "empty loop").
 
@@ -43,7 +46,7 @@ from jax_twell.formats import relu_matmul
 from jax_twell.ops import cuda, xla
 from jax_twell.testing import synthetic_ffn_inputs
 
-from common import run_metadata, time_calls, write_result
+from common import run_metadata, time_calls, time_interleaved, write_result
 
 LAYERS = 8
 DECODE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"), decode_fused_gate=True)
@@ -145,12 +148,14 @@ def main():
             m=m, d=d, f=f, density=density, pattern=pattern, layers=LAYERS,
             measured_active_fraction=float(nnz.mean() / f), max_active_per_row=int(nnz.max()),
         )
-        for name, op in ops.items():
-            if name == "rows" and m > cuda.DECODE_ROWS_MAX_TOKENS:
-                row["rows_ms"] = row["rows_ratio"] = None
+        fns = {name: stacked(op) for name, op in ops.items() if name != "rows" or m <= cuda.DECODE_ROWS_MAX_TOKENS}
+        timed = time_interleaved(fns, (x, tuple(layers)), min_seconds=0.02, max_reps=100, rounds=11)
+        for name in ops:
+            if name not in timed:
+                row[f"{name}_ms"] = row[f"{name}_ratio"] = None
                 continue
-            per_call = time_calls(stacked(op), (x, tuple(layers)), min_seconds=0.02, max_reps=100, trials=9)
-            row[f"{name}_ms"] = 1e3 * per_call / LAYERS
+            row[f"{name}_ms"] = 1e3 * timed[name][0] / LAYERS
+            row[f"{name}_spread"] = timed[name][1]
         for name in ("decode", "decode_pret", "xla_gate_pret", "checked_pret", "auto", "rows"):
             if row[f"{name}_ms"] is None:
                 continue
@@ -165,7 +170,7 @@ def main():
     )
     write_result(result, args.out, "decode")
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}  (ms per layer, stack of {LAYERS})")
-    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'xla gate':>8} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'xg pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6} {'rows':>7} {'ratio':>6}")
+    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'xla gate':>8} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'xg pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6} {'rows':>7} {'ratio':>6} {'spread':>6}")
     for r in rows:
         print(
             f"{r['m']:>3} {r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>5.2f} {r['dense_ms']:>7.4f} "
@@ -173,7 +178,9 @@ def main():
             f"{r['decode_pret_ratio']:>6.2f} {r['xla_gate_pret_ms']:>7.4f} {r['xla_gate_pret_ratio']:>6.2f} "
             f"{r['auto_ms']:>7.4f} {r['auto_ratio']:>6.2f}"
             + (f" {r['rows_ms']:>7.4f} {r['rows_ratio']:>6.2f}" if r["rows_ms"] is not None else f" {'-':>7} {'-':>6}")
+            + f" {max(v for k, v in r.items() if k.endswith('_spread')):>6.2f}"
         )
+    print("spread: the largest interquartile range over the rounds / median among the row's variants")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,35 @@ def time_calls(fn, args, *, min_seconds: float, max_reps: int, trials: int = 15)
     return statistics.median(times)
 
 
+def time_interleaved(fns: dict, args, *, min_seconds: float, max_reps: int, rounds: int = 9) -> dict:
+    """Per name of ``fns``: ``(median seconds per call, relative spread)`` of ``fn(*args)``,
+    timed in interleaved rounds: each round times every function once (after one warm-up
+    call each, enough back-to-back calls, at most ``max_reps``, to last ``min_seconds``).
+    A slow drift of the GPU's clock then falls on all of them alike, not on whichever
+    happened to run during it. The spread is the interquartile range over the rounds
+    divided by the median."""
+    reps = {}
+    for name, fn in fns.items():
+        jax.block_until_ready(fn(*args))
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        reps[name] = max(1, min(max_reps, int(min_seconds / max(time.perf_counter() - t0, 1e-6))))
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[name]):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / reps[name])
+    result = {}
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=4)
+        med = statistics.median(ts)
+        result[name] = (med, (q[2] - q[0]) / med)
+    return result
+
+
 def run_metadata(benchmark: str) -> dict:
     """Benchmark name, UTC date, GPU, jax/jaxlib versions and the commit measured.
 
