@@ -3,6 +3,9 @@
 Protocol (DESIGN.md §7): synthetic sparsity with a real gate matmul (one feature per row
 sets the firing rate), uniform and heavy-tailed row patterns; bf16; every timing is the
 median of many runs after warm-up, synchronised with block_until_ready; never on zeros.
+All variants of a configuration are timed in interleaved rounds (each round times every
+variant once, so a drift of the GPU clock falls on all alike; ``*_spread``: the
+interquartile range over the rounds / the median).
 
 Two clocks:
 - "call": R back-to-back calls of the jitted op, then one block_until_ready, divided by R
@@ -44,7 +47,7 @@ import jax_twell as jt
 from jax_twell.ops import cuda, xla
 from jax_twell.testing import inference_benchmark_grid, synthetic_ffn_inputs
 
-from common import run_metadata, time_calls, write_result
+from common import run_metadata, time_calls, time_interleaved, write_result
 
 ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
 
@@ -114,18 +117,34 @@ def main():
         )
         clock = "loop" if m <= 64 else "call"
         w_up_t = inp.w_up.T.copy()
-        dense_times = {"dense_call_ms": 1e3 * timed(jax.jit(dense_op), tuple(inp))}
+        operands = tuple(inp) + (w_up_t,)  # every variant gets w_up_t; only the *_pret ones use it
+        four = lambda op: lambda x, wg, wu, wd, wut: op(x, wg, wu, wd)
+        width = xla.gather_width(m, f)
+        variants = {"dense": four(dense_op)}
         if m <= 64:
-            dense_times["dense_loop_ms"] = 1e3 * timed(looped(dense_op, 50), tuple(inp)) / 50
             # The decode path that gathers the active neurons' weights (xla.gather_ffn), with
-            # the up weight as stored ([d, f]) and pre-transposed ([f, d], rows contiguous).
-            width = xla.gather_width(m, f)
-            gather_op = lambda x, wg, wu, wd: xla.gather_ffn(x, wg, wu, wd, width=width)
-            gather_t = lambda x, wg, wu, wd, wut: xla.gather_ffn(x, wg, wu, wd, width=width, w_up_t=wut)
-            dense_times["gather_loop_ms"] = 1e3 * timed(looped(gather_op, 50), tuple(inp)) / 50
-            dense_times["gather_pret_loop_ms"] = 1e3 * timed(looped(gather_t, 50), tuple(inp) + (w_up_t,)) / 50
-            # The loop's own cost per iteration (an op that only reads x), in every loop time.
-            dense_times["empty_loop_ms"] = 1e3 * timed(looped(lambda x, *w: x, 50), tuple(inp)) / 50
+            # the up weight as stored ([d, f]) and pre-transposed ([f, d], rows contiguous);
+            # "empty": the loop's own cost per iteration (an op that only reads x).
+            variants["gather"] = four(lambda x, wg, wu, wd: xla.gather_ffn(x, wg, wu, wd, width=width))
+            variants["gather_pret"] = lambda x, wg, wu, wd, wut: xla.gather_ffn(x, wg, wu, wd, width=width, w_up_t=wut)
+            variants["empty"] = lambda x, *w: x
+        for kernel in kernels:
+            ops = dict(kernel_ops(kernel), layer=layer_op(kernel, base["measured_active_fraction"]))
+            for name, op in ops.items():
+                variants[f"{kernel}/{name}"] = op if name == "pret" else four(op)
+        # Every variant of this configuration in interleaved rounds (each round times each
+        # once), on the call clock and, for decode sizes, the loop clock.
+        iters = 50
+        call_names = [n for n in variants if n not in ("gather", "gather_pret", "empty")]
+        call = time_interleaved({n: jax.jit(variants[n]) for n in call_names}, operands, min_seconds=0.02, max_reps=200)
+        loop = {}
+        if m <= 64:
+            loop = time_interleaved({n: looped(v, iters) for n, v in variants.items()}, operands, min_seconds=0.02, max_reps=200)
+        dense_times = {"dense_call_ms": 1e3 * call["dense"][0], "dense_call_spread": call["dense"][1]}
+        if m <= 64:
+            for n in ("dense", "gather", "gather_pret", "empty"):
+                dense_times[f"{n}_loop_ms"] = 1e3 * loop[n][0] / iters
+                dense_times[f"{n}_loop_spread"] = loop[n][1]
             for name in ("gather", "gather_pret"):
                 dense_times[f"{name}_ratio"] = dense_times["dense_loop_ms"] / dense_times[f"{name}_loop_ms"]
         if not kernels:  # --kernels none: dense and the gather path only
@@ -133,13 +152,12 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
         for kernel in kernels:
             row = dict(base, kernel=kernel, **dense_times)
-            ops = dict(kernel_ops(kernel), layer=layer_op(kernel, base["measured_active_fraction"]))
-            for name, op in ops.items():
-                operands = tuple(inp) + ((w_up_t,) if name == "pret" else ())
-                row[f"{name}_call_ms"] = 1e3 * timed(jax.jit(op), operands)
+            for name in ("sparse", "pret", "auto", "layer"):
+                row[f"{name}_call_ms"] = 1e3 * call[f"{kernel}/{name}"][0]
+                row[f"{name}_call_spread"] = call[f"{kernel}/{name}"][1]
                 if m <= 64:
-                    iters = 50
-                    row[f"{name}_loop_ms"] = 1e3 * timed(looped(op, iters), operands) / iters
+                    row[f"{name}_loop_ms"] = 1e3 * loop[f"{kernel}/{name}"][0] / iters
+                    row[f"{name}_loop_spread"] = loop[f"{kernel}/{name}"][1]
             for name in ("sparse", "pret", "auto", "layer"):
                 row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
             row["clock"] = clock

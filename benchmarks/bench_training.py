@@ -3,7 +3,9 @@ against XLA's dense autodiff, same process, same inputs (DESIGN.md §7).
 
 Per configuration (M=16384, d=2048, f=5632, bf16; densities 0.25/0.5/1/2/5%; uniform and heavy
 rows; synthetic sparsity through a real gate matmul), each timing the median of many
-synchronised runs after warm-up, never on zeros:
+synchronised runs after warm-up, never on zeros; the step variants of a configuration are
+timed in interleaved rounds (each round times every variant once, so a drift of the GPU
+clock falls on all alike; ``<variant>_step_spread``: interquartile range / median):
 - dense: jax.grad through jax_twell.ops.xla.ffn_with_aux (XLA autodiff);
 - cuda: cuda_train.ffn_with_aux forced sparse, CUDA-core steps (mma=False; margin inf: sparse wherever the entries
   fit the budget; "branch" says which path ran);
@@ -36,7 +38,7 @@ from jax_twell.ops import blocked_emulation as bemu
 from jax_twell.ops import cuda, cuda_train, xla
 from jax_twell.testing import synthetic_ffn_inputs
 
-from common import run_metadata, time_calls, write_result
+from common import run_metadata, time_calls, time_interleaved, write_result
 
 L1 = 2e-5
 ALWAYS_SPARSE = cuda_train.TrainCrossover(margin=float("inf"))
@@ -130,8 +132,10 @@ def main():
         variants = [("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("layer", layer_op), ("mma", mma_op)]
         if args.cudacore_dx:
             variants.append(("cdx", cdx_op))
-        for name, op in variants:
-            row[f"{name}_step_ms"] = 1e3 * timed(step(op), operands)
+        steps = time_interleaved({name: step(op) for name, op in variants}, operands, min_seconds=0.05, max_reps=100)
+        for name, (seconds, spread) in steps.items():
+            row[f"{name}_step_ms"] = 1e3 * seconds
+            row[f"{name}_step_spread"] = spread
         if args.cudacore_dx:
             row["cdx_ratio"] = row["dense_step_ms"] / row["cdx_step_ms"]
         for name, op in (("dense", dense_op), ("cuda", cuda_op), ("mma", mma_op)):
