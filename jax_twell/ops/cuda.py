@@ -291,13 +291,15 @@ class DenseCrossover:
     # itself costs ~0.1 ms at M=16384, d=2048, f=5632 (measured: the blocked kernel forced
     # 1.00x of dense, chosen through the branch 0.93x; inference_quick_ac4e9a0.json).
     margin: float = 0.9
-    # Blocked kernel with its tensor-core steps (version 4), fitted on the H200
-    # (ffi/notes/twell_ffn_blocked.md, inference_quick_440ebb0.json): after gate + pack,
-    # ~1.0 ms at M=16384, d=2048, f=5632, 0.5% active and ~2.5 ms at 2% (~1.06 ns per pair);
-    # the same constants give (2048, 8192) and (4096, 11008) within 5%.
-    blocked_weight_bandwidth: float = 1.8e12
-    blocked_pair_rate: float = 3.86e12
-    blocked_fixed_overhead: float = 1.0e-4
+    # Blocked kernel with its tensor-core steps (version 4.1): everything after the gate
+    # matmul (pack, layout, the fused steps), fitted by least squares to the H200's
+    # interleaved timings (ffi/notes/twell_ffn_blocked.md, inference_quick_b47940f.json):
+    # ~1.34 ms at M=16384, d=2048, f=5632, 0.5% active, ~3.1 ms at 2% (~1.27 ns per pair),
+    # (2048, 8192) and (4096, 11008) at 0.5% 1.81 and 4.31 ms, all within 5% of measured;
+    # dense up + down takes 1.09, 1.47 and 3.82 ms there, so the rule now runs dense.
+    blocked_weight_bandwidth: float = 1.68e12
+    blocked_pair_rate: float = 3.22e12
+    blocked_fixed_overhead: float = 3.2e-4
     # The per-call choice counts the active pairs of about this many rows of g, evenly
     # spaced (all rows below 2x this many), and scales up: a full count reads all of g
     # (~0.1 ms at M=16384, f=5632), which a dense decision would pay for nothing. The
