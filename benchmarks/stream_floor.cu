@@ -14,7 +14,7 @@
 // CUDA-event time of 200 back-to-back launches / 200 (launch gaps included, as a decode
 // step sees them).
 //
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/stream_floor.cu -o stream_floor
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Iffi benchmarks/stream_floor.cu -o stream_floor
 // Run:   ./stream_floor [d=2048] [f=5632]   (prints a table; --json prints JSON lines too)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -24,6 +24,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#include "elements.cuh"
 
 #define CHECK(x)                                                                          \
   do {                                                                                    \
@@ -37,13 +39,7 @@
 constexpr int kD = 2048;               // elements per row (compile-time: the lane's share is 8 vectors)
 constexpr int kVecs = kD / (32 * 8);   // 16-byte vectors per lane per row
 
-__device__ __forceinline__ uint4 LoadNc(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
+using jax_twell::LoadStreaming;  // 16-byte loads that skip L1 (the kernels' own)
 
 __device__ __forceinline__ float Dot8(uint4 w, uint4 x, float acc) {
   const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&w);
@@ -78,7 +74,7 @@ __global__ void __launch_bounds__(256) LsuRows(const uint16_t* __restrict__ w, i
     const int row = gw + p * nw;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i)
-      buf[p][i] = row < rows ? LoadNc(w + static_cast<int64_t>(row) * kD + 8 * (lane + 32 * i)) : make_uint4(0, 0, 0, 0);
+      buf[p][i] = row < rows ? LoadStreaming(w + static_cast<int64_t>(row) * kD + 8 * (lane + 32 * i)) : make_uint4(0, 0, 0, 0);
   }
   for (int k = 0;; k += P) {
 #pragma unroll
@@ -91,7 +87,7 @@ __global__ void __launch_bounds__(256) LsuRows(const uint16_t* __restrict__ w, i
       const int next = row + P * nw;
 #pragma unroll
       for (int i = 0; i < kVecs; ++i)
-        buf[p][i] = next < rows ? LoadNc(w + static_cast<int64_t>(next) * kD + 8 * (lane + 32 * i)) : make_uint4(0, 0, 0, 0);
+        buf[p][i] = next < rows ? LoadStreaming(w + static_cast<int64_t>(next) * kD + 8 * (lane + 32 * i)) : make_uint4(0, 0, 0, 0);
       acc = WarpSum(acc);
       if (lane == 0) out[row] = acc;
     }
