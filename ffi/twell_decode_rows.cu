@@ -14,8 +14,7 @@
 //    (1024 elements of each per pass, four 16-byte loads per lane and row in flight; three
 //    CTAs per SM) before x (at most four tokens) is staged in shared memory, then dots them
 //    with every token, sums over the lanes and applies relu, rounding once as XLA's matmul
-//    does. A neuron active for some token has its Wd row (gated, also its Wu^T row past
-//    the first pass) prefetched into L2 at once; gated, it then loads its Wu^T row the
+//    does. Gated, a neuron active for some token loads its Wu^T row the
 //    same way for the up dot products. Then all 256 threads add the CTA's active neurons'
 //    Wd rows, weighted by h, in neuron order (thread = 8 model columns, every active row's
 //    load in flight at once), and write the CTA's f32 partial y for each token that has an
@@ -53,12 +52,6 @@ struct RowsShapes {
 };
 
 __device__ __forceinline__ void RowsWaitPreviousGrid() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
-// Asks L2 for elements [begin, d) of row `row` of `w`, one 128-byte line per lane per step:
-// the later demand loads of those elements then cost an L2 round trip, not a DRAM one.
-__device__ __forceinline__ void PrefetchRowL2(const uint16_t* __restrict__ w, int64_t row, int begin, int d, int lane) {
-  for (int e = begin + 64 * lane; e < d; e += 64 * 32) asm volatile("prefetch.global.L2 [%0];" ::"l"(w + row * d + e));
-}
 __device__ __forceinline__ void RowsAllowNextGrid() { asm volatile("griddepcontrol.launch_dependents;"); }
 
 // Row r of a warp's pair (row0 + r of `w`, nothing where not `want`ed: zeros), elements
@@ -160,15 +153,6 @@ __global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
       any[r] |= E::ToFloat(a_bits[r][t]) != 0.f;  // NaN counts as active: it reaches y as dense would
       if (want[r] && t < s.rows && lane == t) g[static_cast<int64_t>(t) * s.f + row0 + r] = a_bits[r][t];
     }
-  }
-  // An active neuron's Wd row (and, gated, its Wu^T row past the first pass) is asked
-  // into L2 now: the up passes after the first and the down step after the CTA barrier
-  // then wait on L2, not DRAM.
-#pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    if (!any[r]) continue;
-    PrefetchRowL2(w_down, row0 + r, 0, s.d, lane);
-    if (kGated) PrefetchRowL2(w_up_t, row0 + r, kRowsChunk, s.d, lane);
   }
   if constexpr (kGated) {
     float u[kRowsPerWarp][kM] = {};
