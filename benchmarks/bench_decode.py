@@ -23,7 +23,10 @@ Variants per configuration:
   DenseCrossover.decode_dense_above);
 - auto: jax_twell.sparse_ffn with the default rule (what users get);
 - rows (M <= 4): cuda.decode_ffn_rows, the whole FFN in two launches from the weights
-  stored by neuron (w_gate.T and w_up.T given, as a decode cache would hold them).
+  stored by neuron (w_gate.T and w_up.T given, as a decode cache would hold them);
+- cached: jax_twell.sparse_ffn given the measured active fraction as the layer's
+  active_fraction, w_up.T and w_gate.T (what a calibrated SparseFFN with both decode
+  caches runs: the rows kernel at one token, the tile path or dense above).
 
 With ``--gate-splits 1,2,4,8`` it instead sweeps the gate kernel's K ranges: our gate plus
 the steps (cuda.decode_ffn_gate, w_up_t) per split count, the ranges added in a cluster
@@ -139,6 +142,12 @@ def main():
         auto=lambda x, wg, wu, wd, wut=None, wgt=None: jt.sparse_ffn(x, wg, wu, wd),
         rows=lambda x, wg, wu, wd, wut, wgt: cuda.decode_ffn_rows(x, wgt, wd, w_up_t=wut),
     )
+    # What a calibrated layer with both decode caches runs (SparseFFN after
+    # TransformerLM.calibrate_ffn and cache_for_decode(activation_weight=True)): the public
+    # op given the layer's active fraction, w_up.T and w_gate.T.
+    cached_op = lambda density: lambda x, wg, wu, wd, wut, wgt: jt.sparse_ffn(
+        x, wg, wu, wd, w_up_t=wut, w_act_t=wgt, active_fraction=density
+    )
     rows = []
     for m, d, f, density, pattern in grid(args.quick):
         x, layers = make_layers(m, d, f, density, pattern)
@@ -149,14 +158,15 @@ def main():
             measured_active_fraction=float(nnz.mean() / f), max_active_per_row=int(nnz.max()),
         )
         fns = {name: stacked(op) for name, op in ops.items() if name != "rows" or m <= cuda.DECODE_ROWS_MAX_TOKENS}
+        fns["cached"] = stacked(cached_op(row["measured_active_fraction"]))
         timed = time_interleaved(fns, (x, tuple(layers)), min_seconds=0.02, max_reps=100, rounds=11)
-        for name in ops:
+        for name in (*ops, "cached"):
             if name not in timed:
                 row[f"{name}_ms"] = row[f"{name}_ratio"] = None
                 continue
             row[f"{name}_ms"] = 1e3 * timed[name][0] / LAYERS
             row[f"{name}_spread"] = timed[name][1]
-        for name in ("decode", "decode_pret", "xla_gate_pret", "checked_pret", "auto", "rows"):
+        for name in ("decode", "decode_pret", "xla_gate_pret", "checked_pret", "auto", "rows", "cached"):
             if row[f"{name}_ms"] is None:
                 continue
             row[f"{name}_ratio"] = row["dense_ms"] / row[f"{name}_ms"]
@@ -170,7 +180,7 @@ def main():
     )
     write_result(result, args.out, "decode")
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}  (ms per layer, stack of {LAYERS})")
-    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'xla gate':>8} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'xg pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6} {'rows':>7} {'ratio':>6} {'spread':>6}")
+    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'xla gate':>8} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'xg pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6} {'rows':>7} {'ratio':>6} {'cached':>7} {'ratio':>6} {'spread':>6}")
     for r in rows:
         print(
             f"{r['m']:>3} {r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>5.2f} {r['dense_ms']:>7.4f} "
@@ -178,6 +188,7 @@ def main():
             f"{r['decode_pret_ratio']:>6.2f} {r['xla_gate_pret_ms']:>7.4f} {r['xla_gate_pret_ratio']:>6.2f} "
             f"{r['auto_ms']:>7.4f} {r['auto_ratio']:>6.2f}"
             + (f" {r['rows_ms']:>7.4f} {r['rows_ratio']:>6.2f}" if r["rows_ms"] is not None else f" {'-':>7} {'-':>6}")
+            + f" {r['cached_ms']:>7.4f} {r['cached_ratio']:>6.2f}"
             + f" {max(v for k, v in r.items() if k.endswith('_spread')):>6.2f}"
         )
     print("spread: the largest interquartile range over the rounds / median among the row's variants")

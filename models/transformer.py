@@ -301,13 +301,18 @@ class TransformerLM(nnx.Module):
                 layer.ffn.active_fraction = min(max(fraction, 0.0), 1.0)
         return fractions
 
-    def cache_for_decode(self, dtype=None) -> None:
+    def cache_for_decode(self, dtype=None, *, activation_weight: bool = False) -> None:
         """Keeps each sparse FFN's up weight transposed for the decode kernels
         (``SparseFFN.cache_transposed_up_weight``, in the model's compute dtype by
-        default). A snapshot of the current weights."""
+        default); with ``activation_weight``, also the gate (activation) weight
+        transposed, so single-token decode runs the rows kernel
+        (``SparseFFN.cache_transposed_activation_weight``; one more d x f copy per layer).
+        A snapshot of the current weights."""
         for layer in self.layers:
             if isinstance(layer.ffn, SparseFFN):
                 layer.ffn.cache_transposed_up_weight(jnp.dtype(dtype or self.cfg.dtype))
+                if activation_weight:
+                    layer.ffn.cache_transposed_activation_weight(jnp.dtype(dtype or self.cfg.dtype))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Empty cache for ``batch`` rows and ``max_len`` positions (zeros, length 0)."""

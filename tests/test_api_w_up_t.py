@@ -1,5 +1,6 @@
-"""The public sparse_ffn's optional pre-transposed up weight (``w_up_t``): checked, passed
-to the CUDA path (per shard under a mesh, split like w_down), ignored by the others."""
+"""The public sparse_ffn's optional weights stored by neuron (``w_up_t``, ``w_act_t``):
+checked, passed to the CUDA path (per shard under a mesh, split like w_down), ignored by
+the others."""
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ def _inputs():
 def test_other_implementations_ignore_it(impl):
     inp = _inputs()
     a = jt.sparse_ffn(*inp, implementation=impl)
-    b = jt.sparse_ffn(*inp, implementation=impl, w_up_t=inp.w_up.T)
+    b = jt.sparse_ffn(*inp, implementation=impl, w_up_t=inp.w_up.T, w_act_t=inp.w_gate.T)
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
@@ -34,15 +35,32 @@ def test_bad_w_up_t_is_refused():
         jt.sparse_ffn(*inp, w_up_t=inp.w_up.T.astype(jnp.float32))
 
 
+def test_bad_w_act_t_is_refused():
+    inp = _inputs()
+    with pytest.raises(ValueError, match="must be w_gate.T"):
+        jt.sparse_ffn(*inp, w_act_t=inp.w_gate)
+    with pytest.raises(ValueError, match="must be w_gate.T"):
+        jt.sparse_ffn(*inp, w_act_t=inp.w_gate.T.astype(jnp.float32))
+    with pytest.raises(ValueError, match="must be w_up.T"):
+        jt.sparse_ffn(inp.x, None, inp.w_up, inp.w_down, w_act_t=inp.w_up)
+    # Non-gated, the activation's weight is w_up: its transpose is accepted.
+    y = jt.sparse_ffn(inp.x, None, inp.w_up, inp.w_down, implementation="xla", w_act_t=inp.w_up.T)
+    assert y.shape == inp.x.shape
+
+
 @pytest.fixture
 def cuda_stand_in(monkeypatch):
-    """cuda.sparse_ffn replaced by XLA's FFN, recording the w_up_t it is given."""
+    """cuda.sparse_ffn replaced by XLA's FFN, recording the w_up_t and w_act_t it is given
+    and computing from them where given (so a wrong slice shows in y)."""
     seen = []
 
-    def stand_in(x, w_gate, w_up, w_down, *, tile, capacity, w_up_t=None, **_):
+    def stand_in(x, w_gate, w_up, w_down, *, tile, capacity, w_up_t=None, w_act_t=None, **_):
         seen.append(None if w_up_t is None else (w_up_t.shape, w_up.shape))
         if w_up_t is not None:  # the right slice of w_up.T, per shard too
             w_up = w_up_t.T
+        if w_act_t is not None:
+            seen.append(("w_act_t", w_act_t.shape))
+            w_gate = w_act_t.T
         return xla.ffn(x, w_gate, w_up, w_down)
 
     monkeypatch.setattr(cuda, "sparse_ffn", stand_in)
@@ -67,10 +85,17 @@ def test_sharded_cuda_path_gets_local_rows(cuda_stand_in):
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
     args = (
         put(inp.x, P("data", None)), put(inp.w_gate, P(None, "tensor")), put(inp.w_up, P(None, "tensor")),
-        put(inp.w_down, P("tensor", None)), put(inp.w_up.T, P("tensor", None)),
+        put(inp.w_down, P("tensor", None)), put(inp.w_up.T, P("tensor", None)), put(inp.w_gate.T, P("tensor", None)),
     )
-    fn = jax.jit(lambda x, wg, wu, wd, wut: jt.sparse_ffn(x, wg, wu, wd, implementation="cuda", sharding=sharding, w_up_t=wut))
+    fn = jax.jit(
+        lambda x, wg, wu, wd, wut, wat: jt.sparse_ffn(
+            x, wg, wu, wd, implementation="cuda", sharding=sharding, w_up_t=wut, w_act_t=wat
+        )
+    )
     y = fn(*args)
     want = xla.ffn(*inp)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
-    assert cuda_stand_in and all(s == ((128, 64), (64, 128)) for s in cuda_stand_in)  # f split over 2
+    ups = [s for s in cuda_stand_in if s[0] != "w_act_t"]
+    acts = [s for s in cuda_stand_in if s[0] == "w_act_t"]
+    assert ups and all(s == ((128, 64), (64, 128)) for s in ups)  # f split over 2
+    assert acts and all(s == ("w_act_t", (128, 64)) for s in acts)

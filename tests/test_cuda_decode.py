@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import cuda, reference, xla
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
@@ -145,6 +146,26 @@ def test_sparse_ffn_takes_the_gate_kernel_when_asked():
     with jax.default_matmul_precision("highest"):
         want = xla.ffn(*inp)
     assert_close(fn(*inp), want, 2 * fused_tolerance(jnp.bfloat16, 5632), "default rule, decode on")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_public_op_runs_the_rows_kernel_for_one_token(gated):
+    """jax_twell.sparse_ffn with a known active fraction and the activation's weight stored
+    by neuron: one token (leading dims [1, 1]) runs the rows kernel and matches dense."""
+    inp = synthetic_ffn_inputs(jax.random.key(21), 1, 2048, 5632, density=0.005)
+    # Non-gated, the sparse-firing gate weight serves as the activation's (w_up) weight.
+    w_gate, w_up = (inp.w_gate, inp.w_up) if gated else (None, inp.w_gate)
+    w_act = inp.w_gate
+    kw = dict(implementation="cuda", active_fraction=0.005, w_act_t=w_act.T, w_up_t=w_up.T if gated else None)
+    fn = jax.jit(lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd, **kw))
+    x = inp.x.reshape(1, 1, 2048)
+    target = "jax_twell_decode_rows_gated" if gated else "jax_twell_decode_rows"
+    assert target in fn.lower(x, w_gate, w_up, inp.w_down).as_text()
+    with jax.default_matmul_precision("highest"):
+        want = xla.ffn(inp.x, w_gate, w_up, inp.w_down)
+    y = fn(x, w_gate, w_up, inp.w_down)
+    assert y.shape == (1, 1, 2048)
+    assert_close(y.reshape(1, 2048), want, 2 * fused_tolerance(jnp.bfloat16, 5632), f"gated={gated}")
 
 
 # m, d, f, density, pattern, full rows, empty rows: shapes the rows kernel takes (1-4 tokens)

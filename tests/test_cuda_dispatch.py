@@ -56,7 +56,8 @@ def stand_ins(monkeypatch):
 @pytest.fixture
 def decode_stand_ins(monkeypatch):
     """The decode kernels replaced by the reference; returns the list each call appends
-    ``(path, M)`` to: "kernel gate" (decode_ffn_gate) or "xla gate" (decode_ffn)."""
+    ``(path, M)`` to: "kernel gate" (decode_ffn_gate), "xla gate" (decode_ffn) or "rows"
+    (decode_ffn_rows)."""
 
     def install():
         seen = []
@@ -70,8 +71,15 @@ def decode_stand_ins(monkeypatch):
             g = relu_matmul(x, w_act)
             return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
 
+        def decode_rows(x, w_act_t, w_down, *, w_up_t=None, workspace=False):
+            seen.append(("rows", x.shape[0]))
+            g = relu_matmul(x, w_act_t.T)
+            w_up = None if w_up_t is None else w_up_t.T
+            return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+
         monkeypatch.setattr(cuda, "decode_ffn", decode)
         monkeypatch.setattr(cuda, "decode_ffn_gate", decode_gate)
+        monkeypatch.setattr(cuda, "decode_ffn_rows", decode_rows)
         return seen
 
     return install
@@ -346,6 +354,37 @@ def test_known_active_fraction_picks_decode_at_trace_time(decode_stand_ins, stan
         else:
             assert not seen, (m, fraction, with_t)
         y = fn(inp.x, w_gate, inp.w_up, inp.w_down, w_up_t)
+        assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 704), f"m={m}")
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_activation_weight_by_neuron_picks_the_rows_kernel(decode_stand_ins, stand_ins, gated):
+    """With the activation's weight also given as [f, d] (``w_act_t``), calls of at most
+    ``decode_rows_max_tokens`` tokens that take the decode kernels run decode_ffn_rows;
+    more tokens, no w_act_t, gated without w_up_t, or a fraction past the bound do not."""
+    stand_ins(mark=False)
+    seen = decode_stand_ins()
+    for m, fraction, with_t, with_act, rule, want in [
+        (1, 0.005, True, True, None, "rows"),
+        (2, 0.005, True, True, None, "kernel gate"),  # past decode_rows_max_tokens (1)
+        (2, 0.005, True, True, cuda.DenseCrossover(decode_rows_max_tokens=4), "rows"),
+        (1, 0.005, True, False, None, "kernel gate"),
+        (1, 0.005, False, True, None, None if gated else "rows"),  # gated needs w_up_t
+        (1, 0.05, True, True, None, None),  # past the M=1 bound: dense
+    ]:
+        inp = synthetic_ffn_inputs(jax.random.key(m), m, 128, 704, density=0.02)
+        w_gate = inp.w_gate if gated else None
+        w_up_t = inp.w_up.T if (with_t and gated) else None
+        w_act_t = (inp.w_gate if gated else inp.w_up).T if with_act else None
+        fn = jax.jit(lambda x, wg, wu, wd, wut, wat: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=256, capacity=32, w_up_t=wut, active_fraction=fraction, w_act_t=wat, crossover=rule))
+        seen.clear()
+        jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down, w_up_t, w_act_t))
+        if want is not None:
+            assert seen == [(want, m)] and "cond" not in jaxpr, (m, fraction, with_t, with_act)
+        else:
+            assert not seen, (m, fraction, with_t, with_act)
+        y = fn(inp.x, w_gate, inp.w_up, inp.w_down, w_up_t, w_act_t)
         assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 704), f"m={m}")
 
 

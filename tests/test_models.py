@@ -345,6 +345,10 @@ def test_calibrate_ffn_stores_each_layers_active_fraction_and_decode_cache(monke
         cached = layer.ffn.w_up_t[...]
         assert cached.dtype == jnp.dtype(TINY.dtype)
         np.testing.assert_array_equal(cached, layer.ffn.w_up[...].T.astype(TINY.dtype))
+        assert layer.ffn.w_act_t is None  # only when asked for
+    model.cache_for_decode(activation_weight=True)
+    for layer in model.layers:
+        np.testing.assert_array_equal(layer.ffn.w_act_t[...], layer.ffn.w_gate[...].T.astype(TINY.dtype))
 
     seen = []  # what the inference path passes to the op
     real = modules_lib.sparse_ffn
@@ -358,7 +362,8 @@ def test_calibrate_ffn_stores_each_layers_active_fraction_and_decode_cache(monke
     assert len(seen) == TINY.n_layers
     for kwargs, layer, p in zip(seen, model.layers, fractions):
         assert kwargs["active_fraction"] == pytest.approx(p) and kwargs["w_up_t"].shape == (TINY.d_ff, TINY.d_model)
+        assert kwargs["w_act_t"].shape == (TINY.d_ff, TINY.d_model)
     assert np.isfinite(np.asarray(logits)).all()
     for layer in model.layers:
         layer.ffn.clear_inference_cache()
-        assert layer.ffn.w_up_t is None
+        assert layer.ffn.w_up_t is None and layer.ffn.w_act_t is None

@@ -215,6 +215,7 @@ def sparse_ffn(
     sharding: FFNSharding | None = None,
     w_up_t: jax.Array | None = None,
     active_fraction: float | None = None,
+    w_act_t: jax.Array | None = None,
 ) -> jax.Array:
     """Inference FFN with a ReLU gate, computed on the sparse activation.
 
@@ -243,6 +244,13 @@ def sparse_ffn(
         fraction run XLA's dense FFN with no device check
         (:meth:`~jax_twell.ops.cuda.DenseCrossover.sparse_predicted`). Other
         implementations ignore it.
+      w_act_t: optional ``[f, d]`` copy of the activation's weight transposed
+        (``w_gate.T`` gated, ``w_up.T`` non-gated), sharded like ``w_down``. "cuda" only:
+        with ``active_fraction`` known, calls of at most
+        ``DenseCrossover.decode_rows_max_tokens`` tokens (1 by default) where the decode
+        kernels win then run :func:`jax_twell.ops.cuda.decode_ffn_rows` (the whole FFN in
+        two launches from weights stored by neuron; gated it also needs ``w_up_t``). The
+        other implementations ignore it.
     Returns:
       y: ``[..., d]`` dtype of x.
 
@@ -259,12 +267,19 @@ def sparse_ffn(
             raise ValueError("w_up_t applies to the gated FFN only (non-gated, w_up is the activation's weight)")
         if w_up_t.shape != w_up.shape[::-1] or w_up_t.dtype != w_up.dtype:
             raise ValueError(f"w_up_t must be w_up.T: shape {w_up.shape[::-1]} {w_up.dtype}, got {w_up_t.shape} {w_up_t.dtype}")
-    ignore_t = lambda op: lambda x, wg, wu, wd, wut=None: op(x, wg, wu, wd)
+    if w_act_t is not None:
+        w_act = w_up if w_gate is None else w_gate
+        name = "w_up" if w_gate is None else "w_gate"
+        if w_act_t.shape != w_act.shape[::-1] or w_act_t.dtype != w_act.dtype:
+            raise ValueError(
+                f"w_act_t must be {name}.T: shape {w_act.shape[::-1]} {w_act.dtype}, got {w_act_t.shape} {w_act_t.dtype}"
+            )
+    ignore_t = lambda op: lambda x, wg, wu, wd, w_up_t=None, w_act_t=None: op(x, wg, wu, wd)
     kernels = dict(
         reference=ignore_t(functools.partial(reference.ffn, tile=tile, capacity=capacity)),
         xla=ignore_t(xla.ffn),
-        cuda=lambda x, wg, wu, wd, wut=None: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=wut, active_fraction=active_fraction
+        cuda=lambda x, wg, wu, wd, w_up_t=None, w_act_t=None: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=w_up_t, active_fraction=active_fraction, w_act_t=w_act_t
         ),
     )
     if implementation is None and not cuda.supports(x.shape[-1], x.dtype):
@@ -272,8 +287,9 @@ def sparse_ffn(
     fn = _choose("sparse_ffn", implementation, kernels, "xla")
     x2, lead = _flatten_tokens(x)
     if sharding is not None:
-        return shard_ffn(fn, sharding, x2, w_gate, w_up, w_down, w_up_t=w_up_t).reshape(*lead, x.shape[-1])
-    return fn(x2, w_gate, w_up, w_down, w_up_t).reshape(*lead, x.shape[-1])
+        y = shard_ffn(fn, sharding, x2, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t)
+        return y.reshape(*lead, x.shape[-1])
+    return fn(x2, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t).reshape(*lead, x.shape[-1])
 
 
 def sparse_ffn_train(

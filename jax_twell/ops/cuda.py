@@ -336,6 +336,12 @@ class DenseCrossover:
     # d=2048, f=5632 (decode_84e3a52.json): ~2.9% active at M=1, ~1.7% at M=16, ~0.9% at
     # M=64; the bounds keep a margin.
     decode_active_below: tuple[tuple[int, float], ...] = ((1, 0.025), (16, 0.015), (64, 0.008))
+    # Where the decode kernels run (decided at trace time or forced) and the activation's
+    # weight also comes stored by neuron (``w_act_t``), calls of at most this many tokens
+    # run decode_ffn_rows instead. Measured on the H200 at d=2048, f=5632, interleaved with
+    # the tile path: M=1 1.48-1.52x against 1.35-1.45x at 0.5% active, 1.45x against 1.12x
+    # at 2%; M=4 1.00-1.10x against 1.34-1.36x (decode_quick_2e77b43.json, _248d2f6.json).
+    decode_rows_max_tokens: int = 1
 
     def decode_wins(self, m: int, active_fraction: float) -> bool:
         """Static: True where the decode kernels beat dense for ``m`` tokens at this
@@ -434,6 +440,7 @@ def sparse_ffn(
     w_up_t=None,
     kernel: str = "auto",
     active_fraction: float | None = None,
+    w_act_t=None,
 ):
     """Inference FFN: XLA gate matmul, ``jax_twell_pack``, then the fused kernel or dense.
 
@@ -463,6 +470,10 @@ def sparse_ffn(
     :func:`dense_crossover`) predicts the dense path is faster for this call's sparsity,
     the up and down projections run dense through XLA from the same gate activation.
     ``w_up_t``: optional ``[f, d]`` pre-transposed up weight (see :func:`twell_ffn`).
+    ``w_act_t``: optional ``[f, d]`` activation weight stored by neuron (``w_gate.T`` gated,
+    ``w_up.T`` non-gated): where the decode kernels run without a device check and the call
+    has at most ``decode_rows_max_tokens`` tokens, :func:`decode_ffn_rows` runs instead
+    (gated, with ``w_up_t`` only).
     """
     _check_kernel(kernel, allow_auto=True)
     rule = _crossover.get() if crossover is None else crossover
@@ -476,6 +487,9 @@ def sparse_ffn(
     known = active_fraction is not None and transposed and rule.decode_wins(m, active_fraction)
     if (known or 0 < m <= rule.decode_kernel_max_tokens) and rule.margin > 0 and decode_supported(d, f, x.dtype):
         unchecked = known or rule.decode_dense_above is None or rule.margin == float("inf")
+        rows = w_act_t is not None and (w_up_t is not None or not gated) and m <= rule.decode_rows_max_tokens
+        if unchecked and rows and decode_rows_supported(m, d, f, x.dtype):
+            return decode_ffn_rows(x, w_act_t, w_down, w_up_t=w_up_t if gated else None)
         if unchecked and rule.decode_fused_gate and m <= rule.decode_fused_gate_max_tokens and decode_gate_supported(m, d, f):
             return decode_ffn_gate(x, w_act, w_up if gated else None, w_down, w_up_t=w_up_t)
         g = relu_matmul(x, w_act)

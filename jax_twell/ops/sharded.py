@@ -69,22 +69,22 @@ def _unpack_weights(ws):
     return (None, *ws) if len(ws) == 2 else ws
 
 
-def shard_ffn(fn: Callable, sharding: FFNSharding, x, w_gate, w_up, w_down, *, w_up_t=None):
-    """Runs ``fn(x, w_gate, w_up, w_down[, w_up_t]) -> y`` per shard; ``x: [M, d]``.
-    ``w_up_t`` (``[f, d]``, optional) is split like ``w_down`` and passed as a fifth
-    argument when given."""
+def shard_ffn(fn: Callable, sharding: FFNSharding, x, w_gate, w_up, w_down, **by_neuron):
+    """Runs ``fn(x, w_gate, w_up, w_down, **by_neuron) -> y`` per shard; ``x: [M, d]``.
+    ``by_neuron``: optional ``[f, d]`` weight copies (``w_up_t``, ``w_act_t``), split like
+    ``w_down`` and passed by name when not None."""
     tokens, weights = sharding._specs(w_gate is not None)
-    extra = () if w_up_t is None else (w_up_t,)
+    names = [name for name, w in by_neuron.items() if w is not None]
 
     def body(x, *ws):
-        n = len(ws) - len(extra)
-        y = fn(x, *_unpack_weights(ws[:n]), *ws[n:])
+        n = len(ws) - len(names)
+        y = fn(x, *_unpack_weights(ws[:n]), **dict(zip(names, ws[n:])))
         if sharding.tensor_axis is not None:
             y = jax.lax.psum(y.astype(jnp.float32), sharding.tensor_axis).astype(y.dtype)
         return y
 
-    specs = (tokens, *weights) + ((P(sharding.tensor_axis, None),) if extra else ())
-    return sharding._map(body, specs, tokens)(x, *_pack_weights(w_gate, w_up, w_down), *extra)
+    specs = (tokens, *weights) + tuple(P(sharding.tensor_axis, None) for _ in names)
+    return sharding._map(body, specs, tokens)(x, *_pack_weights(w_gate, w_up, w_down), *(by_neuron[n] for n in names))
 
 
 def shard_ffn_train(fn: Callable, sharding: FFNSharding, width: int, x, w_gate, w_up, w_down):
