@@ -77,6 +77,16 @@ def test_cuda_path_receives_it(cuda_stand_in):
     assert cuda_stand_in[-1] is None
 
 
+def test_default_implementation_takes_them(cuda_stand_in):
+    """implementation=None with kernels available: the platform switch (here on CPU, XLA)
+    takes both optional weights."""
+    inp = _inputs()
+    y = jax.jit(lambda *a: jt.sparse_ffn(*a[:4], w_up_t=a[4], w_act_t=a[5]))(*inp, inp.w_up.T, inp.w_gate.T)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(xla.ffn(*inp), np.float32), rtol=0, atol=0)
+    y = jt.sparse_ffn(inp.x, None, inp.w_up, inp.w_down, w_act_t=inp.w_up.T)
+    assert y.shape == inp.x.shape
+
+
 @pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 host devices")
 def test_sharded_cuda_path_gets_local_rows(cuda_stand_in):
     mesh = jax.make_mesh((2, 2), ("data", "tensor"), devices=jax.devices("cpu")[:4])

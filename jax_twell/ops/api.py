@@ -286,10 +286,11 @@ def sparse_ffn(
         del kernels["cuda"]  # shapes the kernel does not take run dense
     fn = _choose("sparse_ffn", implementation, kernels, "xla")
     x2, lead = _flatten_tokens(x)
+    # Positional: the default implementation's platform switch takes no keywords.
     if sharding is not None:
         y = shard_ffn(fn, sharding, x2, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t)
         return y.reshape(*lead, x.shape[-1])
-    return fn(x2, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t).reshape(*lead, x.shape[-1])
+    return fn(x2, w_gate, w_up, w_down, w_up_t, w_act_t).reshape(*lead, x.shape[-1])
 
 
 def sparse_ffn_train(

@@ -70,15 +70,16 @@ def _unpack_weights(ws):
 
 
 def shard_ffn(fn: Callable, sharding: FFNSharding, x, w_gate, w_up, w_down, **by_neuron):
-    """Runs ``fn(x, w_gate, w_up, w_down, **by_neuron) -> y`` per shard; ``x: [M, d]``.
+    """Runs ``fn(x, w_gate, w_up, w_down, *by_neuron.values()) -> y`` per shard; ``x: [M, d]``.
     ``by_neuron``: optional ``[f, d]`` weight copies (``w_up_t``, ``w_act_t``), split like
-    ``w_down`` and passed by name when not None."""
+    ``w_down``; passed positionally, in the order given, None where not given."""
     tokens, weights = sharding._specs(w_gate is not None)
     names = [name for name, w in by_neuron.items() if w is not None]
 
     def body(x, *ws):
         n = len(ws) - len(names)
-        y = fn(x, *_unpack_weights(ws[:n]), **dict(zip(names, ws[n:])))
+        local = dict(zip(names, ws[n:]))
+        y = fn(x, *_unpack_weights(ws[:n]), *(local.get(name) for name in by_neuron))
         if sharding.tensor_axis is not None:
             y = jax.lax.psum(y.astype(jnp.float32), sharding.tensor_axis).astype(y.dtype)
         return y
