@@ -318,7 +318,7 @@ def test_decode_wins_follows_the_measured_bounds():
     rule = cuda.DenseCrossover()
     assert rule.decode_wins(1, 0.02) and not rule.decode_wins(1, 0.03)
     assert rule.decode_wins(16, 0.01) and not rule.decode_wins(16, 0.02)
-    assert rule.decode_wins(64, 0.005) and not rule.decode_wins(64, 0.01)
+    assert rule.decode_wins(64, 0.003) and not rule.decode_wins(64, 0.005)
     assert rule.decode_wins(2, 0.01) and not rule.decode_wins(2, 0.02)  # M=2 takes M=16's bound
     assert not rule.decode_wins(65, 0.0) and not rule.decode_wins(0, 0.0)
     assert not cuda.DenseCrossover(margin=0.0).decode_wins(1, 0.0)
@@ -337,7 +337,7 @@ def test_known_active_fraction_picks_decode_at_trace_time(decode_stand_ins, stan
     for m, fraction, with_t, want in [
         (1, 0.005, True, "kernel gate"),
         (16, 0.01, True, "kernel gate"),
-        (64, 0.005, True, "xla gate"),  # above decode_fused_gate_max_tokens
+        (64, 0.003, True, "xla gate"),  # above decode_fused_gate_max_tokens
         (64, 0.02, True, None),  # past the M=64 bound: dense
         (1, 0.005, False, "kernel gate" if not gated else None),  # gated needs w_up_t
         (65, 0.0, True, None),
@@ -353,8 +353,26 @@ def test_known_active_fraction_picks_decode_at_trace_time(decode_stand_ins, stan
             assert seen == [(want, m)] and "cond" not in jaxpr and "stand_in_pack" not in jaxpr, (m, fraction)
         else:
             assert not seen, (m, fraction, with_t)
+            if m <= 64:  # decode-sized and known: dense at trace time, no device check, no row kernel
+                assert "cond" not in jaxpr and "stand_in_pack" not in jaxpr, (m, fraction, with_t)
         y = fn(inp.x, w_gate, inp.w_up, inp.w_down, w_up_t)
         assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 704), f"m={m}")
+
+
+def test_known_fraction_past_the_decode_bound_runs_dense_at_decode_sizes(decode_stand_ins, stand_ins):
+    """Decode-sized, the fraction known and above the decode kernels' bound: XLA's dense
+    FFN at trace time, even where the rule's row-kernel costs (here without fixed costs)
+    would send the call through the per-call check to the row kernel."""
+    stand_ins(mark=False)
+    seen = decode_stand_ins()
+    rule = cuda.DenseCrossover(**NO_FIXED)
+    inp = synthetic_ffn_inputs(jax.random.key(4), 4, 128, 704, density=0.02)
+    fn = lambda p: jax.jit(lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
+        x, wg, wu, wd, tile=256, capacity=32, w_up_t=wut, active_fraction=p, crossover=rule))
+    jaxpr = str(jax.make_jaxpr(fn(0.02))(inp.x, inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T))
+    assert not seen and "cond" not in jaxpr and "stand_in_pack" not in jaxpr
+    big = case(m=65, key=9)  # past decode sizes, at a fraction the rule calls sparse: the per-call check
+    assert "cond" in str(jax.make_jaxpr(fn(0.005))(*big, big.w_up.T))
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -334,8 +334,10 @@ class DenseCrossover:
     # token counts and the fraction is below its bound (the first count >= M), and the up
     # weight is given as [f, d] (or the FFN is non-gated). Measured crossovers on the H200,
     # d=2048, f=5632 (decode_84e3a52.json): ~2.9% active at M=1, ~1.7% at M=16, ~0.9% at
-    # M=64; the bounds keep a margin.
-    decode_active_below: tuple[tuple[int, float], ...] = ((1, 0.025), (16, 0.015), (64, 0.008))
+    # M=64 for uniform rows; the bounds keep a margin. Heavy-tailed rows at M=64 lose at
+    # 0.54% (0.83-0.88x, decode_quick_2e77b43.json, _fdfd87d.json) while uniform 0.5% gains
+    # only 1.00-1.12x, so past 16 tokens the bound is 0.4%.
+    decode_active_below: tuple[tuple[int, float], ...] = ((1, 0.025), (16, 0.015), (64, 0.004))
     # Where the decode kernels run (decided at trace time or forced) and the activation's
     # weight also comes stored by neuron (``w_act_t``), calls of at most this many tokens
     # run decode_ffn_rows instead. Measured on the H200 at d=2048, f=5632, interleaved with
@@ -498,6 +500,12 @@ def sparse_ffn(
             return run()
         few = jnp.count_nonzero(g) <= rule.decode_dense_above * m * f
         return jax.lax.cond(few, run, lambda: xla.up_down(x, g, w_up if gated else None, w_down))
+    decode_sized = 0 < m <= max((tokens for tokens, _ in rule.decode_active_below), default=0)
+    if active_fraction is not None and transposed and decode_sized and 0 < rule.margin < float("inf"):
+        # Decode-sized, the fraction known and past the decode kernels' bound: dense. The
+        # per-call check below would run the row kernel here, which loses at these sizes
+        # (0.16x measured at M=4, 2% active: decode_quick_fdfd87d.json).
+        return xla.ffn(x, w_gate, w_up, w_down)
     if 0 < m <= rule.decode_gather_max_tokens and 0 < rule.margin < float("inf"):
         width = xla.gather_width(m, f, rule.decode_active_per_token)
         return xla.gather_ffn(x, w_gate, w_up, w_down, width=width, w_up_t=w_up_t)
