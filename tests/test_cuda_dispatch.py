@@ -359,6 +359,17 @@ def test_known_active_fraction_picks_decode_at_trace_time(decode_stand_ins, stan
         assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 704), f"m={m}")
 
 
+@pytest.mark.parametrize("rule", [cuda.DenseCrossover(margin=float("inf")), cuda.DenseCrossover()], ids=["forced", "default"])
+def test_no_tokens_give_an_empty_output(stand_ins, rule):
+    """M = 0 returns [0, d] under any rule, with nothing traced to count or pack."""
+    stand_ins(mark=True)
+    inp = case(m=4, key=2)
+    x = jnp.zeros((0, inp.x.shape[1]), inp.x.dtype)
+    y = cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=32, crossover=rule)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert cuda.sampled_gate_counts(jnp.zeros((0, 700), jnp.bfloat16), tile=256, capacity=32, rows=8)[0] == 0
+
+
 def test_known_fraction_past_the_decode_bound_runs_dense_at_decode_sizes(decode_stand_ins, stand_ins):
     """Decode-sized, the fraction known and above the decode kernels' bound: XLA's dense
     FFN at trace time, even where the rule's row-kernel costs (here without fixed costs)

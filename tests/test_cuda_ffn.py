@@ -124,7 +124,9 @@ def test_dense_crossover_rule_is_inspectable_and_overridable():
     assert not rule.sparse_can_win(64, 128, 512, 2)  # decode-sized: dense at trace time
     assert rule.sparse_can_win(16384, 2048, 5632, 2)
     big = dict(m=16384, d=2048, f=5632, itemsize=2)
-    assert bool(rule.use_sparse(16384 * 28, 0, **big)) and not bool(rule.use_sparse(16384 * 282, 0, **big))
+    # The row kernel (up weight transposed in the call) wins below ~0.3% active there
+    # (test_cuda_dispatch.test_default_rule_matches_the_h200_measurements has the figures).
+    assert bool(rule.use_sparse(16384 * 10, 0, **big)) and not bool(rule.use_sparse(16384 * 28, 0, **big))
     device_side = cuda.DenseCrossover(fixed_overhead=0.0, transpose_bandwidth=float("inf"), hbm_bandwidth=1e18)
     for forced in (cuda.DenseCrossover(margin=0.0), ALWAYS_SPARSE, None, device_side):
         y = cuda.sparse_ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=32, crossover=forced)

@@ -485,6 +485,8 @@ def sparse_ffn(
     f = w_act.shape[1]
     if kernel == "auto":
         kernel = "blocked_mma" if blocked_supported(d, tile) else "row"
+    if m == 0:  # no tokens: nothing to launch, whatever the rule
+        return jnp.zeros((0, d), x.dtype)
     transposed = w_up_t is not None or not gated
     known = active_fraction is not None and transposed and rule.decode_wins(m, active_fraction)
     if (known or 0 < m <= rule.decode_kernel_max_tokens) and rule.margin > 0 and decode_supported(d, f, x.dtype):
@@ -797,7 +799,7 @@ def sampled_gate_counts(g: jax.Array, *, tile: int, capacity: int, rows: int) ->
     stride = max(1, m // rows)
     sample = g[::stride] if stride > 1 else g
     nnz, n_over, _ = gate_counts(sample, tile=tile, capacity=capacity)
-    scale = m / sample.shape[0]
+    scale = m / max(sample.shape[0], 1)  # M = 0: nothing counted
     return nnz.astype(jnp.float32) * scale, n_over.astype(jnp.float32) * scale
 
 
