@@ -99,19 +99,20 @@ class TrainCrossover:
     benchmark (ffi/notes/training_kernels.md).
     """
 
-    # Fitted on the H200 (ffi/notes/training_kernels.md, "Measured"; training_390b82b):
-    # XLA's dense forward + backward 4.32 ms at M=16384, d=2048, f=5632 (9 matmuls); the
-    # kernels with their tensor-core steps and dx (the default) 3.20-3.22 ms at 0.25% and
-    # 4.04-4.09 ms at 0.5% (whole step): ~3.75 ns per pair, ~1.97 ms fixed after the gate
-    # matmul; crossover ~0.57% active.
-    matmul_rate: float = 7.7e14
+    # Fitted on the H200 to interleaved timings (ffi/notes/training_kernels.md,
+    # training_b47940f.json): XLA's dense forward + backward 4.08 ms at M=16384, d=2048,
+    # f=5632 (9 matmuls, ~3.52 ms after the gate matmul); the kernels with their
+    # tensor-core steps and dx (the default) 3.21-3.28 ms at 0.25% and 4.10-4.18 ms at 0.5%
+    # (whole step): ~3.88 ns per pair, ~1.80 ms fixed after the gate matmul; crossover
+    # ~0.48% active.
+    matmul_rate: float = 8.58e14
     hbm_bandwidth: float = 3.0e12
     weight_bandwidth: float = 7.0e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 6.35e12
+    pair_rate: float = 6.05e12
     grad_stream_bandwidth: float = 7.0e12
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 1.557e-3
+    fixed_overhead: float = 1.3875e-3
     margin: float = 1.0
     min_tokens: int = 256
 
