@@ -72,6 +72,25 @@ def test_sparse_ffn_matches_dense_formula(gated, implementation):
     assert_close(ffn.infer(x), want_y, TOL)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_caches_hold_the_transposed_weights(gated):
+    """cache_transposed_up_weight keeps w_up.T (gated only); cache_transposed_activation_weight
+    keeps the activation's weight transposed (w_gate.T gated, w_up.T non-gated); infer
+    still computes the FFN with them; clear_inference_cache drops both."""
+    ffn = SparseFFN(D, F, gated=gated, implementation="xla", rngs=nnx.Rngs(2))
+    ffn.cache_transposed_up_weight(jnp.float32)
+    ffn.cache_transposed_activation_weight(jnp.float32)
+    assert (ffn.w_up_t is None) == (not gated)
+    if gated:
+        np.testing.assert_array_equal(ffn.w_up_t[...], ffn.w_up[...].T)
+    np.testing.assert_array_equal(ffn.w_act_t[...], (ffn.w_gate if gated else ffn.w_up)[...].T)
+    x = inputs()
+    want_y, _ = dense_formula(x, *weights(ffn), relu)
+    assert_close(ffn.infer(x), want_y, TOL)
+    ffn.clear_inference_cache()
+    assert ffn.w_up_t is None and ffn.w_act_t is None
+
+
 def test_call_sows_stats():
     ffn = SparseFFN(D, F, rngs=nnx.Rngs(0))
     x = inputs()
