@@ -22,20 +22,8 @@ RESULTS = Path(__file__).parent / "results"
 def time_calls(fn, args, *, min_seconds: float, max_reps: int, trials: int = 15) -> float:
     """Median seconds per call of ``fn(*args)``: after a warm-up call, each of ``trials``
     timings runs enough back-to-back calls (at most ``max_reps``) to last ``min_seconds``
-    and waits for the last result."""
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    one = max(time.perf_counter() - t0, 1e-6)
-    reps = max(1, min(max_reps, int(min_seconds / one)))
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
+    and waits for the last result (:func:`time_interleaved` with one function)."""
+    return time_interleaved({"fn": fn}, args, min_seconds=min_seconds, max_reps=max_reps, rounds=trials)["fn"][0]
 
 
 def time_interleaved(fns: dict, args, *, min_seconds: float, max_reps: int, rounds: int = 9) -> dict:
@@ -61,8 +49,8 @@ def time_interleaved(fns: dict, args, *, min_seconds: float, max_reps: int, roun
             times[name].append((time.perf_counter() - t0) / reps[name])
     result = {}
     for name, ts in times.items():
-        q = statistics.quantiles(ts, n=4)
         med = statistics.median(ts)
+        q = statistics.quantiles(ts, n=4) if len(ts) > 1 else (med, med, med)  # one round: no spread
         result[name] = (med, (q[2] - q[0]) / med)
     return result
 

@@ -247,7 +247,7 @@ class SparseFFN(_FFN):
         non-gated), ``[f, d]`` in ``dtype``, for ``infer``: with it (and, gated, the
         transposed up weight of :meth:`cache_transposed_up_weight`) and a known
         ``active_fraction``, single-token calls on the CUDA kernels run the decode rows
-        kernel (``jax_twell.ops.cuda.decode_ffn_rows``), measured ~5-30% faster than the
+        kernel (``jax_twell.ops.cuda.decode_ffn_rows``), measured ~5-35% faster than the
         other decode path at one token. Costs one more ``d x f`` copy. A snapshot, as the
         up weight's."""
         w_act = self.w_gate if self.gated else self.w_up

@@ -491,7 +491,7 @@ def sparse_ffn(
     known = active_fraction is not None and transposed and rule.decode_wins(m, active_fraction)
     if (known or 0 < m <= rule.decode_kernel_max_tokens) and rule.margin > 0 and decode_supported(d, f, x.dtype):
         unchecked = known or rule.decode_dense_above is None or rule.margin == float("inf")
-        rows = w_act_t is not None and (w_up_t is not None or not gated) and m <= rule.decode_rows_max_tokens
+        rows = w_act_t is not None and transposed and m <= rule.decode_rows_max_tokens
         if unchecked and rows and decode_rows_supported(m, d, f, x.dtype):
             return decode_ffn_rows(x, w_act_t, w_down, w_up_t=w_up_t if gated else None)
         if unchecked and rule.decode_fused_gate and m <= rule.decode_fused_gate_max_tokens and decode_gate_supported(m, d, f):
