@@ -78,7 +78,11 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--kernels", default=",".join(cuda.KERNELS), help="comma-separated fused kernels to time")
     parser.add_argument("--m", default=None, help="comma-separated token counts: time only these configurations")
+    parser.add_argument("--no-fused-gate", action="store_true",
+                        help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
+    if args.no_fused_gate:
+        cuda.FUSED_GATE_MIN_TOKENS = 1 << 62
     kernels = [k for k in args.kernels.split(",") if k != "none"]
 
     dense_op = lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd)
@@ -180,6 +184,7 @@ def main():
 
     result = dict(
         **run_metadata("inference_ffn"),
+        fused_gate=not args.no_fused_gate,
         dtype="bfloat16",
         tile=256,
         capacity=32,

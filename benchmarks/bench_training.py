@@ -94,7 +94,11 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--densities", default=None, help="comma-separated active fractions (default: the grid's)")
     parser.add_argument("--cudacore-dx", action="store_true", help="also time the tensor-core steps with dx on CUDA cores")
+    parser.add_argument("--no-fused-gate", action="store_true",
+                        help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
+    if args.no_fused_gate:
+        cuda.FUSED_GATE_MIN_TOKENS = 1 << 62
     densities = [float(v) for v in args.densities.split(",")] if args.densities else None
 
     dense_op = xla.ffn_with_aux
@@ -158,6 +162,7 @@ def main():
 
     result = dict(
         **run_metadata("training_ffn"),
+        fused_gate=not args.no_fused_gate,
         dtype="bfloat16",
         tile=cuda_train.TILE,
         capacity=cuda_train.CAPACITY,

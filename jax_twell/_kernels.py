@@ -25,11 +25,12 @@ __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", 
 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
     "jax_twell_pack": "JaxTwellPack",
+    "jax_twell_gate_pack": "JaxTwellGatePack",
     "jax_twell_ffn_gated": "JaxTwellFfnGated",
     "jax_twell_ffn": "JaxTwellFfn",
     "jax_twell_ffn_blocked_gated": "JaxTwellFfnBlockedGated",

@@ -151,6 +151,12 @@ def gate_twell(
 ) -> TwELL:
     """``relu(x @ w)`` packed as TwELL (the gate projection of the sparse FFN).
 
+    With the CUDA kernels, bf16 or f16 with ``tile=256``, ``capacity <= 64`` and d, f
+    multiples of 8 run the fused gate kernel: a Hopper GEMM that packs each output tile in
+    its epilogue, never writing the ``[M, f]`` activation (g may then differ from XLA's
+    matmul in the last bit of an element: both accumulate in f32, in different orders).
+    Other shapes run XLA's matmul then the pack kernel.
+
     Args:
       x: ``[..., M, d]`` bf16 or f32.  w: ``[d, f]`` same dtype.
       tile, capacity, implementation: as in :func:`pack_twell`.
@@ -158,7 +164,12 @@ def gate_twell(
       TwELL of the ``[..., M, f]`` activation.
     """
     check_projection_args(x, w)
-    return pack_twell(relu_matmul(x, w), tile=tile, capacity=capacity, implementation=implementation)
+    _check_tiling(tile, capacity)
+    kernels = dict(
+        reference=lambda x, w: pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity),
+        cuda=functools.partial(cuda.gate_twell, tile=tile, capacity=capacity),
+    )
+    return _choose("gate_twell", implementation, kernels, "reference")(x, w)
 
 
 def twell_ffn(

@@ -22,6 +22,9 @@ from jax_twell.ops.common import RuleSlot
 __all__ = [
     "pack_twell",
     "gate_twell",
+    "gate_pack",
+    "fused_gate_supported",
+    "fused_gate_preferred",
     "twell_ffn",
     "sparse_ffn",
     "DenseCrossover",
@@ -517,19 +520,34 @@ def sparse_ffn(
         m, d, f, x.dtype.itemsize, active_fraction, transposed, kernel
     ):
         return xla.ffn(x, w_gate, w_up, w_down)
-    g = relu_matmul(x, w_act)
-    # The decision needs counts only, estimated from a sample of g's rows (one small XLA
-    # reduction), so a call that runs dense pays neither a full count nor the pack.
-    nnz, n_over = sampled_gate_counts(g, tile=tile, capacity=capacity, rows=rule.count_sample_rows)
+    # Where the sparse side is expected (forced, or a known fraction the rule sends to it)
+    # the fused gate kernel packs in the matmul's epilogue and gives exact counts; a call
+    # that then runs dense recomputes the gate (XLA's FFN). Otherwise XLA's matmul writes g,
+    # the decision reads a sample of its rows (one small XLA reduction) and a call that runs
+    # dense pays neither a full count nor the pack.
+    expect_sparse = rule.margin == float("inf") or active_fraction is not None
+    if expect_sparse and fused_gate_preferred(m, d, f, tile, capacity, x.dtype):
+        g = None
+        gate = gate_pack(x, w_act, tile=tile, capacity=capacity)
+        nnz = gate.counts.sum(dtype=jnp.int32).astype(jnp.float32)
+        n_over = gate.overflowed.sum(dtype=jnp.int32).astype(jnp.float32)
+    else:
+        g = relu_matmul(x, w_act)
+        nnz, n_over = sampled_gate_counts(g, tile=tile, capacity=capacity, rows=rule.count_sample_rows)
     use_sparse = rule.use_sparse(nnz, n_over, m, d, f, x.dtype.itemsize, transposed)
+
+    def packed():
+        return gate if g is None else pack_twell(g, tile=tile, capacity=capacity)
 
     def row_kernel(act):
         return _twell_ffn_call(x, act, w_act, w_up if gated else None, w_down, w_up_t)
 
     def sparse(_):
-        return row_kernel(pack_twell(g, tile=tile, capacity=capacity))
+        return row_kernel(packed())
 
     def dense(_):
+        if g is None:
+            return xla.ffn(x, w_gate, w_up, w_down)
         return xla.up_down(x, g, w_up if gated else None, w_down)
 
     blocked = kernel != "row" and m >= BLOCKED_MIN_TOKENS and jnp.dtype(x.dtype) != jnp.float32
@@ -545,7 +563,7 @@ def sparse_ffn(
             any_sparse = use_sparse | (blocked_cost < rule.margin * rule.dense_cost(m, d, f, x.dtype.itemsize))
 
         def sparse_branch(_):
-            act = pack_twell(g, tile=tile, capacity=capacity)
+            act = packed()
             # The blocked kernel only where the call's exact entries fit its workspace.
             fits = blocked_needed_entries(act) <= max_entries
             mma = kernel == "blocked_mma"
@@ -803,6 +821,83 @@ def sampled_gate_counts(g: jax.Array, *, tile: int, capacity: int, rows: int) ->
     return nnz.astype(jnp.float32) * scale, n_over.astype(jnp.float32) * scale
 
 
+# The fused gate kernel (ffi/twell_gate.cu): a CUTLASS Hopper GEMM whose 128 x 256 output
+# tiles are packed as TwELL in its epilogue, so the M x f activation is never written.
+FUSED_GATE_TILE = 256
+FUSED_GATE_MAX_CAPACITY = 64
+# Where the FFN paths use the fused gate instead of XLA's matmul + the pack kernel: where it
+# measured faster (ffi/notes/twell_gate.md; H200, bf16): ~10% at M=16384 with d=2048
+# (f=5632 and 8192), but 5-8% slower at M=2048 and at d=4096 (XLA's GEMM runs closer to the
+# tensor cores' peak than this one). gate_twell takes any M and d.
+FUSED_GATE_MIN_TOKENS = 8192
+FUSED_GATE_MAX_D = 2048
+# The GEMM's configuration code (ffi/twell_gate.cu, attribute `variant`): configuration
+# 0 cooperative 128 x 256 tiles, 1 ping-pong 64 x 256 tiles, 2 the same in clusters of 4;
+# plus 4 x raster order and 16 x log2 swizzle of the tile scheduler.
+FUSED_GATE_VARIANT = 1
+
+
+def fused_gate_supported(d: int, f: int, tile: int, capacity: int, dtype) -> bool:
+    """True when :func:`gate_pack` takes this problem: bf16 or f16, ``tile == 256``,
+    ``capacity`` in [1, 64], ``d`` and ``f`` positive multiples of 8."""
+    return (
+        jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and tile == FUSED_GATE_TILE
+        and 1 <= capacity <= FUSED_GATE_MAX_CAPACITY
+        and d > 0
+        and d % 8 == 0
+        and f > 0
+        and f % 8 == 0
+    )
+
+
+def fused_gate_preferred(m: int, d: int, f: int, tile: int, capacity: int, dtype) -> bool:
+    """True where the FFN paths pack the gate with the fused kernel: it takes the problem
+    (:func:`fused_gate_supported`) and measured faster than XLA's matmul + the pack there
+    (``FUSED_GATE_MIN_TOKENS`` <= M, d <= ``FUSED_GATE_MAX_D``)."""
+    return m >= FUSED_GATE_MIN_TOKENS and d <= FUSED_GATE_MAX_D and fused_gate_supported(d, f, tile, capacity, dtype)
+
+
+def gate_pack(x: jax.Array, w: jax.Array, *, tile: int, capacity: int, variant: int | None = None) -> TwELL:
+    """``relu(x @ w)`` as TwELL by the fused gate kernel: the matmul's epilogue packs each
+    output tile (``jax_twell_gate_pack``); no ``[M, f]`` activation is written.
+
+    x: ``[..., M, d]``, w: ``[d, f]``, one dtype; :func:`fused_gate_supported` must hold
+    (the handler refuses anything else with an error naming the constraint). The result is
+    what ``pack_twell(relu(x @ w))`` gives, up to the last bit of an element: the matmul
+    accumulates in f32 in its own order over ``d`` and rounds once, as XLA's does, but
+    XLA's order differs. ``variant``: the GEMM's configuration code (default
+    ``FUSED_GATE_VARIANT``; see ffi/twell_gate.cu), the same result for every code.
+    """
+    variant = FUSED_GATE_VARIANT if variant is None else variant
+    d, f = w.shape
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead)) if lead else 1
+    n_tiles = -(-f // tile)
+    out_types = (
+        jax.ShapeDtypeStruct((rows, n_tiles, capacity), x.dtype),
+        jax.ShapeDtypeStruct((rows, n_tiles, capacity), jnp.int16),
+        jax.ShapeDtypeStruct((rows, n_tiles), jnp.int32),
+    )
+    if rows == 0:
+        values, cols, counts = (jnp.zeros(t.shape, t.dtype) for t in out_types)
+    else:
+        call = kernel_call("jax_twell_gate_pack", out_types, vmap_method="sequential")
+        values, cols, counts = call(
+            x.reshape(rows, d), w, tile=np.int32(tile), capacity=np.int32(capacity), variant=np.int32(variant)
+        )
+    return TwELL(
+        values.reshape(*lead, n_tiles, capacity),
+        cols.reshape(*lead, n_tiles, capacity),
+        counts.reshape(*lead, n_tiles),
+        f=f,
+        tile=tile,
+    )
+
+
 def gate_twell(x, w, *, tile: int, capacity: int) -> TwELL:
-    """``relu(x @ w)`` as TwELL: XLA matmul (f32 accumulation) then ``jax_twell_pack``."""
+    """``relu(x @ w)`` as TwELL: the fused gate kernel (:func:`gate_pack`) where it takes
+    the problem, else XLA's matmul (f32 accumulation) then ``jax_twell_pack``."""
+    if fused_gate_supported(w.shape[0], w.shape[1], tile, capacity, x.dtype):
+        return gate_pack(x, w, tile=tile, capacity=capacity)
     return pack_twell(relu_matmul(x, w), tile=tile, capacity=capacity)

@@ -355,8 +355,12 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     f = w_act.shape[1]
-    g = relu_matmul(x, w_act)
-    act = _pack(g, tile=TILE, capacity=CAPACITY)
+    # Decided for the kernels (margin inf: only the entry budget is checked per call): the
+    # fused gate kernel packs in the matmul's epilogue and g is never written; the dense
+    # branch, then taken only past the budget, recomputes it.
+    fused = cfg.rule.margin == float("inf") and cuda.fused_gate_preferred(m, d, f, TILE, CAPACITY, x.dtype)
+    g = None if fused else relu_matmul(x, w_act)
+    act = cuda.gate_pack(x, w_act, tile=TILE, capacity=CAPACITY) if fused else _pack(g, tile=TILE, capacity=CAPACITY)
     counts = act.counts.sum(axis=-1, dtype=jnp.int32)
     fits = cuda.blocked_needed_entries(act) <= cfg.max_entries
     use = fits & cfg.rule.use_sparse(
@@ -375,12 +379,13 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
         return _as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
 
     def dense(_):
-        h = g * jnp.matmul(x, w_up) if gated else g
+        gate = relu_matmul(x, w_act) if g is None else g
+        h = gate * jnp.matmul(x, w_up) if gated else gate
         y = jnp.matmul(h, w_down)
         l1 = jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1)
         shapes = residual_shapes(m, act.n_tiles, TILE, cfg.max_entries, gated)
         res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # not read by the dense backward
-        return _as_varying((y, l1, (g != 0).any(axis=0), res), axes)
+        return _as_varying((y, l1, (gate != 0).any(axis=0), res), axes)
 
     y, l1, fired, res = jax.lax.cond(use, sparse, dense, None)
     return (y, l1, counts, fired), (x, w_gate, w_up, w_down, use, res)
