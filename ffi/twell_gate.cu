@@ -48,10 +48,13 @@ constexpr int kGateMaxCapacity = 64;
 // A wgmma m64nNk16 f32 accumulator gives each warp 16 rows of the tile; the 256 columns of
 // a row are spread over a quad of lanes, lane q holding columns 8 i + 2 q + {0, 1}
 // (i = 0..31), fragment index 4 i + 2 h + b for row half h (rows +0 / +8). Each thread sets
-// one bit per column it holds, 2 i + b, in a 64-bit mask per row half; the quad exchanges
-// its four masks (shuffles), so a non-zero's slot (the non-zeros before it in column order)
-// is four popcounts. Slots go to the warp's shared staging area, then the warp writes each
-// of its 16 rows' `capacity` slots (zero past the count) and true count, coalesced.
+// one bit per non-zero column it holds, 2 i + b, in a 64-bit mask per row half, and rounds
+// its accumulators in pairs; the quad exchanges its four masks (shuffles), so a non-zero's
+// slot (the non-zeros before it in column order) is four popcounts, computed only for the
+// thread's own non-zeros (a loop over its set bits), whose values a tree of selects picks
+// from the rounded pairs. Slots go to the warp's shared staging area, then the warp writes
+// each of its 16 rows' `capacity` slots (zero past the count), four slots per lane, and the
+// rows' true counts.
 template <class Element>
 class TwellPackEpilogue {
  public:
@@ -140,73 +143,115 @@ class TwellPackEpilogue {
 
     // 1. Masks of the non-zeros after relu and rounding, per row half: relu(a) rounds to a
     //    non-zero exactly when a is above half the element type's smallest subnormal (a
-    //    tie rounds to even, zero), or NaN.
+    //    tie rounds to even, zero), or NaN. The accumulators, rounded in pairs (columns
+    //    8 chunk + 2 q + {0, 1}), are kept for the few non-zeros' values.
     uint32_t mask[2][2] = {{0u, 0u}, {0u, 0u}};
+    uint32_t pairs[2][32];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < 128; ++i) {
       const int b = i % 2, h = (i / 2) % 2, chunk = i / 4;
       if (!(static_cast<float>(accumulators(i)) <= kNonZeroAbove)) mask[h][chunk / 16] |= 1u << ((2 * chunk + b) % 32);
     }
+    CUTLASS_PRAGMA_UNROLL
+    for (int chunk = 0; chunk < 32; ++chunk) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int h = 0; h < 2; ++h)
+        pairs[h][chunk] = PackPair(accumulators(4 * chunk + 2 * h), accumulators(4 * chunk + 2 * h + 1));
+    }
 
-    // 2. The quad's masks; each non-zero's slot; the staging area.
+    // 2. The quad's masks; each non-zero's slot (the quad's non-zeros before it in column
+    //    order: four popcounts); slots below capacity to the warp's staging area. The loop
+    //    runs over this thread's non-zeros only (~0.3 per row half at 0.5% active).
     uint32_t* slots = &smem.slots[warp][0][0];
     CUTLASS_PRAGMA_UNROLL
     for (int h = 0; h < 2; ++h) {
-      uint32_t lo[4], hi[4];
+      uint64_t quad_masks[4];
       int count = 0;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < 4; ++j) {
-        lo[j] = __shfl_sync(kFullMask, mask[h][0], quad | j);
-        hi[j] = __shfl_sync(kFullMask, mask[h][1], quad | j);
-        count += __popc(lo[j]) + __popc(hi[j]);
+        const uint32_t lo = __shfl_sync(kFullMask, mask[h][0], quad | j);
+        const uint32_t hi = __shfl_sync(kFullMask, mask[h][1], quad | j);
+        quad_masks[j] = (static_cast<uint64_t>(hi) << 32) | lo;
+        count += __popcll(quad_masks[j]);
       }
       const int r = lane / 4 + 8 * h;  // row within the warp's 16
       if (q == 0) smem.counts[warp][r] = count;
-      if (mask[h][0] == 0u && mask[h][1] == 0u) continue;
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < 64; ++k) {  // the fragment indices of half h, in column order
-        const int chunk = k / 2, b = k % 2, i = 4 * chunk + 2 * h + b, bit = k;
-        if (!((mask[h][chunk / 16] >> (bit % 32)) & 1u)) continue;
+      uint64_t mine = (static_cast<uint64_t>(mask[h][1]) << 32) | mask[h][0];
+      while (mine != 0) {
+        const int bit = __ffsll(static_cast<long long>(mine)) - 1;  // = 2 chunk + b
+        mine &= mine - 1;
+        const int chunk = bit / 2, b = bit % 2;
         int slot = 0;
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < 4; ++j) {
           const int below = j < q ? 2 * chunk + 2 : (j == q ? bit : 2 * chunk);  // bits before this column
-          slot += PopcBelow(lo[j], hi[j], below);
+          slot += __popcll(below >= 64 ? quad_masks[j] : quad_masks[j] & ((uint64_t{1} << below) - 1));
         }
-        if (slot < capacity)
-          slots[r * kGateMaxCapacity + slot] = ElementBits(accumulators(i)) | (static_cast<uint32_t>(8 * chunk + 2 * q + b) << 16);
+        if (slot < capacity) {
+          const uint32_t value = (Pick32(pairs[h], chunk) >> (16 * b)) & 0xffffu;
+          slots[r * kGateMaxCapacity + slot] = value | (static_cast<uint32_t>(8 * chunk + 2 * q + b) << 16);
+        }
       }
     }
     __syncwarp();
 
-    // 3. The warp's 16 rows, coalesced: slot s of a row by lane s (and s + 32).
+    // 3. The warp's 16 rows, coalesced. Capacity 4, 8, 16, 32 or 64: a lane writes four
+    //    slots of one row's values or columns (8-byte stores), 32 / (capacity / 2) rows at
+    //    a time; other capacities: lane s writes slot s.
     const int64_t row0 = static_cast<int64_t>(m_tile) * kTileM + row_base;
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < 16; ++r) {
-      const int64_t row = row0 + r;
-      if (row >= params_.m) break;
-      const int count = smem.counts[warp][r];
-      const int64_t out = (row * params_.n_tiles + n_tile) * capacity;
-      for (int s = lane; s < capacity; s += 32) {
-        const uint32_t word = s < count ? slots[r * kGateMaxCapacity + s] : 0u;
-        params_.values[out + s] = static_cast<uint16_t>(word & 0xffffu);
-        params_.cols[out + s] = static_cast<int16_t>(word >> 16);
+    const int64_t row_stride = static_cast<int64_t>(params_.n_tiles) * capacity;
+    const int64_t out0 = (row0 * params_.n_tiles + n_tile) * capacity;
+    if (lane < 16 && row0 + lane < params_.m)
+      params_.counts[(row0 + lane) * params_.n_tiles + n_tile] = smem.counts[warp][lane];
+    const int tasks = capacity / 2;  // per row: capacity / 4 groups of values, as many of columns
+    if (capacity % 4 == 0 && 32 % tasks == 0) {
+      const int rows_per_step = 32 / tasks, groups = capacity / 4;
+      const int task = lane % tasks, is_col = task / groups, group = task % groups;
+      for (int r = lane / tasks; r < 16; r += rows_per_step) {
+        if (row0 + r >= params_.m) break;
+        const int count = smem.counts[warp][r];
+        const uint4 words = *reinterpret_cast<const uint4*>(&slots[r * kGateMaxCapacity + 4 * group]);
+        const uint32_t w[4] = {words.x, words.y, words.z, words.w};
+        uint32_t half[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < 4; ++k) half[k] = 4 * group + k < count ? (is_col ? w[k] >> 16 : w[k] & 0xffffu) : 0u;
+        const uint2 packed = make_uint2(half[0] | (half[1] << 16), half[2] | (half[3] << 16));
+        uint16_t* base = is_col ? reinterpret_cast<uint16_t*>(params_.cols) : params_.values;
+        *reinterpret_cast<uint2*>(base + out0 + r * row_stride + 4 * group) = packed;
       }
-      if (lane == 0) params_.counts[row * params_.n_tiles + n_tile] = count;
+    } else {
+      for (int r = 0; r < 16; ++r) {
+        if (row0 + r >= params_.m) break;
+        const int count = smem.counts[warp][r];
+        for (int s = lane; s < capacity; s += 32) {
+          const uint32_t word = s < count ? slots[r * kGateMaxCapacity + s] : 0u;
+          params_.values[out0 + r * row_stride + s] = static_cast<uint16_t>(word & 0xffffu);
+          params_.cols[out0 + r * row_stride + s] = static_cast<int16_t>(word >> 16);
+        }
+      }
     }
     __syncwarp();  // the staging area is the next tile's
   }
 
  private:
-  // Bits of relu(a) rounded once to the element type; NaN stays NaN (a non-zero).
-  CUTLASS_DEVICE static uint32_t ElementBits(float a) {
-    const Element e((a > 0.f || a != a) ? a : 0.f);
-    return reinterpret_cast<const uint16_t&>(e);
+  // Two accumulators rounded to the element type, the first in the low 16 bits.
+  CUTLASS_DEVICE static uint32_t PackPair(float a, float b) {
+    const Element lo(a), hi(b);
+    return static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(lo)) |
+           (static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(hi)) << 16);
   }
-  // Set bits of the 64-bit mask (lo, hi) below bit n (n in [0, 64]).
-  CUTLASS_DEVICE static int PopcBelow(uint32_t lo, uint32_t hi, int n) {
-    if (n >= 32) return __popc(lo) + __popc(n == 64 ? hi : hi & ((1u << (n - 32)) - 1u));
-    return __popc(lo & ((1u << n) - 1u));
+  // v[i] for a run-time i in [0, 32), by a tree of selects (registers, no local memory).
+  CUTLASS_DEVICE static uint32_t Pick32(const uint32_t (&v)[32], int i) {
+    uint32_t t[16];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 16; ++k) t[k] = (i & 1) ? v[2 * k + 1] : v[2 * k];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 8; ++k) t[k] = (i & 2) ? t[2 * k + 1] : t[2 * k];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 4; ++k) t[k] = (i & 4) ? t[2 * k + 1] : t[2 * k];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 2; ++k) t[k] = (i & 8) ? t[2 * k + 1] : t[2 * k];
+    return (i & 16) ? t[1] : t[0];
   }
 
   static constexpr float kNonZeroAbove = std::is_same_v<Element, cutlass::half_t> ? 0x1p-25f : 0x1p-134f;

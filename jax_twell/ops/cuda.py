@@ -25,6 +25,7 @@ __all__ = [
     "gate_pack",
     "fused_gate_supported",
     "fused_gate_preferred",
+    "fused_gate_variant",
     "twell_ffn",
     "sparse_ffn",
     "DenseCrossover",
@@ -825,16 +826,25 @@ def sampled_gate_counts(g: jax.Array, *, tile: int, capacity: int, rows: int) ->
 # tiles are packed as TwELL in its epilogue, so the M x f activation is never written.
 FUSED_GATE_TILE = 256
 FUSED_GATE_MAX_CAPACITY = 64
-# Where the FFN paths use the fused gate instead of XLA's matmul + the pack kernel: where it
-# measured faster (ffi/notes/twell_gate.md; H200, bf16): ~10% at M=16384 with d=2048
-# (f=5632 and 8192), but 5-8% slower at M=2048 and at d=4096 (XLA's GEMM runs closer to the
-# tensor cores' peak than this one). gate_twell takes any M and d.
-FUSED_GATE_MIN_TOKENS = 8192
-FUSED_GATE_MAX_D = 2048
+# Where the FFN paths use the fused gate instead of XLA's matmul + the pack kernel: from
+# M=2048 up it measured 1.08-1.14x faster than those two at every benchmark shape (H200,
+# bf16; ffi/notes/twell_gate.md). Below, its tiles no longer fill the GPU (no split over
+# d). gate_twell takes any M.
+FUSED_GATE_MIN_TOKENS = 2048
 # The GEMM's configuration code (ffi/twell_gate.cu, attribute `variant`): configuration
 # 0 cooperative 128 x 256 tiles, 1 ping-pong 64 x 256 tiles, 2 the same in clusters of 4;
-# plus 4 x raster order and 16 x log2 swizzle of the tile scheduler.
-FUSED_GATE_VARIANT = 1
+# plus 4 x raster order and 16 x log2 swizzle of the tile scheduler. None: by d, as
+# measured (:func:`fused_gate_variant`).
+FUSED_GATE_VARIANT = None
+
+
+def fused_gate_variant(d: int) -> int:
+    """The fused gate GEMM's configuration for width ``d``: ping-pong below d=4096 (0.88-0.93x
+    of XLA's matmul at d=2048, the cooperative one 0.84-0.89x), cooperative from 4096 (0.99x,
+    ping-pong 0.87x), unless ``FUSED_GATE_VARIANT`` is set."""
+    if FUSED_GATE_VARIANT is not None:
+        return FUSED_GATE_VARIANT
+    return 0 if d >= 4096 else 1
 
 
 def fused_gate_supported(d: int, f: int, tile: int, capacity: int, dtype) -> bool:
@@ -854,8 +864,8 @@ def fused_gate_supported(d: int, f: int, tile: int, capacity: int, dtype) -> boo
 def fused_gate_preferred(m: int, d: int, f: int, tile: int, capacity: int, dtype) -> bool:
     """True where the FFN paths pack the gate with the fused kernel: it takes the problem
     (:func:`fused_gate_supported`) and measured faster than XLA's matmul + the pack there
-    (``FUSED_GATE_MIN_TOKENS`` <= M, d <= ``FUSED_GATE_MAX_D``)."""
-    return m >= FUSED_GATE_MIN_TOKENS and d <= FUSED_GATE_MAX_D and fused_gate_supported(d, f, tile, capacity, dtype)
+    (``FUSED_GATE_MIN_TOKENS`` <= M)."""
+    return m >= FUSED_GATE_MIN_TOKENS and fused_gate_supported(d, f, tile, capacity, dtype)
 
 
 def gate_pack(x: jax.Array, w: jax.Array, *, tile: int, capacity: int, variant: int | None = None) -> TwELL:
@@ -867,10 +877,10 @@ def gate_pack(x: jax.Array, w: jax.Array, *, tile: int, capacity: int, variant: 
     what ``pack_twell(relu(x @ w))`` gives, up to the last bit of an element: the matmul
     accumulates in f32 in its own order over ``d`` and rounds once, as XLA's does, but
     XLA's order differs. ``variant``: the GEMM's configuration code (default
-    ``FUSED_GATE_VARIANT``; see ffi/twell_gate.cu), the same result for every code.
+    :func:`fused_gate_variant`; see ffi/twell_gate.cu), the same result for every code.
     """
-    variant = FUSED_GATE_VARIANT if variant is None else variant
     d, f = w.shape
+    variant = fused_gate_variant(d) if variant is None else variant
     lead = x.shape[:-1]
     rows = int(np.prod(lead)) if lead else 1
     n_tiles = -(-f // tile)

@@ -1,0 +1,116 @@
+// gemm_probe: how fast can stock CUTLASS GEMMs run the gate's shape (standalone probe).
+//
+// The fused gate kernel (ffi/twell_gate.cu) is a CUTLASS GEMM with a TwELL epilogue; its
+// cooperative 128 x 256 configuration runs at ~0.65x of XLA's matmul where its ping-pong
+// 64 x 256 one runs at ~0.86x. This probe times plain GEMMs (D = x @ w in bf16, CUTLASS's
+// own TMA epilogue) of the same shape in several configurations, to tell whether the
+// main loop of a configuration or the TwELL epilogue sets the fused kernel's speed:
+// schedule (cooperative / ping-pong), tile, cluster, and w's layout (as stored, [d, f]
+// with f contiguous, or transposed).
+//
+// Build: nvcc -O3 -std=c++17 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+//          -I$CUTLASS/include -I$CUTLASS/tools/util/include benchmarks/gemm_probe.cu -o gemm_probe
+// Run:   ./gemm_probe [M d f]   (default 16384 2048 5632); CUDA-event time of 50 calls.
+#include <cstdio>
+#include <cstdlib>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/util/packed_stride.hpp"
+
+using namespace cute;
+using BF16 = cutlass::bfloat16_t;
+
+__global__ void FillKernel(BF16* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    p[i] = BF16((int(h % 2001) - 1000) * 1e-3f);
+  }
+}
+
+template <class Schedule, class EpiSchedule, class Tile, class Cluster, class LayoutB>
+float TimeGemm(const char* name, int m, int d, int f, const BF16* x, const BF16* w, BF16* out) {
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
+      float, float, void, cutlass::layout::RowMajor, 8, BF16, cutlass::layout::RowMajor, 8, EpiSchedule>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, BF16, cutlass::layout::RowMajor, 8, BF16, LayoutB, 8, float,
+      Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      Schedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {m, d, 1});
+  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {f, d, 1});
+  auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, f, 1});
+  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                {m, f, d, 1},
+                                {x, sa, w, sb},
+                                {{1.f, 0.f}, nullptr, sd, out, sd},
+                                cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0)};
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess || Gemm::get_workspace_size(args) != 0) {
+    printf("%-44s cannot run\n", name);
+    return 0.f;
+  }
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0);
+  cudaEventCreate(&t1);
+  for (int i = 0; i < 5; ++i) {
+    gemm.initialize(args, nullptr);
+    gemm.run();
+  }
+  const int reps = 50;
+  cudaEventRecord(t0);
+  for (int i = 0; i < reps; ++i) {
+    gemm.initialize(args, nullptr);
+    gemm.run();
+  }
+  cudaEventRecord(t1);
+  cudaEventSynchronize(t1);
+  float ms = 0.f;
+  cudaEventElapsedTime(&ms, t0, t1);
+  ms /= reps;
+  const cudaError_t err = cudaGetLastError();
+  printf("%-44s %8.3f ms %6.0f TF/s %s\n", name, ms, 2.0 * m * d * f / (ms * 1e-3) / 1e12,
+         err == cudaSuccess ? "" : cudaGetErrorString(err));
+  return ms;
+}
+
+int main(int argc, char** argv) {
+  const int m = argc > 1 ? atoi(argv[1]) : 16384, d = argc > 2 ? atoi(argv[2]) : 2048, f = argc > 3 ? atoi(argv[3]) : 5632;
+  BF16 *x, *w, *out;
+  cudaMalloc(&x, sizeof(BF16) * size_t(m) * d);
+  cudaMalloc(&w, sizeof(BF16) * size_t(d) * f);
+  cudaMalloc(&out, sizeof(BF16) * size_t(m) * f);
+  FillKernel<<<1024, 256>>>(x, size_t(m) * d, 1u);
+  FillKernel<<<1024, 256>>>(w, size_t(d) * f, 2u);
+  printf("M=%d d=%d f=%d, plain GEMM D = x @ w (bf16), CUTLASS TMA epilogue\n", m, d, f);
+  using Coop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using CoopEpi = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using Ping = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using PingEpi = cutlass::epilogue::TmaWarpSpecialized;
+  using NMajor = cutlass::layout::RowMajor;     // w [d, f] as stored
+  using KMajor = cutlass::layout::ColumnMajor;  // w stored transposed, [f, d]
+  using T128x256 = Shape<_128, _256, _64>;
+  using T64x256 = Shape<_64, _256, _64>;
+  using T256x128 = Shape<_256, _128, _64>;
+  TimeGemm<Coop, CoopEpi, T128x256, Shape<_2, _1, _1>, NMajor>("cooperative 128x256 cluster 2x1 w[d,f]", m, d, f, x, w, out);
+  TimeGemm<Coop, CoopEpi, T128x256, Shape<_1, _1, _1>, NMajor>("cooperative 128x256 cluster 1x1 w[d,f]", m, d, f, x, w, out);
+  TimeGemm<Coop, CoopEpi, T128x256, Shape<_1, _2, _1>, NMajor>("cooperative 128x256 cluster 1x2 w[d,f]", m, d, f, x, w, out);
+  TimeGemm<Coop, CoopEpi, T128x256, Shape<_2, _1, _1>, KMajor>("cooperative 128x256 cluster 2x1 w[f,d]", m, d, f, x, w, out);
+  TimeGemm<Coop, CoopEpi, T256x128, Shape<_2, _1, _1>, NMajor>("cooperative 256x128 cluster 2x1 w[d,f]", m, d, f, x, w, out);
+  TimeGemm<Ping, PingEpi, T64x256, Shape<_2, _1, _1>, NMajor>("ping-pong 64x256 cluster 2x1 w[d,f]", m, d, f, x, w, out);
+  TimeGemm<Ping, PingEpi, T64x256, Shape<_2, _1, _1>, KMajor>("ping-pong 64x256 cluster 2x1 w[f,d]", m, d, f, x, w, out);
+  cudaFree(x);
+  cudaFree(w);
+  cudaFree(out);
+  return 0;
+}
