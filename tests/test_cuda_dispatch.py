@@ -193,6 +193,78 @@ def test_the_pack_runs_only_in_the_sparse_branches(stand_ins):
     assert packs_in(jaxpr.eqns) == 0 and not any(e.primitive.name == "cond" for e in jaxpr.eqns)
 
 
+@functools.partial(jax.jit, static_argnames=("tile", "capacity"))
+def stand_in_gate(x, w, *, tile, capacity):  # a named call, recognisable in a jaxpr
+    return pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity)
+
+
+def test_the_fused_gate_runs_where_the_sparse_side_is_expected(stand_ins, monkeypatch):
+    """Forced, or with a known fraction the rule sends to the kernels, calls of at least
+    FUSED_GATE_MIN_TOKENS tokens take the gate from the fused kernel (no XLA gate matmul,
+    no pack, exact counts); a call that then runs dense recomputes the FFN with XLA. The
+    per-call rule, small M and shapes the kernel does not take keep XLA's matmul + pack."""
+    stand_ins(mark=False)
+    monkeypatch.setattr(cuda, "gate_pack", stand_in_gate)
+    monkeypatch.setattr(cuda, "FUSED_GATE_MIN_TOKENS", 1000)
+
+    def names(fn, x):
+        eqns = jax.make_jaxpr(fn)(x).jaxpr.eqns
+        found, stack = [], list(eqns)
+        while stack:
+            e = stack.pop()
+            if e.primitive.name in ("pjit", "jit"):
+                found.append(e.params.get("name"))
+            for v in e.params.values():  # sub-jaxprs: jit bodies, cond branches
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        stack.extend(sub.eqns)
+        return found
+
+    inp = case(m=1100, f=704, density=0.01, key=10)  # f a multiple of 8: the kernel takes it
+    want = xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)
+    forced = lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
+                                       crossover=cuda.DenseCrossover(margin=float("inf")))
+    known = lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
+                                      crossover=cuda.DenseCrossover(**NO_FIXED), active_fraction=1e-4)
+    per_call = lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
+                                         crossover=cuda.DenseCrossover(**NO_FIXED))
+    for fn in (forced, known):
+        found = names(fn, inp.x)
+        assert "stand_in_gate" in found and "stand_in_pack" not in found
+        assert_close(jax.jit(fn)(inp.x), want, fused_tolerance(jnp.bfloat16, 704), "fused gate")
+    assert "stand_in_gate" not in names(per_call, inp.x)
+    # A known fraction the call's counts contradict: the dense side, XLA's FFN bit for bit.
+    dense_inp = case(m=1100, f=704, density=0.3, full=0, empty=0, key=11)
+    known_dense = lambda x: cuda.sparse_ffn(x, dense_inp.w_gate, dense_inp.w_up, dense_inp.w_down, tile=256,
+                                            capacity=8, crossover=cuda.DenseCrossover(**NO_FIXED), active_fraction=1e-4)
+    assert "stand_in_gate" in names(known_dense, dense_inp.x)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(known_dense)(dense_inp.x), np.float32),
+        np.asarray(xla.ffn(dense_inp.x, dense_inp.w_gate, dense_inp.w_up, dense_inp.w_down), np.float32),
+    )
+    # Below the token bound, or f not a multiple of 8: XLA's matmul + the pack.
+    small = case(m=900, f=704, key=12)
+    assert "stand_in_gate" not in names(lambda x: cuda.sparse_ffn(
+        x, small.w_gate, small.w_up, small.w_down, tile=256, capacity=8, crossover=cuda.DenseCrossover(margin=float("inf"))), small.x)
+    odd = case(m=1100, f=700, key=13)
+    assert "stand_in_gate" not in names(lambda x: cuda.sparse_ffn(
+        x, odd.w_gate, odd.w_up, odd.w_down, tile=256, capacity=8, crossover=cuda.DenseCrossover(margin=float("inf"))), odd.x)
+
+
+def test_fused_gate_choices():
+    assert cuda.fused_gate_supported(2048, 5632, 256, 32, jnp.bfloat16)
+    assert cuda.fused_gate_supported(136, 520, 256, 64, jnp.float16)
+    assert not cuda.fused_gate_supported(2048, 5632, 256, 32, jnp.float32)
+    assert not cuda.fused_gate_supported(2048, 5632, 128, 32, jnp.bfloat16)
+    assert not cuda.fused_gate_supported(2048, 5632, 256, 65, jnp.bfloat16)
+    assert not cuda.fused_gate_supported(2044, 5632, 256, 32, jnp.bfloat16)
+    assert not cuda.fused_gate_supported(2048, 5630, 256, 32, jnp.bfloat16)
+    assert cuda.fused_gate_preferred(cuda.FUSED_GATE_MIN_TOKENS, 2048, 5632, 256, 32, jnp.bfloat16)
+    assert not cuda.fused_gate_preferred(cuda.FUSED_GATE_MIN_TOKENS - 1, 2048, 5632, 256, 32, jnp.bfloat16)
+    assert cuda.fused_gate_variant(2048) == 1 and cuda.fused_gate_variant(4096) == 0
+
+
 def test_blocked_counts_agree_with_the_emulation():
     inp = case(m=1500, full=9, empty=11, key=9)
     g = relu_matmul(inp.x, inp.w_gate)

@@ -14,7 +14,7 @@ import pytest
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import blocked_emulation as bemu
-from jax_twell.ops import cuda_train, reference, xla
+from jax_twell.ops import cuda, cuda_train, reference, xla
 from jax_twell.ops import train_emulation as emu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close
@@ -253,6 +253,37 @@ def test_sparse_path_runs_the_kernels_and_keeps_no_dense_residual(emulated_kerne
     _, residuals = jax.vjp(fn, x, wg, wu, wd)
     leaves = jax.tree.leaves(residuals)
     assert not any(a.ndim == 2 and a.shape[1] == 520 and a.shape[0] >= 300 for a in leaves)
+
+
+@pytest.mark.parametrize("width", [128, 2], ids=["sparse", "over_budget"])
+def test_fused_gate_in_the_training_forward(emulated_kernels, monkeypatch, width):
+    """Decided for the kernels (margin inf) and at least FUSED_GATE_MIN_TOKENS tokens, the
+    forward takes TwELL from the fused gate kernel instead of XLA's matmul + the pack; past
+    the entry budget the dense branch recomputes the gate. Gradients and statistics as
+    the reference's either way."""
+    gates = []
+
+    def gate(x, w, *, tile, capacity):
+        gates.append(x.shape)
+        return pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity)
+
+    monkeypatch.setattr(cuda, "gate_pack", gate)
+    monkeypatch.setattr(cuda, "FUSED_GATE_MIN_TOKENS", 256)
+    monkeypatch.setattr(cuda_train, "_pack", lambda *a, **k: pytest.fail("the pack ran"))
+    x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", True, full=2, empty=3, key=14)
+    fn = functools.partial(cuda_train.ffn_with_aux, width=width, crossover=ALWAYS_SPARSE)
+    (y, l1), grads = grads_of(jax.jit(lambda *a: fn(*a)[:2]), x, wg, wu, wd, dy)
+    (y_ref, l1_ref), g_ref = grads_of(lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
+    jax.block_until_ready(grads)
+    assert gates and KERNEL_CALLS == (["forward", "backward"] if width > 2 else [])
+    for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
+        assert_close(g, r, GRAD_TOL, f"{name} width={width}")
+    assert_close(y, y_ref, GRAD_TOL, "y")
+    np.testing.assert_allclose(l1, l1_ref, rtol=2e-2)
+    _, _, counts, fired = fn(x, wg, wu, wd)
+    active = np.asarray(relu_matmul(x, wg)) != 0
+    np.testing.assert_array_equal(counts, active.sum(-1))
+    np.testing.assert_array_equal(fired, active.any(0))
 
 
 def test_api_default_stays_xla_and_cuda_entry_exists():
