@@ -101,6 +101,35 @@ def test_fused_gate_matches_xla_gate_on_random_inputs(m, d, f):
         assert np.abs(np.where(flipped, dense + want, 0)).max() <= 2 ** -6 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_fused_gate_packs_tiny_and_non_finite_values_as_xla_and_the_pack(dtype):
+    """An element is packed exactly when relu(a) rounds to a non-zero: a tie at half the
+    smallest subnormal rounds to zero (even), a value above it to the subnormal; inf and
+    NaN (inf * 0, inf - inf) are non-zeros. Compared with XLA's gate (the same tensor cores)
+    and the reference pack: counts and columns equal, values equal bit for bit or both NaN."""
+    d, f = 8, 16
+    # Scales whose product is half the smallest subnormal: 2^-134 (bf16), 2^-25 (f16).
+    sx, sw = (2.0**-67, 2.0**-67) if dtype == jnp.bfloat16 else (2.0**-12, 2.0**-13)
+    x = np.zeros((4, d), np.float32)
+    w = np.zeros((d, f), np.float32)
+    w[0] = np.array([1, 1.5, -1, 0, 2, 1.25, 3, -1.5, 1, 1, 0.5, 4, 1, -2, 1, 1.75]) * sw
+    w[1] = np.where(np.arange(f) % 3 == 0, -sw, sw)
+    x[0, 0] = sx  # tiny: ties, values just above them, exact subnormals
+    x[1, 0] = np.inf  # inf where w[0] > 0, NaN where w[0] == 0, zero where w[0] < 0
+    x[2, :2] = np.inf  # inf - inf = NaN where the signs of w[0] and w[1] differ
+    x[3] = np.arange(1, d + 1) * sx
+    x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+    got = cuda.gate_pack(x, w, tile=TILE, capacity=8)
+    want = pack_twell_reference(relu_matmul(x, w), tile=TILE, capacity=8)
+    np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(want.counts))
+    np.testing.assert_array_equal(np.asarray(got.cols), np.asarray(want.cols))
+    a, b = np.asarray(got.values, np.float32), np.asarray(want.values, np.float32)
+    assert ((a == b) | (np.isnan(a) & np.isnan(b))).all(), (a, b)
+    assert np.isnan(b).any() and np.isinf(b).any()
+    if dtype == jnp.float16:  # f16's rounding boundary is an f32 normal: ties and values above it both present
+        assert 0 < int(np.asarray(want.counts)[0].sum()) < f
+
+
 def test_fused_gate_leading_dims_and_vmap():
     x, w = integer_gate_inputs(5, 2 * 150, 64, 520, 0.05)
     x3 = x.reshape(2, 150, 64)
