@@ -8,8 +8,11 @@
 // schedule (cooperative / ping-pong), tile, cluster, and w's layout (as stored, [d, f]
 // with f contiguous, or transposed).
 //
+// It also times the fused kernel's GEMM with its TwELL epilogue (ffi/twell_gate_epilogue.cuh),
+// whole and with only its first steps, to tell what each step costs.
+//
 // Build: nvcc -O3 -std=c++17 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-//          -I$CUTLASS/include -I$CUTLASS/tools/util/include benchmarks/gemm_probe.cu -o gemm_probe
+//          -Iffi -I$CUTLASS/include -I$CUTLASS/tools/util/include benchmarks/gemm_probe.cu -o gemm_probe
 // Run:   ./gemm_probe [M d f]   (default 16384 2048 5632); CUDA-event time of 50 calls.
 #include <cstdio>
 #include <cstdlib>
@@ -22,6 +25,8 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
+#include "twell_gate_epilogue.cuh"
+
 using namespace cute;
 using BF16 = cutlass::bfloat16_t;
 
@@ -32,6 +37,15 @@ __global__ void FillKernel(BF16* p, size_t n, uint32_t seed) {
     h *= 0x5bd1e995u;
     h ^= h >> 15;
     p[i] = BF16((int(h % 2001) - 1000) * 1e-3f);
+  }
+}
+
+// x[:, 0] = 1 and w[0, :] = -shift: every pre-activation shifted down, so that with the
+// fill's uniform values (variance 1/3 each) about 0.5% of the gate is positive.
+__global__ void SparsifyKernel(BF16* x, BF16* w, int m, int d, int f, float shift) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < m || i < f; i += gridDim.x * blockDim.x) {
+    if (i < m) x[size_t(i) * d] = BF16(1.f);
+    if (i < f) w[i] = BF16(-shift);
   }
 }
 
@@ -84,6 +98,58 @@ float TimeGemm(const char* name, int m, int d, int f, const BF16* x, const BF16*
   return ms;
 }
 
+// The fused gate kernel's GEMM with its TwELL epilogue, whole (kSteps 7) or in part (the
+// steps of twell_gate_epilogue.cuh: 0 none, 1 masks and counts, 3 and the slots staged).
+template <class Schedule, class Tile, class Cluster, int kSteps>
+float TimeTwell(const char* name, int m, int d, int f, const BF16* x, const BF16* w, uint16_t* values, int16_t* cols,
+                int32_t* counts) {
+  using Epilogue =
+      cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<jax_twell::TwellPackEpilogue<BF16, kSteps>>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, BF16, cutlass::layout::RowMajor, 8, BF16,
+      cutlass::layout::RowMajor, 8, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename jax_twell::TwellPackEpilogue<BF16, kSteps>::SharedStorage))>,
+      Schedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {m, d, 1});
+  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {f, d, 1});
+  const int n_tiles = (f + 255) / 256;
+  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                {m, f, d, 1},
+                                {x, sa, w, sb},
+                                {values, cols, counts, m, n_tiles, 32},
+                                cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0)};
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    printf("%-44s cannot run\n", name);
+    return 0.f;
+  }
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0);
+  cudaEventCreate(&t1);
+  for (int i = 0; i < 5; ++i) {
+    gemm.initialize(args, nullptr);
+    gemm.run();
+  }
+  const int reps = 50;
+  cudaEventRecord(t0);
+  for (int i = 0; i < reps; ++i) {
+    gemm.initialize(args, nullptr);
+    gemm.run();
+  }
+  cudaEventRecord(t1);
+  cudaEventSynchronize(t1);
+  float ms = 0.f;
+  cudaEventElapsedTime(&ms, t0, t1);
+  ms /= reps;
+  const cudaError_t err = cudaGetLastError();
+  printf("%-44s %8.3f ms %6.0f TF/s %s\n", name, ms, 2.0 * m * d * f / (ms * 1e-3) / 1e12,
+         err == cudaSuccess ? "" : cudaGetErrorString(err));
+  return ms;
+}
+
 int main(int argc, char** argv) {
   const int m = argc > 1 ? atoi(argv[1]) : 16384, d = argc > 2 ? atoi(argv[2]) : 2048, f = argc > 3 ? atoi(argv[3]) : 5632;
   BF16 *x, *w, *out;
@@ -92,7 +158,8 @@ int main(int argc, char** argv) {
   cudaMalloc(&out, sizeof(BF16) * size_t(m) * f);
   FillKernel<<<1024, 256>>>(x, size_t(m) * d, 1u);
   FillKernel<<<1024, 256>>>(w, size_t(d) * f, 2u);
-  printf("M=%d d=%d f=%d, plain GEMM D = x @ w (bf16), CUTLASS TMA epilogue\n", m, d, f);
+  SparsifyKernel<<<256, 256>>>(x, w, m, d, f, 2.576f * sqrtf((d - 1) / 9.f));
+  printf("M=%d d=%d f=%d, ~0.5%% of x @ w positive; plain GEMMs D = x @ w (bf16, CUTLASS TMA epilogue), then the TwELL epilogue\n", m, d, f);
   using Coop = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using CoopEpi = cutlass::epilogue::TmaWarpSpecializedCooperative;
   using Ping = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
@@ -109,6 +176,25 @@ int main(int argc, char** argv) {
   TimeGemm<Coop, CoopEpi, T256x128, Shape<_2, _1, _1>, NMajor>("cooperative 256x128 cluster 2x1 w[d,f]", m, d, f, x, w, out);
   TimeGemm<Ping, PingEpi, T64x256, Shape<_2, _1, _1>, NMajor>("ping-pong 64x256 cluster 2x1 w[d,f]", m, d, f, x, w, out);
   TimeGemm<Ping, PingEpi, T64x256, Shape<_2, _1, _1>, KMajor>("ping-pong 64x256 cluster 2x1 w[f,d]", m, d, f, x, w, out);
+  // The TwELL epilogue (capacity 32), whole and in part, at ~0.5% active.
+  const int n_tiles = (f + 255) / 256;
+  uint16_t* values;
+  int16_t* cols;
+  int32_t* counts;
+  cudaMalloc(&values, sizeof(uint16_t) * size_t(m) * n_tiles * 32);
+  cudaMalloc(&cols, sizeof(int16_t) * size_t(m) * n_tiles * 32);
+  cudaMalloc(&counts, sizeof(int32_t) * size_t(m) * n_tiles);
+  using T128 = Shape<_128, _256, _64>;
+  using C2 = Shape<_2, _1, _1>;
+  TimeTwell<Coop, T128, C2, 0>("twell cooperative, main loop only", m, d, f, x, w, values, cols, counts);
+  TimeTwell<Coop, T128, C2, 1>("twell cooperative, + masks and counts", m, d, f, x, w, values, cols, counts);
+  TimeTwell<Coop, T128, C2, 3>("twell cooperative, + slots staged", m, d, f, x, w, values, cols, counts);
+  TimeTwell<Coop, T128, C2, 7>("twell cooperative, whole epilogue", m, d, f, x, w, values, cols, counts);
+  TimeTwell<Ping, T64x256, C2, 0>("twell ping-pong, main loop only", m, d, f, x, w, values, cols, counts);
+  TimeTwell<Ping, T64x256, C2, 7>("twell ping-pong, whole epilogue", m, d, f, x, w, values, cols, counts);
+  cudaFree(values);
+  cudaFree(cols);
+  cudaFree(counts);
   cudaFree(x);
   cudaFree(w);
   cudaFree(out);
