@@ -448,7 +448,13 @@ def sparse_ffn(
     active_fraction: float | None = None,
     w_act_t=None,
 ):
-    """Inference FFN: XLA gate matmul, ``jax_twell_pack``, then the fused kernel or dense.
+    """Inference FFN: the gate (XLA's matmul then ``jax_twell_pack``, or the fused gate
+    kernel), then the fused up + down kernel or dense.
+
+    The fused gate kernel (:func:`gate_pack`, the TwELL pack in the gate matmul's
+    epilogue) runs where the sparse side is expected (a forced rule, or a known
+    ``active_fraction`` the rule sends to the kernels) and :func:`fused_gate_preferred`
+    holds; a call that then turns out dense recomputes the FFN with XLA.
 
     ``kernel``: "auto" (default: "blocked_mma" where the shape allows it, else "row"),
     "row", "blocked" or "blocked_mma" (the blocked kernel with its up and down steps on
@@ -822,8 +828,9 @@ def sampled_gate_counts(g: jax.Array, *, tile: int, capacity: int, rows: int) ->
     return nnz.astype(jnp.float32) * scale, n_over.astype(jnp.float32) * scale
 
 
-# The fused gate kernel (ffi/twell_gate.cu): a CUTLASS Hopper GEMM whose 128 x 256 output
-# tiles are packed as TwELL in its epilogue, so the M x f activation is never written.
+# The fused gate kernel (ffi/twell_gate.cu): a CUTLASS Hopper GEMM whose output tiles
+# (64 or 128 tokens x 256 neurons, one TwELL tile) are packed as TwELL in its epilogue, so
+# the M x f activation is never written.
 FUSED_GATE_TILE = 256
 FUSED_GATE_MAX_CAPACITY = 64
 # Where the FFN paths use the fused gate instead of XLA's matmul + the pack kernel: from
