@@ -105,8 +105,8 @@ def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
     if not paths:
         return KernelStatus(
             False,
-            f"{LIBRARY_NAME} was not built: it needs nvcc at install time "
-            "(and JAX_TWELL_CUDA not set to OFF); the reference ops still run",
+            f"{LIBRARY_NAME} was not built: it needs nvcc and the CUTLASS headers (nvidia-cutlass) "
+            "at install time (and JAX_TWELL_CUDA not set to OFF); the reference ops still run",
         ), None
     path = paths[0]
     try:

@@ -2,6 +2,7 @@
 # GPU check: install (building the CUDA library against the local jaxlib), report kernel
 # status, run the GPU tests, and run compute-sanitizer over the kernel tests.
 # Usage: scripts/gpu_check.sh [pytest -k expression]; logs go to $OUT (default ./gpu-logs).
+# The build needs nvidia-cutlass installed (or CUTLASS_DIR set): it runs without isolation.
 set -uo pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -12,9 +13,13 @@ python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); 
 # Test processes share the GPU (no preallocation); compilation dominates, so run several.
 timeout 360 python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 for tool in ${SANITIZERS-memcheck racecheck}; do
-  for tests in "tests/test_gpu_pack.py -k adversarial" "tests/test_cuda_ffn.py -k adversarial_rows"; do
+  # The fused gate's kernel is CUTLASS's device_kernel template.
+  for spec in "Twell:tests/test_gpu_pack.py -k adversarial" "Twell:tests/test_cuda_ffn.py -k adversarial_rows" \
+              "device_kernel:tests/test_cuda_gate.py -k exact_activation and bf16 and (77 or 300)"; do
+    kernels=${spec%%:*} tests=${spec#*:}
     log="$OUT/sanitizer_${tool}_$(basename ${tests%% *} .py).log"
-    XLA_FLAGS="--xla_gpu_autotune_level=0" timeout 150 compute-sanitizer --tool $tool --kernel-name kns=Twell --print-limit 20 python3 -m pytest -q -x -m gpu $tests > "$log" 2>&1
+    file=${tests%% -k *} expr=${tests#* -k }
+    XLA_FLAGS="--xla_gpu_autotune_level=0" timeout 150 compute-sanitizer --tool $tool --kernel-name kns=$kernels --print-limit 20 python3 -m pytest -q -x -m gpu $file -k "$expr" > "$log" 2>&1
     echo "compute-sanitizer $tool ${tests}: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$log" | tr '\n' ' ')"
   done
 done
