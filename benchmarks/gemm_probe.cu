@@ -49,6 +49,33 @@ __global__ void SparsifyKernel(BF16* x, BF16* w, int m, int d, int f, float shif
   }
 }
 
+// Prints and returns the CUDA-event time of one call (5 warm-up calls, then 50 timed).
+template <class Gemm>
+float TimeRuns(const char* name, Gemm& gemm, typename Gemm::Arguments const& args, int m, int d, int f) {
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0);
+  cudaEventCreate(&t1);
+  for (int i = 0; i < 5; ++i) {
+    gemm.initialize(args, nullptr);
+    gemm.run();
+  }
+  const int reps = 50;
+  cudaEventRecord(t0);
+  for (int i = 0; i < reps; ++i) {
+    gemm.initialize(args, nullptr);
+    gemm.run();
+  }
+  cudaEventRecord(t1);
+  cudaEventSynchronize(t1);
+  float ms = 0.f;
+  cudaEventElapsedTime(&ms, t0, t1);
+  ms /= reps;
+  const cudaError_t err = cudaGetLastError();
+  printf("%-44s %8.3f ms %6.0f TF/s %s\n", name, ms, 2.0 * m * d * f / (ms * 1e-3) / 1e12,
+         err == cudaSuccess ? "" : cudaGetErrorString(err));
+  return ms;
+}
+
 template <class Schedule, class EpiSchedule, class Tile, class Cluster, class LayoutB>
 float TimeGemm(const char* name, int m, int d, int f, const BF16* x, const BF16* w, BF16* out) {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -74,28 +101,7 @@ float TimeGemm(const char* name, int m, int d, int f, const BF16* x, const BF16*
     printf("%-44s cannot run\n", name);
     return 0.f;
   }
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0);
-  cudaEventCreate(&t1);
-  for (int i = 0; i < 5; ++i) {
-    gemm.initialize(args, nullptr);
-    gemm.run();
-  }
-  const int reps = 50;
-  cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) {
-    gemm.initialize(args, nullptr);
-    gemm.run();
-  }
-  cudaEventRecord(t1);
-  cudaEventSynchronize(t1);
-  float ms = 0.f;
-  cudaEventElapsedTime(&ms, t0, t1);
-  ms /= reps;
-  const cudaError_t err = cudaGetLastError();
-  printf("%-44s %8.3f ms %6.0f TF/s %s\n", name, ms, 2.0 * m * d * f / (ms * 1e-3) / 1e12,
-         err == cudaSuccess ? "" : cudaGetErrorString(err));
-  return ms;
+  return TimeRuns(name, gemm, args, m, d, f);
 }
 
 // The fused gate kernel's GEMM with its TwELL epilogue, whole (kSteps 7) or in part (the
@@ -126,28 +132,7 @@ float TimeTwell(const char* name, int m, int d, int f, const BF16* x, const BF16
     printf("%-44s cannot run\n", name);
     return 0.f;
   }
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0);
-  cudaEventCreate(&t1);
-  for (int i = 0; i < 5; ++i) {
-    gemm.initialize(args, nullptr);
-    gemm.run();
-  }
-  const int reps = 50;
-  cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) {
-    gemm.initialize(args, nullptr);
-    gemm.run();
-  }
-  cudaEventRecord(t1);
-  cudaEventSynchronize(t1);
-  float ms = 0.f;
-  cudaEventElapsedTime(&ms, t0, t1);
-  ms /= reps;
-  const cudaError_t err = cudaGetLastError();
-  printf("%-44s %8.3f ms %6.0f TF/s %s\n", name, ms, 2.0 * m * d * f / (ms * 1e-3) / 1e12,
-         err == cudaSuccess ? "" : cudaGetErrorString(err));
-  return ms;
+  return TimeRuns(name, gemm, args, m, d, f);
 }
 
 int main(int argc, char** argv) {
