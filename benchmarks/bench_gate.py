@@ -9,7 +9,8 @@ rounds / median):
   cooperative schedule; fused_pingpong: the same with the ping-pong schedule.
 Ratios: ``fused_vs_matmul`` = xla_matmul / fused (issue 3 item 1a asks >= 0.9: matmul
 throughput within 10% of XLA's) and ``fused_vs_pack`` = xla_pack / fused (what the fused
-kernel saves the sparse paths). Inputs: synthetic_ffn_inputs (a real gate at the stated
+kernel saves the sparse paths); ``default_*``: the configuration the library picks for
+this d (cuda.fused_gate_variant). Inputs: synthetic_ffn_inputs (a real gate at the stated
 firing rate), bf16.
 
 Usage: python benchmarks/bench_gate.py [--quick] [--out results.json]
@@ -81,6 +82,13 @@ def main() -> None:
             if name.startswith("fused_"):
                 row[f"{name}_vs_matmul"] = timing["xla_matmul"][0] / timing[name][0]
         row["pingpong_vs_matmul"] = row["fused_pingpong_vs_matmul"]
+        # What gate_twell and the FFN paths run: the configuration cuda.fused_gate_variant picks.
+        row["default_variant"] = cuda.fused_gate_variant(d)
+        default = {0: "fused", 1: "fused_pingpong"}.get(row["default_variant"])
+        if default is not None:
+            row["default_ms"] = row[f"{default}_ms"]
+            row["default_vs_matmul"] = timing["xla_matmul"][0] / timing[default][0]
+            row["default_vs_pack"] = timing["xla_pack"][0] / timing[default][0]
         rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -92,6 +100,7 @@ def main() -> None:
               f"{r['xla_tflops']:8.0f} {r['fused_tflops']:6.0f} | {r['fused_vs_matmul']:6.2f} {r['pingpong_vs_matmul']:8.2f} {r['fused_vs_pack']:7.2f} | {r['count_mismatch']:.2e}")
     for v in args.variants:
         print(f"variant {v:>2} vs XLA's matmul: " + " ".join(f"{r[f'fused_v{v}_vs_matmul']:.2f}" for r in rows))
+    print("default configuration (by d) vs XLA's matmul: " + " ".join(f"{r.get('default_vs_matmul', float('nan')):.2f}" for r in rows))
     print(f"written: {path}")
 
 
