@@ -252,6 +252,23 @@ def test_the_fused_gate_runs_where_the_sparse_side_is_expected(stand_ins, monkey
         x, odd.w_gate, odd.w_up, odd.w_down, tile=256, capacity=8, crossover=cuda.DenseCrossover(margin=float("inf"))), odd.x)
 
 
+def test_gate_twell_takes_the_fused_kernel_from_the_token_bound(monkeypatch):
+    """cuda.gate_twell decides as the FFN paths do: the fused gate from
+    FUSED_GATE_MIN_TOKENS tokens (counted over leading dimensions), XLA + the pack below."""
+    seen = []
+    monkeypatch.setattr(cuda, "gate_pack", lambda x, w, **k: seen.append("fused") or stand_in_gate(x, w, **k))
+    monkeypatch.setattr(cuda, "pack_twell", lambda a, **k: seen.append("pack") or stand_in_pack(a, **k))
+    w = jnp.ones((64, 520), jnp.bfloat16)
+    for shape, path in [((2047, 64), "pack"), ((2048, 64), "fused"), ((2, 1024, 64), "fused"), ((2, 1000, 64), "pack")]:
+        seen.clear()
+        act = cuda.gate_twell(jnp.ones(shape, jnp.bfloat16), w, tile=256, capacity=32)
+        assert seen == [path], shape
+        assert act.values.shape == (*shape[:-1], 3, 32)
+    seen.clear()
+    cuda.gate_twell(jnp.ones((4096, 64), jnp.bfloat16), jnp.ones((64, 518), jnp.bfloat16), tile=256, capacity=32)
+    assert seen == ["pack"]  # f not a multiple of 8
+
+
 def test_fused_gate_choices():
     assert cuda.fused_gate_supported(2048, 5632, 256, 32, jnp.bfloat16)
     assert cuda.fused_gate_supported(136, 520, 256, 64, jnp.float16)

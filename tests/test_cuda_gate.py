@@ -130,14 +130,20 @@ def test_fused_gate_packs_tiny_and_non_finite_values_as_xla_and_the_pack(dtype):
         assert 0 < int(np.asarray(want.counts)[0].sum()) < f
 
 
-def test_fused_gate_leading_dims_and_vmap():
+def test_fused_gate_leading_dims_and_vmap(monkeypatch):
     x, w = integer_gate_inputs(5, 2 * 150, 64, 520, 0.05)
     x3 = x.reshape(2, 150, 64)
-    got = jt.gate_twell(x3, w, implementation="cuda")
     want = pack_twell_reference(exact_relu_matmul(x3, w), tile=TILE, capacity=32)
-    assert_same_twell(got, want, "leading dims")
-    got_v = jax.vmap(lambda xi: jt.gate_twell(xi, w, implementation="cuda"))(x3)
+    assert_same_twell(cuda.gate_pack(x3, w, tile=TILE, capacity=32), want, "leading dims")
+    got_v = jax.vmap(lambda xi: cuda.gate_pack(xi, w, tile=TILE, capacity=32))(x3)
     assert_same_twell(got_v, want, "vmap")
+    # The public op: the fused kernel from FUSED_GATE_MIN_TOKENS tokens (counted over the
+    # leading dimensions), XLA's matmul + the pack below; the same result either way.
+    for min_tokens in (300, 301):
+        monkeypatch.setattr(cuda, "FUSED_GATE_MIN_TOKENS", min_tokens)
+        fn = lambda x: jt.gate_twell(x, w, implementation="cuda")
+        assert ("jax_twell_gate_pack" in _custom_calls(fn, x3)) == (min_tokens == 300)
+        assert_same_twell(fn(x3), want, f"gate_twell, fused from {min_tokens} tokens")
 
 
 def test_fused_gate_refuses_what_it_cannot_tile():

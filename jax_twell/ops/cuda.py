@@ -836,7 +836,7 @@ FUSED_GATE_MAX_CAPACITY = 64
 # Where the FFN paths use the fused gate instead of XLA's matmul + the pack kernel: from
 # M=2048 up it measured 1.08-1.14x faster than those two at every benchmark shape (H200,
 # bf16; ffi/notes/twell_gate.md). Below, its tiles no longer fill the GPU (no split over
-# d). gate_twell takes any M.
+# d). gate_pack itself takes any M.
 FUSED_GATE_MIN_TOKENS = 2048
 # The GEMM's configuration code (ffi/twell_gate.cu, attribute `variant`): configuration
 # 0 cooperative 128 x 256 tiles, 1 ping-pong 64 x 256 tiles, 2 the same in clusters of 4;
@@ -913,8 +913,10 @@ def gate_pack(x: jax.Array, w: jax.Array, *, tile: int, capacity: int, variant: 
 
 
 def gate_twell(x, w, *, tile: int, capacity: int) -> TwELL:
-    """``relu(x @ w)`` as TwELL: the fused gate kernel (:func:`gate_pack`) where it takes
-    the problem, else XLA's matmul (f32 accumulation) then ``jax_twell_pack``."""
-    if fused_gate_supported(w.shape[0], w.shape[1], tile, capacity, x.dtype):
+    """``relu(x @ w)`` as TwELL: the fused gate kernel (:func:`gate_pack`) where
+    :func:`fused_gate_preferred` holds, as in the FFN paths, else XLA's matmul (f32
+    accumulation) then ``jax_twell_pack``."""
+    m = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
+    if fused_gate_preferred(m, w.shape[0], w.shape[1], tile, capacity, x.dtype):
         return gate_pack(x, w, tile=tile, capacity=capacity)
     return pack_twell(relu_matmul(x, w), tile=tile, capacity=capacity)
