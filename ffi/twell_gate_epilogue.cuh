@@ -90,7 +90,7 @@ class TwellPackEpilogue {
             class TiledMma, class ResidueMNK>
   CUTLASS_DEVICE void operator()(ProblemShapeMNKL, BlockShapeMNK, BlockCoordMNKL blk_coord_mnkl,
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma tiled_mma,
-                                 ResidueMNK, int thread_idx, char* smem_raw) {
+                                 ResidueMNK residue_mnk, int thread_idx, char* smem_raw) {
     using namespace cute;
     constexpr int kTileM = size<0>(BlockShapeMNK{});
     static_assert(size<1>(BlockShapeMNK{}) == kGateTileN, "the epilogue packs tiles of 256 columns");
@@ -132,6 +132,18 @@ class TwellPackEpilogue {
     for (int i = 0; i < 128; ++i) {
       const int b = i % 2, h = (i / 2) % 2, chunk = i / 4;
       if (!(static_cast<float>(accumulators(i)) <= kNonZeroAbove)) mask[h][chunk / 16] |= 1u << ((2 * chunk + b) % 32);
+    }
+    // A last tile's columns past f hold x @ 0 (TMA fills w's missing columns with zeros),
+    // which is NaN where x has an inf or a NaN: not part of the problem, never packed.
+    const int limit = static_cast<int>(get<1>(residue_mnk));  // f - 256 n_tile
+    if (limit < kGateTileN) {
+      uint32_t valid[2];
+      ValidBits(limit, q, valid);
+      CUTLASS_PRAGMA_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        mask[h][0] &= valid[0];
+        mask[h][1] &= valid[1];
+      }
     }
     if constexpr ((kSteps & 2) != 0) {
       CUTLASS_PRAGMA_UNROLL
@@ -223,6 +235,19 @@ class TwellPackEpilogue {
     const Element lo(a), hi(b);
     return static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(lo)) |
            (static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(hi)) << 16);
+  }
+  // The mask bits (2 chunk + b, column 8 chunk + 2 q + b) of lane q's columns below limit,
+  // as {chunks 0-15, chunks 16-31}. Bit by bit: it runs in a last, partial tile only. (A
+  // closed form with min/max and a select for the full word was miscompiled by ptxas 13.0:
+  // the select's condition came out inverted, every column valid.)
+  CUTLASS_DEVICE static void ValidBits(int limit, int q, uint32_t (&valid)[2]) {
+    valid[0] = valid[1] = 0u;
+    CUTLASS_PRAGMA_UNROLL
+    for (int chunk = 0; chunk < 32; ++chunk) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int b = 0; b < 2; ++b)
+        if (8 * chunk + 2 * q + b < limit) valid[chunk / 16] |= 1u << ((2 * chunk + b) % 32);
+    }
   }
   // v[i] for a run-time i in [0, 32), by a tree of selects (registers, no local memory).
   CUTLASS_DEVICE static uint32_t Pick32(const uint32_t (&v)[32], int i) {

@@ -130,6 +130,34 @@ def test_fused_gate_packs_tiny_and_non_finite_values_as_xla_and_the_pack(dtype):
         assert 0 < int(np.asarray(want.counts)[0].sum()) < f
 
 
+@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("f", [16, 264, 520])
+def test_fused_gate_packs_no_padding_column_of_a_partial_last_tile(f, variant):
+    """The GEMM computes a last, partial tile's columns past f as x @ 0, which is NaN on a
+    row holding an inf or a NaN: those columns are not part of the problem and must not be
+    packed. Rows of inf, NaN and -inf against ones and a mixed-sign weight; counts, columns
+    and values equal the reference pack of XLA's gate."""
+    d = 24
+    x = np.zeros((6, d), np.float32)
+    x[1, 0] = np.inf
+    x[2, 3] = np.nan
+    x[3, 5] = -np.inf
+    x[4, :2] = np.inf
+    x[5] = 1.0
+    w = np.ones((d, f), np.float32)
+    w[1, ::2] = -1.0
+    x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    got = cuda.gate_pack(x, w, tile=TILE, capacity=64, variant=variant)
+    want = pack_twell_reference(relu_matmul(x, w), tile=TILE, capacity=64)
+    np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(want.counts))
+    np.testing.assert_array_equal(np.asarray(got.cols), np.asarray(want.cols))
+    a, b = np.asarray(got.values, np.float32), np.asarray(want.values, np.float32)
+    assert ((a == b) | (np.isnan(a) & np.isnan(b))).all()
+    last = f - TILE * (got.counts.shape[1] - 1)  # the last tile's width
+    assert int(np.asarray(got.counts)[:, -1].max()) <= last
+    assert int(np.asarray(want.counts)[1, -1]) == last  # the inf row: every column inf or NaN
+
+
 def test_fused_gate_leading_dims_and_vmap(monkeypatch):
     x, w = integer_gate_inputs(5, 2 * 150, 64, 520, 0.05)
     x3 = x.reshape(2, 150, 64)
