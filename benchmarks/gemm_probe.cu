@@ -25,10 +25,10 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
+#include "probe_gemm.cuh"
 #include "twell_gate_epilogue.cuh"
 
 using namespace cute;
-using BF16 = cutlass::bfloat16_t;
 
 __global__ void FillKernel(BF16* p, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
@@ -47,61 +47,6 @@ __global__ void SparsifyKernel(BF16* x, BF16* w, int m, int d, int f, float shif
     if (i < m) x[size_t(i) * d] = BF16(1.f);
     if (i < f) w[i] = BF16(-shift);
   }
-}
-
-// Prints and returns the CUDA-event time of one call (5 warm-up calls, then 50 timed).
-template <class Gemm>
-float TimeRuns(const char* name, Gemm& gemm, typename Gemm::Arguments const& args, int m, int d, int f) {
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0);
-  cudaEventCreate(&t1);
-  for (int i = 0; i < 5; ++i) {
-    gemm.initialize(args, nullptr);
-    gemm.run();
-  }
-  const int reps = 50;
-  cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) {
-    gemm.initialize(args, nullptr);
-    gemm.run();
-  }
-  cudaEventRecord(t1);
-  cudaEventSynchronize(t1);
-  float ms = 0.f;
-  cudaEventElapsedTime(&ms, t0, t1);
-  ms /= reps;
-  const cudaError_t err = cudaGetLastError();
-  printf("%-44s %8.3f ms %6.0f TF/s %s\n", name, ms, 2.0 * m * d * f / (ms * 1e-3) / 1e12,
-         err == cudaSuccess ? "" : cudaGetErrorString(err));
-  return ms;
-}
-
-template <class Schedule, class EpiSchedule, class Tile, class Cluster, class LayoutB>
-float TimeGemm(const char* name, int m, int d, int f, const BF16* x, const BF16* w, BF16* out) {
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
-      float, float, void, cutlass::layout::RowMajor, 8, BF16, cutlass::layout::RowMajor, 8, EpiSchedule>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, BF16, cutlass::layout::RowMajor, 8, BF16, LayoutB, 8, float,
-      Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      Schedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {m, d, 1});
-  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {f, d, 1});
-  auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, f, 1});
-  typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                {m, f, d, 1},
-                                {x, sa, w, sb},
-                                {{1.f, 0.f}, nullptr, sd, out, sd},
-                                cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0)};
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess || Gemm::get_workspace_size(args) != 0) {
-    printf("%-44s cannot run\n", name);
-    return 0.f;
-  }
-  return TimeRuns(name, gemm, args, m, d, f);
 }
 
 // The fused gate kernel's GEMM with its TwELL epilogue, whole (kSteps 7) or in part (the
