@@ -14,7 +14,7 @@
 //
 // The kernel: one CTA per (256 output columns, 64-token block), 8 warps of 32 x 64; K runs
 // over the union's rows in chunks of 32: the rows' 256-column slices by cp.async into a
-// 3-stage ring (padded rows, conflict-free ldmatrix.trans), the chunk's A tile scattered
+// 5-stage ring (padded rows, conflict-free ldmatrix.trans), the chunk's A tile scattered
 // from the entries into one of three zeroed buffers (the previous chunk's entries cleared
 // again), one barrier per chunk, m16n8k16 products.
 //
@@ -41,7 +41,7 @@ using jax_twell::Bf16;
 constexpr int kTok = 64;       // tokens per block (CTA rows)
 constexpr int kCols = 256;     // output columns per CTA
 constexpr int kChunk = 32;     // union rows per K step
-constexpr int kStages = 3;     // B ring
+constexpr int kStages = 5;     // B ring: four chunks in flight while one is multiplied
 constexpr int kBPitch = kCols + 8;   // bf16 per B row in shared memory (528 B: ldmatrix conflict-free)
 constexpr int kAPitch = kChunk + 8;  // bf16 per A row (80 B: conflict-free)
 constexpr int kThreads = 256;
@@ -53,14 +53,44 @@ struct BlockMeta {
   int pad;
 };
 
+constexpr int kMaxChunks = 1024;  // K steps per block (the host refuses more)
+constexpr int kPer = 2;            // entry words per thread held in registers per chunk
+
 struct SmemLayout {
   uint16_t b[kStages][kChunk][kBPitch];
   uint16_t a[3][kTok][kAPitch];
+  int off[kMaxChunks + 1];  // the block's chunk offsets into `ent`
 };
 
-// Entry word: value bits << 16 | column within the chunk << 8 | token within the block.
-__device__ __forceinline__ void ScatterChunk(uint16_t (*a)[kAPitch], const uint32_t* ent, int e0, int e1, bool clear) {
-  for (int e = e0 + static_cast<int>(threadIdx.x); e < e1; e += kThreads) {
+// One chunk's entry words: thread i holds entries off + i and off + i + 256 (registers,
+// loaded a chunk ahead of their use); a chunk with more than 512 entries reads the rest
+// from global memory when used (correct, slower). Entry word: value bits << 16 | column
+// within the chunk << 8 | token within the block.
+struct ChunkWords {
+  uint32_t w[kPer];
+  int e0, e1;
+};
+
+__device__ __forceinline__ ChunkWords LoadWords(const uint32_t* ent, const int* off, int c, int chunks) {
+  ChunkWords cw{{0u, 0u}, 0, 0};
+  if (c < 0 || c >= chunks) return cw;
+  cw.e0 = off[c];
+  cw.e1 = off[c + 1];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * kThreads;
+    if (e < cw.e1) cw.w[i] = ent[e];
+  }
+  return cw;
+}
+
+__device__ __forceinline__ void Scatter(uint16_t (*a)[kAPitch], const ChunkWords& cw, const uint32_t* ent, bool clear) {
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * kThreads;
+    if (e < cw.e1) a[cw.w[i] & 0xff][(cw.w[i] >> 8) & 0xff] = clear ? uint16_t{0} : static_cast<uint16_t>(cw.w[i] >> 16);
+  }
+  for (int e = cw.e0 + static_cast<int>(threadIdx.x) + kPer * kThreads; e < cw.e1; e += kThreads) {
     const uint32_t w = ent[e];
     a[w & 0xff][(w >> 8) & 0xff] = clear ? uint16_t{0} : static_cast<uint16_t>(w >> 16);
   }
@@ -76,38 +106,53 @@ __global__ void __launch_bounds__(kThreads) UnionGemmKernel(const uint16_t* __re
   SmemLayout& s = *reinterpret_cast<SmemLayout*>(smem_raw);
   const int block = blockIdx.y, n0 = blockIdx.x * kCols;
   const BlockMeta bm = meta[block];
+  const int chunks = bm.chunks;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int wm = warp / 4, wn = warp % 4;  // warp tile: rows 32 wm.., columns 64 wn..
-  const int* chunk_of = chunk_off + bm.chunk_base;
+  const int* block_rows = rows + bm.row_base;
+  const int piece = tid % 32;              // this thread's 16-byte piece of each row slice
+  const uint16_t* w_col = w + n0 + piece * 8;
 
-  // The B slice of chunk c into stage c % kStages: 32 rows x 512 bytes, 4 pieces per thread.
-  auto load_b = [&](int c) {
-    if (c < bm.chunks) {
-      const int* r = rows + bm.row_base + c * kChunk;
+  // Row indices of chunk c that this thread copies (rows tid / 32 + 8 i), loaded a chunk
+  // before their copies are issued.
+  auto load_rows = [&](int c, int (&r)[4]) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int p = tid + i * kThreads, row = p / 32, piece = p % 32;
-        jax_twell::CpAsync16(&s.b[c % kStages][row][piece * 8],
-                             w + static_cast<int64_t>(r[row]) * d + n0 + piece * 8);
-      }
+    for (int i = 0; i < 4; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 8 * i] : 0;
+  };
+  // The B slice of chunk c (rows r) into stage c % kStages; one commit group per call.
+  auto load_b = [&](int c, const int (&r)[4]) {
+    if (c < chunks) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        jax_twell::CpAsync16(&s.b[c % kStages][tid / 32 + 8 * i][piece * 8], w_col + static_cast<int64_t>(r[i]) * d);
     }
     jax_twell::CpAsyncCommit();
   };
 
   for (int i = tid; i < 3 * kTok * kAPitch / 8; i += kThreads)
     reinterpret_cast<uint4*>(&s.a[0][0][0])[i] = make_uint4(0, 0, 0, 0);
-  load_b(0);
-  load_b(1);
+  for (int i = tid; i <= chunks; i += kThreads) s.off[i] = chunk_off[bm.chunk_base + i];
+  int r[4];
+#pragma unroll
+  for (int c = 0; c < kStages - 1; ++c) {
+    load_rows(c, r);
+    load_b(c, r);
+  }
+  load_rows(kStages - 1, r);
   __syncthreads();
-  if (bm.chunks > 0) ScatterChunk(s.a[0], ent, chunk_of[0], chunk_of[1], false);
+  ChunkWords prev = LoadWords(ent, s.off, -1, chunks), cur = LoadWords(ent, s.off, 0, chunks);
+  ChunkWords next = LoadWords(ent, s.off, 1, chunks);
+  Scatter(s.a[0], cur, ent, false);
 
   float acc[2][8][4] = {};
-  for (int c = 0; c < bm.chunks; ++c) {
-    jax_twell::CpAsyncWait<1>();
+  for (int c = 0; c < chunks; ++c) {
+    jax_twell::CpAsyncWait<kStages - 2>();
     __syncthreads();  // B(c) and A(c) visible; every warp is past the products of chunk c - 1
-    load_b(c + 2);
-    if (c >= 1) ScatterChunk(s.a[(c - 1) % 3], ent, chunk_of[c - 1], chunk_of[c], true);
-    if (c + 1 < bm.chunks) ScatterChunk(s.a[(c + 1) % 3], ent, chunk_of[c + 1], chunk_of[c + 2], false);
+    load_b(c + kStages - 1, r);  // into the stage chunk c - 1 used
+    load_rows(c + kStages, r);
+    const ChunkWords after = LoadWords(ent, s.off, c + 2, chunks);
+    Scatter(s.a[(c + 2) % 3], prev, ent, true);  // chunk c - 1's buffer is chunk c + 2's
+    Scatter(s.a[(c + 1) % 3], next, ent, false);
     uint16_t (*a)[kAPitch] = s.a[c % 3];
     uint16_t (*b)[kBPitch] = s.b[c % kStages];
 #pragma unroll
@@ -127,6 +172,9 @@ __global__ void __launch_bounds__(kThreads) UnionGemmKernel(const uint16_t* __re
         }
       }
     }
+    prev = cur;
+    cur = next;
+    next = after;
   }
   jax_twell::CpAsyncWait<0>();
   const int64_t row0 = static_cast<int64_t>(block) * kTok + 32 * wm + lane / 4;
@@ -136,10 +184,10 @@ __global__ void __launch_bounds__(kThreads) UnionGemmKernel(const uint16_t* __re
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int64_t r = row0 + 16 * i + 8 * h;
+        const int64_t rr = row0 + 16 * i + 8 * h;
         const int col = n0 + 64 * wn + 8 * j + 2 * (lane % 4);
         const uint32_t bits = Bf16::FromFloat(acc[i][j][2 * h]) | (Bf16::FromFloat(acc[i][j][2 * h + 1]) << 16);
-        *reinterpret_cast<uint32_t*>(&y[r * d + col]) = bits;
+        *reinterpret_cast<uint32_t*>(&y[rr * d + col]) = bits;
       }
 }
 
@@ -310,8 +358,8 @@ int main(int argc, char** argv) {
   const int m = argc > 1 ? atoi(argv[1]) : 16384, d = argc > 2 ? atoi(argv[2]) : 2048;
   const int f = argc > 3 ? atoi(argv[3]) : 5632;
   const double active = argc > 4 ? atof(argv[4]) : 0.005;
-  if (m % kTok != 0 || d % kCols != 0) {
-    printf("M must be a multiple of %d and d of %d\n", kTok, kCols);
+  if (m % kTok != 0 || d % kCols != 0 || 2 * f / kChunk + 1 >= kMaxChunks) {
+    printf("M must be a multiple of %d, d of %d, and 2 f / %d below %d\n", kTok, kCols, kChunk, kMaxChunks);
     return 1;
   }
   cudaFuncSetAttribute(UnionGemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(SmemLayout));
