@@ -30,15 +30,6 @@
 
 using namespace cute;
 
-__global__ void FillKernel(BF16* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = BF16((int(h % 2001) - 1000) * 1e-3f);
-  }
-}
 
 // x[:, 0] = 1 and w[0, :] = -shift: every pre-activation shifted down, so that with the
 // fill's uniform values (variance 1/3 each) about 0.5% of the gate is positive.

@@ -191,17 +191,6 @@ __global__ void __launch_bounds__(kThreads) UnionGemmKernel(const uint16_t* __re
       }
 }
 
-// Uniform values in [-1, 1] (the dense GEMMs' operands: random bits, as real data draw power).
-__global__ void FillKernel(BF16* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = BF16((int(h % 2001) - 1000) * 1e-3f);
-  }
-}
-
 uint16_t ToBf16(float v) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
