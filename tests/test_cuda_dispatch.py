@@ -549,3 +549,83 @@ def test_sampled_gate_counts(pattern):
     assert est_nnz.dtype == jnp.float32 and est_over.dtype == jnp.float32
     with pytest.raises(ValueError, match="rows"):
         cuda.sampled_gate_counts(g, tile=256, capacity=8, rows=0)
+
+
+@pytest.fixture
+def cuda_ops_as_stand_ins(monkeypatch):
+    """The public ops' "cuda" implementations with the kernels replaced by XLA and the
+    reference; returns the list of token shapes each stand-in was traced with."""
+    from jax_twell.ops import api
+
+    seen = []
+
+    def ffn(x, wg, wu, wd, **kwargs):
+        seen.append(x.shape)
+        return xla.ffn(x, wg, wu, wd)
+
+    def gate(x, w, *, tile, capacity):
+        seen.append(x.shape)
+        return pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity)
+
+    monkeypatch.setattr(cuda, "sparse_ffn", ffn)
+    monkeypatch.setattr(cuda, "gate_twell", gate)
+    monkeypatch.setattr(api._kernels, "kernels_available", lambda: True)
+    return seen
+
+
+def test_vmap_over_tokens_runs_the_cuda_ops_once_on_the_whole_batch(cuda_ops_as_stand_ins):
+    """vmap with only x batched: sparse_ffn runs once with the batch folded into the tokens
+    (a (3 x 40, d) call), gate_twell once with the batch as one more leading dimension;
+    the results are the per-element ones. A batched weight maps per element instead."""
+    import jax_twell as jt
+
+    seen = cuda_ops_as_stand_ins
+    inp = synthetic_ffn_inputs(jax.random.key(3), 40, 64, 256, density=0.05, dtype=jnp.float32)
+    xb = jnp.stack([inp.x, 2 * inp.x, -inp.x])
+    ffn = lambda x, w_up=inp.w_up: jt.sparse_ffn(x, inp.w_gate, w_up, inp.w_down, implementation="cuda")
+    got = jax.jit(jax.vmap(ffn))(xb)
+    assert (120, 64) in seen
+    for i in range(3):
+        np.testing.assert_allclose(got[i], xla.ffn(xb[i], inp.w_gate, inp.w_up, inp.w_down), rtol=1e-5, atol=1e-5)
+    nested = jax.vmap(jax.vmap(ffn))(xb.reshape(3, 1, 40, 64))
+    np.testing.assert_allclose(nested.reshape(got.shape), got, rtol=1e-6, atol=1e-6)
+
+    seen.clear()
+    w_ups = jnp.stack([inp.w_up, 0.5 * inp.w_up, inp.w_up[:, ::-1]])
+    got_w = jax.vmap(ffn)(xb, w_ups)
+    assert (120, 64) not in seen
+    for i in range(3):
+        np.testing.assert_allclose(got_w[i], xla.ffn(xb[i], inp.w_gate, w_ups[i], inp.w_down), rtol=1e-5, atol=1e-5)
+
+    seen.clear()
+    tw = jax.vmap(lambda x: jt.gate_twell(x, inp.w_gate, tile=64, capacity=8, implementation="cuda"))(xb)
+    assert (3, 40, 64) in seen
+    for i in range(3):
+        want = pack_twell_reference(relu_matmul(xb[i], inp.w_gate), tile=64, capacity=8)
+        for name in ("values", "cols", "counts"):
+            np.testing.assert_array_equal(getattr(tw, name)[i], getattr(want, name))
+
+
+@pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 host devices")
+@pytest.mark.parametrize("layout", ["data", "tensor"])
+def test_cuda_ffn_under_a_mesh_with_stand_ins(cuda_ops_as_stand_ins, layout):
+    """The "cuda" inference op (its vmap folding included) runs per shard under jit with a
+    mesh, data or tensor parallel, and (tensor parallel, tokens replicated) under vmap of
+    that; results equal XLA's FFN."""
+    import jax_twell as jt
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("x",), devices=jax.devices("cpu")[:4])
+    sharding = jt.FFNSharding(token_axes=("x",), mesh=mesh) if layout == "data" else jt.FFNSharding(tensor_axis="x", mesh=mesh)
+    inp = synthetic_ffn_inputs(jax.random.key(4), 64, 32, 512, density=0.05, dtype=jnp.float32)
+    want = xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)
+    col, row = NamedSharding(mesh, P(None, sharding.tensor_axis)), NamedSharding(mesh, P(sharding.tensor_axis, None))
+    x = jax.device_put(inp.x, NamedSharding(mesh, P(sharding.token_axes or None, None)))
+    ws = (jax.device_put(inp.w_gate, col), jax.device_put(inp.w_up, col), jax.device_put(inp.w_down, row))
+    fn = jax.jit(lambda x, *w: jt.sparse_ffn(x, *w, implementation="cuda", sharding=sharding))
+    np.testing.assert_allclose(fn(x, *ws), want, rtol=1e-5, atol=1e-5)
+    if layout == "data":  # vmap over a call whose tokens are sharded needs a sharded batch; not this test's point
+        return
+    xb = jnp.stack([inp.x, -inp.x])
+    got = jax.vmap(lambda x: jt.sparse_ffn(x, *ws, implementation="cuda", sharding=sharding))(xb)
+    np.testing.assert_allclose(got[1], xla.ffn(-inp.x, inp.w_gate, inp.w_up, inp.w_down), rtol=1e-5, atol=1e-5)

@@ -60,6 +60,39 @@ def _choose(op: str, implementation: str | None, kernels: dict, portable: str):
     return kernels[implementation]
 
 
+def _vmap_folds_tokens(fn, *, flatten: bool):
+    """``fn(x, *weights)`` whose outputs carry x's tokens on their leading dimensions, made
+    to run once per ``jax.vmap`` when only x is batched: the batch becomes more tokens (one
+    kernel launch, one device-side dense/sparse choice for the whole batch). vmap's default
+    for the CUDA kernels would launch them once per element (``vmap_method="sequential"``)
+    and turn the per-call choice (``lax.cond``) into a select that runs both sides. With a
+    batched weight, ``fn`` is mapped as plain vmap would. ``flatten``: fn takes x as
+    ``[M, d]`` only, so the batch is folded into M and unfolded from every output leaf;
+    otherwise fn takes leading dimensions and the batch is one more.
+
+    Not differentiable (``custom_vmap``); used for the CUDA inference paths, which are not
+    differentiable either."""
+
+    @jax.custom_batching.custom_vmap
+    def folded(x, *weights):
+        return fn(x, *weights)
+
+    @folded.def_vmap
+    def rule(axis_size, in_batched, x, *weights):
+        x_batched, *w_batched = in_batched
+        if not x_batched or any(jax.tree.leaves(w_batched)):
+            out = jax.vmap(fn, in_axes=[0 if b else None for b in in_batched])(x, *weights)
+        elif not flatten:
+            out = folded(x, *weights)
+        else:
+            m = x.shape[1]
+            out = folded(x.reshape(axis_size * m, *x.shape[2:]), *weights)
+            out = jax.tree.map(lambda a: a.reshape(axis_size, m, *a.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return folded
+
+
 def _check_tiling(tile: int, capacity: int) -> None:
     if not isinstance(tile, int) or tile <= 0 or tile % 32 or tile > MAX_TILE:
         raise ValueError(f"tile must be a positive multiple of 32 and at most {MAX_TILE}, got {tile!r}")
@@ -168,7 +201,7 @@ def gate_twell(
     _check_tiling(tile, capacity)
     kernels = dict(
         reference=lambda x, w: pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity),
-        cuda=functools.partial(cuda.gate_twell, tile=tile, capacity=capacity),
+        cuda=_vmap_folds_tokens(lambda x, w: cuda.gate_twell(x, w, tile=tile, capacity=capacity), flatten=False),
     )
     return _choose("gate_twell", implementation, kernels, "reference")(x, w)
 
@@ -287,12 +320,16 @@ def sparse_ffn(
                 f"w_act_t must be {name}.T: shape {w_act.shape[::-1]} {w_act.dtype}, got {w_act_t.shape} {w_act_t.dtype}"
             )
     ignore_t = lambda op: lambda x, wg, wu, wd, w_up_t=None, w_act_t=None: op(x, wg, wu, wd)
+    cuda_ffn = _vmap_folds_tokens(
+        lambda x, wg, wu, wd, w_up_t, w_act_t: cuda.sparse_ffn(
+            x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=w_up_t, active_fraction=active_fraction, w_act_t=w_act_t
+        ),
+        flatten=True,
+    )
     kernels = dict(
         reference=ignore_t(functools.partial(reference.ffn, tile=tile, capacity=capacity)),
         xla=ignore_t(xla.ffn),
-        cuda=lambda x, wg, wu, wd, w_up_t=None, w_act_t=None: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=w_up_t, active_fraction=active_fraction, w_act_t=w_act_t
-        ),
+        cuda=lambda x, wg, wu, wd, w_up_t=None, w_act_t=None: cuda_ffn(x, wg, wu, wd, w_up_t, w_act_t),
     )
     if implementation is None and not cuda.supports(x.shape[-1], x.dtype):
         del kernels["cuda"]  # shapes the kernel does not take run dense
