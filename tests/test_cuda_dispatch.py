@@ -567,16 +567,22 @@ def cuda_ops_as_stand_ins(monkeypatch):
         seen.append(x.shape)
         return pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity)
 
+    def twell(x, act, w_act, w_up, w_down):
+        seen.append(x.shape)
+        return reference.twell_ffn(x, act, w_act, w_up, w_down)
+
     monkeypatch.setattr(cuda, "sparse_ffn", ffn)
     monkeypatch.setattr(cuda, "gate_twell", gate)
+    monkeypatch.setattr(cuda, "twell_ffn", twell)
     monkeypatch.setattr(api._kernels, "kernels_available", lambda: True)
     return seen
 
 
 def test_vmap_over_tokens_runs_the_cuda_ops_once_on_the_whole_batch(cuda_ops_as_stand_ins):
-    """vmap with only x batched: sparse_ffn runs once with the batch folded into the tokens
-    (a (3 x 40, d) call), gate_twell once with the batch as one more leading dimension;
-    the results are the per-element ones. A batched weight maps per element instead."""
+    """vmap with only the tokens batched: sparse_ffn runs once with the batch folded into
+    the tokens (a (3 x 40, d) call), gate_twell and twell_ffn (x and its TwELL batched)
+    once with the batch as one more leading dimension; the results are the per-element
+    ones. A batched weight, or x batched without its TwELL, maps per element instead."""
     import jax_twell as jt
 
     seen = cuda_ops_as_stand_ins
@@ -604,6 +610,21 @@ def test_vmap_over_tokens_runs_the_cuda_ops_once_on_the_whole_batch(cuda_ops_as_
         want = pack_twell_reference(relu_matmul(xb[i], inp.w_gate), tile=64, capacity=8)
         for name in ("values", "cols", "counts"):
             np.testing.assert_array_equal(getattr(tw, name)[i], getattr(want, name))
+
+    seen.clear()
+    act = jax.vmap(lambda x: pack_twell_reference(relu_matmul(x, inp.w_gate), tile=64, capacity=8))(xb)
+    twell = lambda x, a: jt.twell_ffn(x, a, inp.w_gate, inp.w_up, inp.w_down, implementation="cuda")
+    y = jax.vmap(twell)(xb, act)
+    assert (3, 40, 64) in seen
+    seen.clear()
+    y_single_act = jax.vmap(twell, in_axes=(0, None))(xb, jax.tree.map(lambda a: a[0], act))
+    assert (3, 40, 64) not in seen
+    for i in range(3):
+        act_i = jax.tree.map(lambda a: a[i], act)
+        want = reference.twell_ffn(xb[i], act_i, inp.w_gate, inp.w_up, inp.w_down)
+        np.testing.assert_allclose(y[i], want, rtol=1e-6, atol=1e-6)
+        want0 = reference.twell_ffn(xb[i], jax.tree.map(lambda a: a[0], act), inp.w_gate, inp.w_up, inp.w_down)
+        np.testing.assert_allclose(y_single_act[i], want0, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 host devices")

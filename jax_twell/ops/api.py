@@ -60,7 +60,7 @@ def _choose(op: str, implementation: str | None, kernels: dict, portable: str):
     return kernels[implementation]
 
 
-def _vmap_folds_tokens(fn, *, flatten: bool):
+def _vmap_folds_tokens(fn, *, flatten: bool, n_tokens: int = 1):
     """``fn(x, *weights)`` whose outputs carry x's tokens on their leading dimensions, made
     to run once per ``jax.vmap`` when only x is batched: the batch becomes more tokens (one
     kernel launch, one device-side dense/sparse choice for the whole batch). vmap's default
@@ -68,25 +68,32 @@ def _vmap_folds_tokens(fn, *, flatten: bool):
     and turn the per-call choice (``lax.cond``) into a select that runs both sides. With a
     batched weight, ``fn`` is mapped as plain vmap would. ``flatten``: fn takes x as
     ``[M, d]`` only, so the batch is folded into M and unfolded from every output leaf;
-    otherwise fn takes leading dimensions and the batch is one more.
+    otherwise fn takes leading dimensions and the batch is one more. ``n_tokens``: how many
+    leading arguments carry the tokens (x, and a packed activation of x); all of them must
+    be batched to fold.
 
     Not differentiable (``custom_vmap``); used for the CUDA inference paths, which are not
     differentiable either."""
 
+    if flatten and n_tokens != 1:
+        raise ValueError("folding into M flattens one token argument")
+
     @jax.custom_batching.custom_vmap
-    def folded(x, *weights):
-        return fn(x, *weights)
+    def folded(*args):
+        return fn(*args)
 
     @folded.def_vmap
-    def rule(axis_size, in_batched, x, *weights):
-        x_batched, *w_batched = in_batched
-        if not x_batched or any(jax.tree.leaves(w_batched)):
-            out = jax.vmap(fn, in_axes=[0 if b else None for b in in_batched])(x, *weights)
+    def rule(axis_size, in_batched, *args):
+        tokens_batched = all(all(jax.tree.leaves(b)) for b in in_batched[:n_tokens])
+        if not tokens_batched or any(jax.tree.leaves(in_batched[n_tokens:])):
+            axes = [jax.tree.map(lambda b: 0 if b else None, b) for b in in_batched]
+            out = jax.vmap(fn, in_axes=axes)(*args)
         elif not flatten:
-            out = folded(x, *weights)
+            out = folded(*args)
         else:
+            x, *rest = args
             m = x.shape[1]
-            out = folded(x.reshape(axis_size * m, *x.shape[2:]), *weights)
+            out = folded(x.reshape(axis_size * m, *x.shape[2:]), *rest)
             out = jax.tree.map(lambda a: a.reshape(axis_size, m, *a.shape[1:]), out)
         return out, jax.tree.map(lambda _: True, out)
 
@@ -236,7 +243,10 @@ def twell_ffn(
             f"act holds [..., M, f] = {act.values.shape[:-2]} x {act.f} but x and w_act give "
             f"{x.shape[:-1]} x {w_act.shape[1]}"
         )
-    kernels = dict(reference=reference.twell_ffn, cuda=cuda.twell_ffn)
+    kernels = dict(
+        reference=reference.twell_ffn,
+        cuda=_vmap_folds_tokens(lambda *a: cuda.twell_ffn(*a), flatten=False, n_tokens=2),
+    )
     if implementation is None and not cuda.supports(x.shape[-1], x.dtype):
         del kernels["cuda"]
     fn = _choose("twell_ffn", implementation, kernels, "reference")
