@@ -20,6 +20,8 @@
 //
 // Build: nvcc -O3 -std=c++17 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //          -Iffi -I$CUTLASS/include -I$CUTLASS/tools/util/include benchmarks/union_gemm_probe.cu -o union_gemm_probe
+// Kernels: the mma.sync one (measured, `union_probe_d2b0ab9.txt`) and a wgmma one (namespace
+// wg; compiled, 218 registers, no spill, not yet run on a GPU).
 // Run:   ./union_gemm_probe [M d f active]   (default 16384 2048 5632 0.005): checks a small
 //        problem against a host reference, then times the headline shape's dx (two weights)
 //        and down projection (one), and the dense CUTLASS GEMMs they replace.
@@ -191,6 +193,143 @@ __global__ void __launch_bounds__(kThreads) UnionGemmKernel(const uint16_t* __re
       }
 }
 
+
+// The same product on wgmma (written after the mma.sync kernel measured issue-bound): one
+// warp group per CTA holds the 64 x 256 f32 tile (128 registers a thread); A [64, 32]
+// K-major with the 64-byte swizzle, B [256, 32] N-major with the 128-byte swizzle (the row
+// slices' 16-byte pieces land where CuTe's layout puts them); per chunk two asynchronous
+// 64 x 256 x 16 instructions, issued right after the chunk's barrier, run while the warp
+// group issues the next copies and scatters the next A tile.
+namespace wg {
+using namespace cute;
+using T = cutlass::bfloat16_t;
+constexpr int kThreads = 128;
+constexpr int kPer = 4;  // entry words per thread held in registers per chunk
+using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<T>{}, make_shape(Int<kTok>{}, Int<kChunk>{}, Int<3>{})));
+using LayoutB =
+    decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, make_shape(Int<kCols>{}, Int<kChunk>{}, Int<kStages>{})));
+using Mma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}));
+
+struct Smem {
+  alignas(1024) T b[cosize_v<LayoutB>];
+  alignas(1024) T a[cosize_v<LayoutA>];
+  int off[kMaxChunks + 1];
+};
+
+struct Words {
+  uint32_t w[kPer];
+  int e0, e1;
+};
+
+__device__ __forceinline__ Words Load(const uint32_t* ent, const int* off, int c, int chunks) {
+  Words cw{};
+  if (c < 0 || c >= chunks) return cw;
+  cw.e0 = off[c];
+  cw.e1 = off[c + 1];
+  CUTE_UNROLL
+  for (int i = 0; i < kPer; ++i) {
+    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * kThreads;
+    if (e < cw.e1) cw.w[i] = ent[e];
+  }
+  return cw;
+}
+
+template <class TensorA>
+__device__ __forceinline__ void Scatter(TensorA sa, const Words& cw, const uint32_t* ent, bool clear) {
+  auto put = [&](uint32_t w) {
+    sa(static_cast<int>(w & 0xff), static_cast<int>((w >> 8) & 0xff)) =
+        clear ? T(0.f) : T::bitcast(static_cast<uint16_t>(w >> 16));
+  };
+  CUTE_UNROLL
+  for (int i = 0; i < kPer; ++i) {
+    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * kThreads;
+    if (e < cw.e1) put(cw.w[i]);
+  }
+  for (int e = cw.e0 + static_cast<int>(threadIdx.x) + kPer * kThreads; e < cw.e1; e += kThreads) put(ent[e]);
+}
+
+__global__ void __launch_bounds__(kThreads) Kernel(const uint16_t* __restrict__ w, int d,
+                                                   const BlockMeta* __restrict__ meta, const int* __restrict__ rows,
+                                                   const int* __restrict__ chunk_off, const uint32_t* __restrict__ ent,
+                                                   uint16_t* __restrict__ y) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Smem& s = *reinterpret_cast<Smem*>(smem_raw);
+  if (jax_twell::SmemAddr(smem_raw) % 1024 != 0) __trap();  // the 128-byte swizzle needs 1 KB alignment
+  Tensor sA = make_tensor(make_smem_ptr(s.a), LayoutA{});  // (token, k, buffer)
+  Tensor sB = make_tensor(make_smem_ptr(s.b), LayoutB{});  // (column, k, stage)
+  const int block = blockIdx.y, n0 = blockIdx.x * kCols;
+  const BlockMeta bm = meta[block];
+  const int chunks = bm.chunks, tid = threadIdx.x;
+  const int* block_rows = rows + bm.row_base;
+  const int piece = tid % 32;  // this thread's 16-byte piece (8 columns) of each row slice
+  const uint16_t* w_col = w + n0 + piece * 8;
+  constexpr int kRowsPerThread = kChunk * 32 / kThreads;  // 8
+
+  auto load_rows = [&](int c, int (&r)[kRowsPerThread]) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 4 * i] : 0;
+  };
+  auto load_b = [&](int c, const int (&r)[kRowsPerThread]) {
+    if (c < chunks) {
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsPerThread; ++i)
+        jax_twell::CpAsync16(&sB(piece * 8, tid / 32 + 4 * i, c % kStages), w_col + static_cast<int64_t>(r[i]) * d);
+    }
+    jax_twell::CpAsyncCommit();
+  };
+
+  for (int i = tid; i < static_cast<int>(cosize_v<LayoutA>) / 8; i += kThreads)
+    reinterpret_cast<uint4*>(s.a)[i] = make_uint4(0, 0, 0, 0);
+  for (int i = tid; i <= chunks; i += kThreads) s.off[i] = chunk_off[bm.chunk_base + i];
+  int r[kRowsPerThread];
+  CUTE_UNROLL
+  for (int c = 0; c < kStages - 1; ++c) {
+    load_rows(c, r);
+    load_b(c, r);
+  }
+  load_rows(kStages - 1, r);
+  __syncthreads();
+  Words prev = Load(ent, s.off, -1, chunks), cur = Load(ent, s.off, 0, chunks), next = Load(ent, s.off, 1, chunks);
+  Scatter(sA(_, _, 0), cur, ent, false);
+  cutlass::arch::fence_view_async_shared();
+
+  Mma mma;
+  auto thr = mma.get_thread_slice(tid);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // descriptors (mma, m, k, buffer)
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));  // (mma, n, k, stage)
+  Tensor acc = partition_fragment_C(mma, make_shape(Int<kTok>{}, Int<kCols>{}));
+  clear(acc);
+  mma.accumulate_ = GMMA::ScaleOut::One;
+
+  for (int c = 0; c < chunks; ++c) {
+    jax_twell::CpAsyncWait<kStages - 2>();
+    cutlass::arch::fence_view_async_shared();  // this thread's copies, visible to the async proxy
+    __syncthreads();  // every copy of B(c) and every store of A(c) done; chunk c - 1's products done
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm(mma, tCrA(_, _, _, c % 3), tCrB(_, _, _, c % kStages), acc);
+    warpgroup_commit_batch();
+    load_b(c + kStages - 1, r);  // into the stage chunk c - 1 used
+    load_rows(c + kStages, r);
+    const Words after = Load(ent, s.off, c + 2, chunks);
+    Scatter(sA(_, _, (c + 2) % 3), prev, ent, true);  // chunk c - 1's buffer is chunk c + 2's
+    Scatter(sA(_, _, (c + 1) % 3), next, ent, false);
+    cutlass::arch::fence_view_async_shared();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    prev = cur;
+    cur = next;
+    next = after;
+  }
+  jax_twell::CpAsyncWait<0>();
+  Tensor gY = make_tensor(make_gmem_ptr(reinterpret_cast<T*>(y) + static_cast<int64_t>(block) * kTok * d + n0),
+                          make_layout(make_shape(Int<kTok>{}, Int<kCols>{}), make_stride(d, Int<1>{})));
+  Tensor tCgY = thr.partition_C(gY);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) tCgY(i) = T(acc(i));
+}
+}  // namespace wg
+
 uint16_t ToBf16(float v) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
@@ -298,9 +437,12 @@ void FreeProblem(DeviceProblem& g) {
     cudaFree(q);
 }
 
-void Launch(const Problem& p, const DeviceProblem& g) {
+void Launch(const Problem& p, const DeviceProblem& g, bool wgmma) {
   const dim3 grid(p.d / kCols, p.m / kTok);
-  UnionGemmKernel<<<grid, kThreads, sizeof(SmemLayout)>>>(g.w, p.d, g.meta, g.rows, g.chunk_off, g.ent, g.y);
+  if (wgmma)
+    wg::Kernel<<<grid, wg::kThreads, sizeof(wg::Smem)>>>(g.w, p.d, g.meta, g.rows, g.chunk_off, g.ent, g.y);
+  else
+    UnionGemmKernel<<<grid, kThreads, sizeof(SmemLayout)>>>(g.w, p.d, g.meta, g.rows, g.chunk_off, g.ent, g.y);
 }
 
 // Largest |kernel - reference| over every output, relative to the largest |reference|.
@@ -327,13 +469,13 @@ double CheckAgainstHost(const Problem& p, const DeviceProblem& g) {
   return err / std::max(scale, 1e-30);
 }
 
-float TimeKernel(const Problem& p, const DeviceProblem& g, int reps) {
-  for (int i = 0; i < 3; ++i) Launch(p, g);
+float TimeKernel(const Problem& p, const DeviceProblem& g, int reps, bool wgmma) {
+  for (int i = 0; i < 3; ++i) Launch(p, g, wgmma);
   cudaEvent_t t0, t1;
   cudaEventCreate(&t0);
   cudaEventCreate(&t1);
   cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) Launch(p, g);
+  for (int i = 0; i < reps; ++i) Launch(p, g, wgmma);
   cudaEventRecord(t1);
   cudaEventSynchronize(t1);
   float ms = 0.f;
@@ -352,37 +494,45 @@ int main(int argc, char** argv) {
     return 1;
   }
   cudaFuncSetAttribute(UnionGemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(SmemLayout));
+  cudaFuncSetAttribute(wg::Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(wg::Smem));
 
   // Correctness on a small problem (both row counts per neuron, a dense-ish fraction so
   // that chunks hold many entries), against a double-precision host sum.
   int bad = 0;
-  for (int per_neuron : {1, 2})
-    for (double frac : {0.01, 0.2}) {
-      Problem p = MakeProblem(256, 512, 1000, frac, per_neuron, 7u + per_neuron);
-      DeviceProblem g = UploadProblem(p);
-      Launch(p, g);
-      const cudaError_t e = cudaDeviceSynchronize();
-      const double rel = CheckAgainstHost(p, g);
-      const bool ok = e == cudaSuccess && rel < 1e-2;
-      bad += !ok;
-      printf("check per_neuron=%d active=%.2f: max error %.2e of the largest output %s %s\n", per_neuron, frac, rel,
-             ok ? "ok" : "FAILED", e == cudaSuccess ? "" : cudaGetErrorString(e));
-      FreeProblem(g);
-    }
+  for (bool wgmma : {false, true})
+    for (int per_neuron : {1, 2})
+      for (double frac : {0.01, 0.2}) {
+        Problem p = MakeProblem(256, 512, 1000, frac, per_neuron, 7u + per_neuron);
+        DeviceProblem g = UploadProblem(p);
+        cudaMemset(g.y, 0xff, sizeof(uint16_t) * size_t(p.m) * p.d);  // NaN: an output left unwritten fails
+        Launch(p, g, wgmma);
+        const cudaError_t e = cudaDeviceSynchronize();
+        const double rel = CheckAgainstHost(p, g);
+        const bool ok = e == cudaSuccess && rel < 1e-2;
+        bad += !ok;
+        printf("check %s per_neuron=%d active=%.2f: max error %.2e of the largest output %s %s\n",
+               wgmma ? "wgmma" : "mma.sync", per_neuron, frac, rel, ok ? "ok" : "FAILED",
+               e == cudaSuccess ? "" : cudaGetErrorString(e));
+        FreeProblem(g);
+      }
 
   printf("M=%d d=%d f=%d, %.2f%% active, uniform; %d-token blocks, %d KB shared memory per CTA\n", m, d, f,
          100 * active, kTok, static_cast<int>(sizeof(SmemLayout) / 1024));
   for (int per_neuron : {2, 1}) {
     Problem p = MakeProblem(m, d, f, active, per_neuron, 1u);
     DeviceProblem g = UploadProblem(p);
-    const float ms = TimeKernel(p, g, 20);
-    const cudaError_t e = cudaGetLastError();
-    const double union_frac = double(p.union_rows) / (double(m / kTok) * per_neuron * f);
-    const double flops = 2.0 * kTok * double(p.union_rows) * d;
-    printf("%-34s %8.3f ms  union %.1f%% of rows, %.0f TF/s on the union, %.2f GB of rows %s\n",
-           per_neuron == 2 ? "union dx (Wg^T, Wu^T rows)" : "union down (Wd rows)", ms, 100 * union_frac,
-           flops / (ms * 1e-3) / 1e12, double(p.union_rows) * d * 2 / 1e9,
-           e == cudaSuccess ? "" : cudaGetErrorString(e));
+    for (bool wgmma : {false, true}) {
+      const float ms = TimeKernel(p, g, 20, wgmma);
+      const cudaError_t e = cudaGetLastError();
+      const double union_frac = double(p.union_rows) / (double(m / kTok) * per_neuron * f);
+      const double flops = 2.0 * kTok * double(p.union_rows) * d;
+      char name[64];
+      snprintf(name, sizeof(name), "union %s, %s", per_neuron == 2 ? "dx (Wg^T, Wu^T rows)" : "down (Wd rows)",
+               wgmma ? "wgmma" : "mma.sync");
+      printf("%-40s %8.3f ms  union %.1f%% of rows, %.0f TF/s on the union, %.2f GB of rows %s\n", name, ms,
+             100 * union_frac, flops / (ms * 1e-3) / 1e12, double(p.union_rows) * d * 2 / 1e9,
+             e == cudaSuccess ? "" : cudaGetErrorString(e));
+    }
     FreeProblem(g);
   }
   // The dense products they replace: dx = [dg | du] @ [Wg^T; Wu^T] (K = 2f) and y = h @ Wd.
