@@ -630,9 +630,9 @@ def test_vmap_over_tokens_runs_the_cuda_ops_once_on_the_whole_batch(cuda_ops_as_
 @pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 host devices")
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 def test_cuda_ffn_under_a_mesh_with_stand_ins(cuda_ops_as_stand_ins, layout):
-    """The "cuda" inference op (its vmap folding included) runs per shard under jit with a
-    mesh, data or tensor parallel, and (tensor parallel, tokens replicated) under vmap of
-    that; results equal XLA's FFN."""
+    """The "cuda" inference op (its vmap folding and dense-formula VJP included) runs per
+    shard under jit with a mesh, data or tensor parallel, and (tensor parallel, tokens
+    replicated) under vmap of that; results and gradients equal XLA's FFN's."""
     import jax_twell as jt
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -645,8 +645,48 @@ def test_cuda_ffn_under_a_mesh_with_stand_ins(cuda_ops_as_stand_ins, layout):
     ws = (jax.device_put(inp.w_gate, col), jax.device_put(inp.w_up, col), jax.device_put(inp.w_down, row))
     fn = jax.jit(lambda x, *w: jt.sparse_ffn(x, *w, implementation="cuda", sharding=sharding))
     np.testing.assert_allclose(fn(x, *ws), want, rtol=1e-5, atol=1e-5)
+    grads = jax.jit(jax.grad(lambda x, *w: jnp.sum(fn(x, *w) ** 2), argnums=(0, 2)))(x, *ws)
+    grads_want = jax.grad(lambda x, w: jnp.sum(xla.ffn(x, inp.w_gate, w, inp.w_down) ** 2), argnums=(0, 1))(inp.x, inp.w_up)
+    for a, b in zip(grads, grads_want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     if layout == "data":  # vmap over a call whose tokens are sharded needs a sharded batch; not this test's point
         return
     xb = jnp.stack([inp.x, -inp.x])
     got = jax.vmap(lambda x: jt.sparse_ffn(x, *ws, implementation="cuda", sharding=sharding))(xb)
     np.testing.assert_allclose(got[1], xla.ffn(-inp.x, inp.w_gate, inp.w_up, inp.w_down), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_grad_through_the_cuda_ffn_is_the_dense_formulas(monkeypatch, gated):
+    """The "cuda" inference op has no JAX derivative of its own (its stand-in here is a host
+    callback, which has none either): grad, and vmap of grad, give jax.grad of XLA's dense
+    FFN; the transposed weight copies get zero cotangents."""
+    import jax_twell as jt
+    from jax_twell.ops import api
+
+    def opaque(x, wg, wu, wd, **kwargs):
+        out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        host = lambda *a: np.asarray(xla.ffn(*[None if v is None else jnp.asarray(v) for v in a]))
+        return jax.pure_callback(lambda x, wg, wu, wd: host(x, wg, wu, wd), out, x, wg, wu, wd) if wg is not None else \
+            jax.pure_callback(lambda x, wu, wd: host(x, None, wu, wd), out, x, wu, wd)
+
+    monkeypatch.setattr(cuda, "sparse_ffn", opaque)
+    monkeypatch.setattr(api._kernels, "kernels_available", lambda: True)
+    inp = synthetic_ffn_inputs(jax.random.key(5), 24, 32, 128, density=0.1, dtype=jnp.float32)
+    w_gate = inp.w_gate if gated else None
+    ct = jax.random.normal(jax.random.key(6), inp.x.shape, jnp.float32)
+
+    def loss(impl, x, w_up, w_up_t=None):
+        y = jt.sparse_ffn(x, w_gate, w_up, inp.w_down, implementation=impl, w_up_t=w_up_t)
+        return jnp.sum(y * ct)
+
+    want = jax.grad(lambda x, w: loss("xla", x, w), argnums=(0, 1))(inp.x, inp.w_up)
+    got = jax.jit(jax.grad(lambda x, w: loss("cuda", x, w), argnums=(0, 1)))(inp.x, inp.w_up)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    if gated:
+        g_t = jax.grad(lambda t: loss("cuda", inp.x, inp.w_up, t))(inp.w_up.T)
+        assert not np.asarray(g_t).any()
+    xb = jnp.stack([inp.x, 0.5 * inp.x])
+    per = jax.vmap(jax.grad(lambda x: loss("cuda", x, inp.w_up)))(xb)
+    np.testing.assert_allclose(per[1], jax.grad(lambda x: loss("xla", x, inp.w_up))(xb[1]), rtol=1e-5, atol=1e-5)

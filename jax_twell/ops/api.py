@@ -17,6 +17,7 @@ import functools
 import numbers
 
 import jax
+import jax.numpy as jnp
 
 from jax_twell import _kernels
 from jax_twell.formats import Hybrid, TwELL, hybrid_from_row_twell, pack_hybrid_reference, pack_twell_reference, relu_matmul
@@ -98,6 +99,29 @@ def _vmap_folds_tokens(fn, *, flatten: bool, n_tokens: int = 1):
         return out, jax.tree.map(lambda _: True, out)
 
     return folded
+
+
+def _dense_formula_gradients(ffn):
+    """``ffn(x, w_gate, w_up, w_down, w_up_t, w_act_t)``, a forward the CUDA kernels compute
+    (no JAX derivative rules), with a VJP from XLA's dense formula: exact gradients, at the
+    dense backward's cost, with only the inputs kept as residuals. The transposed weight
+    copies get zero cotangents (y depends on them only through the weights they copy)."""
+
+    @jax.custom_vjp
+    def fn(x, w_gate, w_up, w_down, w_up_t, w_act_t):
+        return ffn(x, w_gate, w_up, w_down, w_up_t, w_act_t)
+
+    def fwd(x, w_gate, w_up, w_down, w_up_t, w_act_t):
+        return ffn(x, w_gate, w_up, w_down, w_up_t, w_act_t), (x, w_gate, w_up, w_down, w_up_t, w_act_t)
+
+    def bwd(res, g):
+        x, w_gate, w_up, w_down, w_up_t, w_act_t = res
+        _, vjp = jax.vjp(xla.ffn, x, w_gate, w_up, w_down)
+        zero = lambda a: None if a is None else jnp.zeros_like(a)
+        return (*vjp(g), zero(w_up_t), zero(w_act_t))
+
+    fn.defvjp(fwd, bwd)
+    return fn
 
 
 def _check_tiling(tile: int, capacity: int) -> None:
@@ -309,6 +333,11 @@ def sparse_ffn(
     Returns:
       y: ``[..., d]`` dtype of x.
 
+    Gradients: "reference" and "xla" are differentiated by JAX; "cuda" has a VJP that
+    recomputes the dense formula with XLA (exact, at dense cost; nothing extra kept between
+    forward and backward; zero cotangents for the ``w_up_t`` and ``w_act_t`` copies). To
+    train on sparse kernels, use :func:`sparse_ffn_train`.
+
     Dense crossover: "cuda" checks each call's true number of active pairs on the device
     and runs the up and down projections dense through XLA where the fused kernel would
     be slower (rule: :class:`jax_twell.ops.cuda.DenseCrossover`; inspect it with
@@ -330,11 +359,13 @@ def sparse_ffn(
                 f"w_act_t must be {name}.T: shape {w_act.shape[::-1]} {w_act.dtype}, got {w_act_t.shape} {w_act_t.dtype}"
             )
     ignore_t = lambda op: lambda x, wg, wu, wd, w_up_t=None, w_act_t=None: op(x, wg, wu, wd)
-    cuda_ffn = _vmap_folds_tokens(
-        lambda x, wg, wu, wd, w_up_t, w_act_t: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=w_up_t, active_fraction=active_fraction, w_act_t=w_act_t
-        ),
-        flatten=True,
+    cuda_ffn = _dense_formula_gradients(
+        _vmap_folds_tokens(
+            lambda x, wg, wu, wd, w_up_t, w_act_t: cuda.sparse_ffn(
+                x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=w_up_t, active_fraction=active_fraction, w_act_t=w_act_t
+            ),
+            flatten=True,
+        )
     )
     kernels = dict(
         reference=ignore_t(functools.partial(reference.ffn, tile=tile, capacity=capacity)),
