@@ -9,7 +9,7 @@ import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import cuda, reference
 from jax_twell.testing import synthetic_ffn_inputs
-from specs import GPU_SPECS, assert_close, fused_tolerance
+from specs import GPU_SPECS, assert_close, fused_tolerance, tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -112,6 +112,25 @@ def test_fused_ffn_leading_dims_vmap_and_auto_dispatch(always_sparse):
     assert_close(y, want, tol, "twell_ffn leading dims")
     empty = jt.sparse_ffn(jnp.zeros((0, 128), jnp.bfloat16), inp.w_gate, inp.w_up, inp.w_down, implementation="cuda")
     assert empty.shape == (0, 128)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_grad_and_vmap_through_the_kernels(always_sparse, gated):
+    """On the kernels: vmap over tokens (one folded call) gives the per-element results, and
+    jax.grad (also vmapped) equals jax.grad of XLA's dense FFN (the op's VJP recomputes it;
+    up to XLA's own fusion differences)."""
+    inp = synthetic_ffn_inputs(jax.random.key(12), 96, 128, 700, density=0.03, dtype=jnp.bfloat16)
+    w_gate = inp.w_gate if gated else None
+    xb = inp.x.reshape(4, 24, 128)
+    tol = fused_tolerance(jnp.bfloat16, 700)
+    ffn = lambda x: jt.sparse_ffn(x, w_gate, inp.w_up, inp.w_down, implementation="cuda")
+    want = jt.sparse_ffn(xb, w_gate, inp.w_up, inp.w_down, implementation="reference")
+    assert_close(jax.jit(jax.vmap(ffn))(xb), want, tol, "vmap")
+    ct = jax.random.normal(jax.random.key(13), xb.shape[1:], jnp.float32)
+    loss = lambda impl: lambda x: jnp.sum(jt.sparse_ffn(x, w_gate, inp.w_up, inp.w_down, implementation=impl).astype(jnp.float32) * ct)
+    got = jax.jit(jax.vmap(jax.grad(loss("cuda"))))(xb)
+    grad_want = jax.vmap(jax.grad(loss("xla")))(xb)
+    assert_close(got, grad_want, tolerance(jnp.bfloat16, 700, grad=True), "vmapped grad")
 
 
 def test_dense_crossover_rule_is_inspectable_and_overridable():
