@@ -328,6 +328,32 @@ __global__ void __launch_bounds__(kThreads) Kernel(const uint16_t* __restrict__ 
   CUTE_UNROLL
   for (int i = 0; i < size(acc); ++i) tCgY(i) = T(acc(i));
 }
+// Host check of the shared-memory layouts the kernel relies on: every (column, k, stage) of
+// B and (token, k, buffer) of A has its own element; the 8 columns of a copy piece are 8
+// consecutive elements starting 16-byte aligned (one cp.async of 16 bytes lands them).
+inline bool CheckLayouts() {
+  LayoutB lb{};
+  LayoutA la{};
+  std::vector<int> seen_b(cosize_v<LayoutB>, 0), seen_a(cosize_v<LayoutA>, 0);
+  bool ok = true;
+  for (int st = 0; st < kStages; ++st)
+    for (int k = 0; k < kChunk; ++k)
+      for (int n = 0; n < kCols; ++n) {
+        const int o = static_cast<int>(lb(n, k, st));
+        ok &= o >= 0 && o < static_cast<int>(cosize_v<LayoutB>) && seen_b[o]++ == 0;
+        if (n % 8 == 0) {
+          ok &= o % 8 == 0;
+          for (int j = 1; j < 8; ++j) ok &= static_cast<int>(lb(n + j, k, st)) == o + j;
+        }
+      }
+  for (int b = 0; b < 3; ++b)
+    for (int k = 0; k < kChunk; ++k)
+      for (int t = 0; t < kTok; ++t) {
+        const int o = static_cast<int>(la(t, k, b));
+        ok &= o >= 0 && o < static_cast<int>(cosize_v<LayoutA>) && seen_a[o]++ == 0;
+      }
+  return ok;
+}
 }  // namespace wg
 
 uint16_t ToBf16(float v) {
@@ -493,6 +519,10 @@ int main(int argc, char** argv) {
     printf("M must be a multiple of %d, d of %d, and 2 f / %d below %d\n", kTok, kCols, kChunk, kMaxChunks);
     return 1;
   }
+  const bool layouts_ok = wg::CheckLayouts();
+  printf("wgmma shared-memory layouts (host check): %s\n", layouts_ok ? "ok" : "FAILED");
+  int devices = 0;
+  if (!layouts_ok || cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return layouts_ok ? 0 : 1;
   cudaFuncSetAttribute(UnionGemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(SmemLayout));
   cudaFuncSetAttribute(wg::Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(wg::Smem));
 
