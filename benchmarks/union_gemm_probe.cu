@@ -64,38 +64,46 @@ struct SmemLayout {
   int off[kMaxChunks + 1];  // the block's chunk offsets into `ent`
 };
 
-// One chunk's entry words: thread i holds entries off + i and off + i + 256 (registers,
-// loaded a chunk ahead of their use); a chunk with more than 512 entries reads the rest
-// from global memory when used (correct, slower). Entry word: value bits << 16 | column
-// within the chunk << 8 | token within the block.
+// One chunk's entry words: with T threads and P words each, thread i holds entries
+// off + i, off + i + T, ... (registers, loaded a chunk ahead of their use); a chunk with
+// more than T P entries reads the rest from global memory when used (correct, slower).
+// Entry word: value bits << 16 | column within the chunk << 8 | token within the block.
+template <int T, int P>
 struct ChunkWords {
-  uint32_t w[kPer];
+  uint32_t w[P];
   int e0, e1;
 };
 
-__device__ __forceinline__ ChunkWords LoadWords(const uint32_t* ent, const int* off, int c, int chunks) {
-  ChunkWords cw{{0u, 0u}, 0, 0};
+template <int T, int P>
+__device__ __forceinline__ ChunkWords<T, P> LoadWords(const uint32_t* ent, const int* off, int c, int chunks) {
+  ChunkWords<T, P> cw{};
   if (c < 0 || c >= chunks) return cw;
   cw.e0 = off[c];
   cw.e1 = off[c + 1];
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * kThreads;
+  for (int i = 0; i < P; ++i) {
+    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * T;
     if (e < cw.e1) cw.w[i] = ent[e];
   }
   return cw;
 }
 
-__device__ __forceinline__ void Scatter(uint16_t (*a)[kAPitch], const ChunkWords& cw, const uint32_t* ent, bool clear) {
+// put(word) for every entry word of the chunk.
+template <int T, int P, class Put>
+__device__ __forceinline__ void ForEachWord(const ChunkWords<T, P>& cw, const uint32_t* ent, Put put) {
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * kThreads;
-    if (e < cw.e1) a[cw.w[i] & 0xff][(cw.w[i] >> 8) & 0xff] = clear ? uint16_t{0} : static_cast<uint16_t>(cw.w[i] >> 16);
+  for (int i = 0; i < P; ++i) {
+    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * T;
+    if (e < cw.e1) put(cw.w[i]);
   }
-  for (int e = cw.e0 + static_cast<int>(threadIdx.x) + kPer * kThreads; e < cw.e1; e += kThreads) {
-    const uint32_t w = ent[e];
-    a[w & 0xff][(w >> 8) & 0xff] = clear ? uint16_t{0} : static_cast<uint16_t>(w >> 16);
-  }
+  for (int e = cw.e0 + static_cast<int>(threadIdx.x) + P * T; e < cw.e1; e += T) put(ent[e]);
+}
+
+using Words = ChunkWords<kThreads, kPer>;
+
+// The chunk's entries into (clear: out of) a row-major A tile.
+__device__ __forceinline__ void Scatter(uint16_t (*a)[kAPitch], const Words& cw, const uint32_t* ent, bool clear) {
+  ForEachWord(cw, ent, [&](uint32_t w) { a[w & 0xff][(w >> 8) & 0xff] = clear ? uint16_t{0} : static_cast<uint16_t>(w >> 16); });
 }
 
 __global__ void __launch_bounds__(kThreads) UnionGemmKernel(const uint16_t* __restrict__ w, int d,
@@ -142,8 +150,8 @@ __global__ void __launch_bounds__(kThreads) UnionGemmKernel(const uint16_t* __re
   }
   load_rows(kStages - 1, r);
   __syncthreads();
-  ChunkWords prev = LoadWords(ent, s.off, -1, chunks), cur = LoadWords(ent, s.off, 0, chunks);
-  ChunkWords next = LoadWords(ent, s.off, 1, chunks);
+  Words prev = LoadWords<kThreads, kPer>(ent, s.off, -1, chunks), cur = LoadWords<kThreads, kPer>(ent, s.off, 0, chunks);
+  Words next = LoadWords<kThreads, kPer>(ent, s.off, 1, chunks);
   Scatter(s.a[0], cur, ent, false);
 
   float acc[2][8][4] = {};
@@ -152,7 +160,7 @@ __global__ void __launch_bounds__(kThreads) UnionGemmKernel(const uint16_t* __re
     __syncthreads();  // B(c) and A(c) visible; every warp is past the products of chunk c - 1
     load_b(c + kStages - 1, r);  // into the stage chunk c - 1 used
     load_rows(c + kStages, r);
-    const ChunkWords after = LoadWords(ent, s.off, c + 2, chunks);
+    const Words after = LoadWords<kThreads, kPer>(ent, s.off, c + 2, chunks);
     Scatter(s.a[(c + 2) % 3], prev, ent, true);  // chunk c - 1's buffer is chunk c + 2's
     Scatter(s.a[(c + 1) % 3], next, ent, false);
     uint16_t (*a)[kAPitch] = s.a[c % 3];
@@ -216,36 +224,15 @@ struct Smem {
   int off[kMaxChunks + 1];
 };
 
-struct Words {
-  uint32_t w[kPer];
-  int e0, e1;
-};
+using Words = ChunkWords<kThreads, kPer>;
 
-__device__ __forceinline__ Words Load(const uint32_t* ent, const int* off, int c, int chunks) {
-  Words cw{};
-  if (c < 0 || c >= chunks) return cw;
-  cw.e0 = off[c];
-  cw.e1 = off[c + 1];
-  CUTE_UNROLL
-  for (int i = 0; i < kPer; ++i) {
-    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * kThreads;
-    if (e < cw.e1) cw.w[i] = ent[e];
-  }
-  return cw;
-}
-
+// The chunk's entries into (clear: out of) A's swizzled tile.
 template <class TensorA>
 __device__ __forceinline__ void Scatter(TensorA sa, const Words& cw, const uint32_t* ent, bool clear) {
-  auto put = [&](uint32_t w) {
+  ForEachWord(cw, ent, [&](uint32_t w) {
     sa(static_cast<int>(w & 0xff), static_cast<int>((w >> 8) & 0xff)) =
         clear ? T(0.f) : T::bitcast(static_cast<uint16_t>(w >> 16));
-  };
-  CUTE_UNROLL
-  for (int i = 0; i < kPer; ++i) {
-    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * kThreads;
-    if (e < cw.e1) put(cw.w[i]);
-  }
-  for (int e = cw.e0 + static_cast<int>(threadIdx.x) + kPer * kThreads; e < cw.e1; e += kThreads) put(ent[e]);
+  });
 }
 
 __global__ void __launch_bounds__(kThreads) Kernel(const uint16_t* __restrict__ w, int d,
@@ -289,7 +276,8 @@ __global__ void __launch_bounds__(kThreads) Kernel(const uint16_t* __restrict__ 
   }
   load_rows(kStages - 1, r);
   __syncthreads();
-  Words prev = Load(ent, s.off, -1, chunks), cur = Load(ent, s.off, 0, chunks), next = Load(ent, s.off, 1, chunks);
+  Words prev = LoadWords<kThreads, kPer>(ent, s.off, -1, chunks), cur = LoadWords<kThreads, kPer>(ent, s.off, 0, chunks);
+  Words next = LoadWords<kThreads, kPer>(ent, s.off, 1, chunks);
   Scatter(sA(_, _, 0), cur, ent, false);
   cutlass::arch::fence_view_async_shared();
 
@@ -311,7 +299,7 @@ __global__ void __launch_bounds__(kThreads) Kernel(const uint16_t* __restrict__ 
     warpgroup_commit_batch();
     load_b(c + kStages - 1, r);  // into the stage chunk c - 1 used
     load_rows(c + kStages, r);
-    const Words after = Load(ent, s.off, c + 2, chunks);
+    const Words after = LoadWords<kThreads, kPer>(ent, s.off, c + 2, chunks);
     Scatter(sA(_, _, (c + 2) % 3), prev, ent, true);  // chunk c - 1's buffer is chunk c + 2's
     Scatter(sA(_, _, (c + 1) % 3), next, ent, false);
     cutlass::arch::fence_view_async_shared();

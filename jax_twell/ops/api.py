@@ -73,8 +73,9 @@ def _vmap_folds_tokens(fn, *, flatten: bool, n_tokens: int = 1):
     leading arguments carry the tokens (x, and a packed activation of x); all of them must
     be batched to fold.
 
-    Not differentiable (``custom_vmap``); used for the CUDA inference paths, which are not
-    differentiable either."""
+    ``custom_vmap`` has no reverse-mode derivative: a caller that needs gradients wraps the
+    result in a ``custom_vjp`` (as :func:`sparse_ffn` does with
+    :func:`_dense_formula_gradients`)."""
 
     if flatten and n_tokens != 1:
         raise ValueError("folding into M flattens one token argument")
