@@ -344,6 +344,139 @@ inline bool CheckLayouts() {
 }
 }  // namespace wg
 
+// Warp-specialized wgmma version (written after Nsight Compute showed the one-warp-group
+// kernel latency-bound: 0.29 issues per scheduler, tensor pipe 24% busy, L2 35%). One
+// producer warp group clears and scatters each chunk's A tile and copies its row slices
+// (cp.async, completion on the stage's full barrier); two consumer warp groups, each its
+// own 256 output columns over the same A, only wait, multiply and release. Five stages of
+// (A 4 KB, B 2 x 16 KB) keep four chunks in flight ahead of the products.
+namespace ws {
+using namespace cute;
+using T = cutlass::bfloat16_t;
+constexpr int kConsumers = 2;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kRing = 5;
+constexpr int kSpan = kCols * kConsumers;  // output columns per CTA
+using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<T>{}, make_shape(Int<kTok>{}, Int<kChunk>{}, Int<kRing>{})));
+using LayoutB =
+    decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, make_shape(Int<kCols>{}, Int<kChunk>{}, Int<kRing>{})));
+using Mma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}));
+using Pipe = cutlass::PipelineAsync<kRing>;
+
+struct Smem {
+  alignas(1024) T b[kConsumers][cosize_v<LayoutB>];
+  alignas(1024) T a[cosize_v<LayoutA>];
+  int off[kMaxChunks + 1];
+  typename Pipe::SharedStorage pipe;
+};
+
+using Words = ChunkWords<128, 4>;
+
+__global__ void __launch_bounds__(kThreads, 1) Kernel(const uint16_t* __restrict__ w, int d,
+                                                      const BlockMeta* __restrict__ meta, const int* __restrict__ rows,
+                                                      const int* __restrict__ chunk_off, const uint32_t* __restrict__ ent,
+                                                      uint16_t* __restrict__ y) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Smem& s = *reinterpret_cast<Smem*>(smem_raw);
+  if (jax_twell::SmemAddr(smem_raw) % 1024 != 0) __trap();  // the 128-byte swizzle needs 1 KB alignment
+  const int block = blockIdx.y, n0 = blockIdx.x * kSpan, tid = threadIdx.x, group = tid / 128;
+  const BlockMeta bm = meta[block];
+  const int chunks = bm.chunks;
+  for (int i = tid; i <= chunks; i += kThreads) s.off[i] = chunk_off[bm.chunk_base + i];
+  typename Pipe::Params params;
+  params.role = group == 0 ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
+  params.producer_arv_count = 128;
+  params.consumer_arv_count = 128 * kConsumers;
+  Pipe pipe(s.pipe, params);
+  __syncthreads();  // barriers initialised, chunk offsets in shared memory
+  Tensor sA = make_tensor(make_smem_ptr(s.a), LayoutA{});  // (token, k, stage)
+
+  if (group == 0) {  // producer
+    const int* block_rows = rows + bm.row_base;
+    const int piece = tid % 32;  // this thread's 16-byte piece of each row slice
+    constexpr int kRowsPerThread = kChunk / 4;  // 8: rows tid / 32 + 4 i
+    auto load_rows = [&](int c, int (&r)[kRowsPerThread]) {
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 4 * i] : 0;
+    };
+    int r[kRowsPerThread], r_next[kRowsPerThread];
+    load_rows(0, r);
+    Words cur = LoadWords<128, 4>(ent, s.off, 0, chunks);
+    auto state = cutlass::make_producer_start_state<Pipe>();
+    for (int c = 0; c < chunks; ++c) {
+      load_rows(c + 1, r_next);
+      const Words next = LoadWords<128, 4>(ent, s.off, c + 1, chunks);
+      pipe.producer_acquire(state);
+      const int st = state.index();
+      uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, st));
+      for (int i = tid; i < kTok * kChunk / 8; i += 128) a4[i] = make_uint4(0, 0, 0, 0);
+      cutlass::arch::NamedBarrier::sync(128, 1);  // the stage's A is clear before any entry lands
+      ForEachWord(cur, ent, [&](uint32_t e) {
+        sA(static_cast<int>(e & 0xff), static_cast<int>((e >> 8) & 0xff), st) = T::bitcast(static_cast<uint16_t>(e >> 16));
+      });
+      CUTE_UNROLL
+      for (int k = 0; k < kConsumers; ++k) {
+        Tensor sB = make_tensor(make_smem_ptr(s.b[k]), LayoutB{});
+        const uint16_t* w_col = w + n0 + k * kCols + piece * 8;
+        CUTE_UNROLL
+        for (int i = 0; i < kRowsPerThread; ++i)
+          jax_twell::CpAsync16(&sB(piece * 8, tid / 32 + 4 * i, st), w_col + static_cast<int64_t>(r[i]) * d);
+      }
+      cutlass::arch::fence_view_async_shared();  // the A stores, visible to the async proxy
+      pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+      ++state;
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsPerThread; ++i) r[i] = r_next[i];
+      cur = next;
+    }
+    return;
+  }
+
+  // consumers: warp group `group` owns columns n0 + (group - 1) * 256
+  const int ctid = tid - 128;
+  Tensor sB = make_tensor(make_smem_ptr(s.b[group - 1]), LayoutB{});
+  Mma mma;
+  auto thr = mma.get_thread_slice(ctid % 128);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, make_shape(Int<kTok>{}, Int<kCols>{}));
+  clear(acc);
+  warpgroup_fence_operand(acc);
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  cutlass::PipelineState<kRing> read{}, release{};
+  auto multiply = [&] {  // chunk `read`'s products, issued asynchronously
+    pipe.consumer_wait(read);
+    cutlass::arch::fence_view_async_shared();
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm(mma, tCrA(_, _, _, read.index()), tCrB(_, _, _, read.index()), acc);
+    warpgroup_commit_batch();
+    ++read;
+  };
+  if (chunks > 0) multiply();
+#pragma unroll 1
+  for (int c = 1; c < chunks; ++c) {
+    multiply();
+    warpgroup_wait<1>();  // chunk c - 1's products are done: release its stage
+    warpgroup_fence_operand(acc);
+    pipe.consumer_release(release);
+    ++release;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  Tensor gY = make_tensor(make_gmem_ptr(reinterpret_cast<T*>(y) + static_cast<int64_t>(block) * kTok * d + n0 +
+                                        (group - 1) * kCols),
+                          make_layout(make_shape(Int<kTok>{}, Int<kCols>{}), make_stride(d, Int<1>{})));
+  Tensor tCgY = thr.partition_C(gY);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {  // (i, i + 1): adjacent columns of one row
+    const __nv_bfloat162 v = __floats2bfloat162_rn(acc(i), acc(i + 1));
+    *reinterpret_cast<__nv_bfloat162*>(&tCgY(i)) = v;
+  }
+}
+}  // namespace ws
+
+
 uint16_t ToBf16(float v) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
@@ -451,9 +584,15 @@ void FreeProblem(DeviceProblem& g) {
     cudaFree(q);
 }
 
-void Launch(const Problem& p, const DeviceProblem& g, bool wgmma) {
+enum Kind { kMmaSync, kWgmma, kWarpSpecialized };
+const char* KindName(int kind) { return kind == kMmaSync ? "mma.sync" : kind == kWgmma ? "wgmma" : "wgmma, warp-specialized"; }
+
+void Launch(const Problem& p, const DeviceProblem& g, int kind) {
   const dim3 grid(p.d / kCols, p.m / kTok);
-  if (wgmma)
+  if (kind == kWarpSpecialized)
+    ws::Kernel<<<dim3(p.d / ws::kSpan, p.m / kTok), ws::kThreads, sizeof(ws::Smem)>>>(g.w, p.d, g.meta, g.rows,
+                                                                                   g.chunk_off, g.ent, g.y);
+  else if (kind == kWgmma)
     wg::Kernel<<<grid, wg::kThreads, sizeof(wg::Smem)>>>(g.w, p.d, g.meta, g.rows, g.chunk_off, g.ent, g.y);
   else
     UnionGemmKernel<<<grid, kThreads, sizeof(SmemLayout)>>>(g.w, p.d, g.meta, g.rows, g.chunk_off, g.ent, g.y);
@@ -483,13 +622,13 @@ double CheckAgainstHost(const Problem& p, const DeviceProblem& g) {
   return err / std::max(scale, 1e-30);
 }
 
-float TimeKernel(const Problem& p, const DeviceProblem& g, int reps, bool wgmma) {
-  for (int i = 0; i < 3; ++i) Launch(p, g, wgmma);
+float TimeKernel(const Problem& p, const DeviceProblem& g, int reps, int kind) {
+  for (int i = 0; i < 3; ++i) Launch(p, g, kind);
   cudaEvent_t t0, t1;
   cudaEventCreate(&t0);
   cudaEventCreate(&t1);
   cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) Launch(p, g, wgmma);
+  for (int i = 0; i < reps; ++i) Launch(p, g, kind);
   cudaEventRecord(t1);
   cudaEventSynchronize(t1);
   float ms = 0.f;
@@ -503,8 +642,8 @@ int main(int argc, char** argv) {
   const int m = argc > 1 ? atoi(argv[1]) : 16384, d = argc > 2 ? atoi(argv[2]) : 2048;
   const int f = argc > 3 ? atoi(argv[3]) : 5632;
   const double active = argc > 4 ? atof(argv[4]) : 0.005;
-  if (m % kTok != 0 || d % kCols != 0 || 2 * f / kChunk + 1 >= kMaxChunks) {
-    printf("M must be a multiple of %d, d of %d, and 2 f / %d below %d\n", kTok, kCols, kChunk, kMaxChunks);
+  if (m % kTok != 0 || d % ws::kSpan != 0 || 2 * f / kChunk + 1 >= kMaxChunks) {
+    printf("M must be a multiple of %d, d of %d, and 2 f / %d below %d\n", kTok, ws::kSpan, kChunk, kMaxChunks);
     return 1;
   }
   const bool layouts_ok = wg::CheckLayouts();
@@ -513,23 +652,24 @@ int main(int argc, char** argv) {
   if (!layouts_ok || cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return layouts_ok ? 0 : 1;
   cudaFuncSetAttribute(UnionGemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(SmemLayout));
   cudaFuncSetAttribute(wg::Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(wg::Smem));
+  cudaFuncSetAttribute(ws::Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(ws::Smem));
 
   // Correctness on a small problem (both row counts per neuron, a dense-ish fraction so
   // that chunks hold many entries), against a double-precision host sum.
   int bad = 0;
-  for (bool wgmma : {false, true})
+  for (int kind : {kMmaSync, kWgmma, kWarpSpecialized})
     for (int per_neuron : {1, 2})
       for (double frac : {0.01, 0.2}) {
         Problem p = MakeProblem(256, 512, 1000, frac, per_neuron, 7u + per_neuron);
         DeviceProblem g = UploadProblem(p);
         cudaMemset(g.y, 0xff, sizeof(uint16_t) * size_t(p.m) * p.d);  // NaN: an output left unwritten fails
-        Launch(p, g, wgmma);
+        Launch(p, g, kind);
         const cudaError_t e = cudaDeviceSynchronize();
         const double rel = CheckAgainstHost(p, g);
         const bool ok = e == cudaSuccess && rel < 1e-2;
         bad += !ok;
         printf("check %s per_neuron=%d active=%.2f: max error %.2e of the largest output %s %s\n",
-               wgmma ? "wgmma" : "mma.sync", per_neuron, frac, rel, ok ? "ok" : "FAILED",
+               KindName(kind), per_neuron, frac, rel, ok ? "ok" : "FAILED",
                e == cudaSuccess ? "" : cudaGetErrorString(e));
         FreeProblem(g);
       }
@@ -539,15 +679,15 @@ int main(int argc, char** argv) {
   for (int per_neuron : {2, 1}) {
     Problem p = MakeProblem(m, d, f, active, per_neuron, 1u);
     DeviceProblem g = UploadProblem(p);
-    for (bool wgmma : {false, true}) {
-      const float ms = TimeKernel(p, g, 20, wgmma);
+    for (int kind : {kMmaSync, kWgmma, kWarpSpecialized}) {
+      const float ms = TimeKernel(p, g, 20, kind);
       const cudaError_t e = cudaGetLastError();
       const double union_frac = double(p.union_rows) / (double(m / kTok) * per_neuron * f);
       const double flops = 2.0 * kTok * double(p.union_rows) * d;
-      char name[64];
+      char name[96];
       snprintf(name, sizeof(name), "union %s, %s", per_neuron == 2 ? "dx (Wg^T, Wu^T rows)" : "down (Wd rows)",
-               wgmma ? "wgmma" : "mma.sync");
-      printf("%-40s %8.3f ms  union %.1f%% of rows, %.0f TF/s on the union, %.2f GB of rows %s\n", name, ms,
+               KindName(kind));
+      printf("%-56s %8.3f ms  union %.1f%% of rows, %.0f TF/s on the union, %.2f GB of rows %s\n", name, ms,
              100 * union_frac, flops / (ms * 1e-3) / 1e12, double(p.union_rows) * d * 2 / 1e9,
              e == cudaSuccess ? "" : cudaGetErrorString(e));
     }
