@@ -20,8 +20,9 @@
 //
 // Build: nvcc -O3 -std=c++17 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //          -Iffi -I$CUTLASS/include -I$CUTLASS/tools/util/include benchmarks/union_gemm_probe.cu -o union_gemm_probe
-// Kernels: the mma.sync one (measured, `union_probe_d2b0ab9.txt`) and a wgmma one (namespace
-// wg; compiled, 218 registers, no spill, not yet run on a GPU).
+// Kernels: the mma.sync one, a wgmma one (namespace wg) and a warp-specialized wgmma one
+// (namespace ws; -DWS_PRODUCERS / -DWS_CONSUMERS set its warp groups, 1 and 2 by default).
+// Measured: union_probe_d2b0ab9.txt, union_probe_aac403c.txt, union_probe_ws.txt.
 // Run:   ./union_gemm_probe [M d f active]   (default 16384 2048 5632 0.005): checks a small
 //        problem against a host reference, then times the headline shape's dx (two weights)
 //        and down projection (one), and the dense CUTLASS GEMMs they replace.
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "async_mma.cuh"
+#include "cutlass/pipeline/pipeline.hpp"
 #include "probe_gemm.cuh"
 
 namespace {
@@ -75,14 +77,15 @@ struct ChunkWords {
 };
 
 template <int T, int P>
-__device__ __forceinline__ ChunkWords<T, P> LoadWords(const uint32_t* ent, const int* off, int c, int chunks) {
+__device__ __forceinline__ ChunkWords<T, P> LoadWords(const uint32_t* ent, const int* off, int c, int chunks,
+                                                     int t = static_cast<int>(threadIdx.x)) {
   ChunkWords<T, P> cw{};
   if (c < 0 || c >= chunks) return cw;
   cw.e0 = off[c];
   cw.e1 = off[c + 1];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
-    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * T;
+    const int e = cw.e0 + t + i * T;
     if (e < cw.e1) cw.w[i] = ent[e];
   }
   return cw;
@@ -90,13 +93,14 @@ __device__ __forceinline__ ChunkWords<T, P> LoadWords(const uint32_t* ent, const
 
 // put(word) for every entry word of the chunk.
 template <int T, int P, class Put>
-__device__ __forceinline__ void ForEachWord(const ChunkWords<T, P>& cw, const uint32_t* ent, Put put) {
+__device__ __forceinline__ void ForEachWord(const ChunkWords<T, P>& cw, const uint32_t* ent, Put put,
+                                            int t = static_cast<int>(threadIdx.x)) {
 #pragma unroll
   for (int i = 0; i < P; ++i) {
-    const int e = cw.e0 + static_cast<int>(threadIdx.x) + i * T;
+    const int e = cw.e0 + t + i * T;
     if (e < cw.e1) put(cw.w[i]);
   }
-  for (int e = cw.e0 + static_cast<int>(threadIdx.x) + P * T; e < cw.e1; e += T) put(ent[e]);
+  for (int e = cw.e0 + t + P * T; e < cw.e1; e += T) put(ent[e]);
 }
 
 using Words = ChunkWords<kThreads, kPer>;
@@ -353,10 +357,21 @@ inline bool CheckLayouts() {
 namespace ws {
 using namespace cute;
 using T = cutlass::bfloat16_t;
-constexpr int kConsumers = 2;
-constexpr int kThreads = 128 * (1 + kConsumers);
+#ifndef WS_PRODUCERS
+#define WS_PRODUCERS 1
+#endif
+#ifndef WS_CONSUMERS
+#define WS_CONSUMERS 2
+#endif
+constexpr int kProducers = WS_PRODUCERS;  // warp groups, taking alternate chunks
+constexpr int kConsumers = WS_CONSUMERS;  // warp groups, each its own 256 columns
+constexpr int kThreads = 128 * (kProducers + kConsumers);
 constexpr int kRing = 5;
 constexpr int kSpan = kCols * kConsumers;  // output columns per CTA
+// (Two producers and two consumers, 512 threads, do not compile: the launch bound caps every
+// thread at 128 registers and a 64 x 256 accumulator needs 128 of its own; ptxas does not
+// allocate per warp-group role.)
+static_assert(kThreads <= 384, "a consumer's 64 x 256 accumulator needs more than 128 registers");
 using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<T>{}, make_shape(Int<kTok>{}, Int<kChunk>{}, Int<kRing>{})));
 using LayoutB =
     decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, make_shape(Int<kCols>{}, Int<kChunk>{}, Int<kRing>{})));
@@ -384,59 +399,74 @@ __global__ void __launch_bounds__(kThreads, 1) Kernel(const uint16_t* __restrict
   const int chunks = bm.chunks;
   for (int i = tid; i <= chunks; i += kThreads) s.off[i] = chunk_off[bm.chunk_base + i];
   typename Pipe::Params params;
-  params.role = group == 0 ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
+  params.role = group < kProducers ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
   params.producer_arv_count = 128;
   params.consumer_arv_count = 128 * kConsumers;
   Pipe pipe(s.pipe, params);
   __syncthreads();  // barriers initialised, chunk offsets in shared memory
   Tensor sA = make_tensor(make_smem_ptr(s.a), LayoutA{});  // (token, k, stage)
 
-  if (group == 0) {  // producer
+  if (group < kProducers) {  // producer warp group `group`: chunks group, group + kProducers, ...
+    const int t = tid % 128;
     const int* block_rows = rows + bm.row_base;
-    const int piece = tid % 32;  // this thread's 16-byte piece of each row slice
-    constexpr int kRowsPerThread = kChunk / 4;  // 8: rows tid / 32 + 4 i
+    const int piece = t % 32;  // this thread's 16-byte piece of each row slice
+    constexpr int kRowsPerThread = kChunk / 4;  // 8: rows t / 32 + 4 i
     auto load_rows = [&](int c, int (&r)[kRowsPerThread]) {
       CUTE_UNROLL
-      for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 4 * i] : 0;
+      for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + t / 32 + 4 * i] : 0;
     };
-    int r[kRowsPerThread], r_next[kRowsPerThread];
-    load_rows(0, r);
-    Words cur = LoadWords<128, 4>(ent, s.off, 0, chunks);
+    // Row indices and entry words reach registers two of this warp group's chunks ahead,
+    // in two sets used in turn: a register is reloaded only after its chunk is done, so no
+    // instruction waits on a load issued in the same iteration.
     auto state = cutlass::make_producer_start_state<Pipe>();
-    for (int c = 0; c < chunks; ++c) {
-      load_rows(c + 1, r_next);
-      const Words next = LoadWords<128, 4>(ent, s.off, c + 1, chunks);
+    state.advance(group);
+    auto produce = [&](int c, const int (&r)[kRowsPerThread], const Words& cw) {
       pipe.producer_acquire(state);
       const int st = state.index();
       uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, st));
-      for (int i = tid; i < kTok * kChunk / 8; i += 128) a4[i] = make_uint4(0, 0, 0, 0);
-      cutlass::arch::NamedBarrier::sync(128, 1);  // the stage's A is clear before any entry lands
-      ForEachWord(cur, ent, [&](uint32_t e) {
-        sA(static_cast<int>(e & 0xff), static_cast<int>((e >> 8) & 0xff), st) = T::bitcast(static_cast<uint16_t>(e >> 16));
-      });
+      for (int i = t; i < kTok * kChunk / 8; i += 128) a4[i] = make_uint4(0, 0, 0, 0);
+      cutlass::arch::NamedBarrier::sync(128, 1 + group);  // the stage's A is clear before any entry lands
+      ForEachWord(
+          cw, ent,
+          [&](uint32_t e) {
+            sA(static_cast<int>(e & 0xff), static_cast<int>((e >> 8) & 0xff), st) =
+                T::bitcast(static_cast<uint16_t>(e >> 16));
+          },
+          t);
       CUTE_UNROLL
       for (int k = 0; k < kConsumers; ++k) {
         Tensor sB = make_tensor(make_smem_ptr(s.b[k]), LayoutB{});
         const uint16_t* w_col = w + n0 + k * kCols + piece * 8;
         CUTE_UNROLL
         for (int i = 0; i < kRowsPerThread; ++i)
-          jax_twell::CpAsync16(&sB(piece * 8, tid / 32 + 4 * i, st), w_col + static_cast<int64_t>(r[i]) * d);
+          jax_twell::CpAsync16(&sB(piece * 8, t / 32 + 4 * i, st), w_col + static_cast<int64_t>(r[i]) * d);
       }
       cutlass::arch::fence_view_async_shared();  // the A stores, visible to the async proxy
       pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
-      ++state;
-      CUTE_UNROLL
-      for (int i = 0; i < kRowsPerThread; ++i) r[i] = r_next[i];
-      cur = next;
+      state.advance(kProducers);
+    };
+    int r0[kRowsPerThread], r1[kRowsPerThread];
+    load_rows(group, r0);
+    load_rows(group + kProducers, r1);
+    Words w0 = LoadWords<128, 4>(ent, s.off, group, chunks, t);
+    Words w1 = LoadWords<128, 4>(ent, s.off, group + kProducers, chunks, t);
+    for (int c = group; c < chunks; c += 2 * kProducers) {
+      produce(c, r0, w0);
+      load_rows(c + 2 * kProducers, r0);
+      w0 = LoadWords<128, 4>(ent, s.off, c + 2 * kProducers, chunks, t);
+      if (c + kProducers >= chunks) break;
+      produce(c + kProducers, r1, w1);
+      load_rows(c + 3 * kProducers, r1);
+      w1 = LoadWords<128, 4>(ent, s.off, c + 3 * kProducers, chunks, t);
     }
     return;
   }
 
-  // consumers: warp group `group` owns columns n0 + (group - 1) * 256
-  const int ctid = tid - 128;
-  Tensor sB = make_tensor(make_smem_ptr(s.b[group - 1]), LayoutB{});
+  // consumers: warp group kProducers + k owns columns n0 + 256 k
+  const int consumer = group - kProducers;
+  Tensor sB = make_tensor(make_smem_ptr(s.b[consumer]), LayoutB{});
   Mma mma;
-  auto thr = mma.get_thread_slice(ctid % 128);
+  auto thr = mma.get_thread_slice(tid % 128);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
   Tensor acc = partition_fragment_C(mma, make_shape(Int<kTok>{}, Int<kCols>{}));
@@ -465,7 +495,7 @@ __global__ void __launch_bounds__(kThreads, 1) Kernel(const uint16_t* __restrict
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
   Tensor gY = make_tensor(make_gmem_ptr(reinterpret_cast<T*>(y) + static_cast<int64_t>(block) * kTok * d + n0 +
-                                        (group - 1) * kCols),
+                                        consumer * kCols),
                           make_layout(make_shape(Int<kTok>{}, Int<kCols>{}), make_stride(d, Int<1>{})));
   Tensor tCgY = thr.partition_C(gY);
   CUTE_UNROLL
