@@ -34,6 +34,9 @@
 #include <random>
 #include <vector>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "async_mma.cuh"
 #include "cutlass/pipeline/pipeline.hpp"
 #include "probe_gemm.cuh"
@@ -387,10 +390,20 @@ struct Smem {
 
 using Words = ChunkWords<128, 4>;
 
+// Element offset of the first column of row k's 64-column atom row `a` in stage st of a B
+// tile: where a 1-row TMA box lands (the 128-byte swizzle permutes within the row).
+__host__ __device__ constexpr int TmaRowOffset(int a, int k, int st) {
+  return 64 * (k % 8) + 512 * a + 2048 * (k / 8) + 8192 * st;
+}
+
+// kTma: the row slices come by TMA (one lane per union row of the chunk, a 1-row box per
+// 64 columns) and producer warps 1-3 scatter A; otherwise every producer thread copies
+// 16-byte pieces by cp.async and scatters A.
+template <bool kTma>
 __global__ void __launch_bounds__(kThreads, 1) Kernel(const uint16_t* __restrict__ w, int d,
                                                       const BlockMeta* __restrict__ meta, const int* __restrict__ rows,
                                                       const int* __restrict__ chunk_off, const uint32_t* __restrict__ ent,
-                                                      uint16_t* __restrict__ y) {
+                                                      uint16_t* __restrict__ y, const __grid_constant__ CUtensorMap tmap) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   Smem& s = *reinterpret_cast<Smem*>(smem_raw);
   if (jax_twell::SmemAddr(smem_raw) % 1024 != 0) __trap();  // the 128-byte swizzle needs 1 KB alignment
@@ -400,12 +413,72 @@ __global__ void __launch_bounds__(kThreads, 1) Kernel(const uint16_t* __restrict
   for (int i = tid; i <= chunks; i += kThreads) s.off[i] = chunk_off[bm.chunk_base + i];
   typename Pipe::Params params;
   params.role = group < kProducers ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
-  params.producer_arv_count = 128;
+  params.producer_arv_count = kTma ? 96 + 1 : 128;  // TMA: warps 1-3, and lane 0 of warp 0 with the bytes
   params.consumer_arv_count = 128 * kConsumers;
   Pipe pipe(s.pipe, params);
   __syncthreads();  // barriers initialised, chunk offsets in shared memory
   Tensor sA = make_tensor(make_smem_ptr(s.a), LayoutA{});  // (token, k, stage)
 
+  if (kTma && group == 0) {
+    static_assert(!kTma || kProducers == 1, "the TMA producer is one warp group");
+    const int t = tid % 128;
+    auto state = cutlass::make_producer_start_state<Pipe>();
+    if (t < 32) {  // warp 0: lane l copies union row l of each chunk
+      const int* block_rows = rows + bm.row_base;
+      int r0 = chunks > 0 ? block_rows[t] : 0, r1 = chunks > 1 ? block_rows[kChunk + t] : 0;
+      constexpr uint32_t kBytes = kChunk * kSpan * 2;
+      auto produce = [&](int r) {
+        pipe.producer_acquire(state);
+        const int st = state.index();
+        uint64_t* full = pipe.producer_get_barrier(state);
+        if (t == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kBytes);
+        __syncwarp();
+        CUTE_UNROLL
+        for (int k = 0; k < kConsumers; ++k)
+          CUTE_UNROLL
+          for (int a = 0; a < kCols / 64; ++a)
+            SM90_TMA_LOAD_2D::copy(&tmap, full, static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
+                                   s.b[k] + TmaRowOffset(a, t, st), n0 + k * kCols + 64 * a, r);
+        ++state;
+      };
+      for (int c = 0; c < chunks; c += 2) {
+        produce(r0);
+        r0 = c + 2 < chunks ? block_rows[(c + 2) * kChunk + t] : 0;
+        if (c + 1 >= chunks) break;
+        produce(r1);
+        r1 = c + 3 < chunks ? block_rows[(c + 3) * kChunk + t] : 0;
+      }
+      return;
+    }
+    const int u = t - 32;  // warps 1-3: the A tiles
+    using Words96 = ChunkWords<96, 4>;
+    auto produce = [&](const Words96& cw) {
+      pipe.producer_acquire(state);
+      const int st = state.index();
+      uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, st));
+      for (int i = u; i < kTok * kChunk / 8; i += 96) a4[i] = make_uint4(0, 0, 0, 0);
+      cutlass::arch::NamedBarrier::sync(96, 1);  // the stage's A is clear before any entry lands
+      ForEachWord(
+          cw, ent,
+          [&](uint32_t e) {
+            sA(static_cast<int>(e & 0xff), static_cast<int>((e >> 8) & 0xff), st) =
+                T::bitcast(static_cast<uint16_t>(e >> 16));
+          },
+          u);
+      cutlass::arch::fence_view_async_shared();
+      pipe.producer_commit(state);
+      ++state;
+    };
+    Words96 w0 = LoadWords<96, 4>(ent, s.off, 0, chunks, u), w1 = LoadWords<96, 4>(ent, s.off, 1, chunks, u);
+    for (int c = 0; c < chunks; c += 2) {
+      produce(w0);
+      w0 = LoadWords<96, 4>(ent, s.off, c + 2, chunks, u);
+      if (c + 1 >= chunks) break;
+      produce(w1);
+      w1 = LoadWords<96, 4>(ent, s.off, c + 3, chunks, u);
+    }
+    return;
+  }
   if (group < kProducers) {  // producer warp group `group`: chunks group, group + kProducers, ...
     const int t = tid % 128;
     const int* block_rows = rows + bm.row_base;
@@ -504,6 +577,26 @@ __global__ void __launch_bounds__(kThreads, 1) Kernel(const uint16_t* __restrict
     *reinterpret_cast<__nv_bfloat162*>(&tCgY(i)) = v;
   }
 }
+
+// Host check: each (64-column atom row, k, stage) of B occupies exactly the 64 elements from
+// TmaRowOffset on before the swizzle, which on the device acts on the shared-memory address
+// (bytes 4-6 ^= bytes 7-9, TMA's 128-byte pattern, atoms 1 KB aligned) and so permutes
+// 16-byte pieces within each 128-byte row: a 1-row TMA box written there lands where the
+// layout expects it.
+inline bool CheckTmaRows() {
+  const auto lb = LayoutB{}.layout_b();
+  for (int st = 0; st < kRing; ++st)
+    for (int k = 0; k < kChunk; ++k)
+      for (int a = 0; a < kCols / 64; ++a) {
+        int lo = 1 << 30, hi = -1;
+        for (int n = 64 * a; n < 64 * a + 64; ++n) {
+          lo = std::min(lo, static_cast<int>(lb(n, k, st)));
+          hi = std::max(hi, static_cast<int>(lb(n, k, st)));
+        }
+        if (lo != TmaRowOffset(a, k, st) || hi != lo + 63) return false;
+      }
+  return true;
+}
 }  // namespace ws
 
 
@@ -587,6 +680,7 @@ struct DeviceProblem {
   BlockMeta* meta = nullptr;
   int *rows = nullptr, *chunk_off = nullptr;
   uint32_t* ent = nullptr;
+  CUtensorMap tmap{};  // W [rows, d] bf16, 1-row boxes of 64 columns, 128-byte swizzle
 };
 
 template <class T>
@@ -605,6 +699,19 @@ DeviceProblem UploadProblem(const Problem& p) {
   g.chunk_off = Upload(p.chunk_off);
   g.ent = Upload(p.ent);
   cudaMalloc(&g.y, sizeof(uint16_t) * size_t(p.m) * p.d);
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult q;
+    cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), cudaEnableDefault, &q);
+  }
+  const int64_t w_rows = static_cast<int64_t>(p.w.size()) / p.d;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.d), static_cast<cuuint64_t>(w_rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.d) * 2};
+  const cuuint32_t box[2] = {64, 1}, elem[2] = {1, 1};
+  const CUresult e = encode(&g.tmap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g.w, dims, strides, box, elem,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (e != CUDA_SUCCESS) printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(e));
   return g;
 }
 
@@ -614,14 +721,18 @@ void FreeProblem(DeviceProblem& g) {
     cudaFree(q);
 }
 
-enum Kind { kMmaSync, kWgmma, kWarpSpecialized };
-const char* KindName(int kind) { return kind == kMmaSync ? "mma.sync" : kind == kWgmma ? "wgmma" : "wgmma, warp-specialized"; }
+enum Kind { kMmaSync, kWgmma, kWarpSpecialized, kWarpSpecializedTma };
+const char* KindName(int kind) {
+  return kind == kMmaSync ? "mma.sync" : kind == kWgmma ? "wgmma" : kind == kWarpSpecialized ? "wgmma, warp-specialized" : "wgmma, warp-specialized, TMA rows";
+}
 
 void Launch(const Problem& p, const DeviceProblem& g, int kind) {
   const dim3 grid(p.d / kCols, p.m / kTok);
-  if (kind == kWarpSpecialized)
-    ws::Kernel<<<dim3(p.d / ws::kSpan, p.m / kTok), ws::kThreads, sizeof(ws::Smem)>>>(g.w, p.d, g.meta, g.rows,
-                                                                                   g.chunk_off, g.ent, g.y);
+  if (kind == kWarpSpecialized || kind == kWarpSpecializedTma) {
+    auto kernel = kind == kWarpSpecialized ? ws::Kernel<false> : ws::Kernel<true>;
+    kernel<<<dim3(p.d / ws::kSpan, p.m / kTok), ws::kThreads, sizeof(ws::Smem)>>>(g.w, p.d, g.meta, g.rows, g.chunk_off,
+                                                                               g.ent, g.y, g.tmap);
+  }
   else if (kind == kWgmma)
     wg::Kernel<<<grid, wg::kThreads, sizeof(wg::Smem)>>>(g.w, p.d, g.meta, g.rows, g.chunk_off, g.ent, g.y);
   else
@@ -676,18 +787,19 @@ int main(int argc, char** argv) {
     printf("M must be a multiple of %d, d of %d, and 2 f / %d below %d\n", kTok, ws::kSpan, kChunk, kMaxChunks);
     return 1;
   }
-  const bool layouts_ok = wg::CheckLayouts();
+  const bool layouts_ok = wg::CheckLayouts() && ws::CheckTmaRows();
   printf("wgmma shared-memory layouts (host check): %s\n", layouts_ok ? "ok" : "FAILED");
   int devices = 0;
   if (!layouts_ok || cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return layouts_ok ? 0 : 1;
   cudaFuncSetAttribute(UnionGemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(SmemLayout));
   cudaFuncSetAttribute(wg::Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(wg::Smem));
-  cudaFuncSetAttribute(ws::Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(ws::Smem));
+  cudaFuncSetAttribute(ws::Kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(ws::Smem));
+  cudaFuncSetAttribute(ws::Kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(ws::Smem));
 
   // Correctness on a small problem (both row counts per neuron, a dense-ish fraction so
   // that chunks hold many entries), against a double-precision host sum.
   int bad = 0;
-  for (int kind : {kMmaSync, kWgmma, kWarpSpecialized})
+  for (int kind : {kMmaSync, kWgmma, kWarpSpecialized, kWarpSpecializedTma})
     for (int per_neuron : {1, 2})
       for (double frac : {0.01, 0.2}) {
         Problem p = MakeProblem(256, 512, 1000, frac, per_neuron, 7u + per_neuron);
@@ -709,7 +821,7 @@ int main(int argc, char** argv) {
   for (int per_neuron : {2, 1}) {
     Problem p = MakeProblem(m, d, f, active, per_neuron, 1u);
     DeviceProblem g = UploadProblem(p);
-    for (int kind : {kMmaSync, kWgmma, kWarpSpecialized}) {
+    for (int kind : {kMmaSync, kWgmma, kWarpSpecialized, kWarpSpecializedTma}) {
       const float ms = TimeKernel(p, g, 20, kind);
       const cudaError_t e = cudaGetLastError();
       const double union_frac = double(p.union_rows) / (double(m / kTok) * per_neuron * f);
