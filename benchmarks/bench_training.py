@@ -17,12 +17,14 @@ clock falls on all alike; ``<variant>_step_spread``: interquartile range / media
 - mma: as cuda, with the up, down, dh and dx steps on tensor cores (mma=True, the default
   of ffn_with_aux; auto and layer use it);
 - cdx (with --cudacore-dx): as mma, with dx on CUDA cores (dx_mma=False);
+- udx (with --union-dx): as mma, with dx as a union product (dx_union=True);
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
 arrays other than the inputs) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
-Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--out results.json]
+Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx]
+       [--out results.json]
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--densities", default=None, help="comma-separated active fractions (default: the grid's)")
     parser.add_argument("--cudacore-dx", action="store_true", help="also time the tensor-core steps with dx on CUDA cores")
+    parser.add_argument("--union-dx", action="store_true", help="also time the tensor-core steps with dx as a union product")
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
@@ -110,6 +113,10 @@ def main():
     cdx_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
         x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, dx_mma=False
     )
+    udx_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
+        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, dx_union=True
+    )
+    optional = [(name, op) for flag, name, op in ((args.cudacore_dx, "cdx", cdx_op), (args.union_dx, "udx", udx_op)) if flag]
     rows, memory = [], None
     for m, d, f, density, pattern in grid(args.quick, densities):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
@@ -134,14 +141,13 @@ def main():
         layer_op = lambda x, wg, wu, wd, p=fraction: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, active_fraction=p)
         row["layer_rule_sparse"] = cuda_train.train_crossover().prefers_sparse(m, d, f, 2, fraction)
         variants = [("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("layer", layer_op), ("mma", mma_op)]
-        if args.cudacore_dx:
-            variants.append(("cdx", cdx_op))
+        variants += optional
         steps = time_interleaved({name: step(op) for name, op in variants}, operands, min_seconds=0.05, max_reps=100)
         for name, (seconds, spread) in steps.items():
             row[f"{name}_step_ms"] = 1e3 * seconds
             row[f"{name}_step_spread"] = spread
-        if args.cudacore_dx:
-            row["cdx_ratio"] = row["dense_step_ms"] / row["cdx_step_ms"]
+        for name, _ in optional:
+            row[f"{name}_ratio"] = row["dense_step_ms"] / row[f"{name}_step_ms"]
         for name, op in (("dense", dense_op), ("cuda", cuda_op), ("mma", mma_op)):
             row[f"{name}_forward_ms"] = 1e3 * timed(forward(op), tuple(inp))
         row["cuda_ratio"] = row["dense_step_ms"] / row["cuda_step_ms"]
@@ -186,6 +192,7 @@ def main():
             f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['layer_ratio']:>7.2f} {r['mma_step_ms']:>8.3f} {r['mma_ratio']:>6.2f} "
             f"{r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f} {r['mma_forward_ms']:>8.3f}"
             + (f" cuda-core dx {r['cdx_step_ms']:.3f} ms ({r['cdx_ratio']:.2f}x)" if "cdx_step_ms" in r else "")
+            + (f" union dx {r['udx_step_ms']:.3f} ms ({r['udx_ratio']:.2f}x)" if "udx_step_ms" in r else "")
         )
 
 

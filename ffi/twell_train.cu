@@ -30,9 +30,11 @@
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weight slabs 16 blocks x 5 x 23 MB =
 // 1.85 GB (L2); WeightGrad x/dy slices nnz x d x 4 B = 3.8 GB (L2); partials 2 x 2 x 59 MB.
 #include <string>
+#include <type_traits>
 
 #include "common.h"
 #include "twell_blocked.cuh"
+#include "twell_union.h"
 
 namespace jax_twell {
 namespace {
@@ -393,6 +395,155 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
   }
 }
 
+// dx as a union product (mma bit 2; twell_union.cuh): per 64-token sub-block, the union of
+// its tokens' neurons with a non-zero coefficient, the table rows of that union (R = 2 per
+// neuron, gated: row id 2 j + 0 for Wact^T, 2 j + 1 for Wu^T; R = 1, non-gated) and one
+// entry word per non-zero coefficient, counting-sorted by union chunk. A sub-block's union
+// has at most as many neurons as it has entries, so its rows, chunk offsets and words all
+// fit ranges placed by the entries before it: the layout needs ~2 R words per entry.
+namespace up = union_product;
+constexpr int kSubBlocks = kBlockTokens / up::kTok;  // sub-blocks per block
+
+struct UnionWorkspace {
+  up::UnionMeta* meta;  // [n_sub]
+  uint32_t* ent;        // [R max_entries]: sub-block s from R (entries before s)
+  int32_t* rows;        // [R max_entries + 32 n_sub]: from R (entries before s) + 32 s
+  int32_t* chunk_off;   // [R max_entries / 32 + 2 n_sub + 1]: from that / 32 + 2 s
+  int64_t ints;         // 4-byte words in all
+};
+
+int64_t UnionSubBlocks(const Shapes& s) { return CeilDiv(s.rows, up::kTok); }
+
+UnionWorkspace UnionLayoutOf(const Shapes& s, int rows_per_neuron, void* base) {
+  UnionWorkspace w{};
+  const int64_t n_sub = UnionSubBlocks(s), re = rows_per_neuron * s.max_entries;
+  int32_t* p = static_cast<int32_t*>(base);
+  w.meta = reinterpret_cast<up::UnionMeta*>(p);
+  p += 4 * n_sub;
+  w.ent = reinterpret_cast<uint32_t*>(p);
+  p += re;
+  w.rows = p;
+  p += re + up::kChunk * n_sub;
+  w.chunk_off = p;
+  p += re / up::kChunk + 2 * n_sub + 1;
+  w.ints = p - static_cast<int32_t*>(base);
+  return w;
+}
+
+// Whether the union product can run dx here: the handler refuses bit 2 otherwise (the
+// Python side checks the same first; cuda_train.union_dx_supported).
+bool UnionDxSupported(const Shapes& s, int rows_per_neuron) {
+  return s.d % up::kCols == 0 && s.f <= 65536 &&
+         UnionLayoutOf(s, rows_per_neuron, nullptr).ints < (int64_t{1} << 31);
+}
+
+// One CTA (256 threads) per sub-block; dynamic shared memory: bits and their prefix over
+// ceil(f / 32) words, and max_chunks + 1 chunk counters.
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(256) TwellTrainUnionLayoutKernel(const int32_t* __restrict__ tok_off,
+                                                                   const int32_t* __restrict__ seg_start,
+                                                                   const uint32_t* __restrict__ entries,
+                                                                   const float* __restrict__ coef, UnionWorkspace w,
+                                                                   Shapes s) {
+  constexpr int R = kGated ? 2 : 1;
+  extern __shared__ int32_t union_smem[];
+  __shared__ int scratch[32];
+  __shared__ int total;
+  const int n_words = (s.f + 31) / 32;
+  uint32_t* bits = reinterpret_cast<uint32_t*>(union_smem);
+  int32_t* pos = union_smem + n_words;
+  int32_t* cnt = pos + n_words;
+  const int sub = blockIdx.x, b = sub / kSubBlocks, t0 = (sub % kSubBlocks) * up::kTok, tid = threadIdx.x;
+  const float* coefs[2] = {coef + s.max_entries, coef + 2 * s.max_entries};  // Wact^T, Wu^T rows
+  const bool over = OverBudget(s, seg_start);
+  for (int i = tid; i < n_words; i += 256) bits[i] = 0;
+  __syncthreads();
+  // Visits every entry of the sub-block: fn(entry, neuron, token within the sub-block).
+  auto for_each_entry = [&](auto fn) {
+    for (int k = 0; k < s.n_tiles; ++k) {
+      const int seg = b * s.n_tiles + k;
+      const int32_t* off = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
+      const int64_t base = seg_start[seg];
+      const int lo = off[t0], mid = off[t0 + 32], hi = off[t0 + up::kTok];
+      for (int e = lo + tid; e < hi; e += 256) {
+        const uint32_t word = entries[base + e];
+        const int t = (e >= mid ? 32 : 0) + static_cast<int>((word >> kWordTokenShift) & 31);
+        fn(base + e, k * s.tile + static_cast<int>(word & kColumnMask), t);
+      }
+    }
+  };
+  auto coef_bits = [&](int r, int64_t e) { return E::FromFloat(coefs[r][e]); };
+  int before = 0;  // the block's entries of tokens before t0, over this thread's tiles
+  if (!over) {
+    for (int k = tid; k < s.n_tiles; k += 256) before += tok_off[(static_cast<int64_t>(b) * s.n_tiles + k) * (kBlockTokens + 1) + t0];
+    for_each_entry([&](int64_t e, int j, int) {
+      bool any = false;
+#pragma unroll
+      for (int r = 0; r < R; ++r) any |= coef_bits(r, e) != 0u;
+      if (any) atomicOr(&bits[j / 32], 1u << (j % 32));
+    });
+  }
+  BlockExclusiveScan(before, scratch, &total);
+  const int64_t ent_base = R * (static_cast<int64_t>(over ? 0 : seg_start[b * s.n_tiles]) + total);
+  const int64_t row_base = ent_base + static_cast<int64_t>(up::kChunk) * sub;
+  const int64_t chunk_base = ent_base / up::kChunk + 2 * static_cast<int64_t>(sub);
+  // Union positions: exclusive prefix of the words' popcounts (words_per thread contiguous).
+  const int per = (n_words + 255) / 256;
+  int mine = 0;
+  for (int i = tid * per; i < min(n_words, (tid + 1) * per); ++i) mine += __popc(bits[i]);
+  int acc = BlockExclusiveScan(mine, scratch, &total);
+  for (int i = tid * per; i < min(n_words, (tid + 1) * per); ++i) {
+    pos[i] = acc;
+    acc += __popc(bits[i]);
+  }
+  const int n_rows = R * total, chunks = (n_rows + up::kChunk - 1) / up::kChunk;
+  for (int i = tid; i <= chunks; i += 256) cnt[i] = 0;
+  __syncthreads();
+  auto position = [&](int j) { return pos[j / 32] + __popc(bits[j / 32] & ((1u << (j % 32)) - 1u)); };
+  for (int i = tid; i < n_words; i += 256)
+    for (uint32_t m = bits[i]; m != 0u; m &= m - 1u) {
+      const int j = 32 * i + __ffs(m) - 1, p = position(j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) w.rows[row_base + R * p + r] = R == 2 ? 2 * j + r : j;
+    }
+  for (int i = n_rows + tid; i < chunks * up::kChunk; i += 256) w.rows[row_base + i] = 0;  // A is zero there
+  if (!over)
+    for_each_entry([&](int64_t e, int j, int) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (coef_bits(r, e) != 0u) atomicAdd(&cnt[(R * position(j) + r) / up::kChunk], 1);
+    });
+  __syncthreads();
+  // Chunk offsets (absolute in ent) and the scatter cursors.
+  int carry = 0;
+  for (int c0 = 0; c0 < chunks; c0 += 256) {
+    const int c = c0 + tid;
+    const int n = c < chunks ? cnt[c] : 0;
+    const int o = BlockExclusiveScan(n, scratch, &total);
+    if (c < chunks) {
+      w.chunk_off[chunk_base + c] = static_cast<int32_t>(ent_base + carry + o);
+      cnt[c] = carry + o;
+    }
+    carry += total;
+  }
+  if (tid == 0) {
+    w.chunk_off[chunk_base + chunks] = static_cast<int32_t>(ent_base + carry);
+    w.meta[sub] = up::UnionMeta{over ? 0 : chunks, static_cast<int>(row_base), static_cast<int>(chunk_base), 0};
+  }
+  __syncthreads();
+  if (!over)
+    for_each_entry([&](int64_t e, int j, int t) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t v = coef_bits(r, e);
+        if (v == 0u) continue;
+        const int u = R * position(j) + r;
+        const int slot = atomicAdd(&cnt[u / up::kChunk], 1);
+        w.ent[ent_base + slot] = v << 16 | static_cast<uint32_t>(u % up::kChunk) << 8 | static_cast<uint32_t>(t);
+      }
+    });
+}
+
 int64_t FinishBlocks(const Shapes& s) { return std::min<int64_t>(CeilDiv(s.max_entries, 256), 132 * 16); }
 
 template <typename E, bool kGated>
@@ -430,14 +581,27 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                           const int32_t* seg_start, const int32_t* tok_off, const uint32_t* entries,
                           const uint16_t* up, const int32_t* col_off, const uint32_t* by_col, const float* l1_grad,
                           uint16_t* dx, uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t, float* partial,
-                          float* coef, int32_t mma) {
-  const bool steps_mma = (mma & 1) != 0, dx_mma = (mma & 2) != 0;
+                          float* coef, int32_t* union_ws, int32_t mma) {
+  const bool steps_mma = (mma & 1) != 0, dx_mma = (mma & 2) != 0, dx_union = (mma & 4) != 0;
   LaunchUpStep<E, false>(stream, steps_mma, dy, w_down, tok_off, seg_start, entries, partial, s);
   TwellTrainBwdFinishKernel<E, kGated><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
       partial, seg_start, entries, up, l1_grad, coef, s.d / kUpCols, s);
   ffi::Error status = LaunchStatus("twell_train backward dh");
   if (status.failure()) return status;
-  if (dx_mma) {
+  if (dx_union) {
+    constexpr int R = kGated ? 2 : 1;
+    const UnionWorkspace w = UnionLayoutOf(s, R, union_ws);
+    const int n_sub = static_cast<int>(UnionSubBlocks(s));
+    const int smem = static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(R * s.f, up::kChunk) + 1) * 4);
+    cudaFuncSetAttribute(TwellTrainUnionLayoutKernel<E, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    TwellTrainUnionLayoutKernel<E, kGated><<<n_sub, 256, smem, stream>>>(tok_off, seg_start, entries, coef, w, s);
+    status = LaunchStatus("twell_train backward dx union layout");
+    if (status.failure()) return status;
+    const cudaError_t e = up::LaunchProduct(stream, std::is_same_v<E, Bf16>, R, w_act_t, w_up_t, s.d, s.rows, n_sub,
+                                            w.meta, w.rows, w.chunk_off, w.ent, dx);
+    if (e != cudaSuccess) return ffi::Error::Internal(std::string("twell_train backward dx union product: ") +
+                                                      cudaGetErrorString(e));
+  } else if (dx_mma) {
     const int smem = kDxMmaStages * (kGated ? 2 : 1) * kSlab64Bytes;
     cudaFuncSetAttribute(TwellTrainDxMmaKernel<E, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     TwellTrainDxMmaKernel<E, kGated><<<dim3(s.d / kUpCols, s.n_blocks * (kBlockTokens / kDownMmaHalf)), kFlatThreads,
@@ -558,7 +722,8 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
                         ffi::Buffer<ffi::F32> l1_grad, ffi::Result<ffi::AnyBuffer> dx,
                         ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dw_act_t,
                         uint16_t* dw_up_t, ffi::Result<ffi::Buffer<ffi::F32>> partial,
-                        ffi::Result<ffi::Buffer<ffi::F32>> coef, int32_t tile, int32_t mma) {
+                        ffi::Result<ffi::Buffer<ffi::F32>> coef, ffi::Result<ffi::Buffer<ffi::S32>> union_ws,
+                        int32_t tile, int32_t mma) {
   const char* name = "twell_train backward: ";
   auto wd_dims = w_down.dimensions();
   if (wd_dims.size() != 2 || x.dimensions().size() < 1 || wd_dims[1] != x.dimensions().back())
@@ -587,6 +752,15 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
       partial->element_count() != s.d / kUpCols * e || coef->element_count() != (kGated ? 3 : 2) * e)
     return Invalid(std::string(name) + "residuals must match the forward's (col_off, by_col, up [max_entries]), "
                    "l1_grad [1], partial [d/64, max_entries], coef [3 or 2, max_entries]");
+  if ((mma & 4) != 0) {
+    const int64_t need = UnionLayoutOf(s, kGated ? 2 : 1, nullptr).ints;
+    if (!UnionDxSupported(s, kGated ? 2 : 1))
+      return Invalid(std::string(name) + "dx as a union product (mma bit 2) needs d a multiple of 256, f at most "
+                     "65536 and its layout below 2^31 words");
+    if (union_ws->element_count() != need)
+      return Invalid(std::string(name) + "union_ws must have " + std::to_string(need) +
+                     " elements for dx as a union product");
+  }
   if (s.rows == 0) {
     // No tokens: the weight gradients are zero (nothing else to write).
     cudaMemsetAsync(dw_down->untyped_data(), 0, f * d * 2, stream);
@@ -601,7 +775,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
                 tok_off.typed_data(), entries.typed_data(), up, col_off.typed_data(), by_col.typed_data(),
                 l1_grad.typed_data(), static_cast<uint16_t*>(dx->untyped_data()),
                 static_cast<uint16_t*>(dw_down->untyped_data()), static_cast<uint16_t*>(dw_act_t->untyped_data()),
-                dw_up_t, partial->typed_data(), coef->typed_data(), mma);
+                dw_up_t, partial->typed_data(), coef->typed_data(), union_ws->typed_data(), mma);
 }
 
 ffi::Error ForwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
@@ -635,13 +809,13 @@ ffi::Error BackwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw_down,
                          ffi::Result<ffi::AnyBuffer> dw_gate_t, ffi::Result<ffi::AnyBuffer> dw_up_t,
                          ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> coef,
-                         int32_t tile, int32_t mma) {
+                         ffi::Result<ffi::Buffer<ffi::S32>> union_ws, int32_t tile, int32_t mma) {
   if (!SameDims(dw_up_t->dimensions(), {w_down.dimensions()[0], w_down.dimensions().back()}) ||
       dw_up_t->element_type() != x.element_type())
     return Invalid("twell_train backward: dw_up_t must be [f, d] of x's dtype");
   return BackwardImpl<true>(stream, x, dy, w_gate_t, w_up_t, w_down, seg_start, tok_off, entries, up.typed_data(),
                             up.element_count(), col_off, by_col, l1_grad, dx, dw_down, dw_gate_t,
-                            static_cast<uint16_t*>(dw_up_t->untyped_data()), partial, coef, tile, mma);
+                            static_cast<uint16_t*>(dw_up_t->untyped_data()), partial, coef, union_ws, tile, mma);
 }
 
 ffi::Error BackwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer w_up_t,
@@ -650,9 +824,9 @@ ffi::Error BackwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                            ffi::Buffer<ffi::F32> l1_grad, ffi::Result<ffi::AnyBuffer> dx,
                            ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dw_up_t,
                            ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> coef,
-                           int32_t tile, int32_t mma) {
+                           ffi::Result<ffi::Buffer<ffi::S32>> union_ws, int32_t tile, int32_t mma) {
   return BackwardImpl<false>(stream, x, dy, w_up_t, w_up_t, w_down, seg_start, tok_off, entries, nullptr, 0, col_off,
-                             by_col, l1_grad, dx, dw_down, dw_up_t, nullptr, partial, coef, tile, mma);
+                             by_col, l1_grad, dx, dw_down, dw_up_t, nullptr, partial, coef, union_ws, tile, mma);
 }
 
 }  // namespace
@@ -722,8 +896,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
                                   .Ret<ffi_api::AnyBuffer>()                 // dw_up_t [f, d]
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace; [1] unless bit 2)
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // bit 0: dh step on tensor cores; bit 1: dx too
+                                  .Attr<int32_t>("mma"));  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                               ffi_api::Ffi::Bind()
@@ -743,5 +918,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                                   .Ret<ffi_api::AnyBuffer>()                 // dw_up_t [f, d]
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace; [1] unless bit 2)
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // bit 0: dh step on tensor cores; bit 1: dx too
+                                  .Attr<int32_t>("mma"));  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product

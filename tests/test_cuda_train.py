@@ -112,6 +112,57 @@ def test_dx_on_tensor_cores_matches_cuda_cores(case, gated):
     assert_close(tc[0], cc[0], 2.0**-5, f"dx {case} gated={gated}")
 
 
+# d a multiple of 256 (the union product's constraint): one and two consumer warp groups
+# (d = 256, 768 against 512, 2048), M = 1, M not a multiple of 64, full and empty rows.
+UNION_CASES = [
+    (1, 256, 260, 0.05, "uniform", 0, 0),
+    (77, 256, 300, 0.05, "heavy", 3, 5),
+    (1100, 512, 700, 0.02, "heavy", 4, 10),
+    (2500, 2048, 1300, 0.01, "heavy", 3, 7),
+    (64, 256, 256, 0.5, "dense", 0, 0),
+    (3000, 768, 1408, 0.01, "uniform", 2, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", UNION_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_dx_union_matches_tensor_cores(case, gated, dtype):
+    """dx as a union product (``train_backward(dx_union=True)``): every other result equals
+    the tensor-core backward's bit for bit; dx equals its dx to the summation order (the
+    same coefficients rounded to the element type, f32 sums in another order)."""
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + d + 9,
+                                  dtype=dtype)
+    w_act = wg if gated else wu
+    act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
+    need = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f)
+    budget = need + 5  # a tight budget: the union layout is placed by the entries
+    assert cuda_train.union_dx_supported(m, d, f, budget, gated)
+    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget)
+    l1 = jnp.float32(L1 / m)
+    kw = dict(tile=256, workspace=True, mma=True, dx_mma=True)
+    tc = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, **kw)
+    un = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, dx_union=True, **kw)
+    for i in range(1, len(tc) - 2):  # the weight gradients
+        np.testing.assert_array_equal(_bits(un[i]), _bits(tc[i]), f"result {i}")
+    np.testing.assert_array_equal(_bits(un[-1][:, :need]), _bits(tc[-1][:, :need]), "coefficients")
+    # f32 sums of the same products in another order: far below one bf16 ulp of the row's
+    # largest term; a lost or doubled entry moves dx by a whole term.
+    assert_close(un[0], tc[0], 2.0**-7, f"dx {case} gated={gated}")
+
+
+def test_train_gradients_with_union_dx_match_dense():
+    """ffn_with_aux(dx_union=True) through jit and grad: the dense formula's gradients."""
+    x, wg, wu, wd, dy = make_case(3000, 512, 1408, 0.01, "heavy", True, full=2, empty=3, key=23)
+    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_union=True)[:2])
+    (y, l1), grads = grads_of(fn, x, wg, wu, wd, dy)
+    with jax.default_matmul_precision("highest"):
+        (y_d, l1_d), g_d = grads_of(dense_ffn, x, wg, wu, wd, dy)
+    for name, g, w in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_d):
+        assert_close(g, w, GRAD_TOL, f"union dx: {name}")
+
+
 @pytest.mark.parametrize("mma", [False, True], ids=["cudacore", "mma"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("spec", GPU_SPECS, ids=str)

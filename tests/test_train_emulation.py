@@ -184,7 +184,7 @@ def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False):
     return _callback(run, out_shapes, x, act.values, act.cols, act.counts, w_act, w_down, *extra)
 
 
-def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=False, dx_mma=False):
+def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=False, dx_mma=False, dx_union=False):
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     grad = lambda w: jax.ShapeDtypeStruct(w.shape, x.dtype)
@@ -408,3 +408,38 @@ def test_dx_mma_follows_mma_unless_given(emulated_kernels, monkeypatch):
         fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
         grads_of(jax.jit(fn), x, wg, wu, wd, dy)
     assert seen == [(True, True), (False, False), (True, False), (False, True)]
+
+
+def test_dx_union_needs_dx_mma_and_follows_the_default(emulated_kernels, monkeypatch):
+    """``ffn_with_aux`` asks for dx as a union product only with dx on tensor cores: by
+    default as ``DX_UNION_DEFAULT`` says, or when told ``dx_union``."""
+    seen = []
+
+    def backward(*args, **kwargs):
+        seen.append((kwargs["dx_mma"], kwargs["dx_union"]))
+        return _emulated_backward(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_train, "_backward_call", backward)
+    x, wg, wu, wd, dy = make_case(300, 256, 520, 0.03, "heavy", True, key=15)
+    for default in (False, True):
+        monkeypatch.setattr(cuda_train, "DX_UNION_DEFAULT", default)
+        for kw in ({}, dict(dx_union=True), dict(dx_union=False), dict(dx_mma=False, dx_union=True)):
+            fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
+            grads_of(jax.jit(fn), x, wg, wu, wd, dy)
+    assert seen == [(True, False), (True, True), (True, False), (False, False),
+                    (True, True), (True, True), (True, False), (False, False)]
+
+
+def test_union_dx_supported_states_its_constraints():
+    """The union dx's constraints: d a multiple of 256, f at most 65536, its layout below
+    2^31 words; the layout is ~2 words per coefficient (R per entry), whatever the budget."""
+    e = cuda_train.max_entries_for(16384, 5632, 128)
+    assert cuda_train.union_dx_supported(16384, 2048, 5632, e, True)
+    assert cuda_train.union_dx_supported(16384, 2048, 5632, e, False)
+    assert not cuda_train.union_dx_supported(16384, 2048 + 64, 5632, e, True)  # d not a multiple of 256
+    assert not cuda_train.union_dx_supported(64, 2048, 70000, 10**6, True)  # f past 65536
+    assert not cuda_train.union_dx_supported(2**20, 2048, 5632, 2**29, True)  # layout past 2^31 words
+    assert cuda_train.union_dx_supported(1, 256, 260, 6, True)  # a tight budget is fine
+    for gated in (True, False):
+        r = 2 if gated else 1
+        assert 2 * r * e < cuda_train.union_workspace_ints(16384, e, gated) < 2.1 * r * e + 16384

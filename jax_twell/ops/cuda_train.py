@@ -248,19 +248,48 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     return y, Residuals(seg_start, tok_off, entries, up, col_off, by_col), h_words
 
 
+# dx as a union product by default (ffn_with_aux): off until measured on the GPU.
+DX_UNION_DEFAULT = False
+UNION_TOKENS = 64  # tokens per block of the union product (ffi/twell_union.h)
+UNION_CHUNK = 32  # union rows per K step
+UNION_COLS = 256  # output columns per consumer warp group
+
+
+def union_workspace_ints(m: int, max_entries: int, gated: bool) -> int:
+    """Words of the union product's layout (ffi/twell_train.cu, UnionLayoutOf): per
+    64-token block a meta record, and ranges placed by the entries before the block for its
+    entry words, table rows and chunk offsets (a block's union has at most as many neurons
+    as it has entries)."""
+    r = 2 if gated else 1
+    n_sub = -(-m // UNION_TOKENS)
+    re = r * max_entries
+    return 4 * n_sub + re + (re + UNION_CHUNK * n_sub) + (re // UNION_CHUNK + 2 * n_sub + 1)
+
+
+def union_dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) -> bool:
+    """Whether dx can run as a union product (``train_backward(dx_union=True)``) here: d a
+    multiple of 256, f at most 65536 and the layout below 2^31 words. The same test as
+    the handler's."""
+    return d % UNION_COLS == 0 and f <= 65536 and union_workspace_ints(m, max_entries, gated) < 2**31
+
+
 def train_backward(
     x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile: int, workspace: bool = False, mma: bool = False,
-    dx_mma: bool = False,
+    dx_mma: bool = False, dx_union: bool = False,
 ):
     """One ``jax_twell_train_bwd[_gated]`` call: ``(dx, dw_gate, dw_up, dw_down)``.
     ``mma``: the dh step on tensor cores (as in :func:`train_forward`). ``dx_mma``: dx on
     tensor cores too, its coefficients rounded to x's dtype as XLA's dense backward rounds
     them (ffi/notes/training_kernels.md); False, dx on CUDA cores from the f32
-    coefficients (the bit-exact model's dx).
+    coefficients (the bit-exact model's dx). ``dx_union``: dx as a dense tensor-core
+    product over each 64-token block's union of active neurons (ffi/twell_union.cuh; the
+    same rounded coefficients, another summation order), where
+    :func:`union_dx_supported` allows; elsewhere as ``dx_mma`` says.
 
     ``l1_grad``: ``[]`` f32, the cotangent of the L1 term divided by M. w_gate None: the
     non-gated FFN (dw_gate None). ``workspace=True`` (tests) returns the raw results
-    ``(dx, dw_down, dw_act_t[, dw_up_t], partial, coef)`` instead.
+    ``(dx, dw_down, dw_act_t[, dw_up_t], partial, coef)`` instead (the union layout's
+    workspace left out).
     """
     m, d = x.shape
     f = w_down.shape[0]
@@ -269,26 +298,29 @@ def train_backward(
     w_act_t = (w_gate if gated else w_up).T
     grad_t = jax.ShapeDtypeStruct((f, d), x.dtype)
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype), grad_t, grad_t] + ([grad_t] if gated else [])
+    dx_union = bool(dx_union) and union_dx_supported(m, d, f, e, gated)
     outs += [
         jax.ShapeDtypeStruct((d // _blocked.UP_COLS, e), jnp.float32),
         jax.ShapeDtypeStruct((3 if gated else 2, e), jnp.float32),
+        jax.ShapeDtypeStruct((union_workspace_ints(m, e, gated) if dx_union else 1,), jnp.int32),
     ]
     l1 = jnp.reshape(l1_grad, (1,)).astype(jnp.float32)
     tile_attr = np.int32(tile)
-    mma_attr = np.int32(int(bool(mma)) | int(bool(dx_mma)) << 1)  # bit 0: dh step, bit 1: dx
+    # bit 0: dh step on tensor cores, bit 1: dx too, bit 2: dx as a union product
+    mma_attr = np.int32(int(bool(mma)) | int(bool(dx_mma)) << 1 | int(dx_union) << 2)
     if gated:
         call = kernel_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
         out = call(x, dy, w_act_t, w_up.T, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
                    res.by_col, l1, tile=tile_attr, mma=mma_attr)
         if workspace:
-            return out
+            return out[:-1]
         dx, dw_down, dw_gate_t, dw_up_t = out[:4]
         return dx, dw_gate_t.T, dw_up_t.T, dw_down
     call = kernel_call("jax_twell_train_bwd", outs, vmap_method="sequential")
     out = call(x, dy, w_act_t, w_down, res.seg_start, res.tok_off, res.entries, res.col_off, res.by_col, l1,
                tile=tile_attr, mma=mma_attr)
     if workspace:
-        return out
+        return out[:-1]
     dx, dw_down, dw_up_t = out[:3]
     return dx, None, dw_up_t.T, dw_down
 
@@ -321,6 +353,7 @@ class _Config:
     rule: TrainCrossover
     mma: bool = False
     dx_mma: bool = False
+    dx_union: bool = False
 
 
 def _mesh_axes(*arrays) -> frozenset:
@@ -401,7 +434,8 @@ def _train_bwd(cfg: _Config, saved, cotangents):
 
     def sparse(_):
         grads = _backward_call(
-            x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE, mma=cfg.mma, dx_mma=cfg.dx_mma
+            x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE, mma=cfg.mma, dx_mma=cfg.dx_mma,
+            dx_union=cfg.dx_union,
         )
         grads = _as_varying(grads, axes)
         return tuple(reference._sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
@@ -424,7 +458,7 @@ _train_ffn.defvjp(_train_fwd, _train_bwd)
 def ffn_with_aux(
     x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
     crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
-    dx_mma: bool | None = None,
+    dx_mma: bool | None = None, dx_union: bool | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -441,6 +475,9 @@ def ffn_with_aux(
     bit-exact model).
     ``dx_mma`` (default: as ``mma``) runs the backward's dx on tensor cores as well
     (:func:`train_backward`; 4.09 ms against 4.47 ms with dx on CUDA cores at 0.5%).
+    ``dx_union`` (default: :data:`DX_UNION_DEFAULT`, with ``dx_mma``) runs dx as a dense
+    product over each 64-token block's union of active neurons where
+    :func:`union_dx_supported` allows (ffi/notes/training_kernels.md).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
     steps): the choice is made at trace time instead (:meth:`TrainCrossover.prefers_sparse`
@@ -461,5 +498,7 @@ def ffn_with_aux(
         if not rule.prefers_sparse(m, d, f, x.dtype.itemsize, active_fraction):
             return xla.ffn_with_aux(x, w_gate, w_up, w_down)
         rule = dataclasses.replace(rule, margin=float("inf"))  # decided: only the entry budget is checked per call
-    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), bool(mma if dx_mma is None else dx_mma))
+    dx_mma = bool(mma if dx_mma is None else dx_mma)
+    dx_union = dx_mma and bool(DX_UNION_DEFAULT if dx_union is None else dx_union)
+    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union)
     return _train_ffn(x, w_gate, w_up, w_down, cfg)

@@ -1,0 +1,246 @@
+// Dense tensor-core products over the union of a 64-token block's active neurons.
+//
+// For a block of 64 tokens, let U be the neurons active in any of them (~27% of f at 0.5%
+// active, uniform). With A the block's coefficients as a [64, R |U|] matrix (mostly zeros;
+// R = 1 or 2 weight rows per neuron) and W_U the rows of U gathered from one or two [f, d]
+// tables, Y[block] = A @ W_U is a dense product over the union: no per-entry work beyond
+// writing each entry once into A. ffi/notes/training_kernels.md, "Dense products over a
+// block's union", has the design, the probe (benchmarks/union_gemm_probe.cu) and its
+// measurements.
+//
+// The layout a caller builds per block (UnionMeta):
+//   rows[row_base + i], i < 32 chunks: the union's table rows in K order, R per neuron
+//     (R = 2: row id 2 j + r, table r, neuron j); padding rows (id 0) where A is zero;
+//   chunk_off[chunk_base + c], c <= chunks: absolute offsets into `ent` of chunk c's words;
+//   ent: value bits << 16 | column within the chunk << 8 | token within the block.
+// Words of one chunk may come in any order: they land in distinct places of A.
+//
+// UnionProductKernel: one CTA per (block, 256 kConsumers output columns); a producer warp
+// group clears and scatters each chunk's A tile and copies its row slices by cp.async
+// (completion on the stage's full barrier, CUTLASS's PipelineAsync); kConsumers warp
+// groups, each its own 256 columns over the same A, wait, issue two 64 x 256 x 16 wgmma
+// and release the previous stage. Five stages of A 4 KB + B kConsumers x 16 KB.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "async_mma.cuh"
+#include "twell_union.h"
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/pipeline/pipeline.hpp"
+
+namespace jax_twell {
+namespace union_product {
+
+constexpr int kRing = 5;  // pipeline stages
+
+// One chunk's entry words: with T threads and P words each, thread t holds entries
+// off + t, off + t + T, ... (registers, loaded ahead of their use); a chunk with more than
+// T P entries reads the rest from global memory when used (correct, slower).
+template <int T, int P>
+struct ChunkWords {
+  uint32_t w[P];
+  int e0, e1;
+};
+
+template <int T, int P>
+__device__ __forceinline__ ChunkWords<T, P> LoadWords(const uint32_t* ent, const int* off, int c, int chunks,
+                                                     int t = static_cast<int>(threadIdx.x)) {
+  ChunkWords<T, P> cw{};
+  if (c < 0 || c >= chunks) return cw;
+  cw.e0 = off[c];
+  cw.e1 = off[c + 1];
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int e = cw.e0 + t + i * T;
+    if (e < cw.e1) cw.w[i] = ent[e];
+  }
+  return cw;
+}
+
+// put(word) for every entry word of the chunk this thread holds.
+template <int T, int P, class Put>
+__device__ __forceinline__ void ForEachWord(const ChunkWords<T, P>& cw, const uint32_t* ent, Put put,
+                                            int t = static_cast<int>(threadIdx.x)) {
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const int e = cw.e0 + t + i * T;
+    if (e < cw.e1) put(cw.w[i]);
+  }
+  for (int e = cw.e0 + t + P * T; e < cw.e1; e += T) put(ent[e]);
+}
+
+template <typename Elem>
+struct MmaFor;
+template <>
+struct MmaFor<cutlass::bfloat16_t> {
+  using Op = cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+  static __device__ __forceinline__ uint32_t Pack(float a, float b) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+template <>
+struct MmaFor<cutlass::half_t> {
+  using Op = cute::SM90_64x256x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+  static __device__ __forceinline__ uint32_t Pack(float a, float b) {
+    const __half2 v = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+
+template <typename Elem, int kConsumers>
+struct Config {
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kSpan = kCols * kConsumers;  // output columns per CTA
+  using LayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW64_Atom<Elem>{},
+                                               cute::make_shape(cute::Int<kTok>{}, cute::Int<kChunk>{},
+                                                                cute::Int<kRing>{})));
+  using LayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Elem>{},
+                                               cute::make_shape(cute::Int<kCols>{}, cute::Int<kChunk>{},
+                                                                cute::Int<kRing>{})));
+  using Pipe = cutlass::PipelineAsync<kRing>;
+  struct Smem {
+    alignas(1024) Elem b[kConsumers][cute::cosize_v<LayoutB>];
+    alignas(1024) Elem a[cute::cosize_v<LayoutA>];
+    typename Pipe::SharedStorage pipe;
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;  // + alignment slack
+};
+
+// y[64 block + t, n0 + c] = sum over the block's union rows i of A[t, i] W[rows[i], n0 + c],
+// for rows 64 block + t < out_rows (f32 accumulation, one rounding to Elem). Table rows:
+// kRowsPerNeuron = 2: id & 1 selects table1 over table0, row id >> 1; otherwise table0,
+// row id. d a multiple of kSpan; grid (d / kSpan, blocks).
+template <typename Elem, int kConsumers, int kRowsPerNeuron>
+__global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
+    UnionProductKernel(const uint16_t* __restrict__ table0, const uint16_t* __restrict__ table1, int d,
+                       int64_t out_rows, const UnionMeta* __restrict__ meta, const int* __restrict__ rows,
+                       const int* __restrict__ chunk_off, const uint32_t* __restrict__ ent,
+                       uint16_t* __restrict__ y) {
+  using namespace cute;
+  using Cfg = Config<Elem, kConsumers>;
+  using Pipe = typename Cfg::Pipe;
+  using Words = ChunkWords<128, 4>;
+  extern __shared__ unsigned char smem_raw[];
+  // The 128-byte swizzle needs 1 KB alignment; the dynamic allocation carries the slack.
+  unsigned char* aligned = smem_raw + ((1024 - SmemAddr(smem_raw) % 1024) % 1024);
+  auto& s = *reinterpret_cast<typename Cfg::Smem*>(aligned);
+  const int block = blockIdx.y, n0 = blockIdx.x * Cfg::kSpan, tid = threadIdx.x, group = tid / 128;
+  const UnionMeta bm = meta[block];
+  const int chunks = bm.chunks;
+  const int* off = chunk_off + bm.chunk_base;
+  typename Pipe::Params params;
+  params.role = group == 0 ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
+  params.producer_arv_count = 128;
+  params.consumer_arv_count = 128 * kConsumers;
+  Pipe pipe(s.pipe, params);
+  __syncthreads();  // barriers initialised
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::LayoutA{});  // (token, k, stage)
+
+  if (group == 0) {  // producer
+    const int* block_rows = rows + bm.row_base;
+    const int piece = tid % 32;                 // this thread's 16-byte piece of each row slice
+    constexpr int kRowsPerThread = kChunk / 4;  // 8: rows tid / 32 + 4 i
+    auto load_rows = [&](int c, int (&r)[kRowsPerThread]) {
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 4 * i] : 0;
+    };
+    auto row_ptr = [&](int id) -> const uint16_t* {
+      if constexpr (kRowsPerNeuron == 2)
+        return ((id & 1) ? table1 : table0) + static_cast<int64_t>(id >> 1) * d;
+      else
+        return table0 + static_cast<int64_t>(id) * d;
+    };
+    auto state = cutlass::make_producer_start_state<Pipe>();
+    auto produce = [&](const int (&r)[kRowsPerThread], const Words& cw) {
+      pipe.producer_acquire(state);
+      const int st = state.index();
+      uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, st));
+      for (int i = tid; i < kTok * kChunk / 8; i += 128) a4[i] = make_uint4(0, 0, 0, 0);
+      cutlass::arch::NamedBarrier::sync(128, 1);  // the stage's A is clear before any entry lands
+      ForEachWord(cw, ent, [&](uint32_t e) {
+        sA(static_cast<int>(e & 0xff), static_cast<int>((e >> 8) & 0xff), st) =
+            Elem::bitcast(static_cast<uint16_t>(e >> 16));
+      });
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const uint16_t* src = row_ptr(r[i]) + n0 + piece * 8;
+        CUTE_UNROLL
+        for (int k = 0; k < kConsumers; ++k) {
+          Tensor sB = make_tensor(make_smem_ptr(s.b[k]), typename Cfg::LayoutB{});
+          CpAsync16(&sB(piece * 8, tid / 32 + 4 * i, st), src + k * kCols);
+        }
+      }
+      cutlass::arch::fence_view_async_shared();  // the A stores, visible to the async proxy
+      pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+      ++state;
+    };
+    // Row indices and entry words reach registers two chunks ahead, in two sets used in
+    // turn: a register is reloaded only after its chunk is issued.
+    int r0[kRowsPerThread], r1[kRowsPerThread];
+    load_rows(0, r0);
+    load_rows(1, r1);
+    Words w0 = LoadWords<128, 4>(ent, off, 0, chunks), w1 = LoadWords<128, 4>(ent, off, 1, chunks);
+    for (int c = 0; c < chunks; c += 2) {
+      produce(r0, w0);
+      load_rows(c + 2, r0);
+      w0 = LoadWords<128, 4>(ent, off, c + 2, chunks);
+      if (c + 1 >= chunks) break;
+      produce(r1, w1);
+      load_rows(c + 3, r1);
+      w1 = LoadWords<128, 4>(ent, off, c + 3, chunks);
+    }
+    return;
+  }
+
+  // consumer warp group `group` owns columns n0 + 256 (group - 1)
+  const int consumer = group - 1;
+  Tensor sB = make_tensor(make_smem_ptr(s.b[consumer]), typename Cfg::LayoutB{});
+  auto mma = make_tiled_mma(typename MmaFor<Elem>::Op{});
+  auto thr = mma.get_thread_slice(tid % 128);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, make_shape(Int<kTok>{}, Int<kCols>{}));
+  clear(acc);
+  warpgroup_fence_operand(acc);
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  cutlass::PipelineState<kRing> read{}, release{};
+  auto multiply = [&] {  // chunk `read`'s products, issued asynchronously
+    pipe.consumer_wait(read);
+    cutlass::arch::fence_view_async_shared();
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm(mma, tCrA(_, _, _, read.index()), tCrB(_, _, _, read.index()), acc);
+    warpgroup_commit_batch();
+    ++read;
+  };
+  if (chunks > 0) multiply();
+#pragma unroll 1
+  for (int c = 1; c < chunks; ++c) {
+    multiply();
+    warpgroup_wait<1>();  // chunk c - 1's products are done: release its stage
+    warpgroup_fence_operand(acc);
+    pipe.consumer_release(release);
+    ++release;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  const int64_t row0 = static_cast<int64_t>(block) * kTok;
+  const int col0 = n0 + consumer * kCols;
+  Tensor cY = make_identity_tensor(make_shape(Int<kTok>{}, Int<kCols>{}));
+  Tensor tCcY = thr.partition_C(cY);
+  // Packed pairs: (i, i + 1) are adjacent columns of one row. Single-element stores made
+  // ptxas serialize every wgmma (C7514).
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {
+    const int64_t row = row0 + get<0>(tCcY(i));
+    if (row < out_rows)
+      *reinterpret_cast<uint32_t*>(y + row * d + col0 + get<1>(tCcY(i))) = MmaFor<Elem>::Pack(acc(i), acc(i + 1));
+  }
+}
+
+}  // namespace union_product
+}  // namespace jax_twell

@@ -1,0 +1,32 @@
+// Host interface of the union product (twell_union.cuh has the design): the per-block
+// layout a caller builds, and the launch.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace jax_twell {
+namespace union_product {
+
+constexpr int kTok = 64;    // tokens per block (A rows)
+constexpr int kCols = 256;  // output columns per consumer warp group
+constexpr int kChunk = 32;  // union rows per K step
+
+struct UnionMeta {
+  int chunks;      // K steps (R |U| / 32, rounded up)
+  int row_base;    // first of the block's rows in `rows`
+  int chunk_base;  // first of its chunk offsets in `chunk_off` (chunks + 1 values)
+  int pad;
+};
+
+// y[64 b + t, :] for blocks b < n_blocks, rows 64 b + t < out_rows: the union product over
+// tables of [*, d] bf16 (bf16 = true) or f16 elements; rows_per_neuron 1 (table0) or 2
+// (table0, table1 interleaved by row id). d must be a multiple of 256. Returns the launch
+// error, if any.
+cudaError_t LaunchProduct(cudaStream_t stream, bool bf16, int rows_per_neuron, const uint16_t* table0,
+                          const uint16_t* table1, int d, int64_t out_rows, int n_blocks, const UnionMeta* meta,
+                          const int* rows, const int* chunk_off, const uint32_t* ent, uint16_t* y);
+
+}  // namespace union_product
+}  // namespace jax_twell
