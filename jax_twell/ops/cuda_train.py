@@ -100,19 +100,20 @@ class TrainCrossover:
     """
 
     # Fitted on the H200 to interleaved timings (ffi/notes/training_kernels.md,
-    # training_b47940f.json): XLA's dense forward + backward 4.08 ms at M=16384, d=2048,
-    # f=5632 (9 matmuls, ~3.52 ms after the gate matmul); the kernels with their
-    # tensor-core steps and dx (the default) 3.21-3.28 ms at 0.25% and 4.10-4.18 ms at 0.5%
-    # (whole step): ~3.88 ns per pair, ~1.80 ms fixed after the gate matmul; crossover
-    # ~0.48% active.
+    # training_e16d5b5.json): XLA's dense forward + backward 4.07-4.11 ms at M=16384,
+    # d=2048, f=5632 (9 matmuls, ~3.52 ms after the gate matmul); the kernels with their
+    # tensor-core steps and dx as a union product (the default) 2.87-2.89 ms at 0.25% and
+    # 3.96-4.00 ms at 0.5% (whole step): ~4.87 ns per pair, ~1.19 ms fixed after the gate
+    # matmul; crossover ~0.52% active. (With dx on the per-entry tensor-core kernel,
+    # dx_union=False, the step is ~0.25-0.35 ms slower and its crossover ~0.48%.)
     matmul_rate: float = 8.58e14
     hbm_bandwidth: float = 3.0e12
     weight_bandwidth: float = 7.0e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 6.05e12
+    pair_rate: float = 4.43e12
     grad_stream_bandwidth: float = 7.0e12
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 1.3875e-3
+    fixed_overhead: float = 0.782e-3
     margin: float = 1.0
     min_tokens: int = 256
 
@@ -248,8 +249,9 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     return y, Residuals(seg_start, tok_off, entries, up, col_off, by_col), h_words
 
 
-# dx as a union product by default (ffn_with_aux): off until measured on the GPU.
-DX_UNION_DEFAULT = False
+# dx as a union product by default (ffn_with_aux): measured 0.24-0.35 ms faster per step
+# than the per-entry tensor-core dx at 0.25-0.5% active (training_e16d5b5.json).
+DX_UNION_DEFAULT = True
 UNION_TOKENS = 64  # tokens per block of the union product (ffi/twell_union.h)
 UNION_CHUNK = 32  # union rows per K step
 UNION_COLS = 256  # output columns per consumer warp group
