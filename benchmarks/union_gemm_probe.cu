@@ -20,8 +20,8 @@
 //
 // Build: nvcc -O3 -std=c++17 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //          -Iffi -I$CUTLASS/include -I$CUTLASS/tools/util/include benchmarks/union_gemm_probe.cu -o union_gemm_probe
-// Kernels: the mma.sync one, a wgmma one (namespace wg) and a warp-specialized wgmma one
-// (namespace ws; -DWS_PRODUCERS / -DWS_CONSUMERS set its warp groups, 1 and 2 by default).
+// Kernels: the mma.sync one, a wgmma one (namespace wg) and the library's warp-specialized
+// wgmma one (ffi/twell_union.cuh), which the training backward runs for dx.
 // Measured: union_probe_d2b0ab9.txt, union_probe_aac403c.txt, union_probe_ws.txt.
 // Run:   ./union_gemm_probe [M d f active]   (default 16384 2048 5632 0.005): checks a small
 //        problem against a host reference, then times the headline shape's dx (two weights)
@@ -34,12 +34,10 @@
 #include <random>
 #include <vector>
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
 
 #include "async_mma.cuh"
-#include "cutlass/pipeline/pipeline.hpp"
 #include "probe_gemm.cuh"
+#include "twell_union.cuh"
 
 namespace {
 
@@ -69,42 +67,11 @@ struct SmemLayout {
   int off[kMaxChunks + 1];  // the block's chunk offsets into `ent`
 };
 
-// One chunk's entry words: with T threads and P words each, thread i holds entries
-// off + i, off + i + T, ... (registers, loaded a chunk ahead of their use); a chunk with
-// more than T P entries reads the rest from global memory when used (correct, slower).
+// Entry words per chunk, loaded ahead: the library's helpers (ffi/twell_union.cuh).
 // Entry word: value bits << 16 | column within the chunk << 8 | token within the block.
-template <int T, int P>
-struct ChunkWords {
-  uint32_t w[P];
-  int e0, e1;
-};
-
-template <int T, int P>
-__device__ __forceinline__ ChunkWords<T, P> LoadWords(const uint32_t* ent, const int* off, int c, int chunks,
-                                                     int t = static_cast<int>(threadIdx.x)) {
-  ChunkWords<T, P> cw{};
-  if (c < 0 || c >= chunks) return cw;
-  cw.e0 = off[c];
-  cw.e1 = off[c + 1];
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int e = cw.e0 + t + i * T;
-    if (e < cw.e1) cw.w[i] = ent[e];
-  }
-  return cw;
-}
-
-// put(word) for every entry word of the chunk.
-template <int T, int P, class Put>
-__device__ __forceinline__ void ForEachWord(const ChunkWords<T, P>& cw, const uint32_t* ent, Put put,
-                                            int t = static_cast<int>(threadIdx.x)) {
-#pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int e = cw.e0 + t + i * T;
-    if (e < cw.e1) put(cw.w[i]);
-  }
-  for (int e = cw.e0 + t + P * T; e < cw.e1; e += T) put(ent[e]);
-}
+using jax_twell::union_product::ChunkWords;
+using jax_twell::union_product::ForEachWord;
+using jax_twell::union_product::LoadWords;
 
 using Words = ChunkWords<kThreads, kPer>;
 
@@ -351,253 +318,12 @@ inline bool CheckLayouts() {
 }
 }  // namespace wg
 
-// Warp-specialized wgmma version (written after Nsight Compute showed the one-warp-group
-// kernel latency-bound: 0.29 issues per scheduler, tensor pipe 24% busy, L2 35%). One
-// producer warp group clears and scatters each chunk's A tile and copies its row slices
-// (cp.async, completion on the stage's full barrier); two consumer warp groups, each its
-// own 256 output columns over the same A, only wait, multiply and release. Five stages of
-// (A 4 KB, B 2 x 16 KB) keep four chunks in flight ahead of the products.
-namespace ws {
-using namespace cute;
-using T = cutlass::bfloat16_t;
-#ifndef WS_PRODUCERS
-#define WS_PRODUCERS 1
-#endif
-#ifndef WS_CONSUMERS
-#define WS_CONSUMERS 2
-#endif
-constexpr int kProducers = WS_PRODUCERS;  // warp groups, taking alternate chunks
-constexpr int kConsumers = WS_CONSUMERS;  // warp groups, each its own 256 columns
-constexpr int kThreads = 128 * (kProducers + kConsumers);
-constexpr int kRing = 5;
-constexpr int kSpan = kCols * kConsumers;  // output columns per CTA
-// (Two producers and two consumers, 512 threads, do not compile: the launch bound caps every
-// thread at 128 registers and a 64 x 256 accumulator needs 128 of its own; ptxas does not
-// allocate per warp-group role.)
-static_assert(kThreads <= 384, "a consumer's 64 x 256 accumulator needs more than 128 registers");
-using LayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW64_Atom<T>{}, make_shape(Int<kTok>{}, Int<kChunk>{}, Int<kRing>{})));
-using LayoutB =
-    decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, make_shape(Int<kCols>{}, Int<kChunk>{}, Int<kRing>{})));
-using Mma = decltype(make_tiled_mma(SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>{}));
-using Pipe = cutlass::PipelineAsync<kRing>;
-
-struct Smem {
-  alignas(1024) T b[kConsumers][cosize_v<LayoutB>];
-  alignas(1024) T a[cosize_v<LayoutA>];
-  int off[kMaxChunks + 1];
-  typename Pipe::SharedStorage pipe;
-};
-
-using Words = ChunkWords<128, 4>;
-
-// Element offset of the first column of row k's 64-column atom row `a` in stage st of a B
-// tile: where a 1-row TMA box lands (the 128-byte swizzle permutes within the row).
-__host__ __device__ constexpr int TmaRowOffset(int a, int k, int st) {
-  return 64 * (k % 8) + 512 * a + 2048 * (k / 8) + 8192 * st;
-}
-
-// kTma: the row slices come by TMA (one lane per union row of the chunk, a 1-row box per
-// 64 columns) and producer warps 1-3 scatter A; otherwise every producer thread copies
-// 16-byte pieces by cp.async and scatters A.
-template <bool kTma>
-__global__ void __launch_bounds__(kThreads, 1) Kernel(const uint16_t* __restrict__ w, int d,
-                                                      const BlockMeta* __restrict__ meta, const int* __restrict__ rows,
-                                                      const int* __restrict__ chunk_off, const uint32_t* __restrict__ ent,
-                                                      uint16_t* __restrict__ y, const __grid_constant__ CUtensorMap tmap) {
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  Smem& s = *reinterpret_cast<Smem*>(smem_raw);
-  if (jax_twell::SmemAddr(smem_raw) % 1024 != 0) __trap();  // the 128-byte swizzle needs 1 KB alignment
-  const int block = blockIdx.y, n0 = blockIdx.x * kSpan, tid = threadIdx.x, group = tid / 128;
-  const BlockMeta bm = meta[block];
-  const int chunks = bm.chunks;
-  for (int i = tid; i <= chunks; i += kThreads) s.off[i] = chunk_off[bm.chunk_base + i];
-  typename Pipe::Params params;
-  params.role = group < kProducers ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
-  params.producer_arv_count = kTma ? 96 + 1 : 128;  // TMA: warps 1-3, and lane 0 of warp 0 with the bytes
-  params.consumer_arv_count = 128 * kConsumers;
-  Pipe pipe(s.pipe, params);
-  __syncthreads();  // barriers initialised, chunk offsets in shared memory
-  Tensor sA = make_tensor(make_smem_ptr(s.a), LayoutA{});  // (token, k, stage)
-
-  if (kTma && group == 0) {
-    static_assert(!kTma || kProducers == 1, "the TMA producer is one warp group");
-    const int t = tid % 128;
-    auto state = cutlass::make_producer_start_state<Pipe>();
-    if (t < 32) {  // warp 0: lane l copies union row l of each chunk
-      const int* block_rows = rows + bm.row_base;
-      int r0 = chunks > 0 ? block_rows[t] : 0, r1 = chunks > 1 ? block_rows[kChunk + t] : 0;
-      constexpr uint32_t kBytes = kChunk * kSpan * 2;
-      auto produce = [&](int r) {
-        pipe.producer_acquire(state);
-        const int st = state.index();
-        uint64_t* full = pipe.producer_get_barrier(state);
-        if (t == 0) cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kBytes);
-        __syncwarp();
-        CUTE_UNROLL
-        for (int k = 0; k < kConsumers; ++k)
-          CUTE_UNROLL
-          for (int a = 0; a < kCols / 64; ++a)
-            SM90_TMA_LOAD_2D::copy(&tmap, full, static_cast<uint64_t>(TMA::CacheHintSm90::EVICT_NORMAL),
-                                   s.b[k] + TmaRowOffset(a, t, st), n0 + k * kCols + 64 * a, r);
-        ++state;
-      };
-      for (int c = 0; c < chunks; c += 2) {
-        produce(r0);
-        r0 = c + 2 < chunks ? block_rows[(c + 2) * kChunk + t] : 0;
-        if (c + 1 >= chunks) break;
-        produce(r1);
-        r1 = c + 3 < chunks ? block_rows[(c + 3) * kChunk + t] : 0;
-      }
-      return;
-    }
-    const int u = t - 32;  // warps 1-3: the A tiles
-    using Words96 = ChunkWords<96, 4>;
-    auto produce = [&](const Words96& cw) {
-      pipe.producer_acquire(state);
-      const int st = state.index();
-      uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, st));
-      for (int i = u; i < kTok * kChunk / 8; i += 96) a4[i] = make_uint4(0, 0, 0, 0);
-      cutlass::arch::NamedBarrier::sync(96, 1);  // the stage's A is clear before any entry lands
-      ForEachWord(
-          cw, ent,
-          [&](uint32_t e) {
-            sA(static_cast<int>(e & 0xff), static_cast<int>((e >> 8) & 0xff), st) =
-                T::bitcast(static_cast<uint16_t>(e >> 16));
-          },
-          u);
-      cutlass::arch::fence_view_async_shared();
-      pipe.producer_commit(state);
-      ++state;
-    };
-    Words96 w0 = LoadWords<96, 4>(ent, s.off, 0, chunks, u), w1 = LoadWords<96, 4>(ent, s.off, 1, chunks, u);
-    for (int c = 0; c < chunks; c += 2) {
-      produce(w0);
-      w0 = LoadWords<96, 4>(ent, s.off, c + 2, chunks, u);
-      if (c + 1 >= chunks) break;
-      produce(w1);
-      w1 = LoadWords<96, 4>(ent, s.off, c + 3, chunks, u);
-    }
-    return;
-  }
-  if (group < kProducers) {  // producer warp group `group`: chunks group, group + kProducers, ...
-    const int t = tid % 128;
-    const int* block_rows = rows + bm.row_base;
-    const int piece = t % 32;  // this thread's 16-byte piece of each row slice
-    constexpr int kRowsPerThread = kChunk / 4;  // 8: rows t / 32 + 4 i
-    auto load_rows = [&](int c, int (&r)[kRowsPerThread]) {
-      CUTE_UNROLL
-      for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + t / 32 + 4 * i] : 0;
-    };
-    // Row indices and entry words reach registers two of this warp group's chunks ahead,
-    // in two sets used in turn: a register is reloaded only after its chunk is done, so no
-    // instruction waits on a load issued in the same iteration.
-    auto state = cutlass::make_producer_start_state<Pipe>();
-    state.advance(group);
-    auto produce = [&](int c, const int (&r)[kRowsPerThread], const Words& cw) {
-      pipe.producer_acquire(state);
-      const int st = state.index();
-      uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, st));
-      for (int i = t; i < kTok * kChunk / 8; i += 128) a4[i] = make_uint4(0, 0, 0, 0);
-      cutlass::arch::NamedBarrier::sync(128, 1 + group);  // the stage's A is clear before any entry lands
-      ForEachWord(
-          cw, ent,
-          [&](uint32_t e) {
-            sA(static_cast<int>(e & 0xff), static_cast<int>((e >> 8) & 0xff), st) =
-                T::bitcast(static_cast<uint16_t>(e >> 16));
-          },
-          t);
-      CUTE_UNROLL
-      for (int k = 0; k < kConsumers; ++k) {
-        Tensor sB = make_tensor(make_smem_ptr(s.b[k]), LayoutB{});
-        const uint16_t* w_col = w + n0 + k * kCols + piece * 8;
-        CUTE_UNROLL
-        for (int i = 0; i < kRowsPerThread; ++i)
-          jax_twell::CpAsync16(&sB(piece * 8, t / 32 + 4 * i, st), w_col + static_cast<int64_t>(r[i]) * d);
-      }
-      cutlass::arch::fence_view_async_shared();  // the A stores, visible to the async proxy
-      pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
-      state.advance(kProducers);
-    };
-    int r0[kRowsPerThread], r1[kRowsPerThread];
-    load_rows(group, r0);
-    load_rows(group + kProducers, r1);
-    Words w0 = LoadWords<128, 4>(ent, s.off, group, chunks, t);
-    Words w1 = LoadWords<128, 4>(ent, s.off, group + kProducers, chunks, t);
-    for (int c = group; c < chunks; c += 2 * kProducers) {
-      produce(c, r0, w0);
-      load_rows(c + 2 * kProducers, r0);
-      w0 = LoadWords<128, 4>(ent, s.off, c + 2 * kProducers, chunks, t);
-      if (c + kProducers >= chunks) break;
-      produce(c + kProducers, r1, w1);
-      load_rows(c + 3 * kProducers, r1);
-      w1 = LoadWords<128, 4>(ent, s.off, c + 3 * kProducers, chunks, t);
-    }
-    return;
-  }
-
-  // consumers: warp group kProducers + k owns columns n0 + 256 k
-  const int consumer = group - kProducers;
-  Tensor sB = make_tensor(make_smem_ptr(s.b[consumer]), LayoutB{});
-  Mma mma;
-  auto thr = mma.get_thread_slice(tid % 128);
-  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
-  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  Tensor acc = partition_fragment_C(mma, make_shape(Int<kTok>{}, Int<kCols>{}));
-  clear(acc);
-  warpgroup_fence_operand(acc);
-  mma.accumulate_ = GMMA::ScaleOut::One;
-  cutlass::PipelineState<kRing> read{}, release{};
-  auto multiply = [&] {  // chunk `read`'s products, issued asynchronously
-    pipe.consumer_wait(read);
-    cutlass::arch::fence_view_async_shared();
-    warpgroup_fence_operand(acc);
-    warpgroup_arrive();
-    gemm(mma, tCrA(_, _, _, read.index()), tCrB(_, _, _, read.index()), acc);
-    warpgroup_commit_batch();
-    ++read;
-  };
-  if (chunks > 0) multiply();
-#pragma unroll 1
-  for (int c = 1; c < chunks; ++c) {
-    multiply();
-    warpgroup_wait<1>();  // chunk c - 1's products are done: release its stage
-    warpgroup_fence_operand(acc);
-    pipe.consumer_release(release);
-    ++release;
-  }
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
-  Tensor gY = make_tensor(make_gmem_ptr(reinterpret_cast<T*>(y) + static_cast<int64_t>(block) * kTok * d + n0 +
-                                        consumer * kCols),
-                          make_layout(make_shape(Int<kTok>{}, Int<kCols>{}), make_stride(d, Int<1>{})));
-  Tensor tCgY = thr.partition_C(gY);
-  CUTE_UNROLL
-  for (int i = 0; i < size(acc); i += 2) {  // (i, i + 1): adjacent columns of one row
-    const __nv_bfloat162 v = __floats2bfloat162_rn(acc(i), acc(i + 1));
-    *reinterpret_cast<__nv_bfloat162*>(&tCgY(i)) = v;
-  }
-}
-
-// Host check: each (64-column atom row, k, stage) of B occupies exactly the 64 elements from
-// TmaRowOffset on before the swizzle, which on the device acts on the shared-memory address
-// (bytes 4-6 ^= bytes 7-9, TMA's 128-byte pattern, atoms 1 KB aligned) and so permutes
-// 16-byte pieces within each 128-byte row: a 1-row TMA box written there lands where the
-// layout expects it.
-inline bool CheckTmaRows() {
-  const auto lb = LayoutB{}.layout_b();
-  for (int st = 0; st < kRing; ++st)
-    for (int k = 0; k < kChunk; ++k)
-      for (int a = 0; a < kCols / 64; ++a) {
-        int lo = 1 << 30, hi = -1;
-        for (int n = 64 * a; n < 64 * a + 64; ++n) {
-          lo = std::min(lo, static_cast<int>(lb(n, k, st)));
-          hi = std::max(hi, static_cast<int>(lb(n, k, st)));
-        }
-        if (lo != TmaRowOffset(a, k, st) || hi != lo + 63) return false;
-      }
-  return true;
-}
-}  // namespace ws
+// The warp-specialized wgmma kernel (one producer warp group, two consumers) is the
+// library's UnionProductKernel (ffi/twell_union.cuh), launched below on one interleaved
+// table (row id = 2 n + j), which it reads as a single table. Its variants measured here
+// and since removed (two producers, TMA row copies): ffi/notes/training_kernels.md.
+using WsConfig = jax_twell::union_product::Config<cutlass::bfloat16_t, 2>;
+static_assert(sizeof(BlockMeta) == sizeof(jax_twell::union_product::UnionMeta), "the same per-block record");
 
 
 uint16_t ToBf16(float v) {
@@ -680,7 +406,6 @@ struct DeviceProblem {
   BlockMeta* meta = nullptr;
   int *rows = nullptr, *chunk_off = nullptr;
   uint32_t* ent = nullptr;
-  CUtensorMap tmap{};  // W [rows, d] bf16, 1-row boxes of 64 columns, 128-byte swizzle
 };
 
 template <class T>
@@ -699,19 +424,6 @@ DeviceProblem UploadProblem(const Problem& p) {
   g.chunk_off = Upload(p.chunk_off);
   g.ent = Upload(p.ent);
   cudaMalloc(&g.y, sizeof(uint16_t) * size_t(p.m) * p.d);
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult q;
-    cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", reinterpret_cast<void**>(&encode), cudaEnableDefault, &q);
-  }
-  const int64_t w_rows = static_cast<int64_t>(p.w.size()) / p.d;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p.d), static_cast<cuuint64_t>(w_rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.d) * 2};
-  const cuuint32_t box[2] = {64, 1}, elem[2] = {1, 1};
-  const CUresult e = encode(&g.tmap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g.w, dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (e != CUDA_SUCCESS) printf("cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(e));
   return g;
 }
 
@@ -721,18 +433,18 @@ void FreeProblem(DeviceProblem& g) {
     cudaFree(q);
 }
 
-enum Kind { kMmaSync, kWgmma, kWarpSpecialized, kWarpSpecializedTma };
+enum Kind { kMmaSync, kWgmma, kWarpSpecialized };
 const char* KindName(int kind) {
-  return kind == kMmaSync ? "mma.sync" : kind == kWgmma ? "wgmma" : kind == kWarpSpecialized ? "wgmma, warp-specialized" : "wgmma, warp-specialized, TMA rows";
+  return kind == kMmaSync ? "mma.sync" : kind == kWgmma ? "wgmma" : "wgmma, warp-specialized (library)";
 }
 
 void Launch(const Problem& p, const DeviceProblem& g, int kind) {
   const dim3 grid(p.d / kCols, p.m / kTok);
-  if (kind == kWarpSpecialized || kind == kWarpSpecializedTma) {
-    auto kernel = kind == kWarpSpecialized ? ws::Kernel<false> : ws::Kernel<true>;
-    kernel<<<dim3(p.d / ws::kSpan, p.m / kTok), ws::kThreads, sizeof(ws::Smem)>>>(g.w, p.d, g.meta, g.rows, g.chunk_off,
-                                                                               g.ent, g.y, g.tmap);
-  }
+  if (kind == kWarpSpecialized)
+    jax_twell::union_product::UnionProductKernel<cutlass::bfloat16_t, 2, 1>
+        <<<dim3(p.d / WsConfig::kSpan, p.m / kTok), WsConfig::kThreads, WsConfig::kSmemBytes>>>(
+            g.w, nullptr, p.d, p.m, reinterpret_cast<const jax_twell::union_product::UnionMeta*>(g.meta), g.rows,
+            g.chunk_off, g.ent, g.y);
   else if (kind == kWgmma)
     wg::Kernel<<<grid, wg::kThreads, sizeof(wg::Smem)>>>(g.w, p.d, g.meta, g.rows, g.chunk_off, g.ent, g.y);
   else
@@ -783,23 +495,23 @@ int main(int argc, char** argv) {
   const int m = argc > 1 ? atoi(argv[1]) : 16384, d = argc > 2 ? atoi(argv[2]) : 2048;
   const int f = argc > 3 ? atoi(argv[3]) : 5632;
   const double active = argc > 4 ? atof(argv[4]) : 0.005;
-  if (m % kTok != 0 || d % ws::kSpan != 0 || 2 * f / kChunk + 1 >= kMaxChunks) {
-    printf("M must be a multiple of %d, d of %d, and 2 f / %d below %d\n", kTok, ws::kSpan, kChunk, kMaxChunks);
+  if (m % kTok != 0 || d % WsConfig::kSpan != 0 || 2 * f / kChunk + 1 >= kMaxChunks) {
+    printf("M must be a multiple of %d, d of %d, and 2 f / %d below %d\n", kTok, WsConfig::kSpan, kChunk, kMaxChunks);
     return 1;
   }
-  const bool layouts_ok = wg::CheckLayouts() && ws::CheckTmaRows();
+  const bool layouts_ok = wg::CheckLayouts();
   printf("wgmma shared-memory layouts (host check): %s\n", layouts_ok ? "ok" : "FAILED");
   int devices = 0;
   if (!layouts_ok || cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return layouts_ok ? 0 : 1;
   cudaFuncSetAttribute(UnionGemmKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(SmemLayout));
   cudaFuncSetAttribute(wg::Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(wg::Smem));
-  cudaFuncSetAttribute(ws::Kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(ws::Smem));
-  cudaFuncSetAttribute(ws::Kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(ws::Smem));
+  cudaFuncSetAttribute(jax_twell::union_product::UnionProductKernel<cutlass::bfloat16_t, 2, 1>,
+                       cudaFuncAttributeMaxDynamicSharedMemorySize, WsConfig::kSmemBytes);
 
   // Correctness on a small problem (both row counts per neuron, a dense-ish fraction so
   // that chunks hold many entries), against a double-precision host sum.
   int bad = 0;
-  for (int kind : {kMmaSync, kWgmma, kWarpSpecialized, kWarpSpecializedTma})
+  for (int kind : {kMmaSync, kWgmma, kWarpSpecialized})
     for (int per_neuron : {1, 2})
       for (double frac : {0.01, 0.2}) {
         Problem p = MakeProblem(256, 512, 1000, frac, per_neuron, 7u + per_neuron);
@@ -821,7 +533,7 @@ int main(int argc, char** argv) {
   for (int per_neuron : {2, 1}) {
     Problem p = MakeProblem(m, d, f, active, per_neuron, 1u);
     DeviceProblem g = UploadProblem(p);
-    for (int kind : {kMmaSync, kWgmma, kWarpSpecialized, kWarpSpecializedTma}) {
+    for (int kind : {kMmaSync, kWgmma, kWarpSpecialized}) {
       const float ms = TimeKernel(p, g, 20, kind);
       const cudaError_t e = cudaGetLastError();
       const double union_frac = double(p.union_rows) / (double(m / kTok) * per_neuron * f);
