@@ -393,39 +393,39 @@ def test_op_glue_under_a_mesh(emulated_kernels, layout):
         assert_close(g, r, GRAD_TOL, f"{layout} {name}")
 
 
-def test_dx_mma_follows_mma_unless_given(emulated_kernels, monkeypatch):
-    """``ffn_with_aux`` asks the backward call for dx on tensor cores when ``dx_mma`` says
-    so, and by default exactly when ``mma`` does (the default: both on)."""
+def _backward_options_seen(monkeypatch, keys, calls, key=14, d=64):
+    """The backward call's options ``keys`` for each ``ffn_with_aux`` keyword set in
+    ``calls`` (the NumPy model standing in for the kernels)."""
     seen = []
 
     def backward(*args, **kwargs):
-        seen.append((kwargs["mma"], kwargs["dx_mma"]))
+        seen.append(tuple(kwargs[k] for k in keys))
         return _emulated_backward(*args, **kwargs)
 
     monkeypatch.setattr(cuda_train, "_backward_call", backward)
-    x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", True, key=14)
-    for kw in ({}, dict(mma=False), dict(dx_mma=False), dict(mma=False, dx_mma=True)):
+    x, wg, wu, wd, dy = make_case(300, d, 520, 0.03, "heavy", True, key=key)
+    for kw in calls:
         fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
         grads_of(jax.jit(fn), x, wg, wu, wd, dy)
+    return seen
+
+
+def test_dx_mma_follows_mma_unless_given(emulated_kernels, monkeypatch):
+    """``ffn_with_aux`` asks the backward call for dx on tensor cores when ``dx_mma`` says
+    so, and by default exactly when ``mma`` does (the default: both on)."""
+    calls = ({}, dict(mma=False), dict(dx_mma=False), dict(mma=False, dx_mma=True))
+    seen = _backward_options_seen(monkeypatch, ("mma", "dx_mma"), calls)
     assert seen == [(True, True), (False, False), (True, False), (False, True)]
 
 
 def test_dx_union_needs_dx_mma_and_follows_the_default(emulated_kernels, monkeypatch):
     """``ffn_with_aux`` asks for dx as a union product only with dx on tensor cores: by
     default as ``DX_UNION_DEFAULT`` says, or when told ``dx_union``."""
+    calls = ({}, dict(dx_union=True), dict(dx_union=False), dict(dx_mma=False, dx_union=True))
     seen = []
-
-    def backward(*args, **kwargs):
-        seen.append((kwargs["dx_mma"], kwargs["dx_union"]))
-        return _emulated_backward(*args, **kwargs)
-
-    monkeypatch.setattr(cuda_train, "_backward_call", backward)
-    x, wg, wu, wd, dy = make_case(300, 256, 520, 0.03, "heavy", True, key=15)
     for default in (False, True):
         monkeypatch.setattr(cuda_train, "DX_UNION_DEFAULT", default)
-        for kw in ({}, dict(dx_union=True), dict(dx_union=False), dict(dx_mma=False, dx_union=True)):
-            fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
-            grads_of(jax.jit(fn), x, wg, wu, wd, dy)
+        seen += _backward_options_seen(monkeypatch, ("dx_mma", "dx_union"), calls, key=15, d=256)
     assert seen == [(True, False), (True, True), (True, False), (False, False),
                     (True, True), (True, True), (True, False), (False, False)]
 
