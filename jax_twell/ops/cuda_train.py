@@ -23,6 +23,7 @@ import numpy as np
 from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import blocked_emulation as _blocked
+from jax_twell.ops import union_emulation as _union
 from jax_twell.ops import cuda, reference, xla
 from jax_twell.ops.common import RuleSlot
 
@@ -252,20 +253,17 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
 # dx as a union product by default (ffn_with_aux): measured 0.24-0.35 ms faster per step
 # than the per-entry tensor-core dx at 0.25-0.5% active (training_e16d5b5.json).
 DX_UNION_DEFAULT = True
-UNION_TOKENS = 64  # tokens per block of the union product (ffi/twell_union.h)
-UNION_CHUNK = 32  # union rows per K step
+UNION_TOKENS = _union.TOKENS  # tokens per block of the union product (ffi/twell_union.h)
+UNION_CHUNK = _union.CHUNK  # union rows per K step
 UNION_COLS = 256  # output columns per consumer warp group
 
 
 def union_workspace_ints(m: int, max_entries: int, gated: bool) -> int:
-    """Words of the union product's layout (ffi/twell_train.cu, UnionLayoutOf): per
-    64-token block a meta record, and ranges placed by the entries before the block for its
-    entry words, table rows and chunk offsets (a block's union has at most as many neurons
-    as it has entries)."""
-    r = 2 if gated else 1
-    n_sub = -(-m // UNION_TOKENS)
-    re = r * max_entries
-    return 4 * n_sub + re + (re + UNION_CHUNK * n_sub) + (re // UNION_CHUNK + 2 * n_sub + 1)
+    """Words of the union product's layout (ffi/twell_train.cu, UnionLayoutOf; modelled by
+    :mod:`jax_twell.ops.union_emulation`): per 64-token block a meta record, and ranges
+    placed by the entries before the block for its entry words, table rows and chunk
+    offsets (a block's union has at most as many neurons as it has entries)."""
+    return _union.workspace_ints(m, max_entries, gated)
 
 
 def union_dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) -> bool:

@@ -1,0 +1,147 @@
+"""NumPy model of dx as a union product (ffi/twell_train.cu ``TwellTrainUnionLayoutKernel``
+and ffi/twell_union.cuh ``UnionProductKernel``; ffi/notes/training_kernels.md).
+
+The layout kernel, per 64-token sub-block ``s`` of the backward's blocked entries:
+
+- the union: neurons with a non-zero coefficient (rounded to the element type) at any of
+  the sub-block's entries, in increasing order; a neuron's position ``p`` in it gives its
+  ``R`` table rows ``R p + r`` (gated R = 2: row id ``2 j`` is Wact^T[j], ``2 j + 1`` is
+  Wu^T[j]; non-gated R = 1: row id ``j``), padded with row id 0 to whole chunks of 32;
+- one word per non-zero coefficient, ``bits << 16 | (R p + r) % 32 << 8 | token``, grouped
+  by chunk ``(R p + r) // 32`` (inside a chunk the kernel's order is whatever its atomics
+  give; the words land in distinct places, so the product does not depend on it; the
+  model keeps entry order);
+- placed in one int32 workspace by the entries before the sub-block, ``E_s`` (a union has
+  at most as many neurons as its sub-block has entries): words from ``R E_s``, rows from
+  ``R E_s + 32 s``, chunk offsets (absolute word indices) from ``R E_s // 32 + 2 s``, after
+  a meta record per sub-block ``(chunks, row base, chunk base, 0)``.
+
+The product: per sub-block, ``A [64, 32 chunks]`` from the words (values in the element
+type) times the gathered rows, summed exactly here (float64, one rounding to f32, then to
+the element type); the kernel sums in f32 in its own order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax_twell.ops import blocked_emulation as _b
+
+TOKENS = 64  # tokens per sub-block (ffi/twell_union.h kTok)
+CHUNK = 32  # union rows per chunk (kChunk)
+
+__all__ = ["TOKENS", "CHUNK", "workspace_ints", "union_layout", "union_dx"]
+
+
+def workspace_ints(m: int, max_entries: int, gated: bool) -> int:
+    """int32 words of the layout for ``m`` tokens and ``max_entries`` entries (the
+    handler's ``UnionLayoutOf``)."""
+    r = 2 if gated else 1
+    n_sub = -(-m // TOKENS)
+    re = r * max_entries
+    return 4 * n_sub + re + (re + CHUNK * n_sub) + (re // CHUNK + 2 * n_sub + 1)
+
+
+def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int, max_entries: int, gated: bool,
+                 dtype) -> dict:
+    """The layout kernel's workspace and, for checks, which sub-block wrote each word
+    (``owner``, -1 where none did). ``coef``: the backward's ``[2 or 3, max_entries]`` f32
+    coefficients; ``dtype``: the element type they are rounded to."""
+    r_per = 2 if gated else 1
+    seg_start = np.asarray(seg_start, np.int64)
+    tok_off = np.asarray(tok_off, np.int64)
+    entries = np.asarray(entries, np.uint32)
+    rounded = [np.asarray(coef[1 + r], np.float32).astype(dtype) for r in range(r_per)]
+    bits = [c.view(np.uint16).astype(np.uint32) for c in rounded]
+    n_sub = -(-m // TOKENS)
+    n_tiles = tok_off.shape[1]
+    size = workspace_ints(m, max_entries, gated)
+    ws = np.zeros(size, np.int64)
+    owner = np.full(size, -1, np.int64)
+    meta0 = 0
+    ent0 = 4 * n_sub
+    rows0 = ent0 + r_per * max_entries
+    chunk0 = rows0 + r_per * max_entries + CHUNK * n_sub
+
+    def put(index, value, sub):
+        assert 0 <= index < size, (index, size)
+        assert owner[index] == -1, f"word {index} written twice (sub-blocks {owner[index]} and {sub})"
+        ws[index], owner[index] = value, sub
+
+    over = seg_start[-1] > max_entries
+    for sub in range(n_sub):
+        b, t0 = divmod(sub * TOKENS, _b.BLOCK_TOKENS)
+        found = []  # (entry, neuron, token within the sub-block)
+        before = 0
+        for k in range(n_tiles):
+            off = tok_off[b, k]
+            base = seg_start[b * n_tiles + k]
+            before += off[t0]
+            if over:
+                continue
+            for e in range(off[t0], off[t0 + TOKENS]):
+                word = int(entries[base + e])
+                t = (32 if e >= off[t0 + 32] else 0) + ((word >> _b.WORD_TOKEN_SHIFT) & 31)
+                found.append((base + e, k * tile + (word & _b.COLUMN_MASK), t))
+        ent_base = r_per * ((0 if over else seg_start[b * n_tiles]) + before)
+        row_base = ent_base + CHUNK * sub
+        chunk_base = ent_base // CHUNK + 2 * sub
+        live = [(e, j, t) for e, j, t in found if any(bits[r][e] != 0 for r in range(r_per))]
+        union = sorted({j for _, j, _ in live})
+        pos = {j: p for p, j in enumerate(union)}
+        n_rows = r_per * len(union)
+        chunks = -(-n_rows // CHUNK)
+        for p, j in enumerate(union):
+            for r in range(r_per):
+                put(rows0 + row_base + r_per * p + r, 2 * j + r if gated else j, sub)
+        for i in range(n_rows, chunks * CHUNK):
+            put(rows0 + row_base + i, 0, sub)
+        words = [[] for _ in range(chunks)]
+        for e, j, t in live:
+            for r in range(r_per):
+                if bits[r][e] != 0:
+                    u = r_per * pos[j] + r
+                    words[u // CHUNK].append(int(bits[r][e]) << 16 | (u % CHUNK) << 8 | t)
+        slot = ent_base
+        for c in range(chunks):
+            put(chunk0 + chunk_base + c, slot, sub)
+            for w in words[c]:
+                put(ent0 + slot, w, sub)
+                slot += 1
+        put(chunk0 + chunk_base + chunks, slot, sub)
+        for i, v in enumerate((0 if over else chunks, row_base, chunk_base, 0)):
+            put(meta0 + 4 * sub + i, v, sub)
+    return dict(ws=ws, owner=owner, n_sub=n_sub, ent0=ent0, rows0=rows0, chunk0=chunk0, gated=gated)
+
+
+def union_dx(layout: dict, w_act_t, w_up_t, m: int, dtype) -> np.ndarray:
+    """dx ``[m, d]`` in ``dtype`` from the layout: per sub-block, A (the words' values) times
+    the union's table rows, summed exactly."""
+    ws = layout["ws"]
+    tables = [np.asarray(w_act_t, np.float64)] + ([np.asarray(w_up_t, np.float64)] if layout["gated"] else [])
+    d = tables[0].shape[1]
+    dx = np.zeros((layout["n_sub"] * TOKENS, d), np.float64)
+    for sub in range(layout["n_sub"]):
+        chunks, row_base, chunk_base, _ = ws[4 * sub: 4 * sub + 4]
+        if chunks == 0:
+            continue
+        a = np.zeros((TOKENS, chunks * CHUNK), np.float64)
+        lo = ws[layout["chunk0"] + chunk_base]
+        hi = ws[layout["chunk0"] + chunk_base + chunks]
+        for c in range(chunks):
+            assert ws[layout["chunk0"] + chunk_base + c] <= ws[layout["chunk0"] + chunk_base + c + 1]
+        for e in range(lo, hi):
+            c = np.searchsorted(ws[layout["chunk0"] + chunk_base: layout["chunk0"] + chunk_base + chunks + 1], e,
+                                side="right") - 1
+            w = int(ws[layout["ent0"] + e])
+            value = np.array([w >> 16], np.uint16).view(dtype)[0]
+            col = c * CHUNK + ((w >> 8) & 0xFF)
+            assert a[w & 0xFF, col] == 0, "two words at one place of A"
+            a[w & 0xFF, col] = float(value)
+        ids = ws[layout["rows0"] + row_base: layout["rows0"] + row_base + chunks * CHUNK]
+        if layout["gated"]:
+            rows = np.where((ids & 1)[:, None] == 1, tables[-1][ids >> 1], tables[0][ids >> 1])
+        else:
+            rows = tables[0][ids]
+        dx[sub * TOKENS:(sub + 1) * TOKENS] = a @ rows
+    return dx[:m].astype(np.float32).astype(dtype)

@@ -1,0 +1,65 @@
+"""The union dx's layout and product (NumPy model, jax_twell/ops/union_emulation.py) on the
+training model's blocked entries: every sub-block's words, rows and chunk offsets inside the
+workspace the handler allocates and disjoint from every other's, tight entry budgets and
+overflowed tiles included; dx from the layout equals the model's dx to the rounding of the
+coefficients to the element type."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_twell.formats import pack_twell_reference, relu_matmul
+from jax_twell.ops import blocked_emulation as bemu
+from jax_twell.ops import cuda_train
+from jax_twell.ops import train_emulation as emu
+from jax_twell.ops import union_emulation as uemu
+from specs import assert_close
+from test_train_emulation import L1, make_case
+
+# m, d, f, density, pattern, full rows, empty rows, tile, capacity
+CASES = [
+    (1, 64, 260, 0.05, "uniform", 0, 0, 256, 32),
+    (77, 64, 300, 0.05, "heavy", 3, 5, 256, 32),
+    (77, 64, 300, 0.05, "heavy", 3, 5, 64, 4),  # many overflowed tiles
+    (130, 32, 520, 0.5, "dense", 0, 0, 256, 32),  # unions of every neuron, M not a multiple of 64
+    (1100, 64, 700, 0.02, "heavy", 4, 10, 256, 32),  # two blocks of 1024 tokens
+]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}_f{c[2]}_{c[4]}_t{c[7]}")
+def test_union_layout_fits_and_gives_dx(case, gated):
+    m, d, f, density, pattern, full, empty, tile, capacity = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + f)
+    w_act = wg if gated else wu
+    act = pack_twell_reference(relu_matmul(x, w_act), tile=tile, capacity=capacity)
+    e = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f) + 5  # a tight budget
+    _, res, _, _, _ = emu.train_forward(x, act.values, act.cols, act.counts, w_act, wu if gated else None,
+                                        wu.T if gated else None, wd, tile=tile, max_entries=e)
+    dx, *_, coef = emu.train_backward(x, dy, w_act.T, wu.T if gated else None, wd, res, L1 / m, tile=tile)
+    lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, coef, m=m, f=f, tile=tile, max_entries=e,
+                            gated=gated, dtype=jnp.bfloat16)  # asserts: in bounds, no word written twice
+    assert lay["ws"].size == cuda_train.union_workspace_ints(m, e, gated)
+    r = 2 if gated else 1
+    nonzero = sum(int((np.asarray(coef[1 + i], np.float32).astype(jnp.bfloat16) != 0).sum()) for i in range(r))
+    written = (lay["owner"][lay["ent0"]: lay["rows0"]] >= 0).sum()
+    assert written == nonzero, "one word per non-zero coefficient"
+    got = uemu.union_dx(lay, w_act.T, wu.T if gated else None, m, jnp.bfloat16)
+    # Each coefficient rounded to bf16 (2^-9 relative) before a sum that may cancel (as the
+    # tensor-core dx's test); a lost or doubled entry moves dx by a whole term.
+    assert_close(got, dx, 2.0**-5, f"{case} gated={gated}")
+
+
+def test_union_layout_over_budget_is_empty():
+    """Past the entry budget (the call then runs dense) every sub-block has no chunks."""
+    m, f = 77, 300
+    x, wg, wu, wd, dy = make_case(m, 64, f, 0.05, "heavy", True, full=3, key=5)
+    act = pack_twell_reference(relu_matmul(x, wg), tile=256, capacity=32)
+    need = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f)
+    _, res, _, _, _ = emu.train_forward(x, act.values, act.cols, act.counts, wg, wu, wu.T, wd, tile=256,
+                                        max_entries=need)
+    coef = np.ones((3, need), np.float32)
+    lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, coef, m=m, f=f, tile=256, max_entries=need - 1,
+                            gated=True, dtype=jnp.bfloat16)
+    assert (lay["ws"][0: 4 * lay["n_sub"]: 4] == 0).all()
+    assert (lay["owner"][lay["ent0"]: lay["rows0"]] == -1).all()
