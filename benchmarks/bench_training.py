@@ -18,12 +18,13 @@ clock falls on all alike; ``<variant>_step_spread``: interquartile range / media
   of ffn_with_aux; auto and layer use it);
 - cdx (with --cudacore-dx): as mma, with dx on CUDA cores (dx_mma=False);
 - udx (with --union-dx): as mma, with dx as a union product (dx_union=True);
+- udn (with --union-down): as mma, with the forward's down step as a union product too (down_union=True);
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
 arrays other than the inputs) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
-Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx]
+Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down]
        [--out results.json]
 """
 
@@ -97,6 +98,8 @@ def main():
     parser.add_argument("--densities", default=None, help="comma-separated active fractions (default: the grid's)")
     parser.add_argument("--cudacore-dx", action="store_true", help="also time the tensor-core steps with dx on CUDA cores")
     parser.add_argument("--union-dx", action="store_true", help="also time the tensor-core steps with dx as a union product")
+    parser.add_argument("--union-down", action="store_true",
+                        help="also time the tensor-core steps with the forward's down step as a union product")
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
@@ -116,7 +119,14 @@ def main():
     udx_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
         x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, dx_union=True
     )
-    optional = [(name, op) for flag, name, op in ((args.cudacore_dx, "cdx", cdx_op), (args.union_dx, "udx", udx_op)) if flag]
+    udn_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
+        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, down_union=True
+    )
+    optional = [
+        (name, op)
+        for flag, name, op in ((args.cudacore_dx, "cdx", cdx_op), (args.union_dx, "udx", udx_op), (args.union_down, "udn", udn_op))
+        if flag
+    ]
     rows, memory = [], None
     for m, d, f, density, pattern in grid(args.quick, densities):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
@@ -193,6 +203,7 @@ def main():
             f"{r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f} {r['mma_forward_ms']:>8.3f}"
             + (f" cuda-core dx {r['cdx_step_ms']:.3f} ms ({r['cdx_ratio']:.2f}x)" if "cdx_step_ms" in r else "")
             + (f" union dx {r['udx_step_ms']:.3f} ms ({r['udx_ratio']:.2f}x)" if "udx_step_ms" in r else "")
+            + (f" union down {r['udn_step_ms']:.3f} ms ({r['udn_ratio']:.2f}x)" if "udn_step_ms" in r else "")
         )
 
 

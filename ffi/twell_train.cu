@@ -437,15 +437,23 @@ bool UnionDxSupported(const Shapes& s, int rows_per_neuron) {
          UnionLayoutOf(s, rows_per_neuron, nullptr).ints < (int64_t{1} << 31);
 }
 
+// Whether the forward's down step can run as a union product (gated; its layout, R = 1,
+// in the up step's partials workspace [d/64, max_entries] f32; cuda_train.union_down_supported).
+bool UnionDownSupported(const Shapes& s) {
+  return UnionDxSupported(s, 1) && UnionLayoutOf(s, 1, nullptr).ints <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
+}
+
 // One CTA (256 threads) per sub-block; dynamic shared memory: bits and their prefix over
 // ceil(f / 32) words, and max_chunks + 1 chunk counters.
-template <typename E, bool kGated>
+// kWordValues (the forward's down step, R = 1): the values are the entry words' top 16
+// bits (h in E); otherwise the backward's coefficients (dh u, dh g) rounded to E.
+template <typename E, int R, bool kWordValues>
 __global__ void __launch_bounds__(256) TwellTrainUnionLayoutKernel(const int32_t* __restrict__ tok_off,
                                                                    const int32_t* __restrict__ seg_start,
                                                                    const uint32_t* __restrict__ entries,
                                                                    const float* __restrict__ coef, UnionWorkspace w,
                                                                    Shapes s) {
-  constexpr int R = kGated ? 2 : 1;
+  static_assert(!kWordValues || R == 1, "word values: one table row per neuron");
   extern __shared__ int32_t union_smem[];
   __shared__ int scratch[32];
   __shared__ int total;
@@ -454,7 +462,7 @@ __global__ void __launch_bounds__(256) TwellTrainUnionLayoutKernel(const int32_t
   int32_t* pos = union_smem + n_words;
   int32_t* cnt = pos + n_words;
   const int sub = blockIdx.x, b = sub / kSubBlocks, t0 = (sub % kSubBlocks) * up::kTok, tid = threadIdx.x;
-  const float* coefs[2] = {coef + s.max_entries, coef + 2 * s.max_entries};  // Wact^T, Wu^T rows
+  const float* coefs[2] = {coef + s.max_entries, coef + 2 * s.max_entries};  // Wact^T, Wu^T rows (backward)
   const bool over = OverBudget(s, seg_start);
   for (int i = tid; i < n_words; i += 256) bits[i] = 0;
   __syncthreads();
@@ -472,7 +480,12 @@ __global__ void __launch_bounds__(256) TwellTrainUnionLayoutKernel(const int32_t
       }
     }
   };
-  auto coef_bits = [&](int r, int64_t e) { return E::FromFloat(coefs[r][e]); };
+  auto coef_bits = [&](int r, int64_t e) -> uint32_t {
+    if constexpr (kWordValues)
+      return entries[e] >> 16;
+    else
+      return E::FromFloat(coefs[r][e]);
+  };
   int before = 0;  // the block's entries of tokens before t0, over this thread's tiles
   if (!over) {
     for (int k = tid; k < s.n_tiles; k += 256) before += tok_off[(static_cast<int64_t>(b) * s.n_tiles + k) * (kBlockTokens + 1) + t0];
@@ -544,6 +557,25 @@ __global__ void __launch_bounds__(256) TwellTrainUnionLayoutKernel(const int32_t
     });
 }
 
+// The layout kernel and the product: out[t] = sum over t's values v_j of v_j table[row j].
+template <typename E, int R, bool kWordValues>
+ffi::Error LaunchUnion(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
+                       const uint32_t* words, const float* coef, const uint16_t* table0, const uint16_t* table1,
+                       void* workspace, uint16_t* out, const char* what) {
+  const UnionWorkspace w = UnionLayoutOf(s, R, workspace);
+  const int n_sub = static_cast<int>(UnionSubBlocks(s));
+  const int smem = static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(R * s.f, up::kChunk) + 1) * 4);
+  auto* layout = TwellTrainUnionLayoutKernel<E, R, kWordValues>;
+  cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  layout<<<n_sub, 256, smem, stream>>>(tok_off, seg_start, words, coef, w, s);
+  ffi::Error status = LaunchStatus(what);
+  if (status.failure()) return status;
+  const cudaError_t e = up::LaunchProduct(stream, std::is_same_v<E, Bf16>, R, table0, table1, s.d, s.rows, n_sub,
+                                          w.meta, w.rows, w.chunk_off, w.ent, out);
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
 int64_t FinishBlocks(const Shapes& s) { return std::min<int64_t>(CeilDiv(s.max_entries, 256), 132 * 16); }
 
 template <typename E, bool kGated>
@@ -551,7 +583,8 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
                          const int16_t* cols, const int32_t* counts, const uint16_t* w_act, const uint16_t* w_up,
                          const uint16_t* w_up_t, const uint16_t* w_down, uint16_t* y, int32_t* seg_start,
                          int32_t* tok_off, uint32_t* entries, uint16_t* up, uint32_t* h_words, float* partial,
-                         int32_t* col_off, uint32_t* by_col, bool mma) {
+                         int32_t* col_off, uint32_t* by_col, int32_t mma_bits) {
+  const bool mma = (mma_bits & 1) != 0, down_union = (mma_bits & 4) != 0;  // bit 2: gated only (checked)
   const dim3 segments(s.n_tiles, s.n_blocks);
   TwellBlockedLayoutKernel<<<segments, kThreads, 0, stream>>>(counts, tok_off, s);
   TwellBlockedSegScanKernel<<<1, 1024, 0, stream>>>(tok_off, seg_start, s.n_blocks * s.n_tiles);
@@ -570,7 +603,14 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
     if (status.failure()) return status;
     h_source = h_words;
   }
-  LaunchDownStep<E>(stream, mma, w_down, tok_off, seg_start, h_source, y, s);
+  if (kGated && down_union) {
+    // The dh partials' workspace [d/64, max_entries] f32 is free once TrainFinish has read it.
+    status = LaunchUnion<E, 1, true>(stream, s, tok_off, seg_start, h_source, nullptr, w_down, nullptr, partial, y,
+                                     "twell_train forward down as a union product");
+    if (status.failure()) return status;
+  } else {
+    LaunchDownStep<E>(stream, mma, w_down, tok_off, seg_start, h_source, y, s);
+  }
   TwellTrainByColumnKernel<<<segments, kThreads, 0, stream>>>(tok_off, seg_start, entries, col_off, by_col, s);
   return LaunchStatus("twell_train forward down");
 }
@@ -589,18 +629,9 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
   ffi::Error status = LaunchStatus("twell_train backward dh");
   if (status.failure()) return status;
   if (dx_union) {
-    constexpr int R = kGated ? 2 : 1;
-    const UnionWorkspace w = UnionLayoutOf(s, R, union_ws);
-    const int n_sub = static_cast<int>(UnionSubBlocks(s));
-    const int smem = static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(R * s.f, up::kChunk) + 1) * 4);
-    cudaFuncSetAttribute(TwellTrainUnionLayoutKernel<E, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    TwellTrainUnionLayoutKernel<E, kGated><<<n_sub, 256, smem, stream>>>(tok_off, seg_start, entries, coef, w, s);
-    status = LaunchStatus("twell_train backward dx union layout");
+    status = LaunchUnion<E, kGated ? 2 : 1, false>(stream, s, tok_off, seg_start, entries, coef, w_act_t, w_up_t,
+                                                   union_ws, dx, "twell_train backward dx as a union product");
     if (status.failure()) return status;
-    const cudaError_t e = up::LaunchProduct(stream, std::is_same_v<E, Bf16>, R, w_act_t, w_up_t, s.d, s.rows, n_sub,
-                                            w.meta, w.rows, w.chunk_off, w.ent, dx);
-    if (e != cudaSuccess) return ffi::Error::Internal(std::string("twell_train backward dx union product: ") +
-                                                      cudaGetErrorString(e));
   } else if (dx_mma) {
     const int smem = kDxMmaStages * (kGated ? 2 : 1) * kSlab64Bytes;
     cudaFuncSetAttribute(TwellTrainDxMmaKernel<E, kGated>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -707,11 +738,14 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   auto u16 = [](const void* p) { return static_cast<const uint16_t*>(p); };
   const uint16_t* wu = kGated ? u16(w_up.untyped_data()) : nullptr;
   const uint16_t* wut = kGated ? u16(w_up_t.untyped_data()) : nullptr;
+  if ((mma & 4) != 0 && !(kGated && UnionDownSupported(s)))
+    return Invalid(std::string(name) + "the down step as a union product (mma bit 2) needs the gated FFN, d a "
+                   "multiple of 256, f at most 65536 and its layout within the workspace [d/64, max_entries]");
   auto* launch = dt == ffi::DataType::BF16 ? LaunchForward<Bf16, kGated> : LaunchForward<F16, kGated>;
   return launch(stream, s, u16(x.untyped_data()), u16(values.untyped_data()), cols.typed_data(),
                 counts.typed_data(), u16(w_act.untyped_data()), wu, wut, u16(w_down.untyped_data()),
                 static_cast<uint16_t*>(y->untyped_data()), seg_start->typed_data(), tok_off->typed_data(),
-                entries->typed_data(), up, h_words, partial, col_off->typed_data(), by_col->typed_data(), mma != 0);
+                entries->typed_data(), up, h_words, partial, col_off->typed_data(), by_col->typed_data(), mma);
 }
 
 template <bool kGated>
@@ -855,7 +889,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwdGated, jax_twell::ForwardGated,
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // col_off
                                   .Ret<ffi_api::Buffer<ffi_api::U32>>()      // by_col
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // 1: up/down steps on tensor cores
+                                  .Attr<int32_t>("mma"));  // bit 0: up/down steps on tensor cores; bit 2: down as a union product
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwd, jax_twell::ForwardUngated,
                               ffi_api::Ffi::Bind()

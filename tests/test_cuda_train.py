@@ -152,10 +152,32 @@ def test_dx_union_matches_tensor_cores(case, gated, dtype):
     assert_close(un[0], tc[0], 2.0**-7, f"dx {case} gated={gated}")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", UNION_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_down_union_matches_down_step(case, dtype):
+    """The gated forward's down step as a union product (``train_forward(down_union=True)``):
+    the residuals and h words equal the tensor-core forward's bit for bit; y equals its y to
+    the f32 summation order. (Written before its first GPU run.)"""
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + d + 11, dtype=dtype)
+    act = pack_twell_reference(relu_matmul(x, wg), tile=256, capacity=32)
+    budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
+    if not cuda_train.union_down_supported(m, d, f, budget):
+        pytest.skip("the layout does not fit the up step's workspace at this budget (d / 64 words per entry)")
+    y0, res0, h0 = cuda_train.train_forward(x, act, wg, wu, wd, max_entries=budget, mma=True)
+    y1, res1, h1 = cuda_train.train_forward(x, act, wg, wu, wd, max_entries=budget, mma=True, down_union=True)
+    for a, b in zip(jax.tree.leaves(res1), jax.tree.leaves(res0)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    np.testing.assert_array_equal(_bits(h1), _bits(h0))
+    assert_close(y1, y0, 2.0**-7, f"y {case}")
+
+
 def test_train_gradients_with_union_dx_match_dense():
-    """ffn_with_aux(dx_union=True) through jit and grad: the dense formula's gradients."""
+    """ffn_with_aux(dx_union=True, down_union=True) through jit and grad: the dense
+    formula's gradients."""
     x, wg, wu, wd, dy = make_case(3000, 512, 1408, 0.01, "heavy", True, full=2, empty=3, key=23)
-    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_union=True)[:2])
+    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_union=True,
+                                                    down_union=True)[:2])
     (y, l1), grads = grads_of(fn, x, wg, wu, wd, dy)
     with jax.default_matmul_precision("highest"):
         (y_d, l1_d), g_d = grads_of(dense_ffn, x, wg, wu, wd, dy)

@@ -166,7 +166,7 @@ def _emulated_pack(g, *, tile, capacity):
     return pack_twell_reference(g, tile=tile, capacity=capacity)
 
 
-def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False):
+def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, down_union=False):
     gated = w_up is not None
     shapes = cuda_train.residual_shapes(x.shape[0], act.n_tiles, act.tile, max_entries, gated)
     out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), shapes, jax.ShapeDtypeStruct((max_entries,), jnp.uint32))
@@ -428,6 +428,26 @@ def test_dx_union_needs_dx_mma_and_follows_the_default(emulated_kernels, monkeyp
         seen += _backward_options_seen(monkeypatch, ("dx_mma", "dx_union"), calls, key=15, d=256)
     assert seen == [(True, False), (True, True), (True, False), (False, False),
                     (True, True), (True, True), (True, False), (False, False)]
+
+
+def test_down_union_reaches_the_forward_call(emulated_kernels, monkeypatch):
+    """``ffn_with_aux`` asks the forward call for the down step as a union product when told
+    ``down_union`` (default ``DOWN_UNION_DEFAULT``, off)."""
+    seen = []
+
+    def forward(*args, **kwargs):
+        seen.append(kwargs["down_union"])
+        return _emulated_forward(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_train, "_forward_call", forward)
+    x, wg, wu, wd, dy = make_case(300, 256, 520, 0.03, "heavy", True, key=16)
+    for kw, expected in (({}, False), (dict(down_union=True), True), (dict(down_union=False), False)):
+        seen.clear()
+        fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
+        grads_of(jax.jit(fn), x, wg, wu, wd, dy)
+        assert seen and all(v == expected for v in seen), (kw, seen)
+    assert cuda_train.union_down_supported(16384, 2048, 5632, cuda_train.max_entries_for(16384, 5632, 128))
+    assert not cuda_train.union_down_supported(16384, 128 + 64, 5632, 10**6)  # d not a multiple of 256
 
 
 def test_union_dx_supported_states_its_constraints():

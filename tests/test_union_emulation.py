@@ -63,3 +63,21 @@ def test_union_layout_over_budget_is_empty():
                             gated=True, dtype=jnp.bfloat16)
     assert (lay["ws"][0: 4 * lay["n_sub"]: 4] == 0).all()
     assert (lay["owner"][lay["ent0"]: lay["rows0"]] == -1).all()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}_f{c[2]}_{c[4]}_t{c[7]}")
+def test_union_layout_of_the_forward_down_step(case):
+    """The forward's down step as a union product (one Wd row per neuron, the h words'
+    values): y from the layout equals the model's y to the f32 summation order."""
+    m, d, f, density, pattern, full, empty, tile, capacity = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + f + 1)
+    act = pack_twell_reference(relu_matmul(x, wg), tile=tile, capacity=capacity)
+    e = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f) + 5
+    y, res, h_words, _, _ = emu.train_forward(x, act.values, act.cols, act.counts, wg, wu, wu.T, wd, tile=tile,
+                                              max_entries=e)
+    h = (np.asarray(h_words, np.uint32) >> 16).astype(np.uint16).view(jnp.bfloat16).astype(np.float32)
+    lay = uemu.union_layout(res.seg_start, res.tok_off, h_words, np.stack([np.zeros_like(h), h]), m=m, f=f,
+                            tile=tile, max_entries=e, gated=False, dtype=jnp.bfloat16)
+    assert lay["ws"].size <= (d // bemu.UP_COLS) * e or not cuda_train.union_down_supported(m, d, f, e)
+    got = uemu.union_dx(lay, wd, None, m, jnp.bfloat16)
+    assert_close(got, y, 2.0**-7, f"{case}")

@@ -215,17 +215,34 @@ def residual_shapes(m: int, n_tiles: int, tile: int, max_entries: int, gated: bo
     )
 
 
-def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_t=None, mma: bool = False):
+def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
+    """Whether the gated forward's down step can run as a union product
+    (``train_forward(down_union=True)``): as :func:`union_dx_supported` with one row per
+    neuron, its layout within the up step's partials workspace ``[d / 64, max_entries]`` f32
+    (the handler's test)."""
+    return union_dx_supported(m, d, f, max_entries, False) and (
+        union_workspace_ints(m, max_entries, False) <= (d // _blocked.UP_COLS) * max_entries
+    )
+
+
+def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_t=None, mma: bool = False,
+                  down_union: bool = False):
     """One ``jax_twell_train_fwd[_gated]`` call: ``(y, Residuals, h_source)``.
 
     x ``[M, d]`` bf16/f16; act: TwELL of ``relu(x @ w_act)`` (tile <= 256); w_up None for
     the non-gated FFN. ``h_source`` ``[E]`` u32 holds h in its high half (h words, or the
     entries themselves when non-gated). Entries past ``seg_start[-1]`` are unwritten.
     ``mma``: the up and down steps on tensor cores (measured no faster, training_kernels.md; sums equal
-    to f32 rounding, not bitwise, see ffi/notes/twell_ffn_blocked.md).
+    to f32 rounding, not bitwise, see ffi/notes/twell_ffn_blocked.md). ``down_union`` (gated,
+    where :func:`union_down_supported` allows): y as a dense product over each 64-token
+    block's union of active neurons (ffi/twell_union.cuh; the same h, f32 sums in another
+    order). Not yet run on a GPU: off by default (:data:`DOWN_UNION_DEFAULT`).
     """
     m, d = x.shape
     e, tile = max_entries, act.tile
+    f = w_down.shape[0]
+    down_union = bool(down_union) and w_up is not None and union_down_supported(m, d, f, e)
+    mma = int(bool(mma)) | int(down_union) << 2  # the handler's bits: 0 tensor-core steps, 2 down as a union product
     r = residual_shapes(m, act.n_tiles, tile, e, w_up is not None)
     layout = [r.seg_start, r.tok_off, r.entries]
     by_column = [r.col_off, r.by_col]
@@ -250,6 +267,9 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     return y, Residuals(seg_start, tok_off, entries, up, col_off, by_col), h_words
 
 
+# The forward's down step as a union product by default (ffn_with_aux): written and checked
+# on CPU against its NumPy model, not yet run on a GPU.
+DOWN_UNION_DEFAULT = False
 # dx as a union product by default (ffn_with_aux): measured 0.24-0.35 ms faster per step
 # than the per-entry tensor-core dx at 0.25-0.5% active (training_e16d5b5.json).
 DX_UNION_DEFAULT = True
@@ -354,6 +374,7 @@ class _Config:
     mma: bool = False
     dx_mma: bool = False
     dx_union: bool = False
+    down_union: bool = False
 
 
 def _mesh_axes(*arrays) -> frozenset:
@@ -406,7 +427,8 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
 
     def sparse(_):
         y, res, h_source = _forward_call(
-            x, act, w_act, w_up if gated else None, w_down, max_entries=cfg.max_entries, mma=cfg.mma
+            x, act, w_act, w_up if gated else None, w_down, max_entries=cfg.max_entries, mma=cfg.mma,
+            down_union=cfg.down_union,
         )
         l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
         return _as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
@@ -458,7 +480,7 @@ _train_ffn.defvjp(_train_fwd, _train_bwd)
 def ffn_with_aux(
     x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
     crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
-    dx_mma: bool | None = None, dx_union: bool | None = None,
+    dx_mma: bool | None = None, dx_union: bool | None = None, down_union: bool | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -477,7 +499,9 @@ def ffn_with_aux(
     (:func:`train_backward`; 4.09 ms against 4.47 ms with dx on CUDA cores at 0.5%).
     ``dx_union`` (default: :data:`DX_UNION_DEFAULT`, with ``dx_mma``) runs dx as a dense
     product over each 64-token block's union of active neurons where
-    :func:`union_dx_supported` allows (ffi/notes/training_kernels.md).
+    :func:`union_dx_supported` allows (ffi/notes/training_kernels.md). ``down_union``
+    (default: :data:`DOWN_UNION_DEFAULT`, off) does the same for the forward's down step
+    (:func:`train_forward`).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
     steps): the choice is made at trace time instead (:meth:`TrainCrossover.prefers_sparse`
@@ -500,5 +524,6 @@ def ffn_with_aux(
         rule = dataclasses.replace(rule, margin=float("inf"))  # decided: only the entry budget is checked per call
     dx_mma = bool(mma if dx_mma is None else dx_mma)
     dx_union = dx_mma and bool(DX_UNION_DEFAULT if dx_union is None else dx_union)
-    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union)
+    down_union = bool(DOWN_UNION_DEFAULT if down_union is None else down_union)
+    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union, down_union)
     return _train_ffn(x, w_gate, w_up, w_down, cfg)
