@@ -24,6 +24,8 @@
 //                 registers; per tile the Wd slab [tile, 32] is staged; each token's
 //                 entries are applied in order (tiles ascending, columns ascending within a
 //                 tile = neuron order); y written once, rounded. No atomics: deterministic.
+//                 mma bit 2 (gated): y as a dense product over each 64-token block's union
+//                 of active neurons instead (twell_union_layout.cuh, twell_union.cuh).
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weights 16 blocks x (|Wu| + |Wd|) =
 // 0.74 GB, mostly L2; partials 2 x 59 MB; entries (4 B) re-read per d-range CTA: 0.2 GB.
 // Workspace results (static sizes): seg_start, tok_off, entries [max_entries], partial
@@ -34,6 +36,7 @@
 
 #include "common.h"
 #include "twell_blocked.cuh"
+#include "twell_union_layout.cuh"
 
 namespace jax_twell {
 namespace {
@@ -42,7 +45,9 @@ template <typename E, bool kGated>
 ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const void* values,
                   const int16_t* cols, const int32_t* counts, const void* w_act, const void* w_up,
                   const void* w_up_t, const void* w_down, void* y, int32_t* seg_start,
-                  int32_t* tok_off, uint32_t* entries, float* partial, bool mma) {
+                  int32_t* tok_off, uint32_t* entries, float* partial, int32_t mma_bits) {
+  // bit 0: K1 and K2 on tensor cores; bit 2 (gated, checked): K2 as a union product
+  const bool mma = (mma_bits & 1) != 0, down_union = kGated && (mma_bits & 4) != 0;
   const auto* x16 = static_cast<const uint16_t*>(x);
   const dim3 segments(s.n_tiles, s.n_blocks);
   TwellBlockedLayoutKernel<<<segments, kThreads, 0, stream>>>(counts, tok_off, s);
@@ -66,6 +71,10 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
     status = LaunchStatus("twell_ffn_blocked finish");
     if (status.failure()) return status;
   }
+  if (down_union)  // the partials' workspace is free once Finish has read it
+    return LaunchUnion<E, 1, true>(stream, s, tok_off, seg_start, entries, nullptr,
+                                   static_cast<const uint16_t*>(w_down), nullptr, partial, static_cast<uint16_t*>(y),
+                                   "twell_ffn_blocked down as a union product");
   LaunchDownStep<E>(stream, mma, static_cast<const uint16_t*>(w_down), tok_off, seg_start, entries,
                     static_cast<uint16_t*>(y), s);
   return LaunchStatus("twell_ffn_blocked down");
@@ -81,7 +90,7 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> seg_start,
                        ffi::Result<ffi::Buffer<ffi::S32>> tok_off, ffi::Result<ffi::Buffer<ffi::U32>> entries,
                        float* partial, int64_t partial_rows, int64_t partial_cols, int32_t tile,
-                       bool mma) {
+                       int32_t mma) {
   const char* name = "twell_ffn_blocked: ";
   auto x_dims = x.dimensions();
   if (x_dims.size() < 1) return Invalid(std::string(name) + "x must have shape [..., d]");
@@ -129,6 +138,9 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   if (rows == 0) return ffi::Error::Success();
   const Shapes s{rows, static_cast<int>(d), static_cast<int>(f), tile, static_cast<int>(capacity),
                  static_cast<int>(n_tiles), static_cast<int>(n_blocks), max_entries};
+  if ((mma & 4) != 0 && !(kGated && UnionDownSupported(s)))
+    return Invalid(std::string(name) + "the down step as a union product (mma bit 2) needs the gated FFN, d a "
+                   "multiple of 256, f at most 65536 and its layout within the partials [d/64, max_entries]");
   const void* up = kGated ? w_up.untyped_data() : nullptr;
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   if (dtype == ffi::DataType::BF16)
@@ -151,7 +163,7 @@ ffi::Error BlockedGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer va
   auto p_dims = partial->dimensions();
   if (p_dims.size() != 2) return Invalid("twell_ffn_blocked: partial must have shape [d/64, max_entries]");
   return BlockedImpl<true>(stream, x, values, cols, counts, w_gate, w_up, w_up_t, w_down, y, seg_start, tok_off,
-                           entries, partial->typed_data(), p_dims[0], p_dims[1], tile, mma != 0);
+                           entries, partial->typed_data(), p_dims[0], p_dims[1], tile, mma);
 }
 
 ffi::Error BlockedUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
@@ -160,7 +172,7 @@ ffi::Error BlockedUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                           ffi::Result<ffi::Buffer<ffi::S32>> seg_start, ffi::Result<ffi::Buffer<ffi::S32>> tok_off,
                           ffi::Result<ffi::Buffer<ffi::U32>> entries, int32_t tile, int32_t mma) {
   return BlockedImpl<false>(stream, x, values, cols, counts, w_up, w_up, w_down, w_down, y, seg_start, tok_off,
-                            entries, nullptr, 0, 0, tile, mma != 0);
+                            entries, nullptr, 0, 0, tile, mma & 1);
 }
 
 }  // namespace
@@ -183,7 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlockedGated, jax_twell::BlockedGated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partial
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // 1: K1 and K2 on tensor cores
+                                  .Attr<int32_t>("mma"));  // bit 0: K1 and K2 on tensor cores; bit 2: K2 as a union product
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlocked, jax_twell::BlockedUngated,
                               xla::ffi::Ffi::Bind()

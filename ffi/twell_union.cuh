@@ -111,7 +111,8 @@ struct Config {
 };
 
 // y[64 block + t, n0 + c] = sum over the block's union rows i of A[t, i] W[rows[i], n0 + c],
-// for rows 64 block + t < out_rows (f32 accumulation, one rounding to Elem). Table rows:
+// for rows 64 block + t < out_rows (f32 accumulation, one rounding to Elem); NaN where the
+// block is marked over budget (as the per-entry down steps write it). Table rows:
 // kRowsPerNeuron = 2: id & 1 selects table1 over table0, row id >> 1; otherwise table0,
 // row id. d a multiple of kSpan; grid (d / kSpan, blocks).
 template <typename Elem, int kConsumers, int kRowsPerNeuron>
@@ -237,8 +238,10 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
   CUTE_UNROLL
   for (int i = 0; i < size(acc); i += 2) {
     const int64_t row = row0 + get<0>(tCcY(i));
+    const float nan = __int_as_float(0x7fc00000);
     if (row < out_rows)
-      *reinterpret_cast<uint32_t*>(y + row * d + col0 + get<1>(tCcY(i))) = MmaFor<Elem>::Pack(acc(i), acc(i + 1));
+      *reinterpret_cast<uint32_t*>(y + row * d + col0 + get<1>(tCcY(i))) =
+          bm.over_budget ? MmaFor<Elem>::Pack(nan, nan) : MmaFor<Elem>::Pack(acc(i), acc(i + 1));
   }
 }
 

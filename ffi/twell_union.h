@@ -17,7 +17,7 @@ struct UnionMeta {
   int chunks;      // K steps (R |U| / 32, rounded up)
   int row_base;    // first of the block's rows in `rows`
   int chunk_base;  // first of its chunk offsets in `chunk_off` (chunks + 1 values)
-  int pad;
+  int over_budget;  // 1: the entries did not fit the caller's budget; the block's outputs are NaN
 };
 
 // y[64 b + t, :] for blocks b < n_blocks, rows 64 b + t < out_rows: the union product over

@@ -40,7 +40,7 @@ def stand_ins(monkeypatch):
                 return jnp.full(x.shape, ROW_MARK, x.dtype)
             return reference.twell_ffn(x, act, w_act, w_up, w_down)
 
-        def blocked(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma=False):
+        def blocked(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma=False, down_union=False):
             if mark:
                 return (jnp.full(x.shape, BLOCKED_MARK, x.dtype),)
             return (reference.twell_ffn(x, act, w_act, w_up, w_down),)

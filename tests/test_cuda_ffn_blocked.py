@@ -95,7 +95,29 @@ def test_blocked_mma_matches_emulation(case, dtype):
         assert_close(got[0], want, fused_tolerance(dtype, f), what)
 
 
-@pytest.mark.parametrize("kernel", ["blocked", "blocked_mma"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", [(1, 256, 260, 0.05, "uniform", 0, 0), (77, 256, 300, 0.05, "heavy", 3, 5),
+                                  (1100, 512, 700, 0.02, "heavy", 4, 10), (3000, 768, 1408, 0.01, "uniform", 2, 3)],
+                         ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_blocked_union_down_matches_mma(case, dtype):
+    """The down step as a union product (``blocked_ffn(down_union=True)``): the layout and
+    entries equal the tensor-core kernel's bit for bit, y equals its y to the f32 summation
+    order. (Written before its first GPU run.)"""
+    m, d, f, density, pattern, full, empty = case
+    x, inp = _inputs(m, d, f, density, pattern, dtype, m + d + 3, full=full, empty=empty)
+    for tile, capacity in [(256, 32), (64, 4)]:
+        act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=tile, capacity=capacity)
+        max_entries = emu.needed_entries(np.asarray(act.counts), capacity, tile, f) + 5
+        run = lambda union: cuda.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T,
+                                             max_entries=max_entries, workspace=True, mma=True, down_union=union)
+        base, union = run(False), run(True)
+        what = f"{case} tile={tile} cap={capacity}"
+        for i in (1, 2, 3):
+            np.testing.assert_array_equal(np.asarray(union[i]), np.asarray(base[i]), what)
+        assert_close(union[0], base[0], 2.0**-7, what)
+
+
+@pytest.mark.parametrize("kernel", ["blocked", "blocked_mma", "blocked_union"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("spec", GPU_SPECS, ids=str)

@@ -51,7 +51,8 @@ def test_union_layout_fits_and_gives_dx(case, gated):
 
 
 def test_union_layout_over_budget_is_empty():
-    """Past the entry budget (the call then runs dense) every sub-block has no chunks."""
+    """Past the entry budget (the call then runs dense) every sub-block has no chunks and
+    its outputs are NaN."""
     m, f = 77, 300
     x, wg, wu, wd, dy = make_case(m, 64, f, 0.05, "heavy", True, full=3, key=5)
     act = pack_twell_reference(relu_matmul(x, wg), tile=256, capacity=32)
@@ -61,8 +62,9 @@ def test_union_layout_over_budget_is_empty():
     coef = np.ones((3, need), np.float32)
     lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, coef, m=m, f=f, tile=256, max_entries=need - 1,
                             gated=True, dtype=jnp.bfloat16)
-    assert (lay["ws"][0: 4 * lay["n_sub"]: 4] == 0).all()
+    assert (lay["ws"][0: 4 * lay["n_sub"]: 4] == 0).all() and (lay["ws"][3: 4 * lay["n_sub"]: 4] == 1).all()
     assert (lay["owner"][lay["ent0"]: lay["rows0"]] == -1).all()
+    assert np.isnan(np.asarray(uemu.union_dx(lay, wg.T, wu.T, m, jnp.bfloat16), np.float32)).all()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"m{c[0]}_f{c[2]}_{c[4]}_t{c[7]}")

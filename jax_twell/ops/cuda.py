@@ -16,6 +16,7 @@ import numpy as np
 from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import blocked_emulation as _blocked
+from jax_twell.ops import union_emulation as _union
 from jax_twell.ops import xla
 from jax_twell.ops.common import RuleSlot
 
@@ -49,7 +50,7 @@ __all__ = [
     "DECODE_TILE",
 ]
 
-KERNELS = ("row", "blocked", "blocked_mma")
+KERNELS = ("row", "blocked", "blocked_mma", "blocked_union")
 
 
 def pack_twell(a: jax.Array, *, tile: int, capacity: int) -> TwELL:
@@ -118,8 +119,10 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
     ``kernel``: "row" (one CTA per token row, ffi/twell_ffn.cu), "blocked" (token blocks
     of 1024 sharing each weight slab, ffi/twell_ffn_blocked.cu; see :func:`blocked_ffn`,
     whose fallbacks apply: f32 and calls needing more than ``max_entries`` entries run
-    the row kernel) or "blocked_mma" (the same with the up and down steps on tensor cores;
-    measured no faster, ffi/notes/twell_ffn_blocked.md).
+    the row kernel), "blocked_mma" (the same with the up and down steps on tensor cores;
+    measured no faster, ffi/notes/twell_ffn_blocked.md) or "blocked_union" (as
+    "blocked_mma", with the down step a dense product over each 64-token block's union of
+    active neurons where the shape allows, ffi/twell_union.cuh; not yet run on a GPU).
 
     Gated (``w_up`` given): ``y = (act * (x @ w_up)) @ w_down``; non-gated: ``y = act @ w_down``.
     Overflowed tiles are recomputed exactly inside the kernel from ``(x, w_act[, w_up])``.
@@ -137,7 +140,8 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
     _check_kernel(kernel)
     if kernel != "row":
         return blocked_ffn(
-            x, act, w_act, w_up, w_down, w_up_t=w_up_t, max_entries=max_entries, mma=kernel == "blocked_mma"
+            x, act, w_act, w_up, w_down, w_up_t=w_up_t, max_entries=max_entries, mma=kernel != "blocked",
+            down_union=kernel == "blocked_union",
         )
     return _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t)
 
@@ -202,8 +206,11 @@ def _tile_widths(f: int, tile: int) -> jax.Array:
     return jnp.minimum(tile, f - tile * jnp.arange(n_tiles, dtype=jnp.int32))
 
 
-def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, mma: bool = False):
+def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, mma: bool = False,
+                  down_union: bool = False):
     m, d = int(np.prod(x.shape[:-1])), x.shape[-1]
+    down_union = down_union and w_up is not None and _union.down_supported(m, d, act.f, max_entries)
+    mma = int(bool(mma)) | int(down_union) << 2  # the handler's bits: 0 tensor cores, 2 down as a union product
     n_blocks = -(-m // _blocked.BLOCK_TOKENS)
     workspace = [
         jax.ShapeDtypeStruct((n_blocks * act.n_tiles + 1,), jnp.int32),
@@ -224,7 +231,7 @@ def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, 
 
 def blocked_ffn(
     x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, max_entries: int | None = None, workspace: bool = False,
-    mma: bool = False,
+    mma: bool = False, down_union: bool = False,
 ):
     """Fused up + down over token blocks (``jax_twell_ffn_blocked[_gated]``).
 
@@ -239,7 +246,11 @@ def blocked_ffn(
     ``workspace=True`` (tests) returns ``(y, seg_start, tok_off, entries[, partial])``
     from the blocked kernel alone, without the fallback. ``mma=True`` runs the up
     and down steps on tensor cores (``kernel="blocked_mma"``; sums equal to f32 rounding,
-    not bitwise, see ffi/notes/twell_ffn_blocked.md).
+    not bitwise, see ffi/notes/twell_ffn_blocked.md). ``down_union=True`` (gated, d a
+    multiple of 256 and the layout within the partials workspace; elsewhere ignored) runs
+    the down step as a dense product over each 64-token block's union of active neurons
+    (``kernel="blocked_union"``; the same h, f32 sums in another order; not yet run on a
+    GPU).
     """
     if jnp.dtype(x.dtype) == jnp.float32:
         if workspace:
@@ -251,13 +262,13 @@ def blocked_ffn(
     if max_entries is None:
         max_entries = blocked_max_entries(m, act.f, act.tile, act.capacity)
     if workspace:
-        return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma)
+        return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union)
     if m == 0:
         return jnp.zeros(x.shape, x.dtype)
     fits = blocked_needed_entries(act) <= max_entries
     return jax.lax.cond(
         fits,
-        lambda: _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma)[0],
+        lambda: _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union)[0],
         lambda: _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t),
     )
 
@@ -457,7 +468,7 @@ def sparse_ffn(
     holds; a call that then turns out dense recomputes the FFN with XLA.
 
     ``kernel``: "auto" (default: "blocked_mma" where the shape allows it, else "row"),
-    "row", "blocked" or "blocked_mma" (the blocked kernel with its up and down steps on
+    "row", "blocked", "blocked_mma" or "blocked_union" (the blocked kernel with its up and down steps on
     tensor cores). With a blocked kernel, the call picks on the
     device, per call, among dense, the row kernel and the blocked kernel by the rule's
     costs (:meth:`DenseCrossover.blocked_cost`), the blocked kernel only where its
@@ -573,8 +584,10 @@ def sparse_ffn(
             act = packed()
             # The blocked kernel only where the call's exact entries fit its workspace.
             fits = blocked_needed_entries(act) <= max_entries
-            mma = kernel == "blocked_mma"
-            run_blocked = lambda a: _blocked_call(x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma)[0]
+            mma, down_union = kernel != "blocked", kernel == "blocked_union"
+            run_blocked = lambda a: _blocked_call(
+                x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma, down_union
+            )[0]
             return jax.lax.cond(prefer_blocked & fits, run_blocked, row_kernel, act)
 
         if rule.margin == float("inf"):

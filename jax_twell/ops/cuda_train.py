@@ -220,9 +220,7 @@ def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
     (``train_forward(down_union=True)``): as :func:`union_dx_supported` with one row per
     neuron, its layout within the up step's partials workspace ``[d / 64, max_entries]`` f32
     (the handler's test)."""
-    return union_dx_supported(m, d, f, max_entries, False) and (
-        union_workspace_ints(m, max_entries, False) <= (d // _blocked.UP_COLS) * max_entries
-    )
+    return _union.down_supported(m, d, f, max_entries)
 
 
 def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_t=None, mma: bool = False,
@@ -275,7 +273,7 @@ DOWN_UNION_DEFAULT = False
 DX_UNION_DEFAULT = True
 UNION_TOKENS = _union.TOKENS  # tokens per block of the union product (ffi/twell_union.h)
 UNION_CHUNK = _union.CHUNK  # union rows per K step
-UNION_COLS = 256  # output columns per consumer warp group
+UNION_COLS = _union.COLS  # output columns per consumer warp group
 
 
 def union_workspace_ints(m: int, max_entries: int, gated: bool) -> int:
@@ -290,7 +288,7 @@ def union_dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) ->
     """Whether dx can run as a union product (``train_backward(dx_union=True)``) here: d a
     multiple of 256, f at most 65536 and the layout below 2^31 words. The same test as
     the handler's."""
-    return d % UNION_COLS == 0 and f <= 65536 and union_workspace_ints(m, max_entries, gated) < 2**31
+    return _union.dx_supported(m, d, f, max_entries, gated)
 
 
 def train_backward(

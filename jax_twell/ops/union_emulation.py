@@ -14,7 +14,9 @@ The layout kernel, per 64-token sub-block ``s`` of the backward's blocked entrie
 - placed in one int32 workspace by the entries before the sub-block, ``E_s`` (a union has
   at most as many neurons as its sub-block has entries): words from ``R E_s``, rows from
   ``R E_s + 32 s``, chunk offsets (absolute word indices) from ``R E_s // 32 + 2 s``, after
-  a meta record per sub-block ``(chunks, row base, chunk base, 0)``.
+  a meta record per sub-block ``(chunks, row base, chunk base, over budget)``; past the
+  entry budget every sub-block has no chunks and the product writes NaN (as the per-entry
+  down steps do).
 
 The product: per sub-block, ``A [64, 32 chunks]`` from the words (values in the element
 type) times the gathered rows, summed exactly here (float64, one rounding to f32, then to
@@ -29,8 +31,10 @@ from jax_twell.ops import blocked_emulation as _b
 
 TOKENS = 64  # tokens per sub-block (ffi/twell_union.h kTok)
 CHUNK = 32  # union rows per chunk (kChunk)
+COLS = 256  # output columns per consumer warp group (kCols): d must be a multiple
+UP_COLS = _b.UP_COLS
 
-__all__ = ["TOKENS", "CHUNK", "workspace_ints", "union_layout", "union_dx"]
+__all__ = ["TOKENS", "CHUNK", "COLS", "workspace_ints", "dx_supported", "down_supported", "union_layout", "union_dx"]
 
 
 def workspace_ints(m: int, max_entries: int, gated: bool) -> int:
@@ -40,6 +44,20 @@ def workspace_ints(m: int, max_entries: int, gated: bool) -> int:
     n_sub = -(-m // TOKENS)
     re = r * max_entries
     return 4 * n_sub + re + (re + CHUNK * n_sub) + (re // CHUNK + 2 * n_sub + 1)
+
+
+def dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) -> bool:
+    """The handlers' test for the union product: d a multiple of 256, f at most 65536 and
+    the layout below 2^31 words."""
+    return d % COLS == 0 and f <= 65536 and workspace_ints(m, max_entries, gated) < 2**31
+
+
+def down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
+    """The handlers' test for a down step as a union product (one row per neuron): as
+    :func:`dx_supported`, its layout within the up step's partials ``[d / 64, max_entries]``
+    f32, which it reuses."""
+    return dx_supported(m, d, f, max_entries, False) and workspace_ints(m, max_entries, False) <= (
+        d // UP_COLS) * max_entries
 
 
 def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int, max_entries: int, gated: bool,
@@ -109,7 +127,7 @@ def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int
                 put(ent0 + slot, w, sub)
                 slot += 1
         put(chunk0 + chunk_base + chunks, slot, sub)
-        for i, v in enumerate((0 if over else chunks, row_base, chunk_base, 0)):
+        for i, v in enumerate((0 if over else chunks, row_base, chunk_base, int(over))):
             put(meta0 + 4 * sub + i, v, sub)
     return dict(ws=ws, owner=owner, n_sub=n_sub, ent0=ent0, rows0=rows0, chunk0=chunk0, gated=gated)
 
@@ -122,7 +140,9 @@ def union_dx(layout: dict, w_act_t, w_up_t, m: int, dtype) -> np.ndarray:
     d = tables[0].shape[1]
     dx = np.zeros((layout["n_sub"] * TOKENS, d), np.float64)
     for sub in range(layout["n_sub"]):
-        chunks, row_base, chunk_base, _ = ws[4 * sub: 4 * sub + 4]
+        chunks, row_base, chunk_base, over = ws[4 * sub: 4 * sub + 4]
+        if over:
+            dx[sub * TOKENS:(sub + 1) * TOKENS] = np.nan
         if chunks == 0:
             continue
         a = np.zeros((TOKENS, chunks * CHUNK), np.float64)

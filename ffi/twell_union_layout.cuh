@@ -1,0 +1,200 @@
+// The union product's layout over the blocked entries (twell_blocked.cuh) and its launch:
+// the training backward's dx (values: the coefficients dh u, dh g), the training forward's
+// and the inference FFN's down step (values: h in the entry words). Design and
+// measurements: ffi/notes/training_kernels.md, "Dense products over a block's union".
+#pragma once
+
+#include <string>
+#include <type_traits>
+
+#include "common.h"
+#include "twell_blocked.cuh"
+#include "twell_union.h"
+
+namespace jax_twell {
+namespace {
+
+// Per 64-token sub-block of the blocked entries (twell_blocked.cuh): the union of its
+// tokens' neurons with a non-zero value, the table rows of that union (R = 2 per
+// neuron, gated: row id 2 j + 0 for Wact^T, 2 j + 1 for Wu^T; R = 1, non-gated) and one
+// entry word per non-zero coefficient, counting-sorted by union chunk. A sub-block's union
+// has at most as many neurons as it has entries, so its rows, chunk offsets and words all
+// fit ranges placed by the entries before it: the layout needs ~2 R words per entry.
+namespace up = union_product;
+constexpr int kSubBlocks = kBlockTokens / up::kTok;  // sub-blocks per block
+
+struct UnionWorkspace {
+  up::UnionMeta* meta;  // [n_sub]
+  uint32_t* ent;        // [R max_entries]: sub-block s from R (entries before s)
+  int32_t* rows;        // [R max_entries + 32 n_sub]: from R (entries before s) + 32 s
+  int32_t* chunk_off;   // [R max_entries / 32 + 2 n_sub + 1]: from that / 32 + 2 s
+  int64_t ints;         // 4-byte words in all
+};
+
+int64_t UnionSubBlocks(const Shapes& s) { return CeilDiv(s.rows, up::kTok); }
+
+UnionWorkspace UnionLayoutOf(const Shapes& s, int rows_per_neuron, void* base) {
+  UnionWorkspace w{};
+  const int64_t n_sub = UnionSubBlocks(s), re = rows_per_neuron * s.max_entries;
+  int32_t* p = static_cast<int32_t*>(base);
+  w.meta = reinterpret_cast<up::UnionMeta*>(p);
+  p += 4 * n_sub;
+  w.ent = reinterpret_cast<uint32_t*>(p);
+  p += re;
+  w.rows = p;
+  p += re + up::kChunk * n_sub;
+  w.chunk_off = p;
+  p += re / up::kChunk + 2 * n_sub + 1;
+  w.ints = p - static_cast<int32_t*>(base);
+  return w;
+}
+
+// Whether the union product can run dx here: the handler refuses bit 2 otherwise (the
+// Python side checks the same first; cuda_train.union_dx_supported).
+bool UnionDxSupported(const Shapes& s, int rows_per_neuron) {
+  return s.d % up::kCols == 0 && s.f <= 65536 &&
+         UnionLayoutOf(s, rows_per_neuron, nullptr).ints < (int64_t{1} << 31);
+}
+
+// Whether the forward's down step can run as a union product (gated; its layout, R = 1,
+// in the up step's partials workspace [d/64, max_entries] f32; cuda_train.union_down_supported).
+bool UnionDownSupported(const Shapes& s) {
+  return UnionDxSupported(s, 1) && UnionLayoutOf(s, 1, nullptr).ints <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
+}
+
+// One CTA (256 threads) per sub-block; dynamic shared memory: bits and their prefix over
+// ceil(f / 32) words, and max_chunks + 1 chunk counters.
+// kWordValues (the forward's down step, R = 1): the values are the entry words' top 16
+// bits (h in E); otherwise the backward's coefficients (dh u, dh g) rounded to E.
+template <typename E, int R, bool kWordValues>
+__global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __restrict__ tok_off,
+                                                                   const int32_t* __restrict__ seg_start,
+                                                                   const uint32_t* __restrict__ entries,
+                                                                   const float* __restrict__ coef, UnionWorkspace w,
+                                                                   Shapes s) {
+  static_assert(!kWordValues || R == 1, "word values: one table row per neuron");
+  extern __shared__ int32_t union_smem[];
+  __shared__ int scratch[32];
+  __shared__ int total;
+  const int n_words = (s.f + 31) / 32;
+  uint32_t* bits = reinterpret_cast<uint32_t*>(union_smem);
+  int32_t* pos = union_smem + n_words;
+  int32_t* cnt = pos + n_words;
+  const int sub = blockIdx.x, b = sub / kSubBlocks, t0 = (sub % kSubBlocks) * up::kTok, tid = threadIdx.x;
+  const float* coefs[2] = {coef + s.max_entries, coef + 2 * s.max_entries};  // Wact^T, Wu^T rows (backward)
+  const bool over = OverBudget(s, seg_start);
+  for (int i = tid; i < n_words; i += 256) bits[i] = 0;
+  __syncthreads();
+  // Visits every entry of the sub-block: fn(entry, neuron, token within the sub-block).
+  auto for_each_entry = [&](auto fn) {
+    for (int k = 0; k < s.n_tiles; ++k) {
+      const int seg = b * s.n_tiles + k;
+      const int32_t* off = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
+      const int64_t base = seg_start[seg];
+      const int lo = off[t0], mid = off[t0 + 32], hi = off[t0 + up::kTok];
+      for (int e = lo + tid; e < hi; e += 256) {
+        const uint32_t word = entries[base + e];
+        const int t = (e >= mid ? 32 : 0) + static_cast<int>((word >> kWordTokenShift) & 31);
+        fn(base + e, k * s.tile + static_cast<int>(word & kColumnMask), t);
+      }
+    }
+  };
+  auto coef_bits = [&](int r, int64_t e) -> uint32_t {
+    if constexpr (kWordValues)
+      return entries[e] >> 16;
+    else
+      return E::FromFloat(coefs[r][e]);
+  };
+  int before = 0;  // the block's entries of tokens before t0, over this thread's tiles
+  if (!over) {
+    for (int k = tid; k < s.n_tiles; k += 256) before += tok_off[(static_cast<int64_t>(b) * s.n_tiles + k) * (kBlockTokens + 1) + t0];
+    for_each_entry([&](int64_t e, int j, int) {
+      bool any = false;
+#pragma unroll
+      for (int r = 0; r < R; ++r) any |= coef_bits(r, e) != 0u;
+      if (any) atomicOr(&bits[j / 32], 1u << (j % 32));
+    });
+  }
+  BlockExclusiveScan(before, scratch, &total);
+  const int64_t ent_base = R * (static_cast<int64_t>(over ? 0 : seg_start[b * s.n_tiles]) + total);
+  const int64_t row_base = ent_base + static_cast<int64_t>(up::kChunk) * sub;
+  const int64_t chunk_base = ent_base / up::kChunk + 2 * static_cast<int64_t>(sub);
+  // Union positions: exclusive prefix of the words' popcounts (words_per thread contiguous).
+  const int per = (n_words + 255) / 256;
+  int mine = 0;
+  for (int i = tid * per; i < min(n_words, (tid + 1) * per); ++i) mine += __popc(bits[i]);
+  int acc = BlockExclusiveScan(mine, scratch, &total);
+  for (int i = tid * per; i < min(n_words, (tid + 1) * per); ++i) {
+    pos[i] = acc;
+    acc += __popc(bits[i]);
+  }
+  const int n_rows = R * total, chunks = (n_rows + up::kChunk - 1) / up::kChunk;
+  for (int i = tid; i <= chunks; i += 256) cnt[i] = 0;
+  __syncthreads();
+  auto position = [&](int j) { return pos[j / 32] + __popc(bits[j / 32] & ((1u << (j % 32)) - 1u)); };
+  for (int i = tid; i < n_words; i += 256)
+    for (uint32_t m = bits[i]; m != 0u; m &= m - 1u) {
+      const int j = 32 * i + __ffs(m) - 1, p = position(j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) w.rows[row_base + R * p + r] = R == 2 ? 2 * j + r : j;
+    }
+  for (int i = n_rows + tid; i < chunks * up::kChunk; i += 256) w.rows[row_base + i] = 0;  // A is zero there
+  if (!over)
+    for_each_entry([&](int64_t e, int j, int) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (coef_bits(r, e) != 0u) atomicAdd(&cnt[(R * position(j) + r) / up::kChunk], 1);
+    });
+  __syncthreads();
+  // Chunk offsets (absolute in ent) and the scatter cursors.
+  int carry = 0;
+  for (int c0 = 0; c0 < chunks; c0 += 256) {
+    const int c = c0 + tid;
+    const int n = c < chunks ? cnt[c] : 0;
+    const int o = BlockExclusiveScan(n, scratch, &total);
+    if (c < chunks) {
+      w.chunk_off[chunk_base + c] = static_cast<int32_t>(ent_base + carry + o);
+      cnt[c] = carry + o;
+    }
+    carry += total;
+  }
+  if (tid == 0) {
+    w.chunk_off[chunk_base + chunks] = static_cast<int32_t>(ent_base + carry);
+    w.meta[sub] = up::UnionMeta{over ? 0 : chunks, static_cast<int>(row_base), static_cast<int>(chunk_base),
+                                over ? 1 : 0};
+  }
+  __syncthreads();
+  if (!over)
+    for_each_entry([&](int64_t e, int j, int t) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t v = coef_bits(r, e);
+        if (v == 0u) continue;
+        const int u = R * position(j) + r;
+        const int slot = atomicAdd(&cnt[u / up::kChunk], 1);
+        w.ent[ent_base + slot] = v << 16 | static_cast<uint32_t>(u % up::kChunk) << 8 | static_cast<uint32_t>(t);
+      }
+    });
+}
+
+// The layout kernel and the product: out[t] = sum over t's values v_j of v_j table[row j].
+template <typename E, int R, bool kWordValues>
+ffi::Error LaunchUnion(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
+                       const uint32_t* words, const float* coef, const uint16_t* table0, const uint16_t* table1,
+                       void* workspace, uint16_t* out, const char* what) {
+  const UnionWorkspace w = UnionLayoutOf(s, R, workspace);
+  const int n_sub = static_cast<int>(UnionSubBlocks(s));
+  const int smem = static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(R * s.f, up::kChunk) + 1) * 4);
+  auto* layout = TwellUnionLayoutKernel<E, R, kWordValues>;
+  cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  layout<<<n_sub, 256, smem, stream>>>(tok_off, seg_start, words, coef, w, s);
+  ffi::Error status = LaunchStatus(what);
+  if (status.failure()) return status;
+  const cudaError_t e = up::LaunchProduct(stream, std::is_same_v<E, Bf16>, R, table0, table1, s.d, s.rows, n_sub,
+                                          w.meta, w.rows, w.chunk_off, w.ent, out);
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_twell
