@@ -92,11 +92,11 @@ def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int
         found = []  # (entry, neuron, token within the sub-block)
         before = 0
         for k in range(n_tiles):
+            if over:  # the kernel reads nothing past the budget
+                break
             off = tok_off[b, k]
             base = seg_start[b * n_tiles + k]
             before += off[t0]
-            if over:
-                continue
             for e in range(off[t0], off[t0 + TOKENS]):
                 word = int(entries[base + e])
                 t = (32 if e >= off[t0 + 32] else 0) + ((word >> _b.WORD_TOKEN_SHIFT) & 31)
