@@ -23,6 +23,7 @@ CASES = [
     (77, 64, 300, 0.05, "heavy", 3, 5, 64, 4),  # many overflowed tiles
     (130, 32, 520, 0.5, "dense", 0, 0, 256, 32),  # unions of every neuron, M not a multiple of 64
     (1100, 64, 700, 0.02, "heavy", 4, 10, 256, 32),  # two blocks of 1024 tokens
+    (200, 64, 70, 0.1, "uniform", 1, 1, 32, 1),  # f not a multiple of 32, one-slot tiles
 ]
 
 
