@@ -271,13 +271,10 @@ DOWN_UNION_DEFAULT = False
 # dx as a union product by default (ffn_with_aux): measured 0.24-0.35 ms faster per step
 # than the per-entry tensor-core dx at 0.25-0.5% active (training_e16d5b5.json).
 DX_UNION_DEFAULT = True
-UNION_TOKENS = _union.TOKENS  # tokens per block of the union product (ffi/twell_union.h)
-UNION_CHUNK = _union.CHUNK  # union rows per K step
-UNION_COLS = _union.COLS  # output columns per consumer warp group
 
 
 def union_workspace_ints(m: int, max_entries: int, gated: bool) -> int:
-    """Words of the union product's layout (ffi/twell_train.cu, UnionLayoutOf; modelled by
+    """Words of the union product's layout (ffi/twell_union_layout.cuh, UnionLayoutOf; modelled by
     :mod:`jax_twell.ops.union_emulation`): per 64-token block a meta record, and ranges
     placed by the entries before the block for its entry words, table rows and chunk
     offsets (a block's union has at most as many neurons as it has entries)."""

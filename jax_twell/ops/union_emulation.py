@@ -1,4 +1,4 @@
-"""NumPy model of dx as a union product (ffi/twell_train.cu ``TwellTrainUnionLayoutKernel``
+"""NumPy model of dx as a union product (ffi/twell_union_layout.cuh ``TwellUnionLayoutKernel``
 and ffi/twell_union.cuh ``UnionProductKernel``; ffi/notes/training_kernels.md).
 
 The layout kernel, per 64-token sub-block ``s`` of the backward's blocked entries:
