@@ -102,7 +102,7 @@ def test_blocked_mma_matches_emulation(case, dtype):
 def test_blocked_union_down_matches_mma(case, dtype):
     """The down step as a union product (``blocked_ffn(down_union=True)``): the layout and
     entries equal the tensor-core kernel's bit for bit, y equals its y to the f32 summation
-    order. (Written before its first GPU run.)"""
+    order. Entries past ``seg_start[-1]`` are unwritten and not compared."""
     m, d, f, density, pattern, full, empty = case
     x, inp = _inputs(m, d, f, density, pattern, dtype, m + d + 3, full=full, empty=empty)
     for tile, capacity in [(256, 32), (64, 4)]:
@@ -112,8 +112,10 @@ def test_blocked_union_down_matches_mma(case, dtype):
                                              max_entries=max_entries, workspace=True, mma=True, down_union=union)
         base, union = run(False), run(True)
         what = f"{case} tile={tile} cap={capacity}"
-        for i in (1, 2, 3):
-            np.testing.assert_array_equal(np.asarray(union[i]), np.asarray(base[i]), what)
+        need = int(base[1][-1])  # entries past seg_start[-1] are unwritten in both
+        np.testing.assert_array_equal(np.asarray(union[1]), np.asarray(base[1]), what)
+        np.testing.assert_array_equal(np.asarray(union[2]), np.asarray(base[2]), what)
+        np.testing.assert_array_equal(np.asarray(union[3])[:need], np.asarray(base[3])[:need], what)
         assert_close(union[0], base[0], 2.0**-7, what)
 
 

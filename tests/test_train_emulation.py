@@ -432,7 +432,7 @@ def test_dx_union_needs_dx_mma_and_follows_the_default(emulated_kernels, monkeyp
 
 def test_down_union_reaches_the_forward_call(emulated_kernels, monkeypatch):
     """``ffn_with_aux`` asks the forward call for the down step as a union product when told
-    ``down_union`` (default ``DOWN_UNION_DEFAULT``, off)."""
+    ``down_union`` (default ``DOWN_UNION_DEFAULT``)."""
     seen = []
 
     def forward(*args, **kwargs):
@@ -441,7 +441,8 @@ def test_down_union_reaches_the_forward_call(emulated_kernels, monkeypatch):
 
     monkeypatch.setattr(cuda_train, "_forward_call", forward)
     x, wg, wu, wd, dy = make_case(300, 256, 520, 0.03, "heavy", True, key=16)
-    for kw, expected in (({}, False), (dict(down_union=True), True), (dict(down_union=False), False)):
+    for kw, expected in (({}, cuda_train.DOWN_UNION_DEFAULT), (dict(down_union=True), True),
+                         (dict(down_union=False), False)):
         seen.clear()
         fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
         grads_of(jax.jit(fn), x, wg, wu, wd, dy)

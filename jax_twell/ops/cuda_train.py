@@ -234,7 +234,7 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     to f32 rounding, not bitwise, see ffi/notes/twell_ffn_blocked.md). ``down_union`` (gated,
     where :func:`union_down_supported` allows): y as a dense product over each 64-token
     block's union of active neurons (ffi/twell_union.cuh; the same h, f32 sums in another
-    order). Not yet run on a GPU: off by default (:data:`DOWN_UNION_DEFAULT`).
+    order). On by default in :func:`ffn_with_aux` (:data:`DOWN_UNION_DEFAULT`).
     """
     m, d = x.shape
     e, tile = max_entries, act.tile
@@ -265,9 +265,10 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     return y, Residuals(seg_start, tok_off, entries, up, col_off, by_col), h_words
 
 
-# The forward's down step as a union product by default (ffn_with_aux): written and checked
-# on CPU against its NumPy model, not yet run on a GPU.
-DOWN_UNION_DEFAULT = False
+# The forward's down step as a union product by default (ffn_with_aux): measured 0.13-0.14 ms
+# faster per step at 0.25% active, -0.08 / +0.02 ms (uniform / heavy) at 0.5%
+# (training_eb8bc79_union_down.json).
+DOWN_UNION_DEFAULT = True
 # dx as a union product by default (ffn_with_aux): measured 0.24-0.35 ms faster per step
 # than the per-entry tensor-core dx at 0.25-0.5% active (training_e16d5b5.json).
 DX_UNION_DEFAULT = True
@@ -495,7 +496,7 @@ def ffn_with_aux(
     ``dx_union`` (default: :data:`DX_UNION_DEFAULT`, with ``dx_mma``) runs dx as a dense
     product over each 64-token block's union of active neurons where
     :func:`union_dx_supported` allows (ffi/notes/training_kernels.md). ``down_union``
-    (default: :data:`DOWN_UNION_DEFAULT`, off) does the same for the forward's down step
+    (default: :data:`DOWN_UNION_DEFAULT`, on, with ``mma``) does the same for the forward's down step
     (:func:`train_forward`).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
@@ -519,6 +520,6 @@ def ffn_with_aux(
         rule = dataclasses.replace(rule, margin=float("inf"))  # decided: only the entry budget is checked per call
     dx_mma = bool(mma if dx_mma is None else dx_mma)
     dx_union = dx_mma and bool(DX_UNION_DEFAULT if dx_union is None else dx_union)
-    down_union = bool(DOWN_UNION_DEFAULT if down_union is None else down_union)
+    down_union = bool(mma) and bool(DOWN_UNION_DEFAULT if down_union is None else down_union)
     cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union, down_union)
     return _train_ffn(x, w_gate, w_up, w_down, cfg)
