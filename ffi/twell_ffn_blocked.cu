@@ -26,6 +26,8 @@
 //                 tile = neuron order); y written once, rounded. No atomics: deterministic.
 //                 mma bit 2 (gated): y as a dense product over each 64-token block's union
 //                 of active neurons instead (twell_union_layout.cuh, twell_union.cuh).
+//                 mma bit 3 (gated): K1 likewise, u = x . Wu^T over the union's rows on
+//                 tensor cores, whole, into row 0 of the partials (Finish sums one range).
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weights 16 blocks x (|Wu| + |Wd|) =
 // 0.74 GB, mostly L2; partials 2 x 59 MB; entries (4 B) re-read per d-range CTA: 0.2 GB.
 // Workspace results (static sizes): seg_start, tok_off, entries [max_entries], partial
@@ -46,8 +48,9 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
                   const int16_t* cols, const int32_t* counts, const void* w_act, const void* w_up,
                   const void* w_up_t, const void* w_down, void* y, int32_t* seg_start,
                   int32_t* tok_off, uint32_t* entries, float* partial, int32_t mma_bits) {
-  // bit 0: K1 and K2 on tensor cores; bit 2 (gated, checked): K2 as a union product
+  // bit 0: K1 and K2 on tensor cores; bits 2 and 3 (gated, checked): K2 and K1 as union products
   const bool mma = (mma_bits & 1) != 0, down_union = kGated && (mma_bits & 4) != 0;
+  const bool up_union = kGated && (mma_bits & 8) != 0;
   const auto* x16 = static_cast<const uint16_t*>(x);
   const dim3 segments(s.n_tiles, s.n_blocks);
   TwellBlockedLayoutKernel<<<segments, kThreads, 0, stream>>>(counts, tok_off, s);
@@ -62,17 +65,22 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
   status = LaunchStatus("twell_ffn_blocked recompute");
   if (status.failure()) return status;
   if constexpr (kGated) {
-    LaunchUpStep<E>(stream, mma, x16, static_cast<const uint16_t*>(w_up_t), tok_off, seg_start, entries, partial, s);
-    status = LaunchStatus("twell_ffn_blocked up");
+    if (up_union) {  // u whole in the partials' row 0, the layout after it
+      status = LaunchUnionUp<E>(stream, s, tok_off, seg_start, entries, x16, static_cast<const uint16_t*>(w_up_t),
+                                partial);
+    } else {
+      LaunchUpStep<E>(stream, mma, x16, static_cast<const uint16_t*>(w_up_t), tok_off, seg_start, entries, partial, s);
+      status = LaunchStatus("twell_ffn_blocked up");
+    }
     if (status.failure()) return status;
     const int64_t blocks = std::min<int64_t>(CeilDiv(s.max_entries, 256), 132 * 16);
     TwellBlockedFinishKernel<E><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(partial, seg_start, entries,
-                                                                       s.d / kUpCols, s);
+                                                                       up_union ? 1 : s.d / kUpCols, s);
     status = LaunchStatus("twell_ffn_blocked finish");
     if (status.failure()) return status;
   }
   if (down_union)  // the partials' workspace is free once Finish has read it
-    return LaunchUnion<E, 1, true>(stream, s, tok_off, seg_start, entries, nullptr,
+    return LaunchUnion<E, 1, kWordValues>(stream, s, tok_off, seg_start, entries, nullptr,
                                    static_cast<const uint16_t*>(w_down), nullptr, partial, static_cast<uint16_t*>(y),
                                    "twell_ffn_blocked down as a union product");
   LaunchDownStep<E>(stream, mma, static_cast<const uint16_t*>(w_down), tok_off, seg_start, entries,
@@ -141,6 +149,10 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   if ((mma & 4) != 0 && !(kGated && UnionDownSupported(s)))
     return Invalid(std::string(name) + "the down step as a union product (mma bit 2) needs the gated FFN, d a "
                    "multiple of 256, f at most 65536 and its layout within the partials [d/64, max_entries]");
+  if ((mma & 8) != 0 && !(kGated && UnionUpSupported(s)))
+    return Invalid(std::string(name) + "the up step as a union product (mma bit 3) needs the gated FFN, f at most "
+                   "65536 and its layout (~4 words per entry: d at least 320) within rows 1.. of the partials "
+                   "[d/64, max_entries]");
   const void* up = kGated ? w_up.untyped_data() : nullptr;
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   if (dtype == ffi::DataType::BF16)
@@ -195,7 +207,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlockedGated, jax_twell::BlockedGated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partial
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // bit 0: K1 and K2 on tensor cores; bit 2: K2 as a union product
+                                  .Attr<int32_t>("mma"));  // bit 0: K1 and K2 on tensor cores; bits 2, 3: K2, K1 as union products
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlocked, jax_twell::BlockedUngated,
                               xla::ffi::Ffi::Bind()

@@ -424,7 +424,7 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
   }
   if (kGated && down_union) {
     // The dh partials' workspace [d/64, max_entries] f32 is free once TrainFinish has read it.
-    status = LaunchUnion<E, 1, true>(stream, s, tok_off, seg_start, h_source, nullptr, w_down, nullptr, partial, y,
+    status = LaunchUnion<E, 1, kWordValues>(stream, s, tok_off, seg_start, h_source, nullptr, w_down, nullptr, partial, y,
                                      "twell_train forward down as a union product");
     if (status.failure()) return status;
   } else {
@@ -448,7 +448,7 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
   ffi::Error status = LaunchStatus("twell_train backward dh");
   if (status.failure()) return status;
   if (dx_union) {
-    status = LaunchUnion<E, kGated ? 2 : 1, false>(stream, s, tok_off, seg_start, entries, coef, w_act_t, w_up_t,
+    status = LaunchUnion<E, kGated ? 2 : 1, kCoefValues>(stream, s, tok_off, seg_start, entries, coef, w_act_t, w_up_t,
                                                    union_ws, dx, "twell_train backward dx as a union product");
     if (status.failure()) return status;
   } else if (dx_mma) {

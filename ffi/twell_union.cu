@@ -51,5 +51,32 @@ cudaError_t LaunchProduct(cudaStream_t stream, bool bf16, int rows_per_neuron, c
                                                               rows, chunk_off, ent, y);
 }
 
+namespace {
+template <typename Elem>
+cudaError_t LaunchUp(cudaStream_t stream, const uint16_t* x, const uint16_t* table, int d, int f, int64_t out_rows,
+                     int n_blocks, const UnionMeta* meta, const int* rows, const int* chunk_off, const uint2* pairs,
+                     float* out) {
+  using Cfg = UpConfig<Elem>;
+  auto* kernel = UnionUpKernel<Elem>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  const int tiles = (f + kUpNeurons - 1) / kUpNeurons;
+  kernel<<<dim3(tiles, n_blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(x, table, d, out_rows, meta, rows,
+                                                                             chunk_off, pairs, out);
+  return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t LaunchUpProduct(cudaStream_t stream, bool bf16, const uint16_t* x, const uint16_t* table, int d, int f,
+                            int64_t out_rows, int n_blocks, const UnionMeta* meta, const int* rows,
+                            const int* chunk_off, const uint2* pairs, float* out) {
+  if (d % kUpK != 0 || d <= 0 || f <= 0 || out_rows <= 0) return cudaErrorInvalidValue;
+  if (n_blocks == 0) return cudaSuccess;
+  return bf16 ? LaunchUp<cutlass::bfloat16_t>(stream, x, table, d, f, out_rows, n_blocks, meta, rows, chunk_off,
+                                              pairs, out)
+              : LaunchUp<cutlass::half_t>(stream, x, table, d, f, out_rows, n_blocks, meta, rows, chunk_off, pairs,
+                                          out);
+}
+
 }  // namespace union_product
 }  // namespace jax_twell

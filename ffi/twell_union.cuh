@@ -245,5 +245,152 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
   }
 }
 
+
+// The up product (the inference FFN's up step): per (256 union neurons, 64-token block),
+// U[t, i] = x[t] . Wu^T[rows[i]] over K = d, then u of each of the block's entries read
+// from U. A and B are both K-major (x rows and Wu^T rows, 128-byte swizzle, 64 columns of d
+// a stage); the producer warp group's rows are fixed for the whole CTA, so a stage is
+// 16 + 4 cp.async per thread and nothing else; one consumer warp group issues four
+// 64 x 256 x 16 wgmma a stage. Epilogue: U through shared memory (reusing the B ring),
+// then one f32 per entry word pair.
+template <typename Elem>
+struct UpConfig {
+  static constexpr int kStages = 5;
+  static constexpr int kThreads = 256;  // producer + one consumer warp group
+  using LayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Elem>{},
+                                               cute::make_shape(cute::Int<kTok>{}, cute::Int<kUpK>{},
+                                                                cute::Int<kStages>{})));
+  using LayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Elem>{},
+                                               cute::make_shape(cute::Int<kUpNeurons>{}, cute::Int<kUpK>{},
+                                                                cute::Int<kStages>{})));
+  using Pipe = cutlass::PipelineAsync<kStages>;
+  static constexpr int kOutStride = kUpNeurons + 4;  // f32 staging row stride (words)
+  struct Smem {
+    alignas(1024) Elem b[cute::cosize_v<LayoutB>];
+    alignas(1024) Elem a[cute::cosize_v<LayoutA>];
+    typename Pipe::SharedStorage pipe;
+  };
+  static_assert(sizeof(Elem) * cute::cosize_v<LayoutB> >= sizeof(float) * kTok * kOutStride,
+                "the staged U fits the B ring");
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
+};
+
+template <typename Elem>
+struct UpMmaFor;
+template <>
+struct UpMmaFor<cutlass::bfloat16_t> {
+  using Op = cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>;
+};
+template <>
+struct UpMmaFor<cutlass::half_t> {
+  using Op = cute::SM90_64x256x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>;
+};
+
+// grid (ceil(f / 256), blocks); CTAs past a block's union return at once.
+template <typename Elem>
+__global__ void __launch_bounds__(UpConfig<Elem>::kThreads, 1)
+    UnionUpKernel(const uint16_t* __restrict__ x, const uint16_t* __restrict__ table, int d, int64_t x_rows,
+                  const UnionMeta* __restrict__ meta, const int* __restrict__ rows,
+                  const int* __restrict__ chunk_off, const uint2* __restrict__ pairs, float* __restrict__ out) {
+  using namespace cute;
+  using Cfg = UpConfig<Elem>;
+  using Pipe = typename Cfg::Pipe;
+  constexpr int kChunksPerCta = kUpNeurons / kChunk;
+  const int block = blockIdx.y, tile = blockIdx.x, tid = threadIdx.x, group = tid / 128;
+  const UnionMeta bm = meta[block];
+  if (tile * kChunksPerCta >= bm.chunks) return;  // uniform over the CTA, before any barrier
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* aligned = smem_raw + ((1024 - SmemAddr(smem_raw) % 1024) % 1024);
+  auto& s = *reinterpret_cast<typename Cfg::Smem*>(aligned);
+  typename Pipe::Params params;
+  params.role = group == 0 ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
+  params.producer_arv_count = 128;
+  params.consumer_arv_count = 128;
+  Pipe pipe(s.pipe, params);
+  __syncthreads();  // barriers initialised
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::LayoutA{});  // (token, k, stage)
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename Cfg::LayoutB{});  // (union row, k, stage)
+  const int k_steps = d / kUpK;
+
+  if (group == 0) {  // producer: thread tid copies 16-byte piece tid % 8 of rows tid / 8 + 16 i
+    const int piece = tid % 8, r0 = tid / 8;
+    const int n_rows = min(kUpNeurons, bm.chunks * kChunk - tile * kUpNeurons);  // padded rows are id 0
+    const int* my_rows = rows + bm.row_base + tile * kUpNeurons;
+    const uint16_t* b_src[kUpNeurons / 16];
+    CUTE_UNROLL
+    for (int i = 0; i < kUpNeurons / 16; ++i) {
+      const int r = r0 + 16 * i;
+      b_src[i] = table + static_cast<int64_t>(r < n_rows ? my_rows[r] : 0) * d + piece * 8;
+    }
+    const uint16_t* a_src[kTok / 16];
+    CUTE_UNROLL
+    for (int i = 0; i < kTok / 16; ++i) {  // tokens past M read the last row: their U is never used
+      const int64_t t = min(static_cast<int64_t>(block) * kTok + r0 + 16 * i, x_rows - 1);
+      a_src[i] = x + t * d + piece * 8;
+    }
+    auto state = cutlass::make_producer_start_state<Pipe>();
+#pragma unroll 1
+    for (int k = 0; k < k_steps; ++k) {
+      pipe.producer_acquire(state);
+      const int st = state.index(), k0 = k * kUpK;
+      CUTE_UNROLL
+      for (int i = 0; i < kUpNeurons / 16; ++i) CpAsync16(&sB(r0 + 16 * i, piece * 8, st), b_src[i] + k0);
+      CUTE_UNROLL
+      for (int i = 0; i < kTok / 16; ++i) CpAsync16(&sA(r0 + 16 * i, piece * 8, st), a_src[i] + k0);
+      pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
+      ++state;
+    }
+    return;
+  }
+
+  auto mma = make_tiled_mma(typename UpMmaFor<Elem>::Op{});
+  const int ctid = tid - 128;
+  auto thr = mma.get_thread_slice(ctid);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, make_shape(Int<kTok>{}, Int<kUpNeurons>{}));
+  clear(acc);
+  warpgroup_fence_operand(acc);
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  cutlass::PipelineState<Cfg::kStages> read{}, release{};
+  auto multiply = [&] {
+    pipe.consumer_wait(read);
+    cutlass::arch::fence_view_async_shared();  // cp.async (generic proxy) before wgmma reads
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+    gemm(mma, tCrA(_, _, _, read.index()), tCrB(_, _, _, read.index()), acc);
+    warpgroup_commit_batch();
+    ++read;
+  };
+  multiply();
+#pragma unroll 1
+  for (int k = 1; k < k_steps; ++k) {
+    multiply();
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc);
+    pipe.consumer_release(release);
+    ++release;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  // Every stage has landed and been read: the B ring takes U (f32, row stride kOutStride).
+  cutlass::arch::NamedBarrier::sync(128, 1);
+  float* staged = reinterpret_cast<float*>(s.b);
+  Tensor cU = make_identity_tensor(make_shape(Int<kTok>{}, Int<kUpNeurons>{}));
+  Tensor tCcU = thr.partition_C(cU);
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); i += 2) {  // (i, i + 1): adjacent columns of one row
+    *reinterpret_cast<float2*>(staged + get<0>(tCcU(i)) * Cfg::kOutStride + get<1>(tCcU(i))) =
+        make_float2(acc(i), acc(i + 1));
+  }
+  cutlass::arch::NamedBarrier::sync(128, 1);
+  const int* off = chunk_off + bm.chunk_base;
+  const int lo = off[tile * kChunksPerCta], hi = off[min((tile + 1) * kChunksPerCta, bm.chunks)];
+  for (int p = lo + ctid; p < hi; p += 128) {
+    const uint2 w = pairs[p];
+    out[w.y] = staged[(w.x & 0xff) * Cfg::kOutStride + ((w.x >> 8) & 0xff)];
+  }
+}
+
 }  // namespace union_product
 }  // namespace jax_twell

@@ -12,6 +12,8 @@ namespace union_product {
 constexpr int kTok = 64;    // tokens per block (A rows)
 constexpr int kCols = 256;  // output columns per consumer warp group
 constexpr int kChunk = 32;  // union rows per K step
+constexpr int kUpNeurons = 256;  // the up product: union neurons per CTA (kUpNeurons / kChunk chunks)
+constexpr int kUpK = 64;         // the up product: d columns per pipeline stage
 
 struct UnionMeta {
   int chunks;      // K steps (R |U| / 32, rounded up)
@@ -27,6 +29,13 @@ struct UnionMeta {
 cudaError_t LaunchProduct(cudaStream_t stream, bool bf16, int rows_per_neuron, const uint16_t* table0,
                           const uint16_t* table1, int d, int64_t out_rows, int n_blocks, const UnionMeta* meta,
                           const int* rows, const int* chunk_off, const uint32_t* ent, uint16_t* y);
+
+// The up product: out[e] = x[64 b + t] . table[rows[i]] (f32) for every word pair
+// (i % 256 << 8 | t, e) of block b's chunks, i its union row; x [out_rows, d], table [f, d],
+// both bf16 (bf16 = true) or f16; d a multiple of 64. One CTA per (256 union rows, block).
+cudaError_t LaunchUpProduct(cudaStream_t stream, bool bf16, const uint16_t* x, const uint16_t* table, int d, int f,
+                            int64_t out_rows, int n_blocks, const UnionMeta* meta, const int* rows,
+                            const int* chunk_off, const uint2* pairs, float* out);
 
 }  // namespace union_product
 }  // namespace jax_twell

@@ -1,7 +1,9 @@
-// The union product's layout over the blocked entries (twell_blocked.cuh) and its launch:
+// The union product's layout over the blocked entries (twell_blocked.cuh) and its launches:
 // the training backward's dx (values: the coefficients dh u, dh g), the training forward's
-// and the inference FFN's down step (values: h in the entry words). Design and
-// measurements: ffi/notes/training_kernels.md, "Dense products over a block's union".
+// and the inference FFN's down step (values: h in the entry words), and the inference FFN's
+// up step (each entry's index: u lands in its slot). Design and measurements:
+// ffi/notes/training_kernels.md, "Dense products over a block's union", and
+// ffi/notes/twell_ffn_blocked.md for the up step.
 #pragma once
 
 #include <string>
@@ -23,9 +25,17 @@ namespace {
 namespace up = union_product;
 constexpr int kSubBlocks = kBlockTokens / up::kTok;  // sub-blocks per block
 
+// What the layout kernel's words carry (its kValues parameter).
+enum UnionValues : int {
+  kCoefValues = 0,  // the backward's coefficients (dh u, dh g), rounded to the element type
+  kWordValues = 1,  // h in the entry words' top 16 bits (down steps)
+  kEntryIndex = 2,  // the up step: a word pair (column within the 256-neuron tile << 8 | token,
+                    // entry index) per entry outside overflowed tiles, whatever its value
+};
+
 struct UnionWorkspace {
   up::UnionMeta* meta;  // [n_sub]
-  uint32_t* ent;        // [R max_entries]: sub-block s from R (entries before s)
+  uint32_t* ent;        // [W max_entries], W = R (2 for kEntryIndex): sub-block s from W (entries before s)
   int32_t* rows;        // [R max_entries + 32 n_sub]: from R (entries before s) + 32 s
   int32_t* chunk_off;   // [R max_entries / 32 + 2 n_sub + 1]: from that / 32 + 2 s
   int64_t ints;         // 4-byte words in all
@@ -33,14 +43,15 @@ struct UnionWorkspace {
 
 int64_t UnionSubBlocks(const Shapes& s) { return CeilDiv(s.rows, up::kTok); }
 
-UnionWorkspace UnionLayoutOf(const Shapes& s, int rows_per_neuron, void* base) {
+// words_per_entry: the ent range's words per entry (R, or 2 for kEntryIndex's pairs).
+UnionWorkspace UnionLayoutOf(const Shapes& s, int rows_per_neuron, void* base, int words_per_entry = 0) {
   UnionWorkspace w{};
   const int64_t n_sub = UnionSubBlocks(s), re = rows_per_neuron * s.max_entries;
   int32_t* p = static_cast<int32_t*>(base);
   w.meta = reinterpret_cast<up::UnionMeta*>(p);
   p += 4 * n_sub;
   w.ent = reinterpret_cast<uint32_t*>(p);
-  p += re;
+  p += words_per_entry > 0 ? words_per_entry * s.max_entries : re;
   w.rows = p;
   p += re + up::kChunk * n_sub;
   w.chunk_off = p;
@@ -62,17 +73,28 @@ bool UnionDownSupported(const Shapes& s) {
   return UnionDxSupported(s, 1) && UnionLayoutOf(s, 1, nullptr).ints <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
 }
 
+// Where the up step's layout starts in the partials: after row 0, 8-byte aligned (word pairs).
+int64_t UnionUpOffset(const Shapes& s) { return s.max_entries + (s.max_entries & 1); }
+
+// Whether the inference FFN's up step can run as a union product (gated; its layout, R = 1
+// with word pairs, in rows 1.. of the partials workspace [d/64, max_entries] f32, row 0
+// taking u; cuda.union_up_supported).
+bool UnionUpSupported(const Shapes& s) {
+  return s.f <= 65536 && s.d / kUpCols >= 2 &&
+         UnionUpOffset(s) + UnionLayoutOf(s, 1, nullptr, 2).ints <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
+}
+
 // One CTA (256 threads) per sub-block; dynamic shared memory: bits and their prefix over
-// ceil(f / 32) words, and max_chunks + 1 chunk counters.
-// kWordValues (the forward's down step, R = 1): the values are the entry words' top 16
-// bits (h in E); otherwise the backward's coefficients (dh u, dh g) rounded to E.
-template <typename E, int R, bool kWordValues>
+// ceil(f / 32) words, and max_chunks + 1 chunk counters. kValues (UnionValues) says what
+// the words carry; kWordValues and kEntryIndex need R = 1.
+template <typename E, int R, int kValues>
 __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __restrict__ tok_off,
                                                                    const int32_t* __restrict__ seg_start,
                                                                    const uint32_t* __restrict__ entries,
                                                                    const float* __restrict__ coef, UnionWorkspace w,
                                                                    Shapes s) {
-  static_assert(!kWordValues || R == 1, "word values: one table row per neuron");
+  static_assert(kValues == kCoefValues || R == 1, "word values and entry indices: one table row per neuron");
+  constexpr bool kIndex = kValues == kEntryIndex;
   extern __shared__ int32_t union_smem[];
   __shared__ int scratch[32];
   __shared__ int total;
@@ -99,8 +121,12 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
       }
     }
   };
+  // Non-zero where entry e contributes table row r (kEntryIndex: every entry outside an
+  // overflowed tile, which Recompute handles whole).
   auto coef_bits = [&](int r, int64_t e) -> uint32_t {
-    if constexpr (kWordValues)
+    if constexpr (kIndex)
+      return (entries[e] & kFlag) ? 0u : 1u;
+    else if constexpr (kValues == kWordValues)
       return entries[e] >> 16;
     else
       return E::FromFloat(coefs[r][e]);
@@ -172,26 +198,52 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
         if (v == 0u) continue;
         const int u = R * position(j) + r;
         const int slot = atomicAdd(&cnt[u / up::kChunk], 1);
-        w.ent[ent_base + slot] = v << 16 | static_cast<uint32_t>(u % up::kChunk) << 8 | static_cast<uint32_t>(t);
+        if constexpr (kIndex)
+          reinterpret_cast<uint2*>(w.ent)[ent_base + slot] =
+              make_uint2(static_cast<uint32_t>(u % up::kUpNeurons) << 8 | static_cast<uint32_t>(t),
+                         static_cast<uint32_t>(e));
+        else
+          w.ent[ent_base + slot] = v << 16 | static_cast<uint32_t>(u % up::kChunk) << 8 | static_cast<uint32_t>(t);
       }
     });
 }
 
 // The layout kernel and the product: out[t] = sum over t's values v_j of v_j table[row j].
-template <typename E, int R, bool kWordValues>
+template <typename E, int R, int kValues>
 ffi::Error LaunchUnion(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
                        const uint32_t* words, const float* coef, const uint16_t* table0, const uint16_t* table1,
                        void* workspace, uint16_t* out, const char* what) {
   const UnionWorkspace w = UnionLayoutOf(s, R, workspace);
   const int n_sub = static_cast<int>(UnionSubBlocks(s));
   const int smem = static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(R * s.f, up::kChunk) + 1) * 4);
-  auto* layout = TwellUnionLayoutKernel<E, R, kWordValues>;
+  auto* layout = TwellUnionLayoutKernel<E, R, kValues>;
   cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   layout<<<n_sub, 256, smem, stream>>>(tok_off, seg_start, words, coef, w, s);
   ffi::Error status = LaunchStatus(what);
   if (status.failure()) return status;
   const cudaError_t e = up::LaunchProduct(stream, std::is_same_v<E, Bf16>, R, table0, table1, s.d, s.rows, n_sub,
                                           w.meta, w.rows, w.chunk_off, w.ent, out);
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+// The inference FFN's up step as a union product (gated): the layout (word pairs) in rows
+// 1.. of the partials, u of every entry outside overflowed tiles into row 0 (f32, one sum
+// over d; Finish then runs with one range). x [M, d], w_up_t [f, d].
+template <typename E>
+ffi::Error LaunchUnionUp(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
+                         const uint32_t* entries, const uint16_t* x, const uint16_t* w_up_t, float* partial) {
+  const char* what = "twell_ffn_blocked up as a union product";
+  const UnionWorkspace w = UnionLayoutOf(s, 1, partial + UnionUpOffset(s), 2);
+  const int n_sub = static_cast<int>(UnionSubBlocks(s));
+  const int smem = static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(s.f, up::kChunk) + 1) * 4);
+  auto* layout = TwellUnionLayoutKernel<E, 1, kEntryIndex>;
+  cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  layout<<<n_sub, 256, smem, stream>>>(tok_off, seg_start, entries, nullptr, w, s);
+  ffi::Error status = LaunchStatus(what);
+  if (status.failure()) return status;
+  const cudaError_t e = up::LaunchUpProduct(stream, std::is_same_v<E, Bf16>, x, w_up_t, s.d, s.f, s.rows, n_sub, w.meta,
+                                            w.rows, w.chunk_off, reinterpret_cast<const uint2*>(w.ent), partial);
   if (e != cudaSuccess) return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
   return ffi::Error::Success();
 }

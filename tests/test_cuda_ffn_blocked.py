@@ -119,6 +119,39 @@ def test_blocked_union_down_matches_mma(case, dtype):
         assert_close(union[0], base[0], 2.0**-7, what)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", [(77, 512, 300, 0.05, "heavy", 3, 5), (1100, 512, 700, 0.02, "heavy", 4, 10),
+                                  (3000, 768, 1408, 0.01, "uniform", 2, 3), (130, 1024, 2600, 0.1, "uniform", 0, 0)],
+                         ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_blocked_union_up_matches_mma(case, dtype):
+    """The up step as a union product (``blocked_ffn(up_union=True)``): the layout and the
+    entries' low halves equal the tensor-core kernel's bit for bit; h (the high halves) and
+    y equal its h and y to the f32 summation order over d. Overflowed tiles (``full``) and
+    empty rows included; the last case has unions past one 256-neuron tile."""
+    m, d, f, density, pattern, full, empty = case
+    x, inp = _inputs(m, d, f, density, pattern, dtype, m + d + 5, full=full, empty=empty)
+    for tile, capacity in [(256, 32), (64, 4)]:
+        act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=tile, capacity=capacity)
+        max_entries = emu.needed_entries(np.asarray(act.counts), capacity, tile, f) + 5
+        assert cuda.union_up_supported(m, d, f, max_entries), (case, max_entries)
+        run = lambda up, down: cuda.blocked_ffn(
+            x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T, max_entries=max_entries, workspace=True,
+            mma=True, up_union=up, down_union=down)
+        base = run(False, False)
+        need = int(base[1][-1])  # entries past seg_start[-1] are unwritten in both
+        for up, down in [(True, False), (True, True)]:
+            out = run(up, down)
+            what = f"{case} tile={tile} cap={capacity} down_union={down}"
+            np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(base[1]), what)
+            np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(base[2]), what)
+            got, want = np.asarray(out[3])[:need], np.asarray(base[3])[:need]
+            np.testing.assert_array_equal(got & 0xFFFF, want & 0xFFFF, what)
+            h = lambda w: (w >> 16).astype(np.uint16).view(np.dtype(dtype)).astype(np.float32)
+            np.testing.assert_allclose(h(got), h(want), rtol=2.0**-7, atol=1e-6, err_msg=what)
+            assert np.mean(h(got) == h(want)) > 0.9, what  # most h round the same
+            assert_close(out[0], base[0], 2.0**-7, what)
+
+
 @pytest.mark.parametrize("kernel", ["blocked", "blocked_mma", "blocked_union"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -28,6 +28,8 @@ __all__ = [
     "fused_gate_preferred",
     "fused_gate_variant",
     "twell_ffn",
+    "union_up_supported",
+    "union_down_supported",
     "sparse_ffn",
     "DenseCrossover",
     "supports",
@@ -121,8 +123,8 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
     whose fallbacks apply: f32 and calls needing more than ``max_entries`` entries run
     the row kernel), "blocked_mma" (the same with the up and down steps on tensor cores;
     measured no faster, ffi/notes/twell_ffn_blocked.md) or "blocked_union" (as
-    "blocked_mma", with the down step a dense product over each 64-token block's union of
-    active neurons where the shape allows, ffi/twell_union.cuh; not yet run on a GPU).
+    "blocked_mma", with the up and down steps dense products over each 64-token block's
+    union of active neurons where the shape allows, ffi/twell_union.cuh).
 
     Gated (``w_up`` given): ``y = (act * (x @ w_up)) @ w_down``; non-gated: ``y = act @ w_down``.
     Overflowed tiles are recomputed exactly inside the kernel from ``(x, w_act[, w_up])``.
@@ -141,7 +143,7 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
     if kernel != "row":
         return blocked_ffn(
             x, act, w_act, w_up, w_down, w_up_t=w_up_t, max_entries=max_entries, mma=kernel != "blocked",
-            down_union=kernel == "blocked_union",
+            down_union=kernel == "blocked_union", up_union=kernel == "blocked_union",
         )
     return _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t)
 
@@ -206,11 +208,28 @@ def _tile_widths(f: int, tile: int) -> jax.Array:
     return jnp.minimum(tile, f - tile * jnp.arange(n_tiles, dtype=jnp.int32))
 
 
+def union_up_supported(m: int, d: int, f: int, max_entries: int) -> bool:
+    """Whether the blocked kernel can run its up step as a union product
+    (``blocked_ffn(up_union=True)``, ``kernel="blocked_union"``) for ``m`` tokens and a
+    workspace of ``max_entries``: f at most 65536 and the layout (~4 words per entry) within
+    the partials after u's row, so d at least 320. Elsewhere the per-entry step runs."""
+    return _union.up_supported(m, d, f, max_entries)
+
+
+def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
+    """Whether the blocked kernel can run its down step as a union product
+    (``blocked_ffn(down_union=True)``): d a multiple of 256, f at most 65536 and the layout
+    (~2 words per entry) within the partials workspace. Elsewhere the per-entry step runs."""
+    return _union.down_supported(m, d, f, max_entries)
+
+
 def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, mma: bool = False,
-                  down_union: bool = False):
+                  down_union: bool = False, up_union: bool = False):
     m, d = int(np.prod(x.shape[:-1])), x.shape[-1]
     down_union = down_union and w_up is not None and _union.down_supported(m, d, act.f, max_entries)
-    mma = int(bool(mma)) | int(down_union) << 2  # the handler's bits: 0 tensor cores, 2 down as a union product
+    up_union = up_union and w_up is not None and _union.up_supported(m, d, act.f, max_entries)
+    # the handler's bits: 0 tensor cores, 2 down and 3 up as union products
+    mma = int(bool(mma)) | int(down_union) << 2 | int(up_union) << 3
     n_blocks = -(-m // _blocked.BLOCK_TOKENS)
     workspace = [
         jax.ShapeDtypeStruct((n_blocks * act.n_tiles + 1,), jnp.int32),
@@ -231,7 +250,7 @@ def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, 
 
 def blocked_ffn(
     x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, max_entries: int | None = None, workspace: bool = False,
-    mma: bool = False, down_union: bool = False,
+    mma: bool = False, down_union: bool = False, up_union: bool = False,
 ):
     """Fused up + down over token blocks (``jax_twell_ffn_blocked[_gated]``).
 
@@ -249,8 +268,12 @@ def blocked_ffn(
     not bitwise, see ffi/notes/twell_ffn_blocked.md). ``down_union=True`` (gated, d a
     multiple of 256 and the layout within the partials workspace; elsewhere ignored) runs
     the down step as a dense product over each 64-token block's union of active neurons
-    (``kernel="blocked_union"``; the same h, f32 sums in another order; not yet run on a
-    GPU).
+    (``kernel="blocked_union"``; the same h, f32 sums in another order). ``up_union=True``
+    (gated, the layout within the partials workspace, ~4 words per entry after u's: d at
+    least 320; elsewhere ignored)
+    runs the up step likewise: u = x . Wu^T[j] for every entry from a dense product of the
+    block's x with the union's rows of Wu^T (f32 sums over d in another order, so h may
+    differ from the per-entry step's by its last bit).
     """
     if jnp.dtype(x.dtype) == jnp.float32:
         if workspace:
@@ -262,13 +285,13 @@ def blocked_ffn(
     if max_entries is None:
         max_entries = blocked_max_entries(m, act.f, act.tile, act.capacity)
     if workspace:
-        return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union)
+        return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union, up_union)
     if m == 0:
         return jnp.zeros(x.shape, x.dtype)
     fits = blocked_needed_entries(act) <= max_entries
     return jax.lax.cond(
         fits,
-        lambda: _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union)[0],
+        lambda: _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union, up_union)[0],
         lambda: _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t),
     )
 
@@ -584,9 +607,9 @@ def sparse_ffn(
             act = packed()
             # The blocked kernel only where the call's exact entries fit its workspace.
             fits = blocked_needed_entries(act) <= max_entries
-            mma, down_union = kernel != "blocked", kernel == "blocked_union"
+            mma, union = kernel != "blocked", kernel == "blocked_union"
             run_blocked = lambda a: _blocked_call(
-                x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma, down_union
+                x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma, union, union
             )[0]
             return jax.lax.cond(prefer_blocked & fits, run_blocked, row_kernel, act)
 

@@ -34,7 +34,10 @@ CHUNK = 32  # union rows per chunk (kChunk)
 COLS = 256  # output columns per consumer warp group (kCols): d must be a multiple
 UP_COLS = _b.UP_COLS
 
-__all__ = ["TOKENS", "CHUNK", "COLS", "workspace_ints", "dx_supported", "down_supported", "union_layout", "union_dx"]
+__all__ = ["TOKENS", "CHUNK", "COLS", "UP_NEURONS", "workspace_ints", "up_workspace_ints", "dx_supported",
+           "down_supported", "up_supported", "union_layout", "union_dx"]
+
+UP_NEURONS = 256  # the up product's union neurons per CTA (kUpNeurons)
 
 
 def workspace_ints(m: int, max_entries: int, gated: bool) -> int:
@@ -57,6 +60,23 @@ def down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
     :func:`dx_supported`, its layout within the up step's partials ``[d / 64, max_entries]``
     f32, which it reuses."""
     return dx_supported(m, d, f, max_entries, False) and workspace_ints(m, max_entries, False) <= (
+        d // UP_COLS) * max_entries
+
+
+def up_workspace_ints(m: int, max_entries: int) -> int:
+    """int32 words of the inference up step's layout (``UnionLayoutOf(s, 1, base, 2)``): as
+    the one-row layout, with two words (a pair) per entry."""
+    n_sub = -(-m // TOKENS)
+    return 4 * n_sub + 2 * max_entries + (max_entries + CHUNK * n_sub) + (max_entries // CHUNK + 2 * n_sub + 1)
+
+
+def up_supported(m: int, d: int, f: int, max_entries: int) -> bool:
+    """The blocked handler's test for the up step as a union product (``UnionUpSupported``):
+    f at most 65536 and the layout, placed after row 0 of the partials ``[d / 64,
+    max_entries]`` f32 (rounded up to an even word), within them: about 4 words per entry
+    after u's, so d at least 320."""
+    offset = max_entries + (max_entries & 1)
+    return f <= 65536 and d // UP_COLS >= 2 and offset + up_workspace_ints(m, max_entries) <= (
         d // UP_COLS) * max_entries
 
 
