@@ -19,12 +19,13 @@ clock falls on all alike; ``<variant>_step_spread``: interquartile range / media
 - cdx (with --cudacore-dx): as mma, with dx on CUDA cores (dx_mma=False);
 - udx (with --union-dx): as mma, with dx as a union product (dx_union=True);
 - udn (with --union-down): as mma, with the forward's down step as a union product too (down_union=True);
+- uup (with --union-up): as mma, with the forward's up step as a union product too (up_union=True);
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
 arrays other than the inputs) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
-Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down]
+Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down] [--union-up]
        [--out results.json]
 """
 
@@ -100,6 +101,8 @@ def main():
     parser.add_argument("--union-dx", action="store_true", help="also time the tensor-core steps with dx as a union product")
     parser.add_argument("--union-down", action="store_true",
                         help="also time the tensor-core steps with the forward's down step as a union product")
+    parser.add_argument("--union-up", action="store_true",
+                        help="also time the tensor-core steps with the forward's up step as a union product")
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
@@ -122,9 +125,13 @@ def main():
     udn_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
         x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, down_union=True
     )
+    uup_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
+        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, up_union=True
+    )
     optional = [
         (name, op)
-        for flag, name, op in ((args.cudacore_dx, "cdx", cdx_op), (args.union_dx, "udx", udx_op), (args.union_down, "udn", udn_op))
+        for flag, name, op in ((args.cudacore_dx, "cdx", cdx_op), (args.union_dx, "udx", udx_op), (args.union_down, "udn", udn_op),
+                                (args.union_up, "uup", uup_op))
         if flag
     ]
     rows, memory = [], None
@@ -204,6 +211,7 @@ def main():
             + (f" cuda-core dx {r['cdx_step_ms']:.3f} ms ({r['cdx_ratio']:.2f}x)" if "cdx_step_ms" in r else "")
             + (f" union dx {r['udx_step_ms']:.3f} ms ({r['udx_ratio']:.2f}x)" if "udx_step_ms" in r else "")
             + (f" union down {r['udn_step_ms']:.3f} ms ({r['udn_ratio']:.2f}x)" if "udn_step_ms" in r else "")
+            + (f" union up {r['uup_step_ms']:.3f} ms ({r['uup_ratio']:.2f}x)" if "uup_step_ms" in r else "")
         )
 
 

@@ -403,7 +403,8 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
                          const uint16_t* w_up_t, const uint16_t* w_down, uint16_t* y, int32_t* seg_start,
                          int32_t* tok_off, uint32_t* entries, uint16_t* up, uint32_t* h_words, float* partial,
                          int32_t* col_off, uint32_t* by_col, int32_t mma_bits) {
-  const bool mma = (mma_bits & 1) != 0, down_union = (mma_bits & 4) != 0;  // bit 2: gated only (checked)
+  // bits 2 and 3, the down and up steps as union products: gated only (checked)
+  const bool mma = (mma_bits & 1) != 0, down_union = (mma_bits & 4) != 0, up_union = (mma_bits & 8) != 0;
   const dim3 segments(s.n_tiles, s.n_blocks);
   TwellBlockedLayoutKernel<<<segments, kThreads, 0, stream>>>(counts, tok_off, s);
   TwellBlockedSegScanKernel<<<1, 1024, 0, stream>>>(tok_off, seg_start, s.n_blocks * s.n_tiles);
@@ -415,9 +416,14 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
   if (status.failure()) return status;
   const uint32_t* h_source = entries;
   if constexpr (kGated) {
-    LaunchUpStep<E>(stream, mma, x, w_up_t, tok_off, seg_start, entries, partial, s);
+    if (up_union) {  // u whole in the partials' row 0, the layout after it
+      status = LaunchUnionUp<E>(stream, s, tok_off, seg_start, entries, x, w_up_t, partial);
+      if (status.failure()) return status;
+    } else {
+      LaunchUpStep<E>(stream, mma, x, w_up_t, tok_off, seg_start, entries, partial, s);
+    }
     TwellTrainFinishKernel<E><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
-        partial, seg_start, entries, up, h_words, s.d / kUpCols, s);
+        partial, seg_start, entries, up, h_words, up_union ? 1 : s.d / kUpCols, s);
     status = LaunchStatus("twell_train forward up");
     if (status.failure()) return status;
     h_source = h_words;
@@ -560,6 +566,10 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   if ((mma & 4) != 0 && !(kGated && UnionDownSupported(s)))
     return Invalid(std::string(name) + "the down step as a union product (mma bit 2) needs the gated FFN, d a "
                    "multiple of 256, f at most 65536 and its layout within the workspace [d/64, max_entries]");
+  if ((mma & 8) != 0 && !(kGated && UnionUpSupported(s)))
+    return Invalid(std::string(name) + "the up step as a union product (mma bit 3) needs the gated FFN, f at most "
+                   "65536 and its layout (~4 words per entry: d at least 320) within rows 1.. of the workspace "
+                   "[d/64, max_entries]");
   auto* launch = dt == ffi::DataType::BF16 ? LaunchForward<Bf16, kGated> : LaunchForward<F16, kGated>;
   return launch(stream, s, u16(x.untyped_data()), u16(values.untyped_data()), cols.typed_data(),
                 counts.typed_data(), u16(w_act.untyped_data()), wu, wut, u16(w_down.untyped_data()),
@@ -708,7 +718,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwdGated, jax_twell::ForwardGated,
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // col_off
                                   .Ret<ffi_api::Buffer<ffi_api::U32>>()      // by_col
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // bit 0: up/down steps on tensor cores; bit 2: down as a union product
+                                  .Attr<int32_t>("mma"));  // bit 0: up/down steps on tensor cores; bits 2, 3: down, up as union products
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwd, jax_twell::ForwardUngated,
                               ffi_api::Ffi::Bind()

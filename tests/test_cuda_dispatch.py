@@ -40,7 +40,7 @@ def stand_ins(monkeypatch):
                 return jnp.full(x.shape, ROW_MARK, x.dtype)
             return reference.twell_ffn(x, act, w_act, w_up, w_down)
 
-        def blocked(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma=False, down_union=False):
+        def blocked(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma=False, down_union=False, up_union=False):
             if mark:
                 return (jnp.full(x.shape, BLOCKED_MARK, x.dtype),)
             return (reference.twell_ffn(x, act, w_act, w_up, w_down),)
@@ -309,6 +309,21 @@ def test_default_rule_matches_the_h200_measurements():
     for d2, f2 in ((2048, 8192), (4096, 11008)):
         assert float(rule.blocked_cost(int(0.005 * m * f2), m, d2, f2, 2)) > rule.margin * rule.dense_cost(m, d2, f2, 2)
     assert not rule.sparse_can_win(64, d, f, 2)  # decode: dense, decided at trace time
+    # With both steps as union products (inference_quick_56229e5.json): after the gate
+    # matmul ~0.96 ms at 0.5% and ~2.15 ms at 2%, (2048, 8192) ~1.41 ms and (4096, 11008)
+    # ~3.22 ms at 0.5%. Dense still at the headline shape (within the margin), sparse at
+    # the two larger shapes and at 0.25%, dense from 1% on.
+    union = lambda p, d2=d, f2=f: float(rule.union_cost(int(p * m * f2), m, d2, f2, 2))
+    assert 0.9e-3 < union(0.005) < 1.05e-3 and 2.0e-3 < union(0.02) < 2.4e-3
+    assert 1.25e-3 < union(0.005, 2048, 8192) < 1.5e-3 and 3.0e-3 < union(0.005, 4096, 11008) < 3.4e-3
+    assert not rule.sparse_predicted(m, d, f, 2, 0.005, True, "blocked_union")
+    assert rule.sparse_predicted(m, d, f, 2, 0.0025, True, "blocked_union")
+    assert not rule.sparse_predicted(m, d, f, 2, 0.01, True, "blocked_union")
+    for d2, f2 in ((2048, 8192), (4096, 11008)):
+        assert rule.sparse_predicted(m, d2, f2, 2, 0.005, True, "blocked_union")
+    # Heavier use of the union cost than the per-pair one nowhere below 2%: it is the faster kernel.
+    for p in (0.0025, 0.005, 0.01, 0.02):
+        assert union(p) < float(rule.blocked_cost(int(p * m * f), m, d, f, 2))
 
 
 @pytest.mark.parametrize("f", [700, 704], ids=["f700", "f704"])

@@ -147,7 +147,8 @@ def test_blocked_union_up_matches_mma(case, dtype):
             got, want = np.asarray(out[3])[:need], np.asarray(base[3])[:need]
             np.testing.assert_array_equal(got & 0xFFFF, want & 0xFFFF, what)
             h = lambda w: (w >> 16).astype(np.uint16).view(np.dtype(dtype)).astype(np.float32)
-            np.testing.assert_allclose(h(got), h(want), rtol=2.0**-7, atol=1e-6, err_msg=what)
+            # u one unit in the last place off becomes up to two in h = round(g round(u))
+            np.testing.assert_allclose(h(got), h(want), rtol=2.0**-6, atol=1e-6, err_msg=what)
             assert np.mean(h(got) == h(want)) > 0.9, what  # most h round the same
             assert_close(out[0], base[0], 2.0**-7, what)
 

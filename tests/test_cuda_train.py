@@ -176,12 +176,54 @@ def test_down_union_matches_down_step(case, dtype):
     assert_close(y1, y0, 2.0**-7, f"y {case}")
 
 
+UP_UNION_CASES = [
+    (1, 512, 260, 0.05, "uniform", 0, 0),
+    (77, 384, 300, 0.05, "heavy", 3, 5),
+    (1100, 512, 700, 0.02, "heavy", 4, 10),
+    (2500, 2048, 1300, 0.01, "heavy", 3, 7),
+    (130, 1024, 2600, 0.1, "uniform", 0, 0),  # unions past one 256-neuron tile
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", UP_UNION_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_up_union_matches_up_step(case, dtype):
+    """The gated forward's up step as a union product (``train_forward(up_union=True)``,
+    with and without the union down step): the layout residuals, entries and by-column order
+    equal the tensor-core forward's bit for bit; u (the up residual) within one unit in the
+    last place and h within two (u rounded once more), y to the f32 summation order."""
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + d + 13, dtype=dtype)
+    act = pack_twell_reference(relu_matmul(x, wg), tile=256, capacity=32)
+    budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
+    assert cuda_train.union_up_supported(m, d, f, budget), case
+    y0, res0, h0 = cuda_train.train_forward(x, act, wg, wu, wd, max_entries=budget, mma=True)
+    need = int(res0.seg_start[-1])  # entries past it are unwritten
+    value = lambda bits: np.asarray(bits).astype(np.uint16).view(np.dtype(dtype)).astype(np.float32)
+    for down in (False, True):
+        y1, res1, h1 = cuda_train.train_forward(x, act, wg, wu, wd, max_entries=budget, mma=True, up_union=True,
+                                                down_union=down)
+        what = f"{case} down_union={down}"
+        for name in ("seg_start", "tok_off", "col_off"):
+            np.testing.assert_array_equal(_bits(getattr(res1, name)), _bits(getattr(res0, name)), f"{what} {name}")
+        np.testing.assert_array_equal(_bits(res1.entries)[:need], _bits(res0.entries)[:need], f"{what} entries")
+        defined = emu.by_col_defined(jax.tree.map(np.asarray, res0))
+        np.testing.assert_array_equal(_bits(res1.by_col)[defined], _bits(res0.by_col)[defined], f"{what} by_col")
+        u1, u0 = value(_bits(res1.up)[:need]), value(_bits(res0.up)[:need])
+        np.testing.assert_allclose(u1, u0, rtol=2.0**-7, atol=1e-6, err_msg=f"{what} u")
+        assert np.mean(u1 == u0) > 0.9, what  # most u round the same
+        w1, w0 = _bits(h1)[:need], _bits(h0)[:need]
+        np.testing.assert_array_equal(w1 & 0xFFFF, w0 & 0xFFFF, f"{what} h word low halves")
+        np.testing.assert_allclose(value(w1 >> 16), value(w0 >> 16), rtol=2.0**-6, atol=1e-6, err_msg=f"{what} h")
+        assert_close(y1, y0, 2.0**-7, what)
+
+
 def test_train_gradients_with_union_dx_match_dense():
-    """ffn_with_aux(dx_union=True, down_union=True) through jit and grad: the dense
-    formula's gradients."""
+    """ffn_with_aux(dx_union=True, down_union=True, up_union=True) through jit and grad: the
+    dense formula's gradients."""
     x, wg, wu, wd, dy = make_case(3000, 512, 1408, 0.01, "heavy", True, full=2, empty=3, key=23)
     fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_union=True,
-                                                    down_union=True)[:2])
+                                                    down_union=True, up_union=True)[:2])
     (y, l1), grads = grads_of(fn, x, wg, wu, wd, dy)
     with jax.default_matmul_precision("highest"):
         (y_d, l1_d), g_d = grads_of(dense_ffn, x, wg, wu, wd, dy)

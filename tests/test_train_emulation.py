@@ -166,7 +166,7 @@ def _emulated_pack(g, *, tile, capacity):
     return pack_twell_reference(g, tile=tile, capacity=capacity)
 
 
-def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, down_union=False):
+def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, down_union=False, up_union=False):
     gated = w_up is not None
     shapes = cuda_train.residual_shapes(x.shape[0], act.n_tiles, act.tile, max_entries, gated)
     out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), shapes, jax.ShapeDtypeStruct((max_entries,), jnp.uint32))
@@ -428,6 +428,30 @@ def test_dx_union_needs_dx_mma_and_follows_the_default(emulated_kernels, monkeyp
         seen += _backward_options_seen(monkeypatch, ("dx_mma", "dx_union"), calls, key=15, d=256)
     assert seen == [(True, False), (True, True), (True, False), (False, False),
                     (True, True), (True, True), (True, False), (False, False)]
+
+
+def test_up_union_reaches_the_forward_call(emulated_kernels, monkeypatch):
+    """``ffn_with_aux`` asks the forward call for the up step as a union product when told
+    ``up_union`` (default ``UP_UNION_DEFAULT``), never without ``mma``."""
+    seen = []
+
+    def forward(*args, **kwargs):
+        seen.append(kwargs["up_union"])
+        return _emulated_forward(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_train, "_forward_call", forward)
+    x, wg, wu, wd, dy = make_case(300, 384, 520, 0.03, "heavy", True, key=17)
+    cases = (({}, cuda_train.UP_UNION_DEFAULT), (dict(up_union=True), True), (dict(up_union=False), False),
+             (dict(up_union=True, mma=False), False))
+    for kw, expected in cases:
+        seen.clear()
+        fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
+        grads_of(jax.jit(fn), x, wg, wu, wd, dy)
+        assert seen and all(v == expected for v in seen), (kw, seen)
+    e = cuda_train.max_entries_for(16384, 5632, 128)
+    assert cuda_train.union_up_supported(16384, 2048, 5632, e)
+    assert not cuda_train.union_up_supported(16384, 256, 5632, e)  # ~4 words per entry need d >= 320
+    assert not cuda_train.union_up_supported(64, 2048, 70000, 10**6)  # f past 65536
 
 
 def test_down_union_reaches_the_forward_call(emulated_kernels, monkeypatch):

@@ -223,6 +223,15 @@ def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
     return _union.down_supported(m, d, f, max_entries)
 
 
+def _union_runs(gated: bool, m: int, d: int, f: int, tile: int, capacity: int) -> bool:
+    """Whether "blocked_union" runs both of its union steps for this call at the default
+    entry budget (gated, d a multiple of 256, the layouts within the workspace)."""
+    if not gated or m < BLOCKED_MIN_TOKENS:
+        return False
+    e = blocked_max_entries(m, f, tile, capacity)
+    return union_up_supported(m, d, f, e) and union_down_supported(m, d, f, e)
+
+
 def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, mma: bool = False,
                   down_union: bool = False, up_union: bool = False):
     m, d = int(np.prod(x.shape[:-1])), x.shape[-1]
@@ -338,6 +347,16 @@ class DenseCrossover:
     blocked_weight_bandwidth: float = 1.68e12
     blocked_pair_rate: float = 3.22e12
     blocked_fixed_overhead: float = 3.2e-4
+    # Blocked kernel with its up and down steps as union products ("blocked_union", gated,
+    # where union_up_supported and union_down_supported hold): after the gate matmul, each
+    # 64-token block reads its union's rows of Wu^T and Wd, 1 - (1 - p)^64 of f at a
+    # fraction p of active pairs (uniform; heavy-tailed patterns have smaller unions, so
+    # the estimate errs toward dense), plus a fixed part (pack, layouts, finish). Fitted by
+    # least squares to the H200's interleaved timings (ffi/notes/twell_ffn_blocked.md,
+    # inference_quick_56229e5.json): 0.5% and 2% at d=2048, f=5632, 0.5% at (2048, 8192) and
+    # (4096, 11008), all within 5% of measured.
+    union_row_bandwidth: float = 4.31e12
+    union_fixed_overhead: float = 2.43e-4
     # The per-call choice counts the active pairs of about this many rows of g, evenly
     # spaced (all rows below 2x this many), and scales up: a full count reads all of g
     # (~0.1 ms at M=16384, f=5632), which a dense decision would pay for nothing. The
@@ -405,6 +424,17 @@ class DenseCrossover:
         weights = n_blocks * 2.0 * d * f * itemsize / self.blocked_weight_bandwidth
         return weights + nnz * (2.0 * d / self.blocked_pair_rate) + self.blocked_fixed_overhead
 
+    def union_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
+        """Seconds for the blocked kernel with union products ("blocked_union"): the union
+        rows of Wu^T and Wd read per 64-token block, plus a fixed part."""
+        return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize)
+
+    def _union_seconds(self, nnz, m: int, d: int, f: int, itemsize: int):
+        p = nnz / float(max(1, m * f))
+        union = 1.0 - (1.0 - p) ** _union.TOKENS  # of f, per block (uniform pattern)
+        blocks = -(-m // _union.TOKENS)
+        return blocks * union * 2.0 * f * d * itemsize / self.union_row_bandwidth + self.union_fixed_overhead
+
     def row_cost(self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool) -> jax.Array:
         """Seconds for the row kernel (the ``sparse`` side of :meth:`use_sparse`)."""
         as_f32 = lambda v: jnp.asarray(v).astype(jnp.float32)
@@ -431,10 +461,12 @@ class DenseCrossover:
         self, m: int, d: int, f: int, itemsize: int, active_fraction: float, transposed: bool = False, kernel: str = "row"
     ) -> bool:
         """Static: True where, at a known ``active_fraction`` of active (token, neuron) pairs
-        (no overflow assumed), the row kernel (or, for ``kernel`` "blocked"/"blocked_mma"
-        (one of :data:`KERNELS`) and at least ``BLOCKED_MIN_TOKENS`` tokens, the cheaper of
-        the row and blocked kernels) is predicted faster than dense up + down. What :func:`sparse_ffn` decides
-        at trace time for calls past decode sizes when given ``active_fraction``."""
+        (no overflow assumed), the row kernel (or, for a blocked ``kernel`` (one of
+        :data:`KERNELS`) and at least ``BLOCKED_MIN_TOKENS`` tokens, the cheaper of the row
+        and blocked kernels, "blocked_union" costed by :meth:`union_cost`) is predicted
+        faster than dense up + down. What :func:`sparse_ffn` decides at trace time for calls
+        past decode sizes when given ``active_fraction`` (passing "blocked_union" only where
+        both union steps run)."""
         if not 0.0 <= active_fraction <= 1.0:
             raise ValueError(f"active_fraction must be in [0, 1], got {active_fraction}")
         if self.margin == float("inf"):
@@ -444,7 +476,8 @@ class DenseCrossover:
         nnz = active_fraction * m * f
         cost = self._row_seconds(nnz, 0.0, d, f, itemsize, transposed)  # Python floats: runs while tracing
         if kernel != "row" and m >= BLOCKED_MIN_TOKENS:
-            cost = min(cost, self._blocked_seconds(nnz, m, d, f, itemsize))
+            blocked = self._union_seconds if kernel == "blocked_union" else self._blocked_seconds
+            cost = min(cost, blocked(nnz, m, d, f, itemsize))
         return cost < self.margin * self.dense_cost(m, d, f, itemsize)
 
     def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int, transposed: bool = False) -> jax.Array:
@@ -490,9 +523,11 @@ def sparse_ffn(
     ``active_fraction`` the rule sends to the kernels) and :func:`fused_gate_preferred`
     holds; a call that then turns out dense recomputes the FFN with XLA.
 
-    ``kernel``: "auto" (default: "blocked_mma" where the shape allows it, else "row"),
-    "row", "blocked", "blocked_mma" or "blocked_union" (the blocked kernel with its up and down steps on
-    tensor cores). With a blocked kernel, the call picks on the
+    ``kernel``: "auto" (default: "blocked_union" where the shape allows it, else "row"),
+    "row", "blocked", "blocked_mma" (the blocked kernel with its up and down steps on
+    tensor cores) or "blocked_union" (its up and down steps as dense products over each
+    64-token block's union of active neurons; gated, where :func:`union_up_supported` and
+    :func:`union_down_supported` hold at the default budget, else "blocked_mma"). With a blocked kernel, the call picks on the
     device, per call, among dense, the row kernel and the blocked kernel by the rule's
     costs (:meth:`DenseCrossover.blocked_cost`), the blocked kernel only where its
     workspace holds the call's entries; M below ``BLOCKED_MIN_TOKENS`` (decode sizes) is
@@ -528,7 +563,9 @@ def sparse_ffn(
     m, d = x.shape
     f = w_act.shape[1]
     if kernel == "auto":
-        kernel = "blocked_mma" if blocked_supported(d, tile) else "row"
+        kernel = "blocked_union" if blocked_supported(d, tile) else "row"
+    if kernel == "blocked_union" and not _union_runs(gated, m, d, f, tile, capacity):
+        kernel = "blocked_mma"  # the same kernel without the union steps, costed as such
     if m == 0:  # no tokens: nothing to launch, whatever the rule
         return jnp.zeros((0, d), x.dtype)
     transposed = w_up_t is not None or not gated
@@ -599,7 +636,8 @@ def sparse_ffn(
             prefer_blocked, any_sparse = jnp.bool_(True), jnp.bool_(True)
         else:
             row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
-            blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
+            blocked_cost = (rule.union_cost if kernel == "blocked_union" else rule.blocked_cost)(
+                nnz, m, d, f, x.dtype.itemsize)
             prefer_blocked = blocked_cost < row_cost
             any_sparse = use_sparse | (blocked_cost < rule.margin * rule.dense_cost(m, d, f, x.dtype.itemsize))
 

@@ -223,8 +223,16 @@ def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
     return _union.down_supported(m, d, f, max_entries)
 
 
+def union_up_supported(m: int, d: int, f: int, max_entries: int) -> bool:
+    """Whether the gated forward's up step can run as a union product
+    (``train_forward(up_union=True)``): f at most 65536 and its layout (~4 words per entry)
+    within rows 1.. of the partials workspace ``[d / 64, max_entries]``, so d at least 320
+    (the handler's test)."""
+    return _union.up_supported(m, d, f, max_entries)
+
+
 def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_t=None, mma: bool = False,
-                  down_union: bool = False):
+                  down_union: bool = False, up_union: bool = False):
     """One ``jax_twell_train_fwd[_gated]`` call: ``(y, Residuals, h_source)``.
 
     x ``[M, d]`` bf16/f16; act: TwELL of ``relu(x @ w_act)`` (tile <= 256); w_up None for
@@ -234,13 +242,19 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     to f32 rounding, not bitwise, see ffi/notes/twell_ffn_blocked.md). ``down_union`` (gated,
     where :func:`union_down_supported` allows): y as a dense product over each 64-token
     block's union of active neurons (ffi/twell_union.cuh; the same h, f32 sums in another
-    order). On by default in :func:`ffn_with_aux` (:data:`DOWN_UNION_DEFAULT`).
+    order). On by default in :func:`ffn_with_aux` (:data:`DOWN_UNION_DEFAULT`). ``up_union``
+    (gated, where :func:`union_up_supported` allows): u of every entry from a dense product
+    of each 64-token block's x with its union's rows of Wu^T (f32 sums over d in another
+    order: the up residual and h may differ from the per-entry step's in their last bit;
+    :data:`UP_UNION_DEFAULT`).
     """
     m, d = x.shape
     e, tile = max_entries, act.tile
     f = w_down.shape[0]
     down_union = bool(down_union) and w_up is not None and union_down_supported(m, d, f, e)
-    mma = int(bool(mma)) | int(down_union) << 2  # the handler's bits: 0 tensor-core steps, 2 down as a union product
+    up_union = bool(up_union) and w_up is not None and union_up_supported(m, d, f, e)
+    # the handler's bits: 0 tensor-core steps, 2 down and 3 up as union products
+    mma = int(bool(mma)) | int(down_union) << 2 | int(up_union) << 3
     r = residual_shapes(m, act.n_tiles, tile, e, w_up is not None)
     layout = [r.seg_start, r.tok_off, r.entries]
     by_column = [r.col_off, r.by_col]
@@ -269,6 +283,9 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
 # faster per step at 0.25% active, -0.08 / +0.02 ms (uniform / heavy) at 0.5%
 # (training_eb8bc79_union_down.json).
 DOWN_UNION_DEFAULT = True
+# The forward's up step as a union product by default (ffn_with_aux): not yet measured in the
+# training step (the inference FFN's forced path gained 0.2-1.4 ms with it).
+UP_UNION_DEFAULT = False
 # dx as a union product by default (ffn_with_aux): measured 0.24-0.35 ms faster per step
 # than the per-entry tensor-core dx at 0.25-0.5% active (training_e16d5b5.json).
 DX_UNION_DEFAULT = True
@@ -371,6 +388,7 @@ class _Config:
     dx_mma: bool = False
     dx_union: bool = False
     down_union: bool = False
+    up_union: bool = False
 
 
 def _mesh_axes(*arrays) -> frozenset:
@@ -424,7 +442,7 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
     def sparse(_):
         y, res, h_source = _forward_call(
             x, act, w_act, w_up if gated else None, w_down, max_entries=cfg.max_entries, mma=cfg.mma,
-            down_union=cfg.down_union,
+            down_union=cfg.down_union, up_union=cfg.up_union,
         )
         l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
         return _as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
@@ -477,6 +495,7 @@ def ffn_with_aux(
     x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
     crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
     dx_mma: bool | None = None, dx_union: bool | None = None, down_union: bool | None = None,
+    up_union: bool | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -497,6 +516,7 @@ def ffn_with_aux(
     product over each 64-token block's union of active neurons where
     :func:`union_dx_supported` allows (ffi/notes/training_kernels.md). ``down_union``
     (default: :data:`DOWN_UNION_DEFAULT`, on, with ``mma``) does the same for the forward's down step
+    and ``up_union`` (default: :data:`UP_UNION_DEFAULT`, with ``mma``) for its up step
     (:func:`train_forward`).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
@@ -521,5 +541,7 @@ def ffn_with_aux(
     dx_mma = bool(mma if dx_mma is None else dx_mma)
     dx_union = dx_mma and bool(DX_UNION_DEFAULT if dx_union is None else dx_union)
     down_union = bool(mma) and bool(DOWN_UNION_DEFAULT if down_union is None else down_union)
-    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union, down_union)
+    up_union = bool(mma) and bool(UP_UNION_DEFAULT if up_union is None else up_union)
+    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union, down_union,
+                  up_union)
     return _train_ffn(x, w_gate, w_up, w_down, cfg)
