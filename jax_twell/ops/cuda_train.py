@@ -283,9 +283,9 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
 # faster per step at 0.25% active, -0.08 / +0.02 ms (uniform / heavy) at 0.5%
 # (training_eb8bc79_union_down.json).
 DOWN_UNION_DEFAULT = True
-# The forward's up step as a union product by default (ffn_with_aux): not yet measured in the
-# training step (the inference FFN's forced path gained 0.2-1.4 ms with it).
-UP_UNION_DEFAULT = False
+# The forward's up step as a union product by default (ffn_with_aux): measured 0.05-0.07 ms
+# faster per step at 0.5% active, 0.005-0.06 ms at 0.25% (training_725c27c_union_up.json).
+UP_UNION_DEFAULT = True
 # dx as a union product by default (ffn_with_aux): measured 0.24-0.35 ms faster per step
 # than the per-entry tensor-core dx at 0.25-0.5% active (training_e16d5b5.json).
 DX_UNION_DEFAULT = True
