@@ -101,20 +101,20 @@ class TrainCrossover:
     """
 
     # Fitted on the H200 to interleaved timings (ffi/notes/training_kernels.md,
-    # training_e16d5b5.json): XLA's dense forward + backward 4.07-4.11 ms at M=16384,
-    # d=2048, f=5632 (9 matmuls, ~3.52 ms after the gate matmul); the kernels with their
-    # tensor-core steps and dx as a union product (the default) 2.87-2.89 ms at 0.25% and
-    # 3.96-4.00 ms at 0.5% (whole step): ~4.87 ns per pair, ~1.19 ms fixed after the gate
-    # matmul; crossover ~0.52% active. (With dx on the per-entry tensor-core kernel,
-    # dx_union=False, the step is ~0.25-0.35 ms slower and its crossover ~0.48%.)
+    # training_725c27c_union_up.json): XLA's dense forward + backward 4.02-4.06 ms at
+    # M=16384, d=2048, f=5632 (9 matmuls, ~3.52 ms after the gate matmul); the kernels with
+    # dx and the forward's up and down steps as union products (the defaults) 2.68-2.76 ms
+    # at 0.25% and 3.77-3.78 ms at 0.5% (whole step): ~4.58 ns per pair, ~1.15 ms fixed
+    # after the gate matmul; crossover ~0.56% active. (Refit from e16d5b5's ~4.87 ns and
+    # ~1.19 ms, crossover ~0.52%, before the union up and down steps.)
     matmul_rate: float = 8.58e14
     hbm_bandwidth: float = 3.0e12
     weight_bandwidth: float = 7.0e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 4.43e12
+    pair_rate: float = 4.80e12
     grad_stream_bandwidth: float = 7.0e12
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 0.782e-3
+    fixed_overhead: float = 0.737e-3
     margin: float = 1.0
     min_tokens: int = 256
 
