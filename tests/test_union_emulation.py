@@ -1,4 +1,4 @@
-"""The union dx's layout and product (NumPy model, jax_twell/ops/union_emulation.py) on the
+"""The union products' layouts and products (NumPy model, jax_twell/ops/union_emulation.py) on the
 training model's blocked entries: every sub-block's words, rows and chunk offsets inside the
 workspace the handler allocates and disjoint from every other's, tight entry budgets and
 overflowed tiles included; dx from the layout equals the model's dx to the rounding of the
@@ -84,3 +84,34 @@ def test_union_layout_of_the_forward_down_step(case):
     assert lay["ws"].size <= (d // bemu.UP_COLS) * e or not cuda_train.union_down_supported(m, d, f, e)
     got = uemu.union_dx(lay, wd, None, m, jnp.bfloat16)
     assert_close(got, y, 2.0**-7, f"{case}")
+
+
+# d a multiple of 64 (the model's up sums go by 64 columns); the last: unions of ~700
+# neurons outside overflowed tiles, three 256-neuron tiles per sub-block.
+UP_CASES = [c for c in CASES if c[1] % bemu.UP_COLS == 0] + [(130, 64, 700, 0.1, "uniform", 0, 0, 256, 32)]
+
+
+@pytest.mark.parametrize("case", UP_CASES, ids=lambda c: f"m{c[0]}_f{c[2]}_{c[4]}_t{c[7]}")
+def test_union_layout_of_the_up_step(case):
+    """The up step as a union product (``kEntryIndex``): one word pair per entry outside an
+    overflowed tile and none for the others, every sub-block's pairs, rows and chunk offsets
+    disjoint inside the workspace; u from the layout equals the model's up residual to its
+    rounding, for every such entry exactly once."""
+    m, d, f, density, pattern, full, empty, tile, capacity = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + f + 2)
+    act = pack_twell_reference(relu_matmul(x, wg), tile=tile, capacity=capacity)
+    need = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f)
+    e = need + 5
+    _, res, _, _, _ = emu.train_forward(x, act.values, act.cols, act.counts, wg, wu, wu.T, wd, tile=tile,
+                                        max_entries=e)
+    lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, None, m=m, f=f, tile=tile, max_entries=e,
+                            gated=True, dtype=jnp.bfloat16, up=True)  # asserts: in bounds, no word written twice
+    assert lay["ws"].size == uemu.up_workspace_ints(m, e)
+    assert uemu.up_supported(m, 64 * 8, f, e) == (e + e % 2 + lay["ws"].size <= 8 * e)
+    normal = (np.asarray(res.entries)[:need] & bemu.RECOMPUTE_FLAG) == 0
+    assert (lay["owner"][lay["ent0"]: lay["rows0"]] >= 0).sum() == 2 * normal.sum(), "one pair per entry"
+    u = uemu.union_up(lay, x, wu.T, e)
+    assert not np.isnan(u[:need][normal]).any() and np.isnan(u[:need][~normal]).all() and np.isnan(u[need:]).all()
+    want = np.asarray(res.up)[:need][normal].astype(np.uint16).view(jnp.bfloat16).astype(np.float32)
+    got = u[:need][normal].astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=1e-6)  # one rounding to bf16 apart at most

@@ -1,5 +1,7 @@
-"""NumPy model of dx as a union product (ffi/twell_union_layout.cuh ``TwellUnionLayoutKernel``
-and ffi/twell_union.cuh ``UnionProductKernel``; ffi/notes/training_kernels.md).
+"""NumPy model of the union products (ffi/twell_union_layout.cuh ``TwellUnionLayoutKernel``,
+ffi/twell_union.cuh ``UnionProductKernel`` and ``UnionUpKernel``; ffi/notes/training_kernels.md
+and twell_ffn_blocked.md): dx, the down steps, and the up step (``union_layout(up=True)``,
+:func:`union_up`).
 
 The layout kernel, per 64-token sub-block ``s`` of the backward's blocked entries:
 
@@ -35,7 +37,7 @@ COLS = 256  # output columns per consumer warp group (kCols): d must be a multip
 UP_COLS = _b.UP_COLS
 
 __all__ = ["TOKENS", "CHUNK", "COLS", "UP_NEURONS", "workspace_ints", "up_workspace_ints", "dx_supported",
-           "down_supported", "up_supported", "union_layout", "union_dx"]
+           "down_supported", "up_supported", "union_layout", "union_dx", "union_up"]
 
 UP_NEURONS = 256  # the up product's union neurons per CTA (kUpNeurons)
 
@@ -81,24 +83,35 @@ def up_supported(m: int, d: int, f: int, max_entries: int) -> bool:
 
 
 def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int, max_entries: int, gated: bool,
-                 dtype) -> dict:
+                 dtype, up: bool = False) -> dict:
     """The layout kernel's workspace and, for checks, which sub-block wrote each word
     (``owner``, -1 where none did). ``coef``: the backward's ``[2 or 3, max_entries]`` f32
-    coefficients; ``dtype``: the element type they are rounded to."""
+    coefficients; ``dtype``: the element type they are rounded to.
+
+    ``up=True`` models the inference FFN's up step (``kEntryIndex``; ``coef`` and ``gated``
+    unused, one row per neuron): every entry outside an overflowed tile, whatever its value,
+    gives a word pair ``((R p) % 256 << 8 | token, entry index)``; the word range holds two
+    words per entry and the chunk offsets count pairs."""
+    if up:
+        gated = False
     r_per = 2 if gated else 1
+    words_per = 2 if up else r_per
     seg_start = np.asarray(seg_start, np.int64)
     tok_off = np.asarray(tok_off, np.int64)
     entries = np.asarray(entries, np.uint32)
-    rounded = [np.asarray(coef[1 + r], np.float32).astype(dtype) for r in range(r_per)]
-    bits = [c.view(np.uint16).astype(np.uint32) for c in rounded]
+    if up:  # non-zero where the entry is outside an overflowed tile
+        bits = [((entries & np.uint32(_b.RECOMPUTE_FLAG)) == 0).astype(np.uint32)]
+    else:
+        rounded = [np.asarray(coef[1 + r], np.float32).astype(dtype) for r in range(r_per)]
+        bits = [c.view(np.uint16).astype(np.uint32) for c in rounded]
     n_sub = -(-m // TOKENS)
     n_tiles = tok_off.shape[1]
-    size = workspace_ints(m, max_entries, gated)
+    size = up_workspace_ints(m, max_entries) if up else workspace_ints(m, max_entries, gated)
     ws = np.zeros(size, np.int64)
     owner = np.full(size, -1, np.int64)
     meta0 = 0
     ent0 = 4 * n_sub
-    rows0 = ent0 + r_per * max_entries
+    rows0 = ent0 + words_per * max_entries
     chunk0 = rows0 + r_per * max_entries + CHUNK * n_sub
 
     def put(index, value, sub):
@@ -139,17 +152,49 @@ def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int
             for r in range(r_per):
                 if bits[r][e] != 0:
                     u = r_per * pos[j] + r
-                    words[u // CHUNK].append(int(bits[r][e]) << 16 | (u % CHUNK) << 8 | t)
+                    if up:
+                        words[u // CHUNK].append(((u % UP_NEURONS) << 8 | t, e))
+                    else:
+                        words[u // CHUNK].append(int(bits[r][e]) << 16 | (u % CHUNK) << 8 | t)
         slot = ent_base
         for c in range(chunks):
             put(chunk0 + chunk_base + c, slot, sub)
             for w in words[c]:
-                put(ent0 + slot, w, sub)
+                if up:
+                    put(ent0 + 2 * slot, w[0], sub)
+                    put(ent0 + 2 * slot + 1, w[1], sub)
+                else:
+                    put(ent0 + slot, w, sub)
                 slot += 1
         put(chunk0 + chunk_base + chunks, slot, sub)
         for i, v in enumerate((0 if over else chunks, row_base, chunk_base, int(over))):
             put(meta0 + 4 * sub + i, v, sub)
-    return dict(ws=ws, owner=owner, n_sub=n_sub, ent0=ent0, rows0=rows0, chunk0=chunk0, gated=gated)
+    return dict(ws=ws, owner=owner, n_sub=n_sub, ent0=ent0, rows0=rows0, chunk0=chunk0, gated=gated, up=up)
+
+
+def union_up(layout: dict, x, w_up_t, max_entries: int) -> np.ndarray:
+    """u ``[max_entries]`` f32 from an ``up=True`` layout (the up product's output row; NaN
+    where no pair points): per sub-block and 256-neuron tile of its union, x's 64 rows
+    times the tile's rows of Wu^T (summed exactly, rounded once to f32), read at each
+    pair's (token, column)."""
+    ws = layout["ws"]
+    x = np.asarray(x, np.float64)
+    table = np.asarray(w_up_t, np.float64)
+    u = np.full(max_entries, np.nan, np.float32)
+    for sub in range(layout["n_sub"]):
+        chunks, row_base, chunk_base, _ = ws[4 * sub: 4 * sub + 4]
+        offsets = ws[layout["chunk0"] + chunk_base: layout["chunk0"] + chunk_base + chunks + 1]
+        per_tile = UP_NEURONS // CHUNK
+        for t0 in range(0, chunks, per_tile):  # one CTA per 256-neuron tile
+            n = min(UP_NEURONS, (chunks - t0) * CHUNK)
+            ids = ws[layout["rows0"] + row_base + t0 * CHUNK: layout["rows0"] + row_base + t0 * CHUNK + n]
+            xs = x[sub * TOKENS: (sub + 1) * TOKENS]
+            prod = (xs @ table[ids].T).astype(np.float32)  # [tokens, n]
+            for p in range(offsets[t0], offsets[min(t0 + per_tile, chunks)]):
+                word, e = int(ws[layout["ent0"] + 2 * p]), int(ws[layout["ent0"] + 2 * p + 1])
+                assert np.isnan(u[e]), f"entry {e} given u twice"
+                u[e] = prod[word & 0xFF, (word >> 8) & 0xFF]
+    return u
 
 
 def union_dx(layout: dict, w_act_t, w_up_t, m: int, dtype) -> np.ndarray:
