@@ -72,19 +72,21 @@ __device__ __forceinline__ void ForEachWord(const ChunkWords<T, P>& cw, const ui
   for (int e = cw.e0 + t + P * T; e < cw.e1; e += T) put(ent[e]);
 }
 
-template <typename Elem>
+// The 64 x 256 x 16 wgmma for Elem: A K-major, B kMajorB (MN for the row products, K for
+// the up product), and the epilogue's packing of two f32 into an Elem pair.
+template <typename Elem, cute::GMMA::Major kMajorB = cute::GMMA::Major::MN>
 struct MmaFor;
-template <>
-struct MmaFor<cutlass::bfloat16_t> {
-  using Op = cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+template <cute::GMMA::Major kMajorB>
+struct MmaFor<cutlass::bfloat16_t, kMajorB> {
+  using Op = cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>;
   static __device__ __forceinline__ uint32_t Pack(float a, float b) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
 };
-template <>
-struct MmaFor<cutlass::half_t> {
-  using Op = cute::SM90_64x256x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::MN>;
+template <cute::GMMA::Major kMajorB>
+struct MmaFor<cutlass::half_t, kMajorB> {
+  using Op = cute::SM90_64x256x16_F32F16F16_SS<cute::GMMA::Major::K, kMajorB>;
   static __device__ __forceinline__ uint32_t Pack(float a, float b) {
     const __half2 v = __floats2half2_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&v);
@@ -275,17 +277,6 @@ struct UpConfig {
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
 };
 
-template <typename Elem>
-struct UpMmaFor;
-template <>
-struct UpMmaFor<cutlass::bfloat16_t> {
-  using Op = cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>;
-};
-template <>
-struct UpMmaFor<cutlass::half_t> {
-  using Op = cute::SM90_64x256x16_F32F16F16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>;
-};
-
 // grid (ceil(f / 256), blocks); CTAs past a block's union return at once.
 template <typename Elem>
 __global__ void __launch_bounds__(UpConfig<Elem>::kThreads, 1)
@@ -343,7 +334,7 @@ __global__ void __launch_bounds__(UpConfig<Elem>::kThreads, 1)
     return;
   }
 
-  auto mma = make_tiled_mma(typename UpMmaFor<Elem>::Op{});
+  auto mma = make_tiled_mma(typename MmaFor<Elem, GMMA::Major::K>::Op{});
   const int ctid = tid - 128;
   auto thr = mma.get_thread_slice(ctid);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));

@@ -430,49 +430,36 @@ def test_dx_union_needs_dx_mma_and_follows_the_default(emulated_kernels, monkeyp
                     (True, True), (True, True), (True, False), (False, False)]
 
 
-def test_up_union_reaches_the_forward_call(emulated_kernels, monkeypatch):
-    """``ffn_with_aux`` asks the forward call for the up step as a union product when told
-    ``up_union`` (default ``UP_UNION_DEFAULT``), never without ``mma``."""
+@pytest.mark.parametrize("option", ["up_union", "down_union"])
+def test_union_steps_reach_the_forward_call(emulated_kernels, monkeypatch, option):
+    """``ffn_with_aux`` asks the forward call for the up or down step as a union product
+    when told (default ``UP_UNION_DEFAULT`` / ``DOWN_UNION_DEFAULT``), never without ``mma``."""
     seen = []
 
     def forward(*args, **kwargs):
-        seen.append(kwargs["up_union"])
+        seen.append(kwargs[option])
         return _emulated_forward(*args, **kwargs)
 
     monkeypatch.setattr(cuda_train, "_forward_call", forward)
     x, wg, wu, wd, dy = make_case(300, 384, 520, 0.03, "heavy", True, key=17)
-    cases = (({}, cuda_train.UP_UNION_DEFAULT), (dict(up_union=True), True), (dict(up_union=False), False),
-             (dict(up_union=True, mma=False), False))
+    default = getattr(cuda_train, option.upper() + "_DEFAULT")
+    cases = (({}, default), ({option: True}, True), ({option: False}, False), ({option: True, "mma": False}, False))
     for kw, expected in cases:
         seen.clear()
         fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
         grads_of(jax.jit(fn), x, wg, wu, wd, dy)
         assert seen and all(v == expected for v in seen), (kw, seen)
+
+
+def test_union_steps_state_their_constraints():
+    """The forward's union steps: the down step needs d a multiple of 256, the up step ~4
+    words per entry after u's row (d at least 320); both f at most 65536."""
     e = cuda_train.max_entries_for(16384, 5632, 128)
-    assert cuda_train.union_up_supported(16384, 2048, 5632, e)
-    assert not cuda_train.union_up_supported(16384, 256, 5632, e)  # ~4 words per entry need d >= 320
-    assert not cuda_train.union_up_supported(64, 2048, 70000, 10**6)  # f past 65536
-
-
-def test_down_union_reaches_the_forward_call(emulated_kernels, monkeypatch):
-    """``ffn_with_aux`` asks the forward call for the down step as a union product when told
-    ``down_union`` (default ``DOWN_UNION_DEFAULT``)."""
-    seen = []
-
-    def forward(*args, **kwargs):
-        seen.append(kwargs["down_union"])
-        return _emulated_forward(*args, **kwargs)
-
-    monkeypatch.setattr(cuda_train, "_forward_call", forward)
-    x, wg, wu, wd, dy = make_case(300, 256, 520, 0.03, "heavy", True, key=16)
-    for kw, expected in (({}, cuda_train.DOWN_UNION_DEFAULT), (dict(down_union=True), True),
-                         (dict(down_union=False), False)):
-        seen.clear()
-        fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
-        grads_of(jax.jit(fn), x, wg, wu, wd, dy)
-        assert seen and all(v == expected for v in seen), (kw, seen)
-    assert cuda_train.union_down_supported(16384, 2048, 5632, cuda_train.max_entries_for(16384, 5632, 128))
+    assert cuda_train.union_down_supported(16384, 2048, 5632, e)
     assert not cuda_train.union_down_supported(16384, 128 + 64, 5632, 10**6)  # d not a multiple of 256
+    assert cuda_train.union_up_supported(16384, 2048, 5632, e)
+    assert not cuda_train.union_up_supported(16384, 256, 5632, e)
+    assert not cuda_train.union_up_supported(64, 2048, 70000, 10**6)  # f past 65536
 
 
 def test_union_dx_supported_states_its_constraints():
