@@ -146,13 +146,7 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   if (rows == 0) return ffi::Error::Success();
   const Shapes s{rows, static_cast<int>(d), static_cast<int>(f), tile, static_cast<int>(capacity),
                  static_cast<int>(n_tiles), static_cast<int>(n_blocks), max_entries};
-  if ((mma & 4) != 0 && !(kGated && UnionDownSupported(s)))
-    return Invalid(std::string(name) + "the down step as a union product (mma bit 2) needs the gated FFN, d a "
-                   "multiple of 256, f at most 65536 and its layout within the partials [d/64, max_entries]");
-  if ((mma & 8) != 0 && !(kGated && UnionUpSupported(s)))
-    return Invalid(std::string(name) + "the up step as a union product (mma bit 3) needs the gated FFN, f at most "
-                   "65536 and its layout (~4 words per entry: d at least 320) within rows 1.. of the partials "
-                   "[d/64, max_entries]");
+  if (const char* refusal = UnionStepsRefusal(s, kGated, mma)) return Invalid(std::string(name) + refusal);
   const void* up = kGated ? w_up.untyped_data() : nullptr;
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   if (dtype == ffi::DataType::BF16)

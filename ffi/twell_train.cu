@@ -563,13 +563,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   auto u16 = [](const void* p) { return static_cast<const uint16_t*>(p); };
   const uint16_t* wu = kGated ? u16(w_up.untyped_data()) : nullptr;
   const uint16_t* wut = kGated ? u16(w_up_t.untyped_data()) : nullptr;
-  if ((mma & 4) != 0 && !(kGated && UnionDownSupported(s)))
-    return Invalid(std::string(name) + "the down step as a union product (mma bit 2) needs the gated FFN, d a "
-                   "multiple of 256, f at most 65536 and its layout within the workspace [d/64, max_entries]");
-  if ((mma & 8) != 0 && !(kGated && UnionUpSupported(s)))
-    return Invalid(std::string(name) + "the up step as a union product (mma bit 3) needs the gated FFN, f at most "
-                   "65536 and its layout (~4 words per entry: d at least 320) within rows 1.. of the workspace "
-                   "[d/64, max_entries]");
+  if (const char* refusal = UnionStepsRefusal(s, kGated, mma)) return Invalid(std::string(name) + refusal);
   auto* launch = dt == ffi::DataType::BF16 ? LaunchForward<Bf16, kGated> : LaunchForward<F16, kGated>;
   return launch(stream, s, u16(x.untyped_data()), u16(values.untyped_data()), cols.typed_data(),
                 counts.typed_data(), u16(w_act.untyped_data()), wu, wut, u16(w_down.untyped_data()),

@@ -84,6 +84,18 @@ bool UnionUpSupported(const Shapes& s) {
          UnionUpOffset(s) + UnionLayoutOf(s, 1, nullptr, 2).ints <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
 }
 
+// Why the forward steps' union bits of a handler's mma attribute (2: down, 3: up) can't run
+// here, or nullptr where they can (both the inference and the training forward handlers).
+const char* UnionStepsRefusal(const Shapes& s, bool gated, int32_t mma) {
+  if ((mma & 4) != 0 && !(gated && UnionDownSupported(s)))
+    return "the down step as a union product (mma bit 2) needs the gated FFN, d a multiple of 256, f at most "
+           "65536 and its layout within the partials [d/64, max_entries]";
+  if ((mma & 8) != 0 && !(gated && UnionUpSupported(s)))
+    return "the up step as a union product (mma bit 3) needs the gated FFN, f at most 65536 and its layout "
+           "(~4 words per entry: d at least 320) within rows 1.. of the partials [d/64, max_entries]";
+  return nullptr;
+}
+
 // One CTA (256 threads) per sub-block; dynamic shared memory: bits and their prefix over
 // ceil(f / 32) words, and max_chunks + 1 chunk counters. kValues (UnionValues) says what
 // the words carry; kWordValues and kEntryIndex need R = 1.
