@@ -33,7 +33,8 @@ def main():
         y, l1 = cuda_train.ffn_with_aux(x, wg, wu, wd, width=128, crossover=rule, dx_mma=a.dx_mma)[:2]
         return y.astype(jnp.float32).sum() + 2e-5 * l1
 
-    step = jax.jit(jax.grad(loss, (0, 2, 3)))
+    # Every gradient a training step takes: x, the weights (the gate's only when gated).
+    step = jax.jit(jax.grad(loss, (0, 2, 3) if w_gate is None else (0, 1, 2, 3)))
     for _ in range(2):
         jax.block_until_ready(step(inp.x, w_gate, inp.w_up, inp.w_down))
 

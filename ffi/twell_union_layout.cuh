@@ -96,9 +96,19 @@ const char* UnionStepsRefusal(const Shapes& s, bool gated, int32_t mma) {
   return nullptr;
 }
 
-// One CTA (256 threads) per sub-block; dynamic shared memory: bits and their prefix over
-// ceil(f / 32) words, and max_chunks + 1 chunk counters. kValues (UnionValues) says what
-// the words carry; kWordValues and kEntryIndex need R = 1.
+// Dynamic shared memory of TwellUnionLayoutKernel: the union bits and their prefix over
+// ceil(f / 32) words, max_chunks + 1 chunk counters, and three words per tile (where the
+// sub-block's entries of the tile start, where its second 32 tokens start, and the prefix
+// of the tiles' entry counts).
+int UnionLayoutSmem(const Shapes& s, int rows_per_neuron) {
+  return static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(rows_per_neuron * s.f, up::kChunk) + 1 + 3 * s.n_tiles) * 4);
+}
+
+// One CTA (256 threads) per sub-block; dynamic shared memory: UnionLayoutSmem. kValues
+// (UnionValues) says what the words carry; kWordValues and kEntryIndex need R = 1.
+// The sub-block's entries are visited as one flat range over all its tiles (a tile's
+// share found by a binary search of the tile prefix in shared memory), so each pass is a
+// few independent loads per thread, not a chain of dependent loads per tile.
 template <typename E, int R, int kValues>
 __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __restrict__ tok_off,
                                                                    const int32_t* __restrict__ seg_start,
@@ -111,26 +121,56 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
   __shared__ int scratch[32];
   __shared__ int total;
   const int n_words = (s.f + 31) / 32;
+  const int max_chunks = (R * s.f + up::kChunk - 1) / up::kChunk;
   uint32_t* bits = reinterpret_cast<uint32_t*>(union_smem);
   int32_t* pos = union_smem + n_words;
   int32_t* cnt = pos + n_words;
+  int32_t* tile_first = cnt + max_chunks + 1;  // entry index of the tile's first entry of the sub-block
+  int32_t* tile_mid = tile_first + s.n_tiles;  // entries of the sub-block's first 32 tokens in the tile
+  int32_t* tile_pre = tile_mid + s.n_tiles;    // entries of the sub-block in the tiles before
   const int sub = blockIdx.x, b = sub / kSubBlocks, t0 = (sub % kSubBlocks) * up::kTok, tid = threadIdx.x;
   const float* coefs[2] = {coef + s.max_entries, coef + 2 * s.max_entries};  // Wact^T, Wu^T rows (backward)
   const bool over = OverBudget(s, seg_start);
   for (int i = tid; i < n_words; i += 256) bits[i] = 0;
+  // The tiles' ranges, all loaded at once; before: the block's entries of tokens before t0.
+  int before = 0, n_entries = 0;
+  if (!over) {
+    for (int k0 = 0; k0 < s.n_tiles; k0 += 256) {
+      const int k = k0 + tid;
+      int lo = 0, mid = 0, hi = 0, first = 0;
+      if (k < s.n_tiles) {
+        const int seg = b * s.n_tiles + k;
+        const int32_t* off = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
+        lo = off[t0];
+        mid = off[t0 + 32];
+        hi = off[t0 + up::kTok];
+        first = seg_start[seg] + lo;
+      }
+      before += lo;
+      const int o = BlockExclusiveScan(hi - lo, scratch, &total);
+      if (k < s.n_tiles) {
+        tile_first[k] = first;
+        tile_mid[k] = mid - lo;
+        tile_pre[k] = n_entries + o;
+      }
+      n_entries += total;
+    }
+  }
   __syncthreads();
   // Visits every entry of the sub-block: fn(entry, neuron, token within the sub-block).
   auto for_each_entry = [&](auto fn) {
-    for (int k = 0; k < s.n_tiles; ++k) {
-      const int seg = b * s.n_tiles + k;
-      const int32_t* off = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
-      const int64_t base = seg_start[seg];
-      const int lo = off[t0], mid = off[t0 + 32], hi = off[t0 + up::kTok];
-      for (int e = lo + tid; e < hi; e += 256) {
-        const uint32_t word = entries[base + e];
-        const int t = (e >= mid ? 32 : 0) + static_cast<int>((word >> kWordTokenShift) & 31);
-        fn(base + e, k * s.tile + static_cast<int>(word & kColumnMask), t);
+    for (int i = tid; i < n_entries; i += 256) {
+      int k = 0, hi_k = s.n_tiles - 1;  // the last tile whose prefix is <= i (empty tiles share it)
+      while (k < hi_k) {
+        const int m = (k + hi_k + 1) / 2;
+        if (tile_pre[m] <= i) k = m;
+        else hi_k = m - 1;
       }
+      const int r = i - tile_pre[k];
+      const int64_t e = static_cast<int64_t>(tile_first[k]) + r;
+      const uint32_t word = entries[e];
+      const int t = (r >= tile_mid[k] ? 32 : 0) + static_cast<int>((word >> kWordTokenShift) & 31);
+      fn(e, k * s.tile + static_cast<int>(word & kColumnMask), t);
     }
   };
   // Non-zero where entry e contributes table row r (kEntryIndex: every entry outside an
@@ -143,9 +183,7 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
     else
       return E::FromFloat(coefs[r][e]);
   };
-  int before = 0;  // the block's entries of tokens before t0, over this thread's tiles
   if (!over) {
-    for (int k = tid; k < s.n_tiles; k += 256) before += tok_off[(static_cast<int64_t>(b) * s.n_tiles + k) * (kBlockTokens + 1) + t0];
     for_each_entry([&](int64_t e, int j, int) {
       bool any = false;
 #pragma unroll
@@ -227,7 +265,7 @@ ffi::Error LaunchUnion(cudaStream_t stream, const Shapes& s, const int32_t* tok_
                        void* workspace, uint16_t* out, const char* what) {
   const UnionWorkspace w = UnionLayoutOf(s, R, workspace);
   const int n_sub = static_cast<int>(UnionSubBlocks(s));
-  const int smem = static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(R * s.f, up::kChunk) + 1) * 4);
+  const int smem = UnionLayoutSmem(s, R);
   auto* layout = TwellUnionLayoutKernel<E, R, kValues>;
   cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   layout<<<n_sub, 256, smem, stream>>>(tok_off, seg_start, words, coef, w, s);
@@ -248,7 +286,7 @@ ffi::Error LaunchUnionUp(cudaStream_t stream, const Shapes& s, const int32_t* to
   const char* what = "twell_ffn_blocked up as a union product";
   const UnionWorkspace w = UnionLayoutOf(s, 1, partial + UnionUpOffset(s), 2);
   const int n_sub = static_cast<int>(UnionSubBlocks(s));
-  const int smem = static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(s.f, up::kChunk) + 1) * 4);
+  const int smem = UnionLayoutSmem(s, 1);
   auto* layout = TwellUnionLayoutKernel<E, 1, kEntryIndex>;
   cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   layout<<<n_sub, 256, smem, stream>>>(tok_off, seg_start, entries, nullptr, w, s);
