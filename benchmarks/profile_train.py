@@ -1,7 +1,7 @@
 """One forward + backward of the CUDA training FFN at a benchmark shape, for Nsight Compute.
 
 Usage: ncu --kernel-name regex:Twell ... python benchmarks/profile_train.py [--m 16384]
-       [--d 2048] [--f 5632] [--density 0.005] [--pattern uniform] [--nongated] [--dx-mma]
+       [--d 2048] [--f 5632] [--density 0.005] [--pattern uniform] [--nongated] [--cudacore-dx]
 The step runs twice (compile, then the profiled run); the kernels of one step are the
 second half of what ncu lists (or skip the first step's with --launch-skip).
 """
@@ -23,14 +23,15 @@ def main():
     p = argparse.ArgumentParser()
     add_shape_arguments(p, m=16384)
     p.add_argument("--nongated", action="store_true")
-    p.add_argument("--dx-mma", action="store_true", help="dx on tensor cores (ffn_with_aux(dx_mma=True))")
+    p.add_argument("--cudacore-dx", action="store_true", help="dx on CUDA cores (ffn_with_aux(dx_mma=False)); default: the defaults")
     a = p.parse_args()
     inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
     w_gate = None if a.nongated else inp.w_gate
     rule = cuda_train.TrainCrossover(margin=float("inf"))
 
     def loss(x, wg, wu, wd):
-        y, l1 = cuda_train.ffn_with_aux(x, wg, wu, wd, width=128, crossover=rule, dx_mma=a.dx_mma)[:2]
+        y, l1 = cuda_train.ffn_with_aux(x, wg, wu, wd, width=128, crossover=rule,
+                                       dx_mma=False if a.cudacore_dx else None)[:2]
         return y.astype(jnp.float32).sum() + 2e-5 * l1
 
     # Every gradient a training step takes: x, the weights (the gate's only when gated).

@@ -329,13 +329,38 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellTrainDxMmaKernel(
   StoreWarpRows64<E>(acc, dx, static_cast<int64_t>(th.b) * kBlockTokens + th.t0, th.col0, th.g, th.t, th.over_budget, s);
 }
 
+// The weight gradients' records: for the by_col entry at seg_start[seg] + p, its
+// (h, gate coefficient, up coefficient, token) as four words, so that the weight-gradient
+// kernel reads one 16-byte record per entry instead of a by_col word and three
+// coefficients from three arrays in entry order (three scattered 32-byte sectors).
+template <bool kGated>
+__global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t* __restrict__ seg_start,
+                                                                   const int32_t* __restrict__ col_off,
+                                                                   const uint32_t* __restrict__ by_col,
+                                                                   const float* __restrict__ coef,
+                                                                   uint4* __restrict__ records, Shapes s) {
+  if (OverBudget(s, seg_start)) return;
+  const int k = blockIdx.x, b = blockIdx.y, seg = b * s.n_tiles + k;
+  const int64_t base = seg_start[seg];
+  const int n = col_off[static_cast<int64_t>(seg) * (s.tile + 1) + s.tile];  // the segment's by_col entries
+  for (int p = threadIdx.x; p < n; p += 256) {
+    const uint32_t w = by_col[base + p];
+    const int64_t e = base + (w & kLocalMask);
+    const uint32_t token = static_cast<uint32_t>(b) * kBlockTokens + (w >> kTokenShift);
+    records[base + p] = make_uint4(__float_as_uint(coef[e]), __float_as_uint(coef[s.max_entries + e]),
+                                   kGated ? __float_as_uint(coef[2 * s.max_entries + e]) : 0u, token);
+  }
+}
+
 // Weight gradients of tile k, model columns [32 r, 32 r + 32): group g (4 lanes) owns neurons
-// g, g + 64, ... of the tile; per neuron the by_col lists of the blocks in order.
-template <typename E, bool kGated>
+// g, g + 64, ... of the tile; per neuron the by_col lists of the blocks in order. kRecords:
+// each entry read from its record (TwellTrainGradRecordsKernel), else from by_col and coef.
+template <typename E, bool kGated, bool kRecords>
 __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, const int32_t* __restrict__ seg_start,
     const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
-    uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t, uint16_t* __restrict__ dw_up_t, Shapes s) {
+    const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
+    uint16_t* __restrict__ dw_up_t, Shapes s) {
   constexpr int kGroups = kGradThreads / kGradLanes;
   const int k = blockIdx.x, r = blockIdx.y;
   const int col = r * kGradCols + (threadIdx.x % kGradLanes) * 8;
@@ -352,21 +377,30 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
       const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
       const int lo = co[jj], hi = co[jj + 1];
       // Two entries' loads in flight before either is applied (in list order): halves the
-      // chain of dependent L2 reads (by_col word -> x/dy slices and coefficients).
+      // chain of dependent L2 reads (by_col word or record -> x/dy slices and coefficients).
       struct Loaded {
         uint4 x, dy;
         float h, gate, up;
       };
       auto load = [&](int p) {
-        const uint32_t w = by_col[base + p];
-        const int64_t e = base + (w & kLocalMask);
-        const int64_t t = static_cast<int64_t>(b) * kBlockTokens + (w >> kTokenShift);
         Loaded l;
+        int64_t t;
+        if constexpr (kRecords) {
+          const uint4 rec = records[base + p];
+          t = rec.w;
+          l.h = __uint_as_float(rec.x);
+          l.gate = __uint_as_float(rec.y);
+          l.up = __uint_as_float(rec.z);
+        } else {
+          const uint32_t w = by_col[base + p];
+          const int64_t e = base + (w & kLocalMask);
+          t = static_cast<int64_t>(b) * kBlockTokens + (w >> kTokenShift);
+          l.h = coef[e];
+          l.gate = coef[s.max_entries + e];
+          l.up = kGated ? coef[2 * s.max_entries + e] : 0.f;
+        }
         l.x = *reinterpret_cast<const uint4*>(x + t * s.d + col);
         l.dy = *reinterpret_cast<const uint4*>(dy + t * s.d + col);
-        l.h = coef[e];
-        l.gate = coef[s.max_entries + e];
-        l.up = kGated ? coef[2 * s.max_entries + e] : 0.f;
         return l;
       };
       auto apply = [&](const Loaded& l) {
@@ -470,8 +504,19 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
   }
   status = LaunchStatus("twell_train backward dx");
   if (status.failure()) return status;
-  TwellTrainWeightGradKernel<E, kGated><<<dim3(s.n_tiles, s.d / kGradCols), kGradThreads, 0, stream>>>(
-      x, dy, seg_start, col_off, by_col, coef, dw_down, dw_act_t, dw_up_t, s);
+  // The records go into the union layout's workspace, free once dx is done, where it holds
+  // four words per entry (the gated layout's does: ~4 words per entry).
+  const dim3 grads(s.n_tiles, s.d / kGradCols);
+  if (dx_union && UnionLayoutOf(s, kGated ? 2 : 1, nullptr).ints >= 4 * s.max_entries) {
+    uint4* records = reinterpret_cast<uint4*>(union_ws);
+    TwellTrainGradRecordsKernel<kGated><<<dim3(s.n_tiles, s.n_blocks), 256, 0, stream>>>(seg_start, col_off, by_col,
+                                                                                         coef, records, s);
+    TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
+        x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
+  } else {
+    TwellTrainWeightGradKernel<E, kGated, false><<<grads, kGradThreads, 0, stream>>>(
+        x, dy, seg_start, col_off, by_col, coef, nullptr, dw_down, dw_act_t, dw_up_t, s);
+  }
   return LaunchStatus("twell_train backward weight gradients");
 }
 
