@@ -429,115 +429,6 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
   }
 }
 
-// Weight gradients with each block's x and dy columns staged once for 512 neurons
-// (two 256-neuron tiles): CTA (tile pair, 16 model columns), 512 threads, thread jj of
-// half h owning neuron jj of tile 2 blockIdx.x + h and all 16 columns. Per block of 1024
-// tokens, x[block, cols] and dy[block, cols] (32 KB each) are copied by cp.async into one
-// of two stages while the previous block's entries are applied from the other; a
-// neuron's entries come from its records (TwellTrainGradRecordsKernel), in by_col order,
-// so each output's FMAs run in the same order as TwellTrainWeightGradKernel's: the same
-// bits. L2 traffic: the staged columns (f / 512 x d / 16 x M x 64 B) and 16 B per entry
-// and 16-column slice, against 4 sectors of x and dy per entry and 32-column slice.
-constexpr int kStagedThreads = 512, kStagedCols = 16, kStagedTiles = 2, kStagedBatch = 4;
-constexpr int kStagedSmem = 2 * 2 * kBlockTokens * kStagedCols * 2;  // stages x (x, dy) x rows x 32 B
-
-bool WeightGradStaged(const Shapes& s) { return s.tile == kMaxTile && s.d % kStagedCols == 0; }
-
-template <typename E, bool kGated>
-__global__ void __launch_bounds__(kStagedThreads, 1) TwellTrainWeightGradStagedKernel(
-    const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, const int32_t* __restrict__ seg_start,
-    const int32_t* __restrict__ col_off, const uint4* __restrict__ records, uint16_t* __restrict__ dw_down,
-    uint16_t* __restrict__ dw_act_t, uint16_t* __restrict__ dw_up_t, Shapes s) {
-  extern __shared__ uint4 staged[];  // [stage][x, dy][token][2 x 16 B]
-  const int tid = threadIdx.x, jj = tid % kMaxTile;
-  const int k = blockIdx.x * kStagedTiles + tid / kMaxTile, col0 = blockIdx.y * kStagedCols;
-  const bool over_budget = OverBudget(s, seg_start);
-  const bool mine = k < s.n_tiles && jj < TileWidth(s, k);
-  auto slot = [&](int st, int arr, int row) { return staged + ((st * 2 + arr) * kBlockTokens + row) * 2; };
-  auto stage = [&](int b) {  // 4096 copies of 16 B: 8 per thread
-    for (int i = tid; i < 2 * kBlockTokens * 2; i += kStagedThreads) {
-      const int arr = i / (2 * kBlockTokens), row = (i / 2) % kBlockTokens, chunk = i % 2;
-      const int64_t g = static_cast<int64_t>(b) * kBlockTokens + row;
-      if (g < s.rows) CpAsync16(slot(b & 1, arr, row) + chunk, (arr ? dy : x) + g * s.d + col0 + chunk * 8);
-    }
-    CpAsyncCommit();
-  };
-  float a_down[2][8], a_act[2][8], a_up[2][8];
-#pragma unroll
-  for (int q = 0; q < 2; ++q)
-#pragma unroll
-    for (int v = 0; v < 8; ++v) a_down[q][v] = a_act[q][v] = a_up[q][v] = 0.f;
-  // This thread's list in block b: [base + lo, base + hi) of the records.
-  auto range = [&](int b, int64_t& base, int& lo, int& hi) {
-    lo = hi = 0;
-    base = 0;
-    if (!mine || b >= s.n_blocks) return;
-    const int seg = b * s.n_tiles + k;
-    base = seg_start[seg];
-    const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
-    lo = co[jj];
-    hi = co[jj + 1];
-  };
-  const int n_blocks = over_budget ? 0 : s.n_blocks;
-  int64_t base;
-  int lo, hi;
-  range(0, base, lo, hi);
-  if (n_blocks > 0) stage(0);
-  for (int b = 0; b < n_blocks; ++b) {
-    if (b + 1 < n_blocks) stage(b + 1);
-    // The first records of this block and the next block's range, in flight during the wait.
-    uint4 rec[kStagedBatch];
-#pragma unroll
-    for (int q = 0; q < kStagedBatch; ++q) rec[q] = lo + q < hi ? records[base + lo + q] : make_uint4(0, 0, 0, 0);
-    int64_t next_base;
-    int next_lo, next_hi;
-    range(b + 1, next_base, next_lo, next_hi);
-    if (b + 1 < n_blocks) CpAsyncWait<1>();
-    else CpAsyncWait<0>();
-    __syncthreads();  // block b's columns staged by every thread
-    const int64_t t0 = static_cast<int64_t>(b) * kBlockTokens;
-    for (int p = lo; p < hi; p += kStagedBatch) {
-#pragma unroll
-      for (int q = 0; q < kStagedBatch; ++q) {
-        if (p + q >= hi) break;
-        const uint4 r = rec[q];
-        const int row = static_cast<int>(r.w - t0);
-        const float h = __uint_as_float(r.x), gate = __uint_as_float(r.y), up = __uint_as_float(r.z);
-        const uint4* xs = slot(b & 1, 0, row);
-        const uint4* ds = slot(b & 1, 1, row);
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float xv[8], dv[8];
-          Unpack8<E>(xs[c], xv);
-          Unpack8<E>(ds[c], dv);
-#pragma unroll
-          for (int v = 0; v < 8; ++v) {
-            a_down[c][v] = fmaf(h, dv[v], a_down[c][v]);
-            a_act[c][v] = fmaf(gate, xv[v], a_act[c][v]);
-            if (kGated) a_up[c][v] = fmaf(up, xv[v], a_up[c][v]);
-          }
-        }
-      }
-#pragma unroll
-      for (int q = 0; q < kStagedBatch; ++q) {
-        const int pn = p + kStagedBatch + q;
-        rec[q] = pn < hi ? records[base + pn] : make_uint4(0, 0, 0, 0);
-      }
-    }
-    __syncthreads();  // every thread is done with stage b & 1 before block b + 2 lands there
-    base = next_base, lo = next_lo, hi = next_hi;
-  }
-  if (!mine) return;
-  const int64_t row = static_cast<int64_t>(k) * s.tile + jj;
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int64_t o = row * s.d + col0 + c * 8;
-    *reinterpret_cast<uint4*>(dw_down + o) = Pack8<E>(a_down[c], over_budget);
-    *reinterpret_cast<uint4*>(dw_act_t + o) = Pack8<E>(a_act[c], over_budget);
-    if (kGated) *reinterpret_cast<uint4*>(dw_up_t + o) = Pack8<E>(a_up[c], over_budget);
-  }
-}
-
 int64_t FinishBlocks(const Shapes& s) { return std::min<int64_t>(CeilDiv(s.max_entries, 256), 132 * 16); }
 
 template <typename E, bool kGated>
@@ -620,15 +511,8 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
     uint4* records = reinterpret_cast<uint4*>(union_ws);
     TwellTrainGradRecordsKernel<kGated><<<dim3(s.n_tiles, s.n_blocks), 256, 0, stream>>>(seg_start, col_off, by_col,
                                                                                          coef, records, s);
-    if (WeightGradStaged(s)) {
-      auto* kernel = TwellTrainWeightGradStagedKernel<E, kGated>;
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStagedSmem);
-      kernel<<<dim3(CeilDiv(s.n_tiles, kStagedTiles), s.d / kStagedCols), kStagedThreads, kStagedSmem, stream>>>(
-          x, dy, seg_start, col_off, records, dw_down, dw_act_t, dw_up_t, s);
-    } else {
-      TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
-          x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
-    }
+    TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
+        x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
   } else {
     TwellTrainWeightGradKernel<E, kGated, false><<<grads, kGradThreads, 0, stream>>>(
         x, dy, seg_start, col_off, by_col, coef, nullptr, dw_down, dw_act_t, dw_up_t, s);
