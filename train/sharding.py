@@ -83,6 +83,7 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+    """The sharding that keeps a full copy on every device of ``mesh``."""
     return NamedSharding(mesh, PartitionSpec())
 
 

@@ -30,6 +30,7 @@ from jax_twell.train.plot import plt, save_figure
 
 
 def run_dir(sweep_dir: Path, l1: float) -> Path:
+    """The directory of the sweep's run at L1 coefficient ``l1``."""
     return sweep_dir / f"l1_{l1:g}"
 
 

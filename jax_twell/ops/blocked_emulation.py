@@ -94,6 +94,8 @@ def layout(counts: np.ndarray, capacity: int, tile: int, f: int):
 
 
 def needed_entries(counts: np.ndarray, capacity: int, tile: int, f: int) -> int:
+    """Entries the blocked layout needs for these TwELL ``counts``: each (token, tile) its
+    count, an overflowed one (count past ``capacity``) its tile's whole width."""
     return int(reserved(counts, capacity, tile, f).sum())
 
 

@@ -65,6 +65,8 @@ def check_supported(d: int, dtype) -> None:
 
 
 def supports(d: int, dtype) -> bool:
+    """Whether the training kernels take model width ``d`` and ``dtype`` (what
+    :func:`check_supported` raises for, as a bool)."""
     try:
         check_supported(d, dtype)
     except ValueError:
