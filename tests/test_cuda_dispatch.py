@@ -705,3 +705,32 @@ def test_grad_through_the_cuda_ffn_is_the_dense_formulas(monkeypatch, gated):
     xb = jnp.stack([inp.x, 0.5 * inp.x])
     per = jax.vmap(jax.grad(lambda x: loss("cuda", x, inp.w_up)))(xb)
     np.testing.assert_allclose(per[1], jax.grad(lambda x: loss("xla", x, inp.w_up))(xb[1]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", ["uniform", "skewed"])
+def test_sampled_block_union(pattern):
+    """The per-call union estimate for "blocked_union": exact (every block) below twice the
+    sample size, close to it from a sample, and below the uniform formula's value on the
+    skewed pattern, whose union cost it then lowers."""
+    m, f = 4480, 704
+    inp = synthetic_ffn_inputs(jax.random.key(12), m, 128, f, density=0.01, pattern=pattern)
+    g = relu_matmul(inp.x, inp.w_gate)
+    mask = np.asarray(g) > 0
+    exact = mask[: m // 64 * 64].reshape(m // 64, 64, f).any(axis=1).mean()
+    assert float(cuda.sampled_block_union(g, rows=4000)) == pytest.approx(exact, rel=1e-6)
+    est = float(jax.jit(lambda g: cuda.sampled_block_union(g, rows=1024))(g))
+    assert abs(est / exact - 1) < 0.1, (est, exact)
+    p = mask.mean()
+    uniform = 1 - (1 - p) ** 64
+    rule = cuda.DenseCrossover()
+    nnz = int(mask.sum())
+    measured, formula = (float(rule.union_cost(nnz, m, 128, f, 2, u)) for u in (est, None))
+    if pattern == "uniform":
+        assert exact == pytest.approx(uniform, rel=0.05) and measured == pytest.approx(formula, rel=0.05)
+    else:
+        assert exact < 0.8 * uniform and measured < formula
+    # Under one block: the union of the rows themselves; nothing: 0.
+    assert float(cuda.sampled_block_union(g[:10], rows=64)) == pytest.approx(mask[:10].any(axis=0).mean())
+    assert float(cuda.sampled_block_union(g[:0], rows=64)) == 0.0
+    with pytest.raises(ValueError, match="positive"):
+        cuda.sampled_block_union(g, rows=0)

@@ -43,6 +43,7 @@ __all__ = [
     "blocked_needed_entries",
     "gate_counts",
     "sampled_gate_counts",
+    "sampled_block_union",
     "decode_ffn",
     "decode_ffn_gate",
     "decode_ffn_rows",
@@ -424,14 +425,20 @@ class DenseCrossover:
         weights = n_blocks * 2.0 * d * f * itemsize / self.blocked_weight_bandwidth
         return weights + nnz * (2.0 * d / self.blocked_pair_rate) + self.blocked_fixed_overhead
 
-    def union_cost(self, nnz, m: int, d: int, f: int, itemsize: int) -> jax.Array:
+    def union_cost(self, nnz, m: int, d: int, f: int, itemsize: int, union=None) -> jax.Array:
         """Seconds for the blocked kernel with union products ("blocked_union"): the union
-        rows of Wu^T and Wd read per 64-token block, plus a fixed part."""
-        return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize)
+        rows of Wu^T and Wd read per 64-token block, plus a fixed part. ``union``: the
+        blocks' mean union as a fraction of f where measured (:func:`sampled_block_union`);
+        None: the uniform pattern's at the density ``nnz / (M f)``, ``1 - (1 - p)^64``, which
+        a trained model's skewed neuron rates stay well below (about half at ~0.6% active;
+        ffi/notes/twell_ffn_blocked.md)."""
+        union = None if union is None else jnp.asarray(union).astype(jnp.float32)
+        return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize, union)
 
-    def _union_seconds(self, nnz, m: int, d: int, f: int, itemsize: int):
-        p = nnz / float(max(1, m * f))
-        union = 1.0 - (1.0 - p) ** _union.TOKENS  # of f, per block (uniform pattern)
+    def _union_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, union=None):
+        if union is None:
+            p = nnz / float(max(1, m * f))
+            union = 1.0 - (1.0 - p) ** _union.TOKENS  # of f, per block (uniform pattern)
         blocks = -(-m // _union.TOKENS)
         return blocks * union * 2.0 * f * d * itemsize / self.union_row_bandwidth + self.union_fixed_overhead
 
@@ -636,8 +643,11 @@ def sparse_ffn(
             prefer_blocked, any_sparse = jnp.bool_(True), jnp.bool_(True)
         else:
             row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
-            blocked_cost = (rule.union_cost if kernel == "blocked_union" else rule.blocked_cost)(
-                nnz, m, d, f, x.dtype.itemsize)
+            if kernel == "blocked_union":  # the union measured on a sample of g's blocks where g exists
+                union = None if g is None else sampled_block_union(g, rows=rule.count_sample_rows)
+                blocked_cost = rule.union_cost(nnz, m, d, f, x.dtype.itemsize, union)
+            else:
+                blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
             prefer_blocked = blocked_cost < row_cost
             any_sparse = use_sparse | (blocked_cost < rule.margin * rule.dense_cost(m, d, f, x.dtype.itemsize))
 
@@ -900,6 +910,26 @@ def sampled_gate_counts(g: jax.Array, *, tile: int, capacity: int, rows: int) ->
     nnz, n_over, _ = gate_counts(sample, tile=tile, capacity=capacity)
     scale = m / max(sample.shape[0], 1)  # M = 0: nothing counted
     return nnz.astype(jnp.float32) * scale, n_over.astype(jnp.float32) * scale
+
+
+def sampled_block_union(g: jax.Array, *, rows: int, block: int = _union.TOKENS) -> jax.Array:
+    """``[]`` float32: the mean fraction of the f neurons active for some token of a
+    ``block``-token block (what the union products read, per block), estimated from
+    about ``rows`` rows of ``g [M, f]`` in whole blocks evenly spaced (every block when
+    ``M < 2 * rows``; the rows themselves when M is under one block). Like
+    :func:`sampled_gate_counts` it only steers the speed choice of :func:`sparse_ffn`."""
+    if rows <= 0 or block <= 0:
+        raise ValueError(f"rows and block must be positive, got {rows} and {block}")
+    m, f = g.shape
+    if m == 0 or f == 0:
+        return jnp.float32(0.0)
+    n_full = m // block
+    if n_full == 0:
+        return (g > 0).any(axis=0).mean(dtype=jnp.float32)
+    n = max(1, min(n_full, rows // block)) if m >= 2 * rows else n_full
+    stride = n_full // n
+    blocks = g[: n_full * block].reshape(n_full, block, f)[::stride][:n]
+    return (blocks > 0).any(axis=1).mean(dtype=jnp.float32)
 
 
 # The fused gate kernel (ffi/twell_gate.cu): a CUTLASS Hopper GEMM whose output tiles
