@@ -358,8 +358,9 @@ class DenseCrossover:
     # (4096, 11008), all within 5% of measured.
     union_row_bandwidth: float = 4.31e12
     union_fixed_overhead: float = 2.43e-4
-    # The per-call choice counts the active pairs of about this many rows of g, evenly
-    # spaced (all rows below 2x this many), and scales up: a full count reads all of g
+    # The per-call choice counts the active pairs of about this many rows of g (whole
+    # 64-row blocks, evenly spaced; all rows below 2x this many; the blocked_union estimate
+    # of the union reads the same rows), and scales up: a full count reads all of g
     # (~0.1 ms at M=16384, f=5632), which a dense decision would pay for nothing. The
     # sparse branches still check the blocked kernel's exact entry budget after packing.
     count_sample_rows: int = 1024
@@ -896,40 +897,48 @@ def gate_counts(g: jax.Array, *, tile: int, capacity: int) -> tuple[jax.Array, j
     )
 
 
+def _gate_sample(g: jax.Array, rows: int, block: int = _union.TOKENS) -> jax.Array:
+    """The rows of ``g [M, f]`` the per-call choice reads: all of them below ``2 * rows``,
+    else ``max(1, rows // block)`` whole ``block``-row blocks evenly spaced, as
+    ``[n_blocks, block, f]`` (``[1, M, f]`` for all rows). One sample serves both
+    :func:`sampled_gate_counts` and :func:`sampled_block_union`, so a call that takes both
+    reads it once."""
+    if rows <= 0 or block <= 0:
+        raise ValueError(f"rows and block must be positive, got {rows} and {block}")
+    m, f = g.shape
+    if m < 2 * rows:
+        return g[None]
+    n_full = m // block
+    n = max(1, min(n_full, rows // block))
+    return g[: n_full * block].reshape(n_full, block, f)[:: n_full // n][:n]
+
+
 def sampled_gate_counts(g: jax.Array, *, tile: int, capacity: int, rows: int) -> tuple[jax.Array, jax.Array]:
     """Estimates of :func:`gate_counts`' first two values (active pairs, overflowed tiles)
-    from evenly spaced rows of ``g [M, f]``: every ``M // rows``-th row, scaled to M
-    (``[]`` float32 each). Exact when ``M < 2 * rows`` (every row is counted). Reads about
-    ``rows / M`` of g; the estimate steers only the speed choice of :func:`sparse_ffn`,
+    from about ``rows`` rows of ``g [M, f]`` (:func:`_gate_sample`: whole 64-row blocks
+    evenly spaced), scaled to M (``[]`` float32 each). Exact when ``M < 2 * rows`` (every
+    row is counted). The estimate steers only the speed choice of :func:`sparse_ffn`,
     never what is computed."""
-    if rows <= 0:
-        raise ValueError(f"rows must be positive, got {rows}")
-    m = g.shape[0]
-    stride = max(1, m // rows)
-    sample = g[::stride] if stride > 1 else g
+    m, f = g.shape
+    sample = _gate_sample(g, rows).reshape(-1, f)
     nnz, n_over, _ = gate_counts(sample, tile=tile, capacity=capacity)
     scale = m / max(sample.shape[0], 1)  # M = 0: nothing counted
     return nnz.astype(jnp.float32) * scale, n_over.astype(jnp.float32) * scale
 
 
-def sampled_block_union(g: jax.Array, *, rows: int, block: int = _union.TOKENS) -> jax.Array:
+def sampled_block_union(g: jax.Array, *, rows: int) -> jax.Array:
     """``[]`` float32: the mean fraction of the f neurons active for some token of a
-    ``block``-token block (what the union products read, per block), estimated from
-    about ``rows`` rows of ``g [M, f]`` in whole blocks evenly spaced (every block when
-    ``M < 2 * rows``; the rows themselves when M is under one block). Like
-    :func:`sampled_gate_counts` it only steers the speed choice of :func:`sparse_ffn`."""
-    if rows <= 0 or block <= 0:
-        raise ValueError(f"rows and block must be positive, got {rows} and {block}")
+    64-token block (what the union products read, per block), from the same rows as
+    :func:`sampled_gate_counts` (every block below ``2 * rows`` rows; the rows themselves
+    under one block). Like it, it only steers the speed choice of :func:`sparse_ffn`."""
+    block = _union.TOKENS
     m, f = g.shape
     if m == 0 or f == 0:
         return jnp.float32(0.0)
-    n_full = m // block
-    if n_full == 0:
-        return (g > 0).any(axis=0).mean(dtype=jnp.float32)
-    n = max(1, min(n_full, rows // block)) if m >= 2 * rows else n_full
-    stride = n_full // n
-    blocks = g[: n_full * block].reshape(n_full, block, f)[::stride][:n]
-    return (blocks > 0).any(axis=1).mean(dtype=jnp.float32)
+    sample = _gate_sample(g, rows, block)
+    if m < 2 * rows and m >= block:  # all rows sampled: their whole blocks
+        sample = g[: m // block * block].reshape(m // block, block, f)
+    return (sample > 0).any(axis=1).mean(dtype=jnp.float32)
 
 
 # The fused gate kernel (ffi/twell_gate.cu): a CUTLASS Hopper GEMM whose output tiles
