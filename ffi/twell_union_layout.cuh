@@ -157,54 +157,37 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
     }
   }
   __syncthreads();
-  // Non-zero where entry e (its word: word) contributes table row r (kEntryIndex: every
-  // entry outside an overflowed tile, which Recompute handles whole).
-  auto coef_bits = [&](int r, int64_t e, uint32_t word) -> uint32_t {
+  // Visits every entry of the sub-block: fn(entry, neuron, token within the sub-block).
+  auto for_each_entry = [&](auto fn) {
+    for (int i = tid; i < n_entries; i += 256) {
+      int k = 0, hi_k = s.n_tiles - 1;  // the last tile whose prefix is <= i (empty tiles share it)
+      while (k < hi_k) {
+        const int m = (k + hi_k + 1) / 2;
+        if (tile_pre[m] <= i) k = m;
+        else hi_k = m - 1;
+      }
+      const int r = i - tile_pre[k];
+      const int64_t e = static_cast<int64_t>(tile_first[k]) + r;
+      const uint32_t word = entries[e];
+      const int t = (r >= tile_mid[k] ? 32 : 0) + static_cast<int>((word >> kWordTokenShift) & 31);
+      fn(e, k * s.tile + static_cast<int>(word & kColumnMask), t);
+    }
+  };
+  // Non-zero where entry e contributes table row r (kEntryIndex: every entry outside an
+  // overflowed tile, which Recompute handles whole).
+  auto coef_bits = [&](int r, int64_t e) -> uint32_t {
     if constexpr (kIndex)
-      return (word & kFlag) ? 0u : 1u;
+      return (entries[e] & kFlag) ? 0u : 1u;
     else if constexpr (kValues == kWordValues)
-      return word >> 16;
+      return entries[e] >> 16;
     else
       return E::FromFloat(coefs[r][e]);
   };
-  // Visits every entry of the sub-block: fn(entry, neuron, token within the sub-block,
-  // its R values). kBatch entries per thread are loaded before any is applied, so a
-  // sweep costs about one L2 round trip per kBatch x 256 entries.
-  constexpr int kBatch = 8;
-  auto for_each_entry = [&](auto fn) {
-    for (int i0 = 0; i0 < n_entries; i0 += kBatch * 256) {
-      int64_t es[kBatch];
-      int js[kBatch], ts[kBatch];
-      uint32_t vals[kBatch][R];
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q) {
-        const int i = i0 + q * 256 + tid;
-        es[q] = -1;
-        if (i >= n_entries) continue;
-        int k = 0, hi_k = s.n_tiles - 1;  // the last tile whose prefix is <= i (empty tiles share it)
-        while (k < hi_k) {
-          const int m = (k + hi_k + 1) / 2;
-          if (tile_pre[m] <= i) k = m;
-          else hi_k = m - 1;
-        }
-        const int r = i - tile_pre[k];
-        es[q] = static_cast<int64_t>(tile_first[k]) + r;
-        const uint32_t word = entries[es[q]];
-        js[q] = k * s.tile + static_cast<int>(word & kColumnMask);
-        ts[q] = (r >= tile_mid[k] ? 32 : 0) + static_cast<int>((word >> kWordTokenShift) & 31);
-#pragma unroll
-        for (int rr = 0; rr < R; ++rr) vals[q][rr] = coef_bits(rr, es[q], word);
-      }
-#pragma unroll
-      for (int q = 0; q < kBatch; ++q)
-        if (es[q] >= 0) fn(es[q], js[q], ts[q], vals[q]);
-    }
-  };
   if (!over) {
-    for_each_entry([&](int64_t, int j, int, const uint32_t* v) {
+    for_each_entry([&](int64_t e, int j, int) {
       bool any = false;
 #pragma unroll
-      for (int r = 0; r < R; ++r) any |= v[r] != 0u;
+      for (int r = 0; r < R; ++r) any |= coef_bits(r, e) != 0u;
       if (any) atomicOr(&bits[j / 32], 1u << (j % 32));
     });
   }
@@ -233,10 +216,10 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
     }
   for (int i = n_rows + tid; i < chunks * up::kChunk; i += 256) w.rows[row_base + i] = 0;  // A is zero there
   if (!over)
-    for_each_entry([&](int64_t, int j, int, const uint32_t* v) {
+    for_each_entry([&](int64_t e, int j, int) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
-        if (v[r] != 0u) atomicAdd(&cnt[(R * position(j) + r) / up::kChunk], 1);
+        if (coef_bits(r, e) != 0u) atomicAdd(&cnt[(R * position(j) + r) / up::kChunk], 1);
     });
   __syncthreads();
   // Chunk offsets (absolute in ent) and the scatter cursors.
@@ -258,10 +241,10 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
   }
   __syncthreads();
   if (!over)
-    for_each_entry([&](int64_t e, int j, int t, const uint32_t* vs) {
+    for_each_entry([&](int64_t e, int j, int t) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const uint32_t v = vs[r];
+        const uint32_t v = coef_bits(r, e);
         if (v == 0u) continue;
         const int u = R * position(j) + r;
         const int slot = atomicAdd(&cnt[u / up::kChunk], 1);
