@@ -1,0 +1,127 @@
+"""GPU timeline of back-to-back calls: kernel time against idle gaps, sparse and dense.
+
+Usage: python benchmarks/timeline.py [--kernel blocked_union] [--m 16384] [--d 2048]
+       [--f 5632] [--density 0.005] [--pattern uniform] [--calls 6] [--out t.json]
+
+Runs the forced-sparse op and XLA's dense FFN ``--calls`` times back to back (as the
+"call" clock of bench_inference.py does) under jax.profiler, reads the Perfetto trace the
+profiler writes, and reports, over the last half of the calls: the wall span on the GPU
+per call, the summed kernel time, the idle time between kernels, and the largest gaps with
+the kernels on each side. What the benchmark's call clock counts beyond the kernels' own
+time is either here (the GPU idles) or nowhere (the host keeps ahead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import os
+import tempfile
+
+import jax
+
+from jax_twell.ops import cuda, xla
+from jax_twell.testing import synthetic_ffn_inputs
+
+from common import add_shape_arguments
+
+
+def device_events(trace: dict) -> list[tuple[float, float, str]]:
+    """(start us, duration us, name) of every kernel on a GPU stream line of the trace
+    (the device's derived lines, such as "XLA Ops", repeat the kernels and are left out)."""
+    events = trace.get("traceEvents", [])
+    names = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in events if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
+    gpu = {pid for (pid, tid), n in names.items() if tid is None and "GPU" in n}
+    streams = {(pid, tid) for (pid, tid), n in names.items() if pid in gpu and tid is not None and n.startswith("Stream")}
+    out = [
+        (float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "?"))
+        for e in events
+        if e.get("ph") == "X" and e.get("pid") in gpu and (not streams or (e["pid"], e.get("tid")) in streams)
+    ]
+    return sorted(out)
+
+
+def summarise(events, calls: int, label: str) -> dict:
+    """Span, busy time and gaps over the last half of ``calls`` equal calls."""
+    if not events:
+        return dict(label=label, error="no GPU events in the trace")
+    per_call = len(events) // calls
+    tail = events[-per_call * (calls // 2):]
+    span = tail[-1][0] + tail[-1][1] - tail[0][0]
+    # Busy time as the union of intervals (streams may overlap).
+    busy, end = 0.0, -1e30
+    for t, d, _ in tail:
+        if t + d > end:
+            busy += t + d - max(t, end)
+            end = t + d
+    gaps = []
+    end, prev = tail[0][0] + tail[0][1], tail[0][2]
+    for t, d, n in tail[1:]:
+        if t > end:
+            gaps.append((t - end, prev, n))
+        if t + d >= end:
+            end, prev = t + d, n
+    gaps.sort(reverse=True)
+    n = calls // 2
+    return dict(
+        label=label,
+        kernels_per_call=per_call,
+        span_us_per_call=span / n,
+        busy_us_per_call=busy / n,
+        idle_us_per_call=(span - busy) / n,
+        largest_gaps=[dict(us=g, after=a[:90], before=b[:90]) for g, a, b in gaps[:8]],
+    )
+
+
+def traced(fn, args, calls: int) -> list:
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            outs = [fn(*args) for _ in range(calls)]
+            jax.block_until_ready(outs)
+        files = glob.glob(os.path.join(tmp, "**", "perfetto_trace.json.gz"), recursive=True)
+        if not files:
+            raise SystemExit("the profiler wrote no perfetto_trace.json.gz")
+        with gzip.open(files[0], "rt") as fh:
+            return device_events(json.load(fh))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kernel", default="blocked_union", choices=cuda.KERNELS)
+    p.add_argument("--calls", type=int, default=6)
+    p.add_argument("--out", default=None)
+    add_shape_arguments(p, m=16384)
+    a = p.parse_args()
+    inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
+    sparse = jax.jit(
+        lambda x, wg, wu, wd: cuda.sparse_ffn(
+            x, wg, wu, wd, kernel=a.kernel, crossover=cuda.DenseCrossover(margin=float("inf"))
+        )
+    )
+    dense = jax.jit(xla.ffn)
+    rows = [
+        summarise(traced(sparse, inp, a.calls), a.calls, f"sparse {a.kernel}"),
+        summarise(traced(dense, inp, a.calls), a.calls, "dense xla"),
+    ]
+    result = dict(shape=dict(m=a.m, d=a.d, f=a.f, density=a.density, pattern=a.pattern), rows=rows)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    for r in rows:
+        if "error" in r:
+            print(f"{r['label']}: {r['error']}")
+            continue
+        print(
+            f"{r['label']:>22}: {r['kernels_per_call']} kernels, span {r['span_us_per_call']:.1f} us/call, "
+            f"busy {r['busy_us_per_call']:.1f}, idle {r['idle_us_per_call']:.1f}"
+        )
+        for g in r["largest_gaps"][:5]:
+            print(f"{'':>24}gap {g['us']:.1f} us after {g['after'][:50]} before {g['before'][:50]}")
+
+
+if __name__ == "__main__":
+    main()
