@@ -32,7 +32,11 @@ def device_events(trace: dict) -> list[tuple[float, float, str]]:
     """(start us, duration us, name) of every kernel on a GPU stream line of the trace
     (the device's derived lines, such as "XLA Ops", repeat the kernels and are left out)."""
     events = trace.get("traceEvents", [])
-    names = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in events if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
+    names = {
+        (e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")
+    }
     gpu = {pid for (pid, tid), n in names.items() if tid is None and "GPU" in n}
     streams = {(pid, tid) for (pid, tid), n in names.items() if pid in gpu and tid is not None and n.startswith("Stream")}
     out = [
@@ -99,7 +103,7 @@ def main():
     inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
     sparse = jax.jit(
         lambda x, wg, wu, wd: cuda.sparse_ffn(
-            x, wg, wu, wd, kernel=a.kernel, crossover=cuda.DenseCrossover(margin=float("inf"))
+            x, wg, wu, wd, tile=256, capacity=32, kernel=a.kernel, crossover=cuda.DenseCrossover(margin=float("inf"))
         )
     )
     dense = jax.jit(xla.ffn)

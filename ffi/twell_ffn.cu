@@ -346,6 +346,8 @@ ffi::Error TwellFfnUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
 }  // namespace
 }  // namespace jax_twell
 
+// The handlers only launch work on the stream (no host synchronisation): XLA may capture
+// them into its CUDA graphs, conditionals included.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnGated, jax_twell::TwellFfnGated,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
@@ -358,7 +360,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnGated, jax_twell::TwellFfnGated,
                                   .Arg<xla::ffi::AnyBuffer>()  // w_up_t [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int32_t>("tile"));
+                                  .Attr<int32_t>("tile"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfn, jax_twell::TwellFfnUngated,
                               xla::ffi::Ffi::Bind()
@@ -370,4 +373,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfn, jax_twell::TwellFfnUngated,
                                   .Arg<xla::ffi::AnyBuffer>()  // w_up [d, f]
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int32_t>("tile"));
+                                  .Attr<int32_t>("tile"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

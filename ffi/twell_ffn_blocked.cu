@@ -184,6 +184,8 @@ ffi::Error BlockedUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 }  // namespace
 }  // namespace jax_twell
 
+// The handlers only launch work on the stream (no host synchronisation): XLA may capture
+// them into its CUDA graphs, conditionals included.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlockedGated, jax_twell::BlockedGated,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
@@ -201,7 +203,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlockedGated, jax_twell::BlockedGated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partial
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // bit 0: K1 and K2 on tensor cores; bits 2, 3: K2, K1 as union products
+                                  .Attr<int32_t>("mma"),  // bit 0: K1 and K2 on tensor cores; bits 2, 3: K2, K1 as union products
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlocked, jax_twell::BlockedUngated,
                               xla::ffi::Ffi::Bind()
@@ -217,4 +220,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlocked, jax_twell::BlockedUngated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // tok_off
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // 1: K2 on tensor cores
+                                  .Attr<int32_t>("mma"),  // 1: K2 on tensor cores
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -165,6 +165,8 @@ ffi::Error TwellGatePackImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuff
 }  // namespace
 }  // namespace jax_twell
 
+// The handlers only launch work on the stream (no host synchronisation): XLA may capture
+// them into its CUDA graphs, conditionals included.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellGatePack, jax_twell::TwellGatePackImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
@@ -175,4 +177,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellGatePack, jax_twell::TwellGatePackImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("capacity")
-                                  .Attr<int32_t>("variant"));
+                                  .Attr<int32_t>("variant"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -143,6 +143,8 @@ ffi::Error TwellPackImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Result<ffi:
 }  // namespace
 }  // namespace jax_twell
 
+// The handlers only launch work on the stream (no host synchronisation): XLA may capture
+// them into its CUDA graphs, conditionals included.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellPack, jax_twell::TwellPackImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
@@ -151,4 +153,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellPack, jax_twell::TwellPackImpl,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S16>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("capacity"));
+                                  .Attr<int32_t>("capacity"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -736,6 +736,8 @@ ffi::Error BackwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
 
 namespace ffi_api = xla::ffi;
 
+// The handlers only launch work on the stream (no host synchronisation): XLA may capture
+// them into its CUDA graphs, conditionals included.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwdGated, jax_twell::ForwardGated,
                               ffi_api::Ffi::Bind()
                                   .Ctx<ffi_api::PlatformStream<cudaStream_t>>()
@@ -757,7 +759,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwdGated, jax_twell::ForwardGated,
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // col_off
                                   .Ret<ffi_api::Buffer<ffi_api::U32>>()      // by_col
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // bit 0: up/down steps on tensor cores; bits 2, 3: down, up as union products
+                                  .Attr<int32_t>("mma"),  // bit 0: up/down steps on tensor cores; bits 2, 3: down, up as union products
+                              {ffi_api::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwd, jax_twell::ForwardUngated,
                               ffi_api::Ffi::Bind()
@@ -775,7 +778,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwd, jax_twell::ForwardUngated,
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // col_off
                                   .Ret<ffi_api::Buffer<ffi_api::U32>>()      // by_col
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // 1: up/down steps on tensor cores
+                                  .Attr<int32_t>("mma"),  // 1: up/down steps on tensor cores
+                              {ffi_api::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
                               ffi_api::Ffi::Bind()
@@ -800,7 +804,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace; [1] unless bit 2)
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product
+                                  .Attr<int32_t>("mma"),  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product
+                              {ffi_api::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                               ffi_api::Ffi::Bind()
@@ -822,4 +827,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace; [1] unless bit 2)
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"));  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product
+                                  .Attr<int32_t>("mma"),  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product
+                              {ffi_api::Traits::kCmdBufferCompatible});
