@@ -1,13 +1,15 @@
 """GPU timeline of back-to-back calls: kernel time against idle gaps, sparse and dense.
 
 Usage: python benchmarks/timeline.py [--kernel blocked_union] [--m 16384] [--d 2048]
-       [--f 5632] [--density 0.005] [--pattern uniform] [--calls 6] [--out t.json]
+       [--f 5632] [--density 0.005] [--pattern uniform] [--calls 6] [--train] [--out t.json]
 
 Runs the forced-sparse op and XLA's dense FFN ``--calls`` times back to back (as the
 "call" clock of bench_inference.py does) under jax.profiler, reads the Perfetto trace the
 profiler writes, and reports, over the last half of the calls: the wall span on the GPU
 per call, the summed kernel time, the idle time between kernels, and the largest gaps with
-the kernels on each side. What the benchmark's call clock counts beyond the kernels' own
+the kernels on each side; then, outside the profiler, the host time for one call to
+return (its dispatch: a call clock above the kernels' time with no gaps on the GPU means
+the host, not the GPU, sets the pace). What the benchmark's call clock counts beyond the kernels' own
 time is either here (the GPU idles) or nowhere (the host keeps ahead).
 """
 
@@ -18,11 +20,14 @@ import glob
 import gzip
 import json
 import os
+import statistics
 import tempfile
+import time
 
 import jax
+import jax.numpy as jnp
 
-from jax_twell.ops import cuda, xla
+from jax_twell.ops import cuda, cuda_train, xla
 from jax_twell.testing import synthetic_ffn_inputs
 
 from common import add_shape_arguments
@@ -79,6 +84,18 @@ def summarise(events, calls: int, label: str) -> dict:
     )
 
 
+def dispatch_us(fn, args, calls: int = 30) -> float:
+    """Median host time for a call to return (the GPU idle before each call)."""
+    times = []
+    for _ in range(calls):
+        jax.block_until_ready(fn(*args))
+        t0 = time.perf_counter()
+        out = fn(*args)
+        times.append(1e6 * (time.perf_counter() - t0))
+        jax.block_until_ready(out)
+    return statistics.median(times)
+
+
 def traced(fn, args, calls: int) -> list:
     for _ in range(3):
         jax.block_until_ready(fn(*args))
@@ -97,6 +114,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernel", default="blocked_union", choices=cuda.KERNELS)
     p.add_argument("--calls", type=int, default=6)
+    p.add_argument("--train", action="store_true", help="a training step (all gradients) instead of the forward")
     p.add_argument("--out", default=None)
     add_shape_arguments(p, m=16384)
     a = p.parse_args()
@@ -107,10 +125,21 @@ def main():
         )
     )
     dense = jax.jit(xla.ffn)
+    if a.train:  # one training step's gradients (x and every weight) instead of the forward
+        rule = cuda_train.TrainCrossover(margin=float("inf"))
+
+        def grads(ffn):
+            loss = lambda x, wg, wu, wd: ffn(x, wg, wu, wd).astype(jnp.float32).sum()
+            return jax.jit(jax.grad(loss, (0, 1, 2, 3)))
+
+        sparse = grads(lambda *w: cuda_train.ffn_with_aux(*w, width=128, crossover=rule)[0])
+        dense = grads(xla.ffn)
     rows = [
         summarise(traced(sparse, inp, a.calls), a.calls, f"sparse {a.kernel}"),
         summarise(traced(dense, inp, a.calls), a.calls, "dense xla"),
     ]
+    rows[0]["dispatch_us"] = dispatch_us(sparse, inp)
+    rows[1]["dispatch_us"] = dispatch_us(dense, inp)
     result = dict(shape=dict(m=a.m, d=a.d, f=a.f, density=a.density, pattern=a.pattern), rows=rows)
     if a.out:
         with open(a.out, "w") as fh:
@@ -121,7 +150,7 @@ def main():
             continue
         print(
             f"{r['label']:>22}: {r['kernels_per_call']} kernels, span {r['span_us_per_call']:.1f} us/call, "
-            f"busy {r['busy_us_per_call']:.1f}, idle {r['idle_us_per_call']:.1f}"
+            f"busy {r['busy_us_per_call']:.1f}, idle {r['idle_us_per_call']:.1f}, host dispatch {r['dispatch_us']:.1f} us"
         )
         for g in r["largest_gaps"][:5]:
             print(f"{'':>24}gap {g['us']:.1f} us after {g['after'][:50]} before {g['before'][:50]}")
