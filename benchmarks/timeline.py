@@ -7,7 +7,7 @@ Runs the forced-sparse op and XLA's dense FFN ``--calls`` times back to back (as
 "call" clock of bench_inference.py does) under jax.profiler, reads the Perfetto trace the
 profiler writes, and reports, over the last half of the calls: the wall span on the GPU
 per call, the summed kernel time, the idle time between kernels, and the largest gaps with
-the kernels on each side; then, outside the profiler, the host time for one call to
+the kernels on each side, and the time per kernel name; then, outside the profiler, the host time for one call to
 return (its dispatch: a call clock above the kernels' time with no gaps on the GPU means
 the host, not the GPU, sets the pace). What the benchmark's call clock counts beyond the kernels' own
 time is either here (the GPU idles) or nowhere (the host keeps ahead).
@@ -74,6 +74,9 @@ def summarise(events, calls: int, label: str) -> dict:
             end, prev = t + d, n
     gaps.sort(reverse=True)
     n = calls // 2
+    per_kernel: dict[str, float] = {}
+    for _, d, name in tail:
+        per_kernel[name] = per_kernel.get(name, 0.0) + d / n
     return dict(
         label=label,
         kernels_per_call=per_call,
@@ -81,6 +84,7 @@ def summarise(events, calls: int, label: str) -> dict:
         busy_us_per_call=busy / n,
         idle_us_per_call=(span - busy) / n,
         largest_gaps=[dict(us=g, after=a[:90], before=b[:90]) for g, a, b in gaps[:8]],
+        kernels_us=dict(sorted(((k[:120], v) for k, v in per_kernel.items()), key=lambda kv: -kv[1])),
     )
 
 
@@ -152,8 +156,10 @@ def main():
             f"{r['label']:>22}: {r['kernels_per_call']} kernels, span {r['span_us_per_call']:.1f} us/call, "
             f"busy {r['busy_us_per_call']:.1f}, idle {r['idle_us_per_call']:.1f}, host dispatch {r['dispatch_us']:.1f} us"
         )
-        for g in r["largest_gaps"][:5]:
+        for g in r["largest_gaps"][:3]:
             print(f"{'':>24}gap {g['us']:.1f} us after {g['after'][:50]} before {g['before'][:50]}")
+        for name, us in list(r["kernels_us"].items())[:8]:
+            print(f"{'':>24}{us:8.1f} us  {name[:80]}")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,10 @@
 //   Dx                  grid (d/32, block), like K2: 4 lanes per token hold dx[t, 32 cols] in
 //                       f32; per tile the Wg^T and Wu^T slabs [tile, 32] are staged;
 //                       acc = fma(coef1, Wg^T[j], acc), then fma(coef2, Wu^T[j], acc).
-//   WeightGrad          grid (tile, d/32), 64 groups of 4 lanes, one neuron per group at a
-//                       time, its by_col list walked over blocks in order: dWd[j] += h dy[t],
-//                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs.
+//   WeightGrad          grid (tile, d/32), 64 groups of 4 lanes; the tile's entries in
+//                       neuron-major order cut into 64 equal ranges (a hot neuron's list is
+//                       shared out; its per-group partials added in group order):
+//                       dWd[j] += h dy[t], dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t].
 // Every output element is summed by one lane in a fixed order: deterministic, no atomics.
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weight slabs 16 blocks x 5 x 23 MB =
 // 1.85 GB (L2); WeightGrad x/dy slices nnz x d x 4 B = 3.8 GB (L2); partials 2 x 2 x 59 MB.
@@ -352,30 +353,92 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
   }
 }
 
-// Weight gradients of tile k, model columns [32 r, 32 r + 32): group g (4 lanes) owns neurons
-// g, g + 64, ... of the tile; per neuron the by_col lists of the blocks in order. kRecords:
-// each entry read from its record (TwellTrainGradRecordsKernel), else from by_col and coef.
+// Weight gradients of tile k, model columns [32 r, 32 r + 32). The tile's fired entries in
+// neuron-major order (neurons ascending, each neuron's tokens ascending: its by_col lists
+// over the blocks in order) are cut into kGradGroups equal ranges, one per group of 4
+// lanes, so a neuron firing for most tokens is shared out instead of holding one group.
+// A neuron inside one range is summed and stored by its group; a neuron cut by range
+// boundaries leaves one partial per group in shared memory (slot 0: the group's first
+// neuron, slot 1: its last), added in group order by the group holding its last entry.
+// Each output: one fixed order of f32 operations (train_emulation.py follows it).
+// kRecords: each entry read from its record (TwellTrainGradRecordsKernel), else from by_col
+// and coef.
+constexpr int kGradGroups = kGradThreads / kGradLanes;
+struct GradSmem {
+  int start[kMaxTile + 1];  // exclusive prefix of the tile's entries per neuron
+  int scratch[32];
+  int total;
+  float part[2][kGradGroups][kGradLanes][24];  // partials: 8 columns x (down, act, up)
+};
+
+// The first position of group g's range of a tile with w entries.
+__device__ __forceinline__ int GroupStart(int64_t w, int g) { return static_cast<int>(w * g / kGradGroups); }
+
+// The neuron holding position q of the tile's list: the last j < width with start[j] <= q.
+__device__ __forceinline__ int NeuronAt(const int* start, int width, int q) {
+  int lo = 0, hi = width - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (start[mid] <= q) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 template <typename E, bool kGated, bool kRecords>
 __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, const int32_t* __restrict__ seg_start,
     const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
     const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
     uint16_t* __restrict__ dw_up_t, Shapes s) {
-  constexpr int kGroups = kGradThreads / kGradLanes;
+  extern __shared__ float4 grad_smem_words[];
+  GradSmem& sm = *reinterpret_cast<GradSmem*>(grad_smem_words);
   const int k = blockIdx.x, r = blockIdx.y;
-  const int col = r * kGradCols + (threadIdx.x % kGradLanes) * 8;
-  const int group = threadIdx.x / kGradLanes;
+  const int lane = threadIdx.x % kGradLanes, group = threadIdx.x / kGradLanes;
+  const int col = r * kGradCols + lane * 8;
   const bool over_budget = OverBudget(s, seg_start);
   const int width = TileWidth(s, k);
-  for (int jj = group; jj < width; jj += kGroups) {
+  auto co_of = [&](int b) { return col_off + static_cast<int64_t>(b * s.n_tiles + k) * (s.tile + 1); };
+  // Entries per neuron (none when over budget: every row then stores the poison value).
+  int mine = 0;
+  if (!over_budget && static_cast<int>(threadIdx.x) < width)
+    for (int b = 0; b < s.n_blocks; ++b) {
+      const int32_t* co = co_of(b);
+      mine += co[threadIdx.x + 1] - co[threadIdx.x];
+    }
+  const int before = BlockExclusiveScan(mine, sm.scratch, &sm.total);
+  if (static_cast<int>(threadIdx.x) < width) sm.start[threadIdx.x] = before;
+  if (threadIdx.x == 0) sm.start[width] = sm.total;
+  __syncthreads();
+  const int64_t tile_entries = sm.start[width];
+  auto store = [&](int j, const float (&down)[8], const float (&act)[8], const float (&up)[8]) {
+    const int64_t row = static_cast<int64_t>(k) * s.tile + j;
+    *reinterpret_cast<uint4*>(dw_down + row * s.d + col) = Pack8<E>(down, over_budget);
+    *reinterpret_cast<uint4*>(dw_act_t + row * s.d + col) = Pack8<E>(act, over_budget);
+    if (kGated) *reinterpret_cast<uint4*>(dw_up_t + row * s.d + col) = Pack8<E>(up, over_budget);
+  };
+  {  // neurons with no entries: zero rows
+    const float zero[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = group; j < width; j += kGradGroups)
+      if (sm.start[j + 1] == sm.start[j]) store(j, zero, zero, zero);
+  }
+  const int q0 = GroupStart(tile_entries, group), q1 = GroupStart(tile_entries, group + 1);
+  int j = q0 < q1 ? NeuronAt(sm.start, width, q0) : 0;
+  for (int q = q0; q < q1;) {
+    while (sm.start[j + 1] <= q) ++j;  // skip neurons with no entries
+    const int js = sm.start[j], je = sm.start[j + 1];
+    const int a = q - js, z = min(q1, je) - js;  // this group's part of neuron j: [a, z)
     float a_down[8], a_act[8], a_up[8];
 #pragma unroll
     for (int v = 0; v < 8; ++v) a_down[v] = a_act[v] = a_up[v] = 0.f;
-    for (int b = 0; !over_budget && b < s.n_blocks; ++b) {
+    int done = 0;  // entries of neuron j in the blocks before b
+    for (int b = 0; b < s.n_blocks && done < z; ++b) {
       const int seg = b * s.n_tiles + k;
+      const int32_t* co = co_of(b);
+      const int lo_b = co[j], n_b = co[j + 1] - lo_b;
+      const int from = max(a - done, 0), to = min(z - done, n_b);
+      done += n_b;
+      if (from >= to) continue;
       const int64_t base = seg_start[seg];
-      const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
-      const int lo = co[jj], hi = co[jj + 1];
       // Two entries' loads in flight before either is applied (in list order): halves the
       // chain of dependent L2 reads (by_col word or record -> x/dy slices and coefficients).
       struct Loaded {
@@ -414,18 +477,47 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
           if (kGated) a_up[v] = fmaf(l.up, xv[v], a_up[v]);
         }
       };
-      int p = lo;
-      for (; p + 1 < hi; p += 2) {
+      int p = lo_b + from;
+      for (; p + 1 < lo_b + to; p += 2) {
         const Loaded first = load(p), second = load(p + 1);
         apply(first);
         apply(second);
       }
-      if (p < hi) apply(load(p));
+      if (p < lo_b + to) apply(load(p));
     }
-    const int64_t row = static_cast<int64_t>(k) * s.tile + jj;
-    *reinterpret_cast<uint4*>(dw_down + row * s.d + col) = Pack8<E>(a_down, over_budget);
-    *reinterpret_cast<uint4*>(dw_act_t + row * s.d + col) = Pack8<E>(a_act, over_budget);
-    if (kGated) *reinterpret_cast<uint4*>(dw_up_t + row * s.d + col) = Pack8<E>(a_up, over_budget);
+    if (a == 0 && z == je - js) {
+      store(j, a_down, a_act, a_up);
+    } else {
+      float* slot = sm.part[q == q0 ? 0 : 1][group][lane];
+#pragma unroll
+      for (int v = 0; v < 8; ++v) slot[v] = a_down[v], slot[8 + v] = a_act[v], slot[16 + v] = a_up[v];
+    }
+    q = js + z;
+    ++j;
+  }
+  __syncthreads();
+  // A neuron cut by range boundaries: finished by the group holding its last entry, for
+  // which it is the first neuron and started before the group's range.
+  if (q0 < q1) {
+    const int jf = NeuronAt(sm.start, width, q0);
+    const int js = sm.start[jf], je = sm.start[jf + 1];
+    if (js < q0 && je <= q1) {
+      int g = group;  // the groups whose ranges meet [js, je): g ... group
+      while (g > 0 && GroupStart(tile_entries, g) > js) --g;
+      float down[8], act[8], up[8];
+      for (int gg = g; gg <= group; ++gg) {
+        const int g0 = GroupStart(tile_entries, gg);
+        if (g0 == GroupStart(tile_entries, gg + 1)) continue;  // an empty range
+        const float* slot = sm.part[g0 >= js ? 0 : 1][gg][lane];
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          down[v] = gg == g ? slot[v] : down[v] + slot[v];
+          act[v] = gg == g ? slot[8 + v] : act[v] + slot[8 + v];
+          up[v] = gg == g ? slot[16 + v] : up[v] + slot[16 + v];
+        }
+      }
+      store(jf, down, act, up);
+    }
   }
 }
 
@@ -511,10 +603,14 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
     uint4* records = reinterpret_cast<uint4*>(union_ws);
     TwellTrainGradRecordsKernel<kGated><<<dim3(s.n_tiles, s.n_blocks), 256, 0, stream>>>(seg_start, col_off, by_col,
                                                                                          coef, records, s);
-    TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
+    cudaFuncSetAttribute(TwellTrainWeightGradKernel<E, kGated, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         sizeof(GradSmem));
+    TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, sizeof(GradSmem), stream>>>(
         x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
   } else {
-    TwellTrainWeightGradKernel<E, kGated, false><<<grads, kGradThreads, 0, stream>>>(
+    cudaFuncSetAttribute(TwellTrainWeightGradKernel<E, kGated, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         sizeof(GradSmem));
+    TwellTrainWeightGradKernel<E, kGated, false><<<grads, kGradThreads, sizeof(GradSmem), stream>>>(
         x, dy, seg_start, col_off, by_col, coef, nullptr, dw_down, dw_act_t, dw_up_t, s);
   }
   return LaunchStatus("twell_train backward weight gradients");

@@ -16,7 +16,9 @@ training adds:
 - backward: dh partial dot products with the up step's lane structure (dy for x, Wd rows
   for Wu^T rows, every entry); ``dh = sum of partials + c sign(h)`` with ``c = dl1 / M``;
   coefficients ``(h, dh * u, dh * g)`` (non-gated: ``(h, dh)``); dx accumulated per token in
-  entry order (tiles, then columns); weight gradients per neuron in token order.
+  entry order (tiles, then columns); weight gradients: each tile's fired entries in
+  neuron-major order (neurons, then tokens) cut into ``GRAD_GROUPS`` equal ranges, each
+  (neuron, range) part summed in token order, a neuron's parts added in range order.
 
 Products of two 2-byte floats are exact in f32 (``fma == add``); products of an f32
 coefficient with a 2-byte weight are not, and :func:`fma` evaluates them in float64 with a
@@ -33,6 +35,7 @@ import numpy as np
 from jax_twell.ops import blocked_emulation as _b
 
 TOKEN_SHIFT = 18
+GRAD_GROUPS = 64  # the weight-gradient kernel's groups of lanes per CTA (kGradGroups)
 _F32 = np.float32
 _F64 = np.float64
 
@@ -238,19 +241,45 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
                 acc[t] = fma(coef[2, sel][:, None], wut[neuron[sel]], acc[t])
     dx = acc.astype(dt)
 
-    # WeightGrad: per neuron, its tokens in increasing order.
+    # WeightGrad: each tile's fired entries in neuron-major order (neurons ascending, then
+    # tokens) cut into GRAD_GROUPS equal ranges; each (neuron, range) chunk summed in order
+    # from zero, then a neuron's chunks added in range order.
     a = np.nonzero(fired)[0]
     a = a[np.lexsort((tok[a], neuron[a]))]
-    rank = np.arange(a.size) - np.searchsorted(neuron[a], neuron[a], side="left")
+    tile_of = neuron[a] // tile
+    pos = np.arange(a.size) - np.searchsorted(tile_of, tile_of, side="left")
+    w = np.bincount(tile_of, minlength=1)[tile_of] if a.size else pos
+    # group = the last g with floor(w g / G) <= pos
+    group = np.minimum((GRAD_GROUPS * (pos + 1) + w - 1) // np.maximum(w, 1) - 1, GRAD_GROUPS - 1)
+    key = neuron[a] * GRAD_GROUPS + group
+    new_chunk = np.ones(a.size, bool)
+    new_chunk[1:] = key[1:] != key[:-1]
+    chunk = np.cumsum(new_chunk) - 1
+    rank = np.arange(a.size) - np.flatnonzero(new_chunk)[chunk]
+    n_chunks = int(chunk[-1]) + 1 if a.size else 0
+    c_down = np.zeros((n_chunks, d), _F32)
+    c_act = np.zeros((n_chunks, d), _F32)
+    c_up = np.zeros((n_chunks, d), _F32)
+    for r in range(int(rank.max(initial=-1)) + 1):
+        sel = a[rank == r]
+        c = chunk[rank == r]
+        t = tok[sel]
+        c_down[c] = fma(coef[0, sel][:, None], dyf[t], c_down[c])
+        c_act[c] = fma(coef[1, sel][:, None], xf[t], c_act[c])
+        if gated:
+            c_up[c] = fma(coef[2, sel][:, None], xf[t], c_up[c])
+    heads = np.flatnonzero(new_chunk)
+    chunk_neuron = neuron[a][heads]
+    chunk_rank = np.arange(n_chunks) - np.searchsorted(chunk_neuron, chunk_neuron, side="left")
     a_down = np.zeros((f, d), _F32)
     a_act = np.zeros((f, d), _F32)
     a_up = np.zeros((f, d), _F32)
-    for r in range(int(rank.max(initial=-1)) + 1):
-        sel = a[rank == r]
-        j, t = neuron[sel], tok[sel]
-        a_down[j] = fma(coef[0, sel][:, None], dyf[t], a_down[j])
-        a_act[j] = fma(coef[1, sel][:, None], xf[t], a_act[j])
-        if gated:
-            a_up[j] = fma(coef[2, sel][:, None], xf[t], a_up[j])
+    for r in range(int(chunk_rank.max(initial=-1)) + 1):
+        c = np.flatnonzero(chunk_rank == r)
+        j = chunk_neuron[c]
+        first = r == 0
+        a_down[j] = c_down[c] if first else (a_down[j] + c_down[c]).astype(_F32)
+        a_act[j] = c_act[c] if first else (a_act[j] + c_act[c]).astype(_F32)
+        a_up[j] = c_up[c] if first else (a_up[j] + c_up[c]).astype(_F32)
     dw_up_t = a_up.astype(dt) if gated else None
     return dx, a_down.astype(dt), a_act.astype(dt), dw_up_t, partial, coef
