@@ -357,9 +357,12 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
 // neuron-major order (neurons ascending, each neuron's tokens ascending: its by_col lists
 // over the blocks in order) are cut into kGradGroups equal ranges, one per group of 4
 // lanes, so a neuron firing for most tokens is shared out instead of holding one group.
-// A neuron inside one range is summed and stored by its group; a neuron cut by range
-// boundaries leaves one partial per group in shared memory (slot 0: the group's first
-// neuron, slot 1: its last), added in group order by the group holding its last entry.
+// A neuron inside one range is summed and stored by its group. A neuron cut by range
+// boundaries: the group holding its first entry keeps its part in registers (the neuron is
+// that group's last), every later group it reaches leaves its part in shared memory (the
+// neuron is that group's first), and the first group adds them in group order. One slot
+// per group keeps shared memory at ~26 KB per CTA, so L1 stays large (the CTAs of a tile
+// share its records and col_off through it; a 50 KB two-slot version ran 1.6x slower).
 // Each output: one fixed order of f32 operations (train_emulation.py follows it).
 // kRecords: each entry read from its record (TwellTrainGradRecordsKernel), else from by_col
 // and coef.
@@ -368,7 +371,7 @@ struct GradSmem {
   int start[kMaxTile + 1];  // exclusive prefix of the tile's entries per neuron
   int scratch[32];
   int total;
-  float part[2][kGradGroups][kGradLanes][24];  // partials: 8 columns x (down, act, up)
+  float part[kGradGroups][kGradLanes][24];  // a group's part of its first neuron: 8 columns x (down, act, up)
 };
 
 // The first position of group g's range of a tile with w entries.
@@ -390,8 +393,7 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
     const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
     uint16_t* __restrict__ dw_up_t, Shapes s) {
-  extern __shared__ float4 grad_smem_words[];
-  GradSmem& sm = *reinterpret_cast<GradSmem*>(grad_smem_words);
+  __shared__ GradSmem sm;
   const int k = blockIdx.x, r = blockIdx.y;
   const int lane = threadIdx.x % kGradLanes, group = threadIdx.x / kGradLanes;
   const int col = r * kGradCols + lane * 8;
@@ -423,11 +425,14 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
   }
   const int q0 = GroupStart(tile_entries, group), q1 = GroupStart(tile_entries, group + 1);
   int j = q0 < q1 ? NeuronAt(sm.start, width, q0) : 0;
+  // Accumulators outlive the walk: a neuron cut at the range's end is the walk's last, and
+  // its part stays here for the combine below.
+  float a_down[8], a_act[8], a_up[8];
+  int carried = -1;  // that neuron, if any
   for (int q = q0; q < q1;) {
     while (sm.start[j + 1] <= q) ++j;  // skip neurons with no entries
     const int js = sm.start[j], je = sm.start[j + 1];
     const int a = q - js, z = min(q1, je) - js;  // this group's part of neuron j: [a, z)
-    float a_down[8], a_act[8], a_up[8];
 #pragma unroll
     for (int v = 0; v < 8; ++v) a_down[v] = a_act[v] = a_up[v] = 0.f;
     int done = 0;  // entries of neuron j in the blocks before b
@@ -487,37 +492,30 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     }
     if (a == 0 && z == je - js) {
       store(j, a_down, a_act, a_up);
-    } else {
-      float* slot = sm.part[q == q0 ? 0 : 1][group][lane];
+    } else if (a > 0) {  // started before this range: this group's first neuron
+      float* slot = sm.part[group][lane];
 #pragma unroll
       for (int v = 0; v < 8; ++v) slot[v] = a_down[v], slot[8 + v] = a_act[v], slot[16 + v] = a_up[v];
+    } else {  // starts here and goes on past the range: the walk's last neuron
+      carried = j;
     }
     q = js + z;
     ++j;
   }
   __syncthreads();
-  // A neuron cut by range boundaries: finished by the group holding its last entry, for
-  // which it is the first neuron and started before the group's range.
-  if (q0 < q1) {
-    const int jf = NeuronAt(sm.start, width, q0);
-    const int js = sm.start[jf], je = sm.start[jf + 1];
-    if (js < q0 && je <= q1) {
-      int g = group;  // the groups whose ranges meet [js, je): g ... group
-      while (g > 0 && GroupStart(tile_entries, g) > js) --g;
-      float down[8], act[8], up[8];
-      for (int gg = g; gg <= group; ++gg) {
-        const int g0 = GroupStart(tile_entries, gg);
-        if (g0 == GroupStart(tile_entries, gg + 1)) continue;  // an empty range
-        const float* slot = sm.part[g0 >= js ? 0 : 1][gg][lane];
+  if (carried >= 0) {  // add the parts of the later groups it reaches, in group order
+    const int je = sm.start[carried + 1];
+    for (int gg = group + 1; gg < kGradGroups && GroupStart(tile_entries, gg) < je; ++gg) {
+      if (GroupStart(tile_entries, gg) == GroupStart(tile_entries, gg + 1)) continue;  // an empty range
+      const float* slot = sm.part[gg][lane];
 #pragma unroll
-        for (int v = 0; v < 8; ++v) {
-          down[v] = gg == g ? slot[v] : down[v] + slot[v];
-          act[v] = gg == g ? slot[8 + v] : act[v] + slot[8 + v];
-          up[v] = gg == g ? slot[16 + v] : up[v] + slot[16 + v];
-        }
+      for (int v = 0; v < 8; ++v) {
+        a_down[v] += slot[v];
+        a_act[v] += slot[8 + v];
+        a_up[v] += slot[16 + v];
       }
-      store(jf, down, act, up);
     }
+    store(carried, a_down, a_act, a_up);
   }
 }
 
@@ -603,14 +601,10 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
     uint4* records = reinterpret_cast<uint4*>(union_ws);
     TwellTrainGradRecordsKernel<kGated><<<dim3(s.n_tiles, s.n_blocks), 256, 0, stream>>>(seg_start, col_off, by_col,
                                                                                          coef, records, s);
-    cudaFuncSetAttribute(TwellTrainWeightGradKernel<E, kGated, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         sizeof(GradSmem));
-    TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, sizeof(GradSmem), stream>>>(
+    TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
         x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
   } else {
-    cudaFuncSetAttribute(TwellTrainWeightGradKernel<E, kGated, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         sizeof(GradSmem));
-    TwellTrainWeightGradKernel<E, kGated, false><<<grads, kGradThreads, sizeof(GradSmem), stream>>>(
+    TwellTrainWeightGradKernel<E, kGated, false><<<grads, kGradThreads, 0, stream>>>(
         x, dy, seg_start, col_off, by_col, coef, nullptr, dw_down, dw_act_t, dw_up_t, s);
   }
   return LaunchStatus("twell_train backward weight gradients");
