@@ -23,10 +23,11 @@
 //   Dx                  grid (d/32, block), like K2: 4 lanes per token hold dx[t, 32 cols] in
 //                       f32; per tile the Wg^T and Wu^T slabs [tile, 32] are staged;
 //                       acc = fma(coef1, Wg^T[j], acc), then fma(coef2, Wu^T[j], acc).
-//   WeightGrad          grid (tile, d/32), 64 groups of 4 lanes; the tile's entries in
-//                       neuron-major order cut into 64 equal ranges (a hot neuron's list is
-//                       shared out; its per-group partials added in group order):
-//                       dWd[j] += h dy[t], dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t].
+//   WeightGrad          grid (tile, d/32), 64 groups of 4 lanes, one neuron per group at a
+//                       time, its by_col list walked over blocks in order: dWd[j] += h dy[t],
+//                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs.
+//                       Tiles with a hot neuron: WeightGradBalanced, the tile's neuron-major
+//                       entries cut into 64 equal ranges, cut neurons' parts added in order.
 // Every output element is summed by one lane in a fixed order: deterministic, no atomics.
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weight slabs 16 blocks x 5 x 23 MB =
 // 1.85 GB (L2); WeightGrad x/dy slices nnz x d x 4 B = 3.8 GB (L2); partials 2 x 2 x 59 MB.
@@ -353,24 +354,147 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
   }
 }
 
-// Weight gradients of tile k, model columns [32 r, 32 r + 32). The tile's fired entries in
-// neuron-major order (neurons ascending, each neuron's tokens ascending: its by_col lists
-// over the blocks in order) are cut into kGradGroups equal ranges, one per group of 4
-// lanes, so a neuron firing for most tokens is shared out instead of holding one group.
-// A neuron inside one range is summed and stored by its group. A neuron cut by range
-// boundaries: the group holding its first entry keeps its part in registers (the neuron is
-// that group's last), every later group it reaches leaves its part in shared memory (the
-// neuron is that group's first), and the first group adds them in group order. One slot
-// per group keeps shared memory at ~26 KB per CTA, so L1 stays large (the CTAs of a tile
-// share its records and col_off through it; a 50 KB two-slot version ran 1.6x slower).
-// Each output: one fixed order of f32 operations (train_emulation.py follows it).
+// Weight gradients: grid (tile k, model columns [32 r, 32 r + 32)), 64 groups of 4 lanes,
+// two kernels over the same grid, each taking the tiles the other leaves:
+// - TwellTrainWeightGradKernel: group g owns neurons g, g + 64, ... of the tile; per neuron
+//   the by_col lists of the blocks in order, summed from zero;
+// - TwellTrainWeightGradBalancedKernel, for "hot" tiles (one neuron holds more than two of
+//   the 64 groups' shares of the tile's entries: a neuron firing for most tokens would
+//   hold one group while the other 63 wait): the tile's entries in neuron-major order
+//   (neurons ascending, then tokens) are cut into 64 equal ranges, one per group. A neuron
+//   inside one range is summed and stored by its group. A neuron cut by range boundaries:
+//   the group holding its first entry keeps its part in registers (the neuron is that
+//   group's last), every later group it reaches leaves its part in shared memory (the
+//   neuron is that group's first), and the first group adds them in group order.
+// Each output: one fixed order of f32 operations (train_emulation.py follows both).
 // kRecords: each entry read from its record (TwellTrainGradRecordsKernel), else from by_col
 // and coef.
 constexpr int kGradGroups = kGradThreads / kGradLanes;
+constexpr int kGradStageBlocks = 16;  // col_off rows a balanced CTA stages in shared memory (M <= 16,384)
+
+struct GradAcc {
+  float down[8], act[8], up[8];
+};
+
+// Adds by_col entries [p, p_end) of segment (b, k) (at base) to acc, in list order.
+template <typename E, bool kGated, bool kRecords>
+__device__ __forceinline__ void AddEntries(GradAcc& acc, int p, int p_end, int64_t base, int b, int col,
+                                           const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
+                                           const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
+                                           const uint4* __restrict__ records, const Shapes& s) {
+  struct Loaded {
+    uint4 x, dy;
+    float h, gate, up;
+  };
+  auto load = [&](int q) {
+    Loaded l;
+    int64_t t;
+    if constexpr (kRecords) {
+      const uint4 rec = records[base + q];
+      t = rec.w;
+      l.h = __uint_as_float(rec.x);
+      l.gate = __uint_as_float(rec.y);
+      l.up = __uint_as_float(rec.z);
+    } else {
+      const uint32_t w = by_col[base + q];
+      const int64_t e = base + (w & kLocalMask);
+      t = static_cast<int64_t>(b) * kBlockTokens + (w >> kTokenShift);
+      l.h = coef[e];
+      l.gate = coef[s.max_entries + e];
+      l.up = kGated ? coef[2 * s.max_entries + e] : 0.f;
+    }
+    l.x = *reinterpret_cast<const uint4*>(x + t * s.d + col);
+    l.dy = *reinterpret_cast<const uint4*>(dy + t * s.d + col);
+    return l;
+  };
+  auto apply = [&](const Loaded& l) {
+    float xv[8], dv[8];
+    Unpack8<E>(l.x, xv);
+    Unpack8<E>(l.dy, dv);
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      acc.down[v] = fmaf(l.h, dv[v], acc.down[v]);
+      acc.act[v] = fmaf(l.gate, xv[v], acc.act[v]);
+      if (kGated) acc.up[v] = fmaf(l.up, xv[v], acc.up[v]);
+    }
+  };
+  // Two entries' loads in flight before either is applied (in list order): halves the
+  // chain of dependent L2 reads (by_col word or record -> x/dy slices and coefficients).
+  for (; p + 1 < p_end; p += 2) {
+    const Loaded first = load(p), second = load(p + 1);
+    apply(first);
+    apply(second);
+  }
+  if (p < p_end) apply(load(p));
+}
+
+template <typename E, bool kGated>
+__device__ __forceinline__ void StoreGrads(const GradAcc& acc, int k, int j, int col, bool poison,
+                                           uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t,
+                                           const Shapes& s) {
+  const int64_t row = static_cast<int64_t>(k) * s.tile + j;
+  *reinterpret_cast<uint4*>(dw_down + row * s.d + col) = Pack8<E>(acc.down, poison);
+  *reinterpret_cast<uint4*>(dw_act_t + row * s.d + col) = Pack8<E>(acc.act, poison);
+  if (kGated) *reinterpret_cast<uint4*>(dw_up_t + row * s.d + col) = Pack8<E>(acc.up, poison);
+}
+
+// Entries of neuron threadIdx.x of tile k over the blocks (0 past the width or when
+// skipped); stage (optional, n_blocks <= kGradStageBlocks): the col_off rows, [b][c].
+__device__ __forceinline__ int NeuronEntries(const int32_t* __restrict__ col_off, int k, int width, bool skip,
+                                             const Shapes& s, int* stage) {
+  const int c = threadIdx.x;
+  int n = 0;
+  if (skip || c >= width) return 0;
+#pragma unroll 4
+  for (int b = 0; b < s.n_blocks; ++b) {
+    const int32_t* co = col_off + static_cast<int64_t>(b * s.n_tiles + k) * (s.tile + 1);
+    const int lo = co[c], hi = co[c + 1];
+    n += hi - lo;
+    if (stage != nullptr) {
+      stage[b * (kMaxTile + 1) + c] = lo;
+      if (c == width - 1) stage[b * (kMaxTile + 1) + width] = hi;
+    }
+  }
+  return n;
+}
+
+// After a block-wide scan of the entries per neuron (total: the tile's), whether one
+// neuron holds more than two of the 64 groups' shares. Block-uniform.
+__device__ __forceinline__ bool TileIsHot(int n, int total) { return __syncthreads_or(32LL * n > total) != 0; }
+
+template <typename E, bool kGated, bool kRecords>
+__global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
+    const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, const int32_t* __restrict__ seg_start,
+    const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
+    const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
+    uint16_t* __restrict__ dw_up_t, Shapes s) {
+  __shared__ int scratch[32];
+  __shared__ int total;
+  const int k = blockIdx.x, r = blockIdx.y;
+  const bool over_budget = OverBudget(s, seg_start);
+  const int width = TileWidth(s, k);
+  const int n = NeuronEntries(col_off, k, width, over_budget, s, nullptr);
+  BlockExclusiveScan(n, scratch, &total);
+  if (TileIsHot(n, total)) return;  // TwellTrainWeightGradBalancedKernel's
+  const int col = r * kGradCols + (threadIdx.x % kGradLanes) * 8;
+  const int group = threadIdx.x / kGradLanes;
+  for (int jj = group; jj < width; jj += kGradGroups) {
+    GradAcc acc = {};
+    for (int b = 0; !over_budget && b < s.n_blocks; ++b) {
+      const int seg = b * s.n_tiles + k;
+      const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
+      AddEntries<E, kGated, kRecords>(acc, co[jj], co[jj + 1], seg_start[seg], b, col, x, dy, by_col, coef, records, s);
+    }
+    StoreGrads<E, kGated>(acc, k, jj, col, over_budget, dw_down, dw_act_t, dw_up_t, s);
+  }
+}
+
 struct GradSmem {
   int start[kMaxTile + 1];  // exclusive prefix of the tile's entries per neuron
   int scratch[32];
   int total;
+  int co[kGradStageBlocks][kMaxTile + 1];  // the tile's col_off rows (n_blocks <= kGradStageBlocks)
+  int64_t seg_base[kGradStageBlocks];
   float part[kGradGroups][kGradLanes][24];  // a group's part of its first neuron: 8 columns x (down, act, up)
 };
 
@@ -388,7 +512,7 @@ __device__ __forceinline__ int NeuronAt(const int* start, int width, int q) {
 }
 
 template <typename E, bool kGated, bool kRecords>
-__global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
+__global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradBalancedKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, const int32_t* __restrict__ seg_start,
     const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
     const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
@@ -397,105 +521,48 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
   const int k = blockIdx.x, r = blockIdx.y;
   const int lane = threadIdx.x % kGradLanes, group = threadIdx.x / kGradLanes;
   const int col = r * kGradCols + lane * 8;
-  const bool over_budget = OverBudget(s, seg_start);
+  if (OverBudget(s, seg_start)) return;  // TwellTrainWeightGradKernel stores the poison rows
   const int width = TileWidth(s, k);
-  auto co_of = [&](int b) { return col_off + static_cast<int64_t>(b * s.n_tiles + k) * (s.tile + 1); };
-  // Entries per neuron (none when over budget: every row then stores the poison value).
-  int mine = 0;
-  if (!over_budget && static_cast<int>(threadIdx.x) < width)
-    for (int b = 0; b < s.n_blocks; ++b) {
-      const int32_t* co = co_of(b);
-      mine += co[threadIdx.x + 1] - co[threadIdx.x];
-    }
-  const int before = BlockExclusiveScan(mine, sm.scratch, &sm.total);
+  const bool staged = s.n_blocks <= kGradStageBlocks;
+  const int n = NeuronEntries(col_off, k, width, false, s, staged ? &sm.co[0][0] : nullptr);
+  const int before = BlockExclusiveScan(n, sm.scratch, &sm.total);
+  if (!TileIsHot(n, sm.total)) return;
   if (static_cast<int>(threadIdx.x) < width) sm.start[threadIdx.x] = before;
   if (threadIdx.x == 0) sm.start[width] = sm.total;
+  if (staged && static_cast<int>(threadIdx.x) < s.n_blocks) sm.seg_base[threadIdx.x] = seg_start[threadIdx.x * s.n_tiles + k];
   __syncthreads();
-  const int64_t tile_entries = sm.start[width];
-  auto store = [&](int j, const float (&down)[8], const float (&act)[8], const float (&up)[8]) {
-    const int64_t row = static_cast<int64_t>(k) * s.tile + j;
-    *reinterpret_cast<uint4*>(dw_down + row * s.d + col) = Pack8<E>(down, over_budget);
-    *reinterpret_cast<uint4*>(dw_act_t + row * s.d + col) = Pack8<E>(act, over_budget);
-    if (kGated) *reinterpret_cast<uint4*>(dw_up_t + row * s.d + col) = Pack8<E>(up, over_budget);
+  auto co_at = [&](int b, int j) {
+    return staged ? sm.co[b][j] : col_off[static_cast<int64_t>(b * s.n_tiles + k) * (s.tile + 1) + j];
   };
-  {  // neurons with no entries: zero rows
-    const float zero[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = group; j < width; j += kGradGroups)
-      if (sm.start[j + 1] == sm.start[j]) store(j, zero, zero, zero);
-  }
+  auto base_of = [&](int b) -> int64_t { return staged ? sm.seg_base[b] : seg_start[b * s.n_tiles + k]; };
+  const int64_t tile_entries = sm.start[width];
+  for (int j = group; j < width; j += kGradGroups)  // neurons with no entries: zero rows
+    if (sm.start[j + 1] == sm.start[j]) StoreGrads<E, kGated>(GradAcc{}, k, j, col, false, dw_down, dw_act_t, dw_up_t, s);
   const int q0 = GroupStart(tile_entries, group), q1 = GroupStart(tile_entries, group + 1);
   int j = q0 < q1 ? NeuronAt(sm.start, width, q0) : 0;
-  // Accumulators outlive the walk: a neuron cut at the range's end is the walk's last, and
-  // its part stays here for the combine below.
-  float a_down[8], a_act[8], a_up[8];
+  // The accumulator outlives the walk: a neuron cut at the range's end is the walk's last,
+  // and its part stays here for the combine below.
+  GradAcc acc;
   int carried = -1;  // that neuron, if any
   for (int q = q0; q < q1;) {
     while (sm.start[j + 1] <= q) ++j;  // skip neurons with no entries
     const int js = sm.start[j], je = sm.start[j + 1];
     const int a = q - js, z = min(q1, je) - js;  // this group's part of neuron j: [a, z)
-#pragma unroll
-    for (int v = 0; v < 8; ++v) a_down[v] = a_act[v] = a_up[v] = 0.f;
+    acc = GradAcc{};
     int done = 0;  // entries of neuron j in the blocks before b
     for (int b = 0; b < s.n_blocks && done < z; ++b) {
-      const int seg = b * s.n_tiles + k;
-      const int32_t* co = co_of(b);
-      const int lo_b = co[j], n_b = co[j + 1] - lo_b;
+      const int lo_b = co_at(b, j), n_b = co_at(b, j + 1) - lo_b;
       const int from = max(a - done, 0), to = min(z - done, n_b);
       done += n_b;
-      if (from >= to) continue;
-      const int64_t base = seg_start[seg];
-      // Two entries' loads in flight before either is applied (in list order): halves the
-      // chain of dependent L2 reads (by_col word or record -> x/dy slices and coefficients).
-      struct Loaded {
-        uint4 x, dy;
-        float h, gate, up;
-      };
-      auto load = [&](int p) {
-        Loaded l;
-        int64_t t;
-        if constexpr (kRecords) {
-          const uint4 rec = records[base + p];
-          t = rec.w;
-          l.h = __uint_as_float(rec.x);
-          l.gate = __uint_as_float(rec.y);
-          l.up = __uint_as_float(rec.z);
-        } else {
-          const uint32_t w = by_col[base + p];
-          const int64_t e = base + (w & kLocalMask);
-          t = static_cast<int64_t>(b) * kBlockTokens + (w >> kTokenShift);
-          l.h = coef[e];
-          l.gate = coef[s.max_entries + e];
-          l.up = kGated ? coef[2 * s.max_entries + e] : 0.f;
-        }
-        l.x = *reinterpret_cast<const uint4*>(x + t * s.d + col);
-        l.dy = *reinterpret_cast<const uint4*>(dy + t * s.d + col);
-        return l;
-      };
-      auto apply = [&](const Loaded& l) {
-        float xv[8], dv[8];
-        Unpack8<E>(l.x, xv);
-        Unpack8<E>(l.dy, dv);
-#pragma unroll
-        for (int v = 0; v < 8; ++v) {
-          a_down[v] = fmaf(l.h, dv[v], a_down[v]);
-          a_act[v] = fmaf(l.gate, xv[v], a_act[v]);
-          if (kGated) a_up[v] = fmaf(l.up, xv[v], a_up[v]);
-        }
-      };
-      int p = lo_b + from;
-      for (; p + 1 < lo_b + to; p += 2) {
-        const Loaded first = load(p), second = load(p + 1);
-        apply(first);
-        apply(second);
-      }
-      if (p < lo_b + to) apply(load(p));
+      if (from < to)
+        AddEntries<E, kGated, kRecords>(acc, lo_b + from, lo_b + to, base_of(b), b, col, x, dy, by_col, coef, records, s);
     }
     if (a == 0 && z == je - js) {
-      store(j, a_down, a_act, a_up);
+      StoreGrads<E, kGated>(acc, k, j, col, false, dw_down, dw_act_t, dw_up_t, s);
     } else if (a > 0) {  // started before this range: this group's first neuron
       float* slot = sm.part[group][lane];
 #pragma unroll
-      for (int v = 0; v < 8; ++v) slot[v] = a_down[v], slot[8 + v] = a_act[v], slot[16 + v] = a_up[v];
+      for (int v = 0; v < 8; ++v) slot[v] = acc.down[v], slot[8 + v] = acc.act[v], slot[16 + v] = acc.up[v];
     } else {  // starts here and goes on past the range: the walk's last neuron
       carried = j;
     }
@@ -510,12 +577,12 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
       const float* slot = sm.part[gg][lane];
 #pragma unroll
       for (int v = 0; v < 8; ++v) {
-        a_down[v] += slot[v];
-        a_act[v] += slot[8 + v];
-        a_up[v] += slot[16 + v];
+        acc.down[v] += slot[v];
+        acc.act[v] += slot[8 + v];
+        acc.up[v] += slot[16 + v];
       }
     }
-    store(carried, a_down, a_act, a_up);
+    StoreGrads<E, kGated>(acc, k, carried, col, false, dw_down, dw_act_t, dw_up_t, s);
   }
 }
 
@@ -603,8 +670,12 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                                                                                          coef, records, s);
     TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
         x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
+    TwellTrainWeightGradBalancedKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
+        x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
   } else {
     TwellTrainWeightGradKernel<E, kGated, false><<<grads, kGradThreads, 0, stream>>>(
+        x, dy, seg_start, col_off, by_col, coef, nullptr, dw_down, dw_act_t, dw_up_t, s);
+    TwellTrainWeightGradBalancedKernel<E, kGated, false><<<grads, kGradThreads, 0, stream>>>(
         x, dy, seg_start, col_off, by_col, coef, nullptr, dw_down, dw_act_t, dw_up_t, s);
   }
   return LaunchStatus("twell_train backward weight gradients");

@@ -16,9 +16,11 @@ training adds:
 - backward: dh partial dot products with the up step's lane structure (dy for x, Wd rows
   for Wu^T rows, every entry); ``dh = sum of partials + c sign(h)`` with ``c = dl1 / M``;
   coefficients ``(h, dh * u, dh * g)`` (non-gated: ``(h, dh)``); dx accumulated per token in
-  entry order (tiles, then columns); weight gradients: each tile's fired entries in
-  neuron-major order (neurons, then tokens) cut into ``GRAD_GROUPS`` equal ranges, each
-  (neuron, range) part summed in token order, a neuron's parts added in range order.
+  entry order (tiles, then columns); weight gradients per neuron in token order, except in
+  tiles where one neuron holds more than two of ``GRAD_GROUPS`` shares of the tile's
+  entries: there the tile's fired entries in neuron-major order (neurons, then tokens) are
+  cut into ``GRAD_GROUPS`` equal ranges, each (neuron, range) part summed in token order,
+  a neuron's parts added in range order.
 
 Products of two 2-byte floats are exact in f32 (``fma == add``); products of an f32
 coefficient with a 2-byte weight are not, and :func:`fma` evaluates them in float64 with a
@@ -241,16 +243,23 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
                 acc[t] = fma(coef[2, sel][:, None], wut[neuron[sel]], acc[t])
     dx = acc.astype(dt)
 
-    # WeightGrad: each tile's fired entries in neuron-major order (neurons ascending, then
-    # tokens) cut into GRAD_GROUPS equal ranges; each (neuron, range) chunk summed in order
-    # from zero, then a neuron's chunks added in range order.
+    # WeightGrad: per neuron, its tokens in increasing order, summed from zero; in a "hot"
+    # tile (one neuron holds more than two of the GRAD_GROUPS groups' shares of the tile's
+    # entries) the tile's fired entries in neuron-major order (neurons ascending, then
+    # tokens) are cut into GRAD_GROUPS equal ranges, each (neuron, range) chunk summed in
+    # order from zero, then a neuron's chunks added in range order.
     a = np.nonzero(fired)[0]
     a = a[np.lexsort((tok[a], neuron[a]))]
     tile_of = neuron[a] // tile
     pos = np.arange(a.size) - np.searchsorted(tile_of, tile_of, side="left")
-    w = np.bincount(tile_of, minlength=1)[tile_of] if a.size else pos
-    # group = the last g with floor(w g / G) <= pos
+    n_tiles_all = -(-f // tile)
+    w_tile = np.bincount(tile_of, minlength=n_tiles_all)
+    per_neuron = np.bincount(neuron[a], minlength=n_tiles_all * tile).reshape(n_tiles_all, tile)
+    hot = 32 * per_neuron.max(axis=1) > w_tile
+    w = w_tile[tile_of]
+    # group = the last g with floor(w g / G) <= pos; one group for every entry of a cold tile
     group = np.minimum((GRAD_GROUPS * (pos + 1) + w - 1) // np.maximum(w, 1) - 1, GRAD_GROUPS - 1)
+    group = np.where(hot[tile_of], group, 0)
     key = neuron[a] * GRAD_GROUPS + group
     new_chunk = np.ones(a.size, bool)
     new_chunk[1:] = key[1:] != key[:-1]
