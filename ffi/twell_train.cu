@@ -26,8 +26,8 @@
 //   WeightGrad          grid (tile, d/32), 64 groups of 4 lanes, one neuron per group at a
 //                       time, its by_col list walked over blocks in order: dWd[j] += h dy[t],
 //                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs.
-//                       Tiles with a hot neuron: WeightGradBalanced, the tile's neuron-major
-//                       entries cut into 64 equal ranges, cut neurons' parts added in order.
+//                       A hot neuron (over 1/32 of the tile's entries) is shared by all 64
+//                       groups afterwards, its parts added in a fixed tree.
 // Every output element is summed by one lane in a fixed order: deterministic, no atomics.
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weight slabs 16 blocks x 5 x 23 MB =
 // 1.85 GB (L2); WeightGrad x/dy slices nnz x d x 4 B = 3.8 GB (L2); partials 2 x 2 x 59 MB.
@@ -354,23 +354,19 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
   }
 }
 
-// Weight gradients: grid (tile k, model columns [32 r, 32 r + 32)), 64 groups of 4 lanes,
-// two kernels over the same grid, each taking the tiles the other leaves:
-// - TwellTrainWeightGradKernel: group g owns neurons g, g + 64, ... of the tile; per neuron
-//   the by_col lists of the blocks in order, summed from zero;
-// - TwellTrainWeightGradBalancedKernel, for "hot" tiles (one neuron holds more than two of
-//   the 64 groups' shares of the tile's entries: a neuron firing for most tokens would
-//   hold one group while the other 63 wait): the tile's entries in neuron-major order
-//   (neurons ascending, then tokens) are cut into 64 equal ranges, one per group. A neuron
-//   inside one range is summed and stored by its group. A neuron cut by range boundaries:
-//   the group holding its first entry keeps its part in registers (the neuron is that
-//   group's last), every later group it reaches leaves its part in shared memory (the
-//   neuron is that group's first), and the first group adds them in group order.
-// Each output: one fixed order of f32 operations (train_emulation.py follows both).
-// kRecords: each entry read from its record (TwellTrainGradRecordsKernel), else from by_col
-// and coef.
+// Weight gradients: grid (tile k, model columns [32 r, 32 r + 32)), 64 groups of 4 lanes.
+// Group g owns neurons g, g + 64, ... of the tile: per neuron, the by_col lists of the
+// blocks in order, summed from zero. A "hot" neuron (over 1/32 of the tile's entries, i.e.
+// more than two of the 64 groups' shares: one firing for most tokens would hold one group
+// while the other 63 wait) is instead shared by all groups after the others: group g sums
+// the g-th of 64 equal consecutive parts of its list from zero, the 8 groups of a warp add
+// their parts in a fixed butterfly ((0+1)+(2+3))+((4+5)+(6+7)), and the 8 warps' sums are
+// added in warp order. One fixed order of f32 operations per output (train_emulation.py
+// follows it). kRecords: each entry read from its record (TwellTrainGradRecordsKernel),
+// else from by_col and coef.
 constexpr int kGradGroups = kGradThreads / kGradLanes;
-constexpr int kGradStageBlocks = 16;  // col_off rows a balanced CTA stages in shared memory (M <= 16,384)
+constexpr int kGradWarps = kGradThreads / 32;
+constexpr int kMaxHot = 32;  // a hot neuron holds over 1/32 of its tile's entries
 
 struct GradAcc {
   float down[8], act[8], up[8];
@@ -438,29 +434,19 @@ __device__ __forceinline__ void StoreGrads(const GradAcc& acc, int k, int j, int
   if (kGated) *reinterpret_cast<uint4*>(dw_up_t + row * s.d + col) = Pack8<E>(acc.up, poison);
 }
 
-// Entries of neuron threadIdx.x of tile k over the blocks (0 past the width or when
-// skipped); stage (optional, n_blocks <= kGradStageBlocks): the col_off rows, [b][c].
+// Entries of neuron threadIdx.x of tile k over the blocks (0 past the width or when skipped).
 __device__ __forceinline__ int NeuronEntries(const int32_t* __restrict__ col_off, int k, int width, bool skip,
-                                             const Shapes& s, int* stage) {
+                                             const Shapes& s) {
   const int c = threadIdx.x;
   int n = 0;
   if (skip || c >= width) return 0;
 #pragma unroll 4
   for (int b = 0; b < s.n_blocks; ++b) {
     const int32_t* co = col_off + static_cast<int64_t>(b * s.n_tiles + k) * (s.tile + 1);
-    const int lo = co[c], hi = co[c + 1];
-    n += hi - lo;
-    if (stage != nullptr) {
-      stage[b * (kMaxTile + 1) + c] = lo;
-      if (c == width - 1) stage[b * (kMaxTile + 1) + width] = hi;
-    }
+    n += co[c + 1] - co[c];
   }
   return n;
 }
-
-// After a block-wide scan of the entries per neuron (total: the tile's), whether one
-// neuron holds more than two of the 64 groups' shares. Block-uniform.
-__device__ __forceinline__ bool TileIsHot(int n, int total) { return __syncthreads_or(32LL * n > total) != 0; }
 
 template <typename E, bool kGated, bool kRecords>
 __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
@@ -469,16 +455,28 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
     uint16_t* __restrict__ dw_up_t, Shapes s) {
   __shared__ int scratch[32];
-  __shared__ int total;
+  __shared__ int total, n_hot;
+  __shared__ int hot_list[kMaxHot], hot_count[kMaxHot];
+  __shared__ bool is_hot[kMaxTile];
+  __shared__ float warp_part[kGradWarps][kGradLanes][24];
   const int k = blockIdx.x, r = blockIdx.y;
+  const int lane = threadIdx.x % kGradLanes, group = threadIdx.x / kGradLanes;
+  const int col = r * kGradCols + lane * 8;
   const bool over_budget = OverBudget(s, seg_start);
   const int width = TileWidth(s, k);
-  const int n = NeuronEntries(col_off, k, width, over_budget, s, nullptr);
-  BlockExclusiveScan(n, scratch, &total);
-  if (TileIsHot(n, total)) return;  // TwellTrainWeightGradBalancedKernel's
-  const int col = r * kGradCols + (threadIdx.x % kGradLanes) * 8;
-  const int group = threadIdx.x / kGradLanes;
+  const int n = NeuronEntries(col_off, k, width, over_budget, s);
+  if (threadIdx.x == 0) n_hot = 0;
+  BlockExclusiveScan(n, scratch, &total);  // ends with a barrier: n_hot is set
+  const bool hot = 32LL * n > total;
+  if (static_cast<int>(threadIdx.x) < width) is_hot[threadIdx.x] = hot;
+  if (hot) {
+    const int slot = atomicAdd(&n_hot, 1);  // at most 31 (each holds over 1/32)
+    hot_list[slot] = threadIdx.x;
+    hot_count[slot] = n;
+  }
+  __syncthreads();
   for (int jj = group; jj < width; jj += kGradGroups) {
+    if (is_hot[jj]) continue;
     GradAcc acc = {};
     for (int b = 0; !over_budget && b < s.n_blocks; ++b) {
       const int seg = b * s.n_tiles + k;
@@ -487,102 +485,56 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     }
     StoreGrads<E, kGated>(acc, k, jj, col, over_budget, dw_down, dw_act_t, dw_up_t, s);
   }
-}
-
-struct GradSmem {
-  int start[kMaxTile + 1];  // exclusive prefix of the tile's entries per neuron
-  int scratch[32];
-  int total;
-  int co[kGradStageBlocks][kMaxTile + 1];  // the tile's col_off rows (n_blocks <= kGradStageBlocks)
-  int64_t seg_base[kGradStageBlocks];
-  float part[kGradGroups][kGradLanes][24];  // a group's part of its first neuron: 8 columns x (down, act, up)
-};
-
-// The first position of group g's range of a tile with w entries.
-__device__ __forceinline__ int GroupStart(int64_t w, int g) { return static_cast<int>(w * g / kGradGroups); }
-
-// The neuron holding position q of the tile's list: the last j < width with start[j] <= q.
-__device__ __forceinline__ int NeuronAt(const int* start, int width, int q) {
-  int lo = 0, hi = width - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (start[mid] <= q) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
-template <typename E, bool kGated, bool kRecords>
-__global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradBalancedKernel(
-    const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, const int32_t* __restrict__ seg_start,
-    const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
-    const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
-    uint16_t* __restrict__ dw_up_t, Shapes s) {
-  __shared__ GradSmem sm;
-  const int k = blockIdx.x, r = blockIdx.y;
-  const int lane = threadIdx.x % kGradLanes, group = threadIdx.x / kGradLanes;
-  const int col = r * kGradCols + lane * 8;
-  if (OverBudget(s, seg_start)) return;  // TwellTrainWeightGradKernel stores the poison rows
-  const int width = TileWidth(s, k);
-  const bool staged = s.n_blocks <= kGradStageBlocks;
-  const int n = NeuronEntries(col_off, k, width, false, s, staged ? &sm.co[0][0] : nullptr);
-  const int before = BlockExclusiveScan(n, sm.scratch, &sm.total);
-  if (!TileIsHot(n, sm.total)) return;
-  if (static_cast<int>(threadIdx.x) < width) sm.start[threadIdx.x] = before;
-  if (threadIdx.x == 0) sm.start[width] = sm.total;
-  if (staged && static_cast<int>(threadIdx.x) < s.n_blocks) sm.seg_base[threadIdx.x] = seg_start[threadIdx.x * s.n_tiles + k];
-  __syncthreads();
-  auto co_at = [&](int b, int j) {
-    return staged ? sm.co[b][j] : col_off[static_cast<int64_t>(b * s.n_tiles + k) * (s.tile + 1) + j];
-  };
-  auto base_of = [&](int b) -> int64_t { return staged ? sm.seg_base[b] : seg_start[b * s.n_tiles + k]; };
-  const int64_t tile_entries = sm.start[width];
-  for (int j = group; j < width; j += kGradGroups)  // neurons with no entries: zero rows
-    if (sm.start[j + 1] == sm.start[j]) StoreGrads<E, kGated>(GradAcc{}, k, j, col, false, dw_down, dw_act_t, dw_up_t, s);
-  const int q0 = GroupStart(tile_entries, group), q1 = GroupStart(tile_entries, group + 1);
-  int j = q0 < q1 ? NeuronAt(sm.start, width, q0) : 0;
-  // The accumulator outlives the walk: a neuron cut at the range's end is the walk's last,
-  // and its part stays here for the combine below.
-  GradAcc acc;
-  int carried = -1;  // that neuron, if any
-  for (int q = q0; q < q1;) {
-    while (sm.start[j + 1] <= q) ++j;  // skip neurons with no entries
-    const int js = sm.start[j], je = sm.start[j + 1];
-    const int a = q - js, z = min(q1, je) - js;  // this group's part of neuron j: [a, z)
-    acc = GradAcc{};
+  const int warp = threadIdx.x / 32;
+  for (int h = 0; h < n_hot; ++h) {  // block-uniform
+    const int j = hot_list[h], count = hot_count[h];
+    const int a = static_cast<int>(static_cast<int64_t>(count) * group / kGradGroups);
+    const int z = static_cast<int>(static_cast<int64_t>(count) * (group + 1) / kGradGroups);
+    GradAcc acc = {};
     int done = 0;  // entries of neuron j in the blocks before b
     for (int b = 0; b < s.n_blocks && done < z; ++b) {
-      const int lo_b = co_at(b, j), n_b = co_at(b, j + 1) - lo_b;
+      const int seg = b * s.n_tiles + k;
+      const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
+      const int lo_b = co[j], n_b = co[j + 1] - lo_b;
       const int from = max(a - done, 0), to = min(z - done, n_b);
       done += n_b;
       if (from < to)
-        AddEntries<E, kGated, kRecords>(acc, lo_b + from, lo_b + to, base_of(b), b, col, x, dy, by_col, coef, records, s);
+        AddEntries<E, kGated, kRecords>(acc, lo_b + from, lo_b + to, seg_start[seg], b, col, x, dy, by_col, coef,
+                                        records, s);
     }
-    if (a == 0 && z == je - js) {
-      StoreGrads<E, kGated>(acc, k, j, col, false, dw_down, dw_act_t, dw_up_t, s);
-    } else if (a > 0) {  // started before this range: this group's first neuron
-      float* slot = sm.part[group][lane];
 #pragma unroll
-      for (int v = 0; v < 8; ++v) slot[v] = acc.down[v], slot[8 + v] = acc.act[v], slot[16 + v] = acc.up[v];
-    } else {  // starts here and goes on past the range: the walk's last neuron
-      carried = j;
-    }
-    q = js + z;
-    ++j;
-  }
-  __syncthreads();
-  if (carried >= 0) {  // add the parts of the later groups it reaches, in group order
-    const int je = sm.start[carried + 1];
-    for (int gg = group + 1; gg < kGradGroups && GroupStart(tile_entries, gg) < je; ++gg) {
-      if (GroupStart(tile_entries, gg) == GroupStart(tile_entries, gg + 1)) continue;  // an empty range
-      const float* slot = sm.part[gg][lane];
+    for (int o = kGradLanes; o < 32; o <<= 1) {  // groups g ^ 1, g ^ 2, g ^ 4 of the warp
 #pragma unroll
       for (int v = 0; v < 8; ++v) {
-        acc.down[v] += slot[v];
-        acc.act[v] += slot[8 + v];
-        acc.up[v] += slot[16 + v];
+        acc.down[v] += __shfl_xor_sync(0xffffffffu, acc.down[v], o);
+        acc.act[v] += __shfl_xor_sync(0xffffffffu, acc.act[v], o);
+        if (kGated) acc.up[v] += __shfl_xor_sync(0xffffffffu, acc.up[v], o);
       }
     }
-    StoreGrads<E, kGated>(acc, k, carried, col, false, dw_down, dw_act_t, dw_up_t, s);
+    if (threadIdx.x % 32 < kGradLanes) {
+      float* slot = warp_part[warp][lane];
+#pragma unroll
+      for (int v = 0; v < 8; ++v) slot[v] = acc.down[v], slot[8 + v] = acc.act[v], slot[16 + v] = acc.up[v];
+    }
+    __syncthreads();
+    if (threadIdx.x < kGradLanes) {
+      GradAcc sum;
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        sum.down[v] = warp_part[0][lane][v];
+        sum.act[v] = warp_part[0][lane][8 + v];
+        sum.up[v] = warp_part[0][lane][16 + v];
+      }
+      for (int w = 1; w < kGradWarps; ++w)
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          sum.down[v] += warp_part[w][lane][v];
+          sum.act[v] += warp_part[w][lane][8 + v];
+          sum.up[v] += warp_part[w][lane][16 + v];
+        }
+      StoreGrads<E, kGated>(sum, k, j, col, false, dw_down, dw_act_t, dw_up_t, s);
+    }
+    __syncthreads();
   }
 }
 
@@ -670,12 +622,8 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                                                                                          coef, records, s);
     TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
         x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
-    TwellTrainWeightGradBalancedKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
-        x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
   } else {
     TwellTrainWeightGradKernel<E, kGated, false><<<grads, kGradThreads, 0, stream>>>(
-        x, dy, seg_start, col_off, by_col, coef, nullptr, dw_down, dw_act_t, dw_up_t, s);
-    TwellTrainWeightGradBalancedKernel<E, kGated, false><<<grads, kGradThreads, 0, stream>>>(
         x, dy, seg_start, col_off, by_col, coef, nullptr, dw_down, dw_act_t, dw_up_t, s);
   }
   return LaunchStatus("twell_train backward weight gradients");

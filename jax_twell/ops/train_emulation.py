@@ -16,11 +16,9 @@ training adds:
 - backward: dh partial dot products with the up step's lane structure (dy for x, Wd rows
   for Wu^T rows, every entry); ``dh = sum of partials + c sign(h)`` with ``c = dl1 / M``;
   coefficients ``(h, dh * u, dh * g)`` (non-gated: ``(h, dh)``); dx accumulated per token in
-  entry order (tiles, then columns); weight gradients per neuron in token order, except in
-  tiles where one neuron holds more than two of ``GRAD_GROUPS`` shares of the tile's
-  entries: there the tile's fired entries in neuron-major order (neurons, then tokens) are
-  cut into ``GRAD_GROUPS`` equal ranges, each (neuron, range) part summed in token order,
-  a neuron's parts added in range order.
+  entry order (tiles, then columns); weight gradients per neuron in token order, except for
+  a neuron holding over 1/32 of its tile's entries: its list cut into ``GRAD_GROUPS`` equal
+  parts, each summed in token order, the parts added in a fixed tree.
 
 Products of two 2-byte floats are exact in f32 (``fma == add``); products of an f32
 coefficient with a 2-byte weight are not, and :func:`fma` evaluates them in float64 with a
@@ -37,7 +35,7 @@ import numpy as np
 from jax_twell.ops import blocked_emulation as _b
 
 TOKEN_SHIFT = 18
-GRAD_GROUPS = 64  # the weight-gradient kernel's groups of lanes per CTA (kGradGroups)
+GRAD_GROUPS = 64  # the weight-gradient kernel's groups of 4 lanes per CTA (kGradGroups), 8 per warp
 _F32 = np.float32
 _F64 = np.float64
 
@@ -243,52 +241,54 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
                 acc[t] = fma(coef[2, sel][:, None], wut[neuron[sel]], acc[t])
     dx = acc.astype(dt)
 
-    # WeightGrad: per neuron, its tokens in increasing order, summed from zero; in a "hot"
-    # tile (one neuron holds more than two of the GRAD_GROUPS groups' shares of the tile's
-    # entries) the tile's fired entries in neuron-major order (neurons ascending, then
-    # tokens) are cut into GRAD_GROUPS equal ranges, each (neuron, range) chunk summed in
-    # order from zero, then a neuron's chunks added in range order.
+    # WeightGrad: per neuron, its tokens in increasing order, summed from zero. A "hot"
+    # neuron (over 1/32 of its tile's fired entries) is cut into GRAD_GROUPS equal
+    # consecutive parts, each summed from zero; per warp of 8 parts a butterfly
+    # ((0+1)+(2+3))+((4+5)+(6+7)), then the warps' sums in order.
     a = np.nonzero(fired)[0]
     a = a[np.lexsort((tok[a], neuron[a]))]
-    tile_of = neuron[a] // tile
-    pos = np.arange(a.size) - np.searchsorted(tile_of, tile_of, side="left")
+    nrn = neuron[a]
     n_tiles_all = -(-f // tile)
-    w_tile = np.bincount(tile_of, minlength=n_tiles_all)
-    per_neuron = np.bincount(neuron[a], minlength=n_tiles_all * tile).reshape(n_tiles_all, tile)
-    hot = 32 * per_neuron.max(axis=1) > w_tile
-    w = w_tile[tile_of]
-    # group = the last g with floor(w g / G) <= pos; one group for every entry of a cold tile
-    group = np.minimum((GRAD_GROUPS * (pos + 1) + w - 1) // np.maximum(w, 1) - 1, GRAD_GROUPS - 1)
-    group = np.where(hot[tile_of], group, 0)
-    key = neuron[a] * GRAD_GROUPS + group
+    per_neuron = np.bincount(nrn, minlength=n_tiles_all * tile)
+    w_tile = per_neuron.reshape(n_tiles_all, tile).sum(axis=1)
+    hot_neuron = 32 * per_neuron > np.repeat(w_tile, tile)
+    pos = np.arange(a.size) - np.searchsorted(nrn, nrn, side="left")
+    cnt = per_neuron[nrn]
+    # part = the last g with floor(cnt g / G) <= pos
+    part = np.minimum((GRAD_GROUPS * (pos + 1) + cnt - 1) // np.maximum(cnt, 1) - 1, GRAD_GROUPS - 1)
+    part = np.where(hot_neuron[nrn], part, 0)
+    key = nrn * GRAD_GROUPS + part
     new_chunk = np.ones(a.size, bool)
     new_chunk[1:] = key[1:] != key[:-1]
     chunk = np.cumsum(new_chunk) - 1
     rank = np.arange(a.size) - np.flatnonzero(new_chunk)[chunk]
     n_chunks = int(chunk[-1]) + 1 if a.size else 0
-    c_down = np.zeros((n_chunks, d), _F32)
-    c_act = np.zeros((n_chunks, d), _F32)
-    c_up = np.zeros((n_chunks, d), _F32)
+    sums = [np.zeros((n_chunks, d), _F32) for _ in range(3)]
     for r in range(int(rank.max(initial=-1)) + 1):
         sel = a[rank == r]
         c = chunk[rank == r]
         t = tok[sel]
-        c_down[c] = fma(coef[0, sel][:, None], dyf[t], c_down[c])
-        c_act[c] = fma(coef[1, sel][:, None], xf[t], c_act[c])
+        sums[0][c] = fma(coef[0, sel][:, None], dyf[t], sums[0][c])
+        sums[1][c] = fma(coef[1, sel][:, None], xf[t], sums[1][c])
         if gated:
-            c_up[c] = fma(coef[2, sel][:, None], xf[t], c_up[c])
+            sums[2][c] = fma(coef[2, sel][:, None], xf[t], sums[2][c])
     heads = np.flatnonzero(new_chunk)
-    chunk_neuron = neuron[a][heads]
-    chunk_rank = np.arange(n_chunks) - np.searchsorted(chunk_neuron, chunk_neuron, side="left")
-    a_down = np.zeros((f, d), _F32)
-    a_act = np.zeros((f, d), _F32)
-    a_up = np.zeros((f, d), _F32)
-    for r in range(int(chunk_rank.max(initial=-1)) + 1):
-        c = np.flatnonzero(chunk_rank == r)
-        j = chunk_neuron[c]
-        first = r == 0
-        a_down[j] = c_down[c] if first else (a_down[j] + c_down[c]).astype(_F32)
-        a_act[j] = c_act[c] if first else (a_act[j] + c_act[c]).astype(_F32)
-        a_up[j] = c_up[c] if first else (a_up[j] + c_up[c]).astype(_F32)
+    chunk_neuron, chunk_part = nrn[heads], part[heads]
+    grads = [np.zeros((f, d), _F32) for _ in range(3)]
+    cold = ~hot_neuron[chunk_neuron]
+    hot_ids = np.unique(chunk_neuron[~cold])
+    slot = np.searchsorted(hot_ids, chunk_neuron[~cold])
+    for out, src in zip(grads, sums):
+        out[chunk_neuron[cold]] = src[cold]
+        parts = np.zeros((hot_ids.size, GRAD_GROUPS, d), _F32)
+        parts[slot, chunk_part[~cold]] = src[~cold]
+        warps = parts.reshape(hot_ids.size, GRAD_GROUPS // 8, 8, d)
+        for o in (1, 2, 4):  # the butterfly within each warp's 8 groups (group 0's view)
+            warps = warps + warps[:, :, np.arange(8) ^ o]
+        total_h = warps[:, 0, 0]
+        for w in range(1, GRAD_GROUPS // 8):
+            total_h = total_h + warps[:, w, 0]
+        out[hot_ids] = total_h
+    a_down, a_act, a_up = grads
     dw_up_t = a_up.astype(dt) if gated else None
     return dx, a_down.astype(dt), a_act.astype(dt), dw_up_t, partial, coef
