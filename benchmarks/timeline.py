@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax_twell.ops import cuda, cuda_train, xla
 from jax_twell.testing import synthetic_ffn_inputs
 
-from common import add_shape_arguments
+from common import add_shape_arguments, run_metadata
 
 
 def device_events(trace: dict) -> list[tuple[float, float, str]]:
@@ -144,7 +144,11 @@ def main():
     ]
     rows[0]["dispatch_us"] = dispatch_us(sparse, inp)
     rows[1]["dispatch_us"] = dispatch_us(dense, inp)
-    result = dict(shape=dict(m=a.m, d=a.d, f=a.f, density=a.density, pattern=a.pattern), rows=rows)
+    result = dict(
+        **run_metadata("timeline_train" if a.train else "timeline_inference"),
+        shape=dict(m=a.m, d=a.d, f=a.f, density=a.density, pattern=a.pattern, kernel=a.kernel),
+        rows=rows,
+    )
     if a.out:
         with open(a.out, "w") as fh:
             json.dump(result, fh, indent=1)
