@@ -29,7 +29,7 @@ ADVERSARIAL = [
     (1100, 256, 700, 0.02, "heavy", 4, 10),
     (2500, 2048, 1300, 0.01, "heavy", 3, 7),
     (64, 192, 256, 0.5, "dense", 0, 0),
-    (1100, 256, 700, 0.02, "skewed", 0, 0),  # hot neurons: lists cut across the weight-gradient groups
+    (1100, 256, 700, 0.02, "skewed", 0, 0),  # neurons over 1/32 of a tile: shared by all weight-gradient groups
 ]
 
 
