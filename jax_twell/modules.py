@@ -208,6 +208,11 @@ class SparseFFN(_FFN):
         time, and decode-sized inference calls may take the decode kernels). A plain
         attribute: set it from measured statistics (``FFNAux.nnz_mean / d_ff``, or
         ``TransformerLM.calibrate_ffn``) and re-jit when the layer's choice changes.
+      union_fraction: this layer's measured mean union of active neurons over 64-token
+        blocks as a fraction of f (a Python float or None; ``jax_twell.ops.cuda.
+        block_union_fraction`` on its gate activations); passed to ``sparse_ffn`` for
+        inference, where with ``active_fraction`` it prices the CUDA union kernels at
+        trace time. A plain attribute, like ``active_fraction``.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     See the module docstring for the parameter layout, initialisation and entry points.
@@ -224,12 +229,14 @@ class SparseFFN(_FFN):
         sharding: FFNSharding | None = None,
         param_dtype=jnp.float32,
         active_fraction: float | None = None,
+        union_fraction: float | None = None,
         rngs: nnx.Rngs,
     ):
         super().__init__(d_model, d_ff, gated=gated, width=width, param_dtype=param_dtype, rngs=rngs)
         self.implementation = implementation
         self.sharding = sharding
         self.active_fraction = active_fraction
+        self.union_fraction = union_fraction
         self.w_up_t: InferenceCache | None = nnx.data(None)  # data, not structure: set later
         self.w_act_t: InferenceCache | None = nnx.data(None)
 
@@ -281,6 +288,7 @@ class SparseFFN(_FFN):
             w_up_t=cached(self.w_up_t),
             active_fraction=self.active_fraction,
             w_act_t=cached(self.w_act_t),
+            union_fraction=self.union_fraction,
         )
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import blocked_emulation as bemu
 from jax_twell.ops import cuda, reference, xla
@@ -734,3 +735,34 @@ def test_sampled_block_union(pattern):
     assert float(cuda.sampled_block_union(g[:0], rows=64)) == 0.0
     with pytest.raises(ValueError, match="positive"):
         cuda.sampled_block_union(g, rows=0)
+
+
+def test_block_union_fraction_and_known_union():
+    """block_union_fraction is the exact mean union over full 64-token blocks (the rows
+    themselves under one block); a layer's known union_fraction prices the union kernels
+    at trace time: at 0.5% the skewed pattern's measured union (~17% of f, against the
+    uniform pattern's ~27%) sends the benchmark shape to them (measured 1.27x there,
+    inference_quick_f40be9b_command_buffers.json), the uniform formula does not."""
+    m, f = 200, 384
+    inp = synthetic_ffn_inputs(jax.random.key(5), m, 64, f, density=0.02, pattern="skewed")
+    g = relu_matmul(inp.x, inp.w_gate)
+    mask = np.asarray(g) > 0
+    want = mask[:192].reshape(3, 64, f).any(axis=1).mean()
+    assert float(cuda.block_union_fraction(g)) == pytest.approx(want, rel=1e-6)
+    assert float(jax.jit(cuda.block_union_fraction)(g)) == pytest.approx(want, rel=1e-6)
+    assert float(cuda.block_union_fraction(g[:10])) == pytest.approx(mask[:10].any(axis=0).mean(), rel=1e-6)
+    assert float(cuda.block_union_fraction(g[:0])) == 0.0
+    rule = cuda.DenseCrossover()
+    shape = (16384, 2048, 5632, 2, 0.005, True, "blocked_union")
+    assert not rule.sparse_predicted(*shape)
+    assert rule.sparse_predicted(*shape, 0.172)
+    assert not rule.sparse_predicted(*shape[:-1], "blocked_mma", 0.172)  # only the union kernels read unions
+    with pytest.raises(ValueError, match="union_fraction"):
+        rule.sparse_predicted(*shape, 1.5)
+    x, wg, wu, wd = inp
+    with pytest.raises(ValueError, match="union_fraction"):
+        jt.sparse_ffn(x, wg, wu, wd, implementation="xla", union_fraction=-0.1)
+    np.testing.assert_array_equal(  # other implementations ignore it
+        jt.sparse_ffn(x, wg, wu, wd, implementation="xla", union_fraction=0.2),
+        jt.sparse_ffn(x, wg, wu, wd, implementation="xla"),
+    )

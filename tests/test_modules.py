@@ -231,3 +231,25 @@ def test_linen_matches_nnx(gated):
     check_aux(aux, h, 20)
     y_infer = module.apply({"params": params}, x, inference=True)
     assert_close(y_infer, want_y, TOL)
+
+
+def test_sparse_ffn_passes_its_layer_fractions(monkeypatch):
+    """``infer`` hands the layer's ``active_fraction`` and ``union_fraction`` to sparse_ffn
+    (the trace-time choices of the CUDA implementation read them)."""
+    import jax_twell.modules as modules
+
+    seen = {}
+    real = modules.sparse_ffn
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "sparse_ffn", spy)
+    layer = SparseFFN(16, 48, implementation="xla", active_fraction=0.01, union_fraction=0.2, rngs=nnx.Rngs(0))
+    y = layer.infer(jnp.ones((4, 16), jnp.float32))
+    assert y.shape == (4, 16)
+    assert seen["active_fraction"] == 0.01 and seen["union_fraction"] == 0.2
+    layer.union_fraction = None
+    layer.infer(jnp.ones((4, 16), jnp.float32))
+    assert seen["union_fraction"] is None

@@ -278,9 +278,9 @@ def twell_ffn(
     return fn(x, act, w_act, w_up, w_down)
 
 
-def _check_fraction(active_fraction) -> None:
-    if active_fraction is not None and not (isinstance(active_fraction, numbers.Real) and 0.0 <= active_fraction <= 1.0):
-        raise ValueError(f"active_fraction must be a Python float in [0, 1] or None, got {active_fraction!r}")
+def _check_fraction(fraction, name: str = "active_fraction") -> None:
+    if fraction is not None and not (isinstance(fraction, numbers.Real) and 0.0 <= fraction <= 1.0):
+        raise ValueError(f"{name} must be a Python float in [0, 1] or None, got {fraction!r}")
 
 
 def sparse_ffn(
@@ -296,6 +296,7 @@ def sparse_ffn(
     w_up_t: jax.Array | None = None,
     active_fraction: float | None = None,
     w_act_t: jax.Array | None = None,
+    union_fraction: float | None = None,
 ) -> jax.Array:
     """Inference FFN with a ReLU gate, computed on the sparse activation.
 
@@ -331,6 +332,13 @@ def sparse_ffn(
         kernels win then run :func:`jax_twell.ops.cuda.decode_ffn_rows` (the whole FFN in
         two launches from weights stored by neuron; gated it also needs ``w_up_t``). The
         other implementations ignore it.
+      union_fraction: "cuda" only: this layer's measured mean union of active neurons over
+        64-token blocks, as a fraction of f (a Python float;
+        :func:`jax_twell.ops.cuda.block_union_fraction` on its gate activations). With
+        ``active_fraction`` it prices the union kernels at trace time by the rows they will
+        read instead of the uniform pattern's union (a trained layer's is about half as
+        large at the same density, so more layers run sparse). Other implementations
+        ignore it.
     Returns:
       y: ``[..., d]`` dtype of x.
 
@@ -347,6 +355,7 @@ def sparse_ffn(
     check_ffn_args(x, w_gate, w_up, w_down)
     _check_tiling(tile, capacity)
     _check_fraction(active_fraction)
+    _check_fraction(union_fraction, "union_fraction")
     if w_up_t is not None:
         if w_gate is None:
             raise ValueError("w_up_t applies to the gated FFN only (non-gated, w_up is the activation's weight)")
@@ -363,7 +372,8 @@ def sparse_ffn(
     cuda_ffn = _dense_formula_gradients(
         _vmap_folds_tokens(
             lambda x, wg, wu, wd, w_up_t, w_act_t: cuda.sparse_ffn(
-                x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=w_up_t, active_fraction=active_fraction, w_act_t=w_act_t
+                x, wg, wu, wd, tile=tile, capacity=capacity, w_up_t=w_up_t, active_fraction=active_fraction,
+                w_act_t=w_act_t, union_fraction=union_fraction,
             ),
             flatten=True,
         )

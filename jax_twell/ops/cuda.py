@@ -466,17 +466,21 @@ class DenseCrossover:
         return self.sparse_fixed_cost(d, f, itemsize, transposed) < self.margin * self.dense_cost(m, d, f, itemsize)
 
     def sparse_predicted(
-        self, m: int, d: int, f: int, itemsize: int, active_fraction: float, transposed: bool = False, kernel: str = "row"
+        self, m: int, d: int, f: int, itemsize: int, active_fraction: float, transposed: bool = False,
+        kernel: str = "row", union_fraction: float | None = None,
     ) -> bool:
         """Static: True where, at a known ``active_fraction`` of active (token, neuron) pairs
         (no overflow assumed), the row kernel (or, for a blocked ``kernel`` (one of
         :data:`KERNELS`) and at least ``BLOCKED_MIN_TOKENS`` tokens, the cheaper of the row
-        and blocked kernels, "blocked_union" costed by :meth:`union_cost`) is predicted
-        faster than dense up + down. What :func:`sparse_ffn` decides at trace time for calls
-        past decode sizes when given ``active_fraction`` (passing "blocked_union" only where
-        both union steps run)."""
+        and blocked kernels, "blocked_union" costed by :meth:`union_cost` with
+        ``union_fraction``, a 64-token block's measured union of active neurons as a fraction
+        of f, or the uniform pattern's where None) is predicted faster than dense up + down.
+        What :func:`sparse_ffn` decides at trace time for calls past decode sizes when given
+        ``active_fraction`` (passing "blocked_union" only where both union steps run)."""
         if not 0.0 <= active_fraction <= 1.0:
             raise ValueError(f"active_fraction must be in [0, 1], got {active_fraction}")
+        if union_fraction is not None and not 0.0 <= union_fraction <= 1.0:
+            raise ValueError(f"union_fraction must be in [0, 1], got {union_fraction}")
         if self.margin == float("inf"):
             return True
         if self.margin <= 0:
@@ -484,8 +488,11 @@ class DenseCrossover:
         nnz = active_fraction * m * f
         cost = self._row_seconds(nnz, 0.0, d, f, itemsize, transposed)  # Python floats: runs while tracing
         if kernel != "row" and m >= BLOCKED_MIN_TOKENS:
-            blocked = self._union_seconds if kernel == "blocked_union" else self._blocked_seconds
-            cost = min(cost, blocked(nnz, m, d, f, itemsize))
+            if kernel == "blocked_union":
+                blocked = self._union_seconds(nnz, m, d, f, itemsize, union_fraction)
+            else:
+                blocked = self._blocked_seconds(nnz, m, d, f, itemsize)
+            cost = min(cost, blocked)
         return cost < self.margin * self.dense_cost(m, d, f, itemsize)
 
     def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int, transposed: bool = False) -> jax.Array:
@@ -522,6 +529,7 @@ def sparse_ffn(
     kernel: str = "auto",
     active_fraction: float | None = None,
     w_act_t=None,
+    union_fraction: float | None = None,
 ):
     """Inference FFN: the gate (XLA's matmul then ``jax_twell_pack``, or the fused gate
     kernel), then the fused up + down kernel or dense.
@@ -559,12 +567,19 @@ def sparse_ffn(
     :func:`dense_crossover`) predicts the dense path is faster for this call's sparsity,
     the up and down projections run dense through XLA from the same gate activation.
     ``w_up_t``: optional ``[f, d]`` pre-transposed up weight (see :func:`twell_ffn`).
+    ``union_fraction``: optional, this layer's measured 64-token union of active neurons as a
+    fraction of f (a Python float; :func:`block_union_fraction`): with ``active_fraction``
+    it prices the union products at trace time, and wherever the call has no sample of g
+    (the fused gate) it replaces the uniform pattern's union in the per-call choice; a
+    trained layer's union is about half the uniform pattern's at the same density.
     ``w_act_t``: optional ``[f, d]`` activation weight stored by neuron (``w_gate.T`` gated,
     ``w_up.T`` non-gated): where the decode kernels run without a device check and the call
     has at most ``decode_rows_max_tokens`` tokens, :func:`decode_ffn_rows` runs instead
     (gated, with ``w_up_t`` only).
     """
     _check_kernel(kernel, allow_auto=True)
+    if union_fraction is not None and not 0.0 <= union_fraction <= 1.0:
+        raise ValueError(f"union_fraction must be in [0, 1] or None, got {union_fraction!r}")
     rule = _crossover.get() if crossover is None else crossover
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -603,7 +618,7 @@ def sparse_ffn(
     if not rule.sparse_can_win(m, d, f, x.dtype.itemsize, transposed):
         return xla.ffn(x, w_gate, w_up, w_down)
     if active_fraction is not None and not rule.sparse_predicted(
-        m, d, f, x.dtype.itemsize, active_fraction, transposed, kernel
+        m, d, f, x.dtype.itemsize, active_fraction, transposed, kernel, union_fraction
     ):
         return xla.ffn(x, w_gate, w_up, w_down)
     # Where the sparse side is expected (forced, or a known fraction the rule sends to it)
@@ -645,7 +660,7 @@ def sparse_ffn(
         else:
             row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
             if kernel == "blocked_union":  # the union measured on a sample of g's blocks where g exists
-                union = None if g is None else sampled_block_union(g, rows=rule.count_sample_rows)
+                union = union_fraction if g is None else sampled_block_union(g, rows=rule.count_sample_rows)
                 blocked_cost = rule.union_cost(nnz, m, d, f, x.dtype.itemsize, union)
             else:
                 blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
@@ -939,6 +954,19 @@ def sampled_block_union(g: jax.Array, *, rows: int) -> jax.Array:
     if m < 2 * rows and m >= block:  # all rows sampled: their whole blocks
         sample = g[: m // block * block].reshape(m // block, block, f)
     return (sample > 0).any(axis=1).mean(dtype=jnp.float32)
+
+
+def block_union_fraction(g: jax.Array) -> jax.Array:
+    """``[]`` float32: the mean over the full 64-token blocks of ``g [M, f]`` (tokens in
+    order; the one partial block where M < 64) of the fraction of the f neurons active
+    (``g > 0``) for some token of the block: the ``union_fraction`` of :func:`sparse_ffn`,
+    measured on a layer's gate activations (e.g. ``relu(x @ w_gate)`` for sample inputs)."""
+    block = _union.TOKENS
+    m, f = g.shape
+    if m == 0 or f == 0:
+        return jnp.float32(0.0)
+    full = max(m // block, 1) * min(block, m)
+    return (g[:full].reshape(-1, min(block, m), f) > 0).any(axis=1).mean(dtype=jnp.float32)
 
 
 # The fused gate kernel (ffi/twell_gate.cu): a CUTLASS Hopper GEMM whose output tiles
