@@ -22,8 +22,10 @@ Variants timed per configuration:
   up+down kernel; the up weight transposed inside the call);
 - pret: as sparse, with the up weight given pre-transposed ([f, d], as a model can store it);
 - auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get);
-- layer: cuda.sparse_ffn given the measured active fraction (what a calibrated SparseFFN
-  layer runs: where the rule predicts dense, XLA's dense FFN with no device check);
+- layer: cuda.sparse_ffn given the measured active fraction and 64-token union
+  (``measured_union_fraction``, cuda.block_union_fraction of the gate activations): what a
+  calibrated SparseFFN layer runs (where the rule predicts dense, XLA's dense FFN with no
+  device check);
 - gather (M <= 64 only, shared by every kernel's row): jax_twell.ops.xla.gather_ffn, the
   decode path reading only the active neurons' weights, w_up as stored and pre-transposed;
 - decode kernels: benchmarks/bench_decode.py (its own clock).
@@ -100,11 +102,11 @@ def main():
             auto_op = lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, kernel=kernel)
         return dict(sparse=sparse_op, pret=pret_op, auto=auto_op)
 
-    def layer_op(kernel, fraction):
-        # The trace-time choice of a layer whose active fraction is known (SparseFFN's
-        # active_fraction, e.g. from TransformerLM.calibrate_ffn): dense is XLA's FFN itself.
+    def layer_op(kernel, fraction, union):
+        # The trace-time choice of a layer whose active fraction and union are known
+        # (SparseFFN's active_fraction and union_fraction): dense is XLA's FFN itself.
         return lambda x, wg, wu, wd: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, kernel=kernel, active_fraction=fraction
+            x, wg, wu, wd, tile=256, capacity=32, kernel=kernel, active_fraction=fraction, union_fraction=union
         )
 
     rows = []
@@ -118,6 +120,7 @@ def main():
             measured_active_fraction=float(nnz.mean() / f),
             max_active_per_row=int(nnz.max()),
             overflowed_tiles=int((counts > act.capacity).sum()),
+            measured_union_fraction=float(cuda.block_union_fraction(jt.formats.relu_matmul(inp.x, inp.w_gate))),
         )
         clock = "loop" if m <= 64 else "call"
         w_up_t = inp.w_up.T.copy()
@@ -133,7 +136,10 @@ def main():
             variants["gather_pret"] = lambda x, wg, wu, wd, wut: xla.gather_ffn(x, wg, wu, wd, width=width, w_up_t=wut)
             variants["empty"] = lambda x, *w: x
         for kernel in kernels:
-            ops = dict(kernel_ops(kernel), layer=layer_op(kernel, base["measured_active_fraction"]))
+            ops = dict(
+                kernel_ops(kernel),
+                layer=layer_op(kernel, base["measured_active_fraction"], base["measured_union_fraction"]),
+            )
             for name, op in ops.items():
                 variants[f"{kernel}/{name}"] = op if name == "pret" else four(op)
         # Every variant of this configuration in interleaved rounds (each round times each
