@@ -53,7 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_twell.formats import relu_matmul
 from jax_twell.ops import FFNAux, FFNSharding, sparse_ffn, sparse_ffn_train
+from jax_twell.ops.cuda import block_union_fraction
 from jax_twell.ops.api import DEFAULT_WIDTH
 from jax_twell.ops.common import hidden_stats, make_aux
 
@@ -209,10 +211,10 @@ class SparseFFN(_FFN):
         attribute: set it from measured statistics (``FFNAux.nnz_mean / d_ff``, or
         ``TransformerLM.calibrate_ffn``) and re-jit when the layer's choice changes.
       union_fraction: this layer's measured mean union of active neurons over 64-token
-        blocks as a fraction of f (a Python float or None; ``jax_twell.ops.cuda.
-        block_union_fraction`` on its gate activations); passed to ``sparse_ffn`` for
-        inference, where with ``active_fraction`` it prices the CUDA union kernels at
-        trace time. A plain attribute, like ``active_fraction``.
+        blocks as a fraction of f (a Python float or None; :meth:`block_union`, or
+        ``TransformerLM.calibrate_ffn``); passed to ``sparse_ffn`` for inference, where
+        with ``active_fraction`` it prices the CUDA union kernels at trace time. A plain
+        attribute, like ``active_fraction``.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     See the module docstring for the parameter layout, initialisation and entry points.
@@ -276,6 +278,15 @@ class SparseFFN(_FFN):
             sharding=self.sharding,
             active_fraction=self.active_fraction,
         )
+
+    def block_union(self, x: jax.Array) -> jax.Array:
+        """``[]`` f32: the mean union of active neurons over 64-token blocks of ``x [..., d]``
+        (tokens in order, leading dimensions flattened), as a fraction of f: what the
+        ``union_fraction`` attribute wants (``jax_twell.ops.cuda.block_union_fraction`` of
+        ``relu(x @ w_act)``; pure JAX, one extra gate matmul)."""
+        w_gate, w_up, _ = self._weights(x.dtype)
+        g = relu_matmul(x.reshape(-1, x.shape[-1]), w_up if w_gate is None else w_gate)
+        return block_union_fraction(g)
 
     def infer(self, x: jax.Array) -> jax.Array:
         """Inference forward, no statistics: ``x [..., d]`` -> ``y [..., d]`` of ``x.dtype``."""

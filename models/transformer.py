@@ -15,9 +15,10 @@ Entry points (``B`` batch, ``T`` tokens, ``V`` vocabulary, ``L`` layers)::
     logits, cache = model.decode_step(next_tokens, cache)
 
 For serving on the CUDA kernels, ``model.calibrate_ffn(sample_tokens)`` stores each
-layer's measured active fraction (decode-sized calls then take the decode kernels where
-they win, chosen at trace time) and ``model.cache_for_decode()`` keeps the up weights in
-the layout those kernels read.
+layer's measured active fraction and 64-token union (decode-sized calls then take the
+decode kernels where they win, and prefill-sized calls the union kernels or dense, chosen
+at trace time) and ``model.cache_for_decode()`` keeps the up weights in the layout those
+kernels read.
 
 ``prefill`` and ``decode_step`` use the FFN's inference path (no statistics); jit them
 (``nnx.jit``, or ``nnx.split`` + ``jax.jit`` as ``generate`` does). The cache has a fixed
@@ -225,9 +226,17 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array):
         """Training forward: ``x [B, T, d]`` -> ``(x [B, T, d], FFNAux)``."""
+        return self.forward_with_union(x, union=False)[:2]
+
+    def forward_with_union(self, x: jax.Array, *, union: bool = True):
+        """As ``__call__``, plus the FFN's mean 64-token union of active neurons as a fraction
+        of f (``SparseFFN.block_union`` of its input; NaN for a dense FFN or ``union=False``):
+        ``(x, FFNAux, [] f32)``."""
         x = x + self.attn(self.attn_norm(x))
-        y, aux = self.ffn.forward_with_stats(self.ffn_norm(x))
-        return x + y, aux
+        h = self.ffn_norm(x)
+        y, aux = self.ffn.forward_with_stats(h)
+        measured = self.ffn.block_union(h) if union and isinstance(self.ffn, SparseFFN) else jnp.float32(jnp.nan)
+        return x + y, aux, measured
 
     def cached(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array):
         """Inference forward over a KV cache (see ``Attention.cached``): ``(x, k_cache, v_cache)``."""
@@ -291,14 +300,28 @@ class TransformerLM(nnx.Module):
         """Measures each sparse FFN layer's fraction of active (token, neuron) pairs on
         ``tokens [B, T]`` (the training forward) and stores it as the layer's
         ``active_fraction``, the per-layer choice the CUDA ops then make at trace time
-        (decode kernels or dense for inference; kernels or XLA for training). Returns the
-        fractions, one per layer. Re-jit code that captured the model after calling it.
+        (decode kernels or dense for inference; kernels or XLA for training); also each
+        layer's mean union of active neurons over blocks of 64 consecutive tokens, as its
+        ``union_fraction`` (what the CUDA union kernels read; a trained layer's is well
+        below the uniform pattern's at the same density). Returns the active fractions, one
+        per layer. Re-jit code that captured the model after calling it.
         """
-        stats = nnx.jit(lambda model, t: model(t)[1])(self, jnp.asarray(tokens, jnp.int32))
+
+        def measure(model, t):
+            x = model._embed(t)
+            auxes, unions = [], []
+            for layer in model.layers:
+                x, aux, union = layer.forward_with_union(x)
+                auxes.append(aux)
+                unions.append(union)
+            return stack_stats(auxes), jnp.stack(unions)
+
+        stats, unions = nnx.jit(measure)(self, jnp.asarray(tokens, jnp.int32))
         fractions = [float(v) / self.cfg.d_ff for v in np.asarray(stats.nnz_mean, np.float64)]
-        for layer, fraction in zip(self.layers, fractions):
+        for layer, fraction, union in zip(self.layers, fractions, np.asarray(unions, np.float64)):
             if isinstance(layer.ffn, SparseFFN):
                 layer.ffn.active_fraction = min(max(fraction, 0.0), 1.0)
+                layer.ffn.union_fraction = min(max(float(union), 0.0), 1.0)
         return fractions
 
     def cache_for_decode(self, dtype=None, *, activation_weight: bool = False) -> None:

@@ -329,7 +329,7 @@ def test_logits_matmul_gradients_stay_in_bf16_and_match():
     assert f32_operand_dots(ours) == 0
 
 
-def test_calibrate_ffn_stores_each_layers_active_fraction_and_decode_cache(monkeypatch):
+def test_calibrate_ffn_stores_each_layers_active_and_union_fractions_and_decode_cache(monkeypatch):
     import jax_twell.modules as modules_lib
 
     model = TransformerLM(TINY, rngs=nnx.Rngs(3))
@@ -339,6 +339,14 @@ def test_calibrate_ffn_stores_each_layers_active_fraction_and_decode_cache(monke
     np.testing.assert_allclose(fractions, np.asarray(stats.nnz_mean) / TINY.d_ff, rtol=1e-6)
     assert all(0.0 < p < 1.0 for p in fractions)  # ReLU at initialisation: about half active
     assert [layer.ffn.active_fraction for layer in model.layers] == pytest.approx(fractions)
+    # Each layer's 64-token union (here one block of 32 tokens): at least the mean density,
+    # at most all neurons, and what block_union measures on the layer's own input.
+    for layer, p in zip(model.layers, fractions):
+        assert p <= layer.ffn.union_fraction <= min(1.0, 32 * p)
+    x = model._embed(tokens)
+    x = x + model.layers[0].attn(model.layers[0].attn_norm(x))
+    want = float(model.layers[0].ffn.block_union(model.layers[0].ffn_norm(x)))
+    assert model.layers[0].ffn.union_fraction == pytest.approx(want, rel=1e-5)
 
     model.cache_for_decode()
     for layer in model.layers:
