@@ -5,12 +5,14 @@ Usage: python benchmarks/timeline.py [--kernel blocked_union] [--m 16384] [--d 2
 
 Runs the forced-sparse op and XLA's dense FFN ``--calls`` times back to back (as the
 "call" clock of bench_inference.py does) under jax.profiler, reads the Perfetto trace the
-profiler writes, and reports, over the last half of the calls: the wall span on the GPU
-per call, the summed kernel time, the idle time between kernels, and the largest gaps with
-the kernels on each side, and the time per kernel name; then, outside the profiler, the host time for one call to
-return (its dispatch: a call clock above the kernels' time with no gaps on the GPU means
-the host, not the GPU, sets the pace). What the benchmark's call clock counts beyond the kernels' own
-time is either here (the GPU idles) or nowhere (the host keeps ahead).
+profiler writes, and reports over the last half of the calls: the wall span on the GPU per
+call, the summed kernel time, the idle time between kernels, the largest gaps with the
+kernels on each side, and the time per kernel name; then, outside the profiler, the host
+time for one call to return (its dispatch).
+
+Read kernel times here as a profile, not as the benchmark's ratio: under the profiler the
+host dispatches slowly, so calls may run with idle gaps between them on a cooler GPU than
+the benchmark's sustained back-to-back load (ffi/notes/twell_ffn_blocked.md).
 """
 
 from __future__ import annotations
