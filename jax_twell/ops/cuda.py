@@ -960,13 +960,9 @@ def block_union_fraction(g: jax.Array) -> jax.Array:
     """``[]`` float32: the mean over the full 64-token blocks of ``g [M, f]`` (tokens in
     order; the one partial block where M < 64) of the fraction of the f neurons active
     (``g > 0``) for some token of the block: the ``union_fraction`` of :func:`sparse_ffn`,
-    measured on a layer's gate activations (e.g. ``relu(x @ w_gate)`` for sample inputs)."""
-    block = _union.TOKENS
-    m, f = g.shape
-    if m == 0 or f == 0:
-        return jnp.float32(0.0)
-    full = max(m // block, 1) * min(block, m)
-    return (g[:full].reshape(-1, min(block, m), f) > 0).any(axis=1).mean(dtype=jnp.float32)
+    measured on a layer's gate activations (e.g. ``relu(x @ w_gate)`` for sample inputs).
+    :func:`sampled_block_union` with every row in the sample."""
+    return sampled_block_union(g, rows=max(g.shape[0], 1))
 
 
 # The fused gate kernel (ffi/twell_gate.cu): a CUTLASS Hopper GEMM whose output tiles
