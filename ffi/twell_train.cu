@@ -23,11 +23,12 @@
 //   Dx                  grid (d/32, block), like K2: 4 lanes per token hold dx[t, 32 cols] in
 //                       f32; per tile the Wg^T and Wu^T slabs [tile, 32] are staged;
 //                       acc = fma(coef1, Wg^T[j], acc), then fma(coef2, Wu^T[j], acc).
-//   WeightGrad          grid (tile, d/32), 64 groups of 4 lanes, one neuron per group at a
-//                       time, its by_col list walked over blocks in order: dWd[j] += h dy[t],
-//                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs.
-//                       A hot neuron (over 1/32 of the tile's entries) is shared by all 64
-//                       groups afterwards, its parts added in a fixed tree.
+//   WeightGrad          grid (tile, d/32), 8 warps of 8 groups of 4 lanes: dWd[j] += h dy[t],
+//                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs. A hot
+//                       neuron (over 1/16 of the tile's entries) is shared by all 64 groups
+//                       first; the others go to the warps from a queue in decreasing size,
+//                       each warp's 8 groups striding one neuron's list; parts added in a
+//                       fixed tree.
 // Every output element is summed by one lane in a fixed order: deterministic, no atomics.
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weight slabs 16 blocks x 5 x 23 MB =
 // 1.85 GB (L2); WeightGrad x/dy slices nnz x d x 4 B = 3.8 GB (L2); partials 2 x 2 x 59 MB.
@@ -354,23 +355,78 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
   }
 }
 
-// Weight gradients: grid (tile k, model columns [32 r, 32 r + 32)), 64 groups of 4 lanes.
-// Group g owns neurons g, g + 64, ... of the tile: per neuron, the by_col lists of the
-// blocks in order, summed from zero. A "hot" neuron (over 1/32 of the tile's entries, i.e.
-// more than two of the 64 groups' shares: one firing for most tokens would hold one group
-// while the other 63 wait) is instead shared by all groups after the others: group g sums
-// the g-th of 64 equal consecutive parts of its list from zero, the 8 groups of a warp add
-// their parts in a fixed butterfly ((0+1)+(2+3))+((4+5)+(6+7)), and the 8 warps' sums are
-// added in warp order. One fixed order of f32 operations per output (train_emulation.py
-// follows it). kRecords: each entry read from its record (TwellTrainGradRecordsKernel),
-// else from by_col and coef.
+// Weight gradients: grid (tile k, model columns [32 r, 32 r + 32)), 8 warps of 8 groups of
+// 4 lanes (a group: 8 columns per lane). With W the tile's entries and n a neuron's (its
+// by_col lists over the blocks in order, in token order):
+// - a hot neuron (16 n > W, at most 15) is shared by all 64 groups first: group g sums the
+//   g-th of 64 equal consecutive parts of its list from zero, the 8 groups of a warp add
+//   their parts in a butterfly ((0+1)+(2+3))+((4+5)+(6+7)), then the 8 warps' sums are added
+//   in warp order;
+// - every other neuron is taken whole by one warp from a queue in decreasing size (by
+//   powers of two): group i of the warp sums entries i, i + 8, i + 16, ... of its list from
+//   zero, and the warp adds the 8 sums in the same butterfly.
+// Which warp takes a neuron does not change its sums, so the queue may be dynamic: a warp
+// takes the next neuron when it is done, and the tile's work ends within about one neuron
+// of even. The 8 groups of a warp walk one list together (no divergence between neurons of
+// different sizes), and the lanes read the list's per-block starts at once into a table
+// instead of a chain of dependent col_off reads. One fixed order of f32 operations per
+// output (train_emulation.py follows it). kRecords: each entry read from its record
+// (TwellTrainGradRecordsKernel), else from by_col and coef.
 constexpr int kGradGroups = kGradThreads / kGradLanes;
 constexpr int kGradWarps = kGradThreads / 32;
-constexpr int kMaxHot = 32;  // a hot neuron holds over 1/32 of its tile's entries
+constexpr int kWarpGroups = 32 / kGradLanes;  // 8 groups per warp
+constexpr int kHotShare = 16;                 // a hot neuron holds over 1/16 of its tile's entries
+constexpr int kSizeClasses = 33;              // queue classes: 0 (no entries), 1 + floor(log2 n)
 
 struct GradAcc {
   float down[8], act[8], up[8];
 };
+
+// One by_col entry's loads: x and dy slices of its token and its coefficients.
+struct GradEntry {
+  uint4 x, dy;
+  float h, gate, up;
+};
+
+// Loads entry q of segment (b, k) (by_col at base).
+template <bool kGated, bool kRecords>
+__device__ __forceinline__ GradEntry LoadGradEntry(int q, int64_t base, int b, int col,
+                                                   const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
+                                                   const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
+                                                   const uint4* __restrict__ records, const Shapes& s) {
+  GradEntry l;
+  int64_t t;
+  if constexpr (kRecords) {
+    const uint4 rec = records[base + q];
+    t = rec.w;
+    l.h = __uint_as_float(rec.x);
+    l.gate = __uint_as_float(rec.y);
+    l.up = __uint_as_float(rec.z);
+  } else {
+    const uint32_t w = by_col[base + q];
+    const int64_t e = base + (w & kLocalMask);
+    t = static_cast<int64_t>(b) * kBlockTokens + (w >> kTokenShift);
+    l.h = coef[e];
+    l.gate = coef[s.max_entries + e];
+    l.up = kGated ? coef[2 * s.max_entries + e] : 0.f;
+  }
+  l.x = *reinterpret_cast<const uint4*>(x + t * s.d + col);
+  l.dy = *reinterpret_cast<const uint4*>(dy + t * s.d + col);
+  return l;
+}
+
+template <typename E, bool kGated>
+__device__ __forceinline__ void ApplyGradEntry(GradAcc& acc, const GradEntry& l) {
+  float xv[8], dv[8];
+  Unpack8<E>(l.x, xv);
+  Unpack8<E>(l.dy, dv);
+#pragma unroll
+  for (int v = 0; v < 8; ++v) {
+    acc.down[v] = fmaf(l.h, dv[v], acc.down[v]);
+    acc.act[v] = fmaf(l.gate, xv[v], acc.act[v]);
+    if (kGated) acc.up[v] = fmaf(l.up, xv[v], acc.up[v]);
+  }
+}
 
 // Adds by_col entries [p, p_end) of segment (b, k) (at base) to acc, in list order.
 template <typename E, bool kGated, bool kRecords>
@@ -378,50 +434,16 @@ __device__ __forceinline__ void AddEntries(GradAcc& acc, int p, int p_end, int64
                                            const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
                                            const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
                                            const uint4* __restrict__ records, const Shapes& s) {
-  struct Loaded {
-    uint4 x, dy;
-    float h, gate, up;
-  };
-  auto load = [&](int q) {
-    Loaded l;
-    int64_t t;
-    if constexpr (kRecords) {
-      const uint4 rec = records[base + q];
-      t = rec.w;
-      l.h = __uint_as_float(rec.x);
-      l.gate = __uint_as_float(rec.y);
-      l.up = __uint_as_float(rec.z);
-    } else {
-      const uint32_t w = by_col[base + q];
-      const int64_t e = base + (w & kLocalMask);
-      t = static_cast<int64_t>(b) * kBlockTokens + (w >> kTokenShift);
-      l.h = coef[e];
-      l.gate = coef[s.max_entries + e];
-      l.up = kGated ? coef[2 * s.max_entries + e] : 0.f;
-    }
-    l.x = *reinterpret_cast<const uint4*>(x + t * s.d + col);
-    l.dy = *reinterpret_cast<const uint4*>(dy + t * s.d + col);
-    return l;
-  };
-  auto apply = [&](const Loaded& l) {
-    float xv[8], dv[8];
-    Unpack8<E>(l.x, xv);
-    Unpack8<E>(l.dy, dv);
-#pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      acc.down[v] = fmaf(l.h, dv[v], acc.down[v]);
-      acc.act[v] = fmaf(l.gate, xv[v], acc.act[v]);
-      if (kGated) acc.up[v] = fmaf(l.up, xv[v], acc.up[v]);
-    }
-  };
   // Two entries' loads in flight before either is applied (in list order): halves the
   // chain of dependent L2 reads (by_col word or record -> x/dy slices and coefficients).
   for (; p + 1 < p_end; p += 2) {
-    const Loaded first = load(p), second = load(p + 1);
-    apply(first);
-    apply(second);
+    const GradEntry first = LoadGradEntry<kGated, kRecords>(p, base, b, col, x, dy, by_col, coef, records, s);
+    const GradEntry second = LoadGradEntry<kGated, kRecords>(p + 1, base, b, col, x, dy, by_col, coef, records, s);
+    ApplyGradEntry<E, kGated>(acc, first);
+    ApplyGradEntry<E, kGated>(acc, second);
   }
-  if (p < p_end) apply(load(p));
+  if (p < p_end) ApplyGradEntry<E, kGated>(acc, LoadGradEntry<kGated, kRecords>(p, base, b, col, x, dy, by_col, coef,
+                                                                                 records, s));
 }
 
 template <typename E, bool kGated>
@@ -448,6 +470,103 @@ __device__ __forceinline__ int NeuronEntries(const int32_t* __restrict__ col_off
   return n;
 }
 
+// The 8 groups of a warp add their accumulators: ((0+1)+(2+3))+((4+5)+(6+7)) in group 0.
+template <bool kGated>
+__device__ __forceinline__ void WarpGroupSum(GradAcc& acc) {
+#pragma unroll
+  for (int o = kGradLanes; o < 32; o <<= 1) {  // groups g ^ 1, g ^ 2, g ^ 4 of the warp
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      acc.down[v] += __shfl_xor_sync(0xffffffffu, acc.down[v], o);
+      acc.act[v] += __shfl_xor_sync(0xffffffffu, acc.act[v], o);
+      if (kGated) acc.up[v] += __shfl_xor_sync(0xffffffffu, acc.up[v], o);
+    }
+  }
+}
+
+// A neuron's entries in one block, for the warp walking its list.
+struct NeuronBlock {
+  int lo, count, before, base;  // by_col start, entries, entries in the blocks before, seg_start
+};
+
+// Warp-wide: adds neuron j's entries i, i + 8, ... (i = the lane's group in the warp) to acc,
+// in list order. The blocks are read 32 at a time, lane b reading block b0 + b into table.
+template <typename E, bool kGated, bool kRecords>
+__device__ __forceinline__ void AddNeuronStrided(GradAcc& acc, int j, int k, int col, NeuronBlock* table,
+                                                 const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
+                                                 const int32_t* __restrict__ seg_start,
+                                                 const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col,
+                                                 const float* __restrict__ coef, const uint4* __restrict__ records,
+                                                 const Shapes& s) {
+  const int l = threadIdx.x % 32, i = l / kGradLanes;
+  int carry = 0;  // entries in the blocks before b0
+  for (int b0 = 0; b0 < s.n_blocks; b0 += 32) {
+    NeuronBlock nb{0, 0, 0, 0};
+    if (b0 + l < s.n_blocks) {
+      const int seg = (b0 + l) * s.n_tiles + k;
+      const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
+      nb.lo = co[j];
+      nb.count = co[j + 1] - nb.lo;
+      nb.base = seg_start[seg];
+    }
+    int incl = nb.count;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (l >= o) incl += v;
+    }
+    nb.before = carry + incl - nb.count;
+    table[l] = nb;
+    const int end = carry + __shfl_sync(0xffffffffu, incl, 31);
+    __syncwarp();
+    int e = carry + ((i - carry) % kWarpGroups + kWarpGroups) % kWarpGroups;  // first e >= carry, e = i mod 8
+    int bi = 0;
+    // Two entries (e, e + 8) in flight before either is applied, in list order.
+    for (; e + kWarpGroups < end; e += 2 * kWarpGroups) {
+      while (e >= table[bi].before + table[bi].count) ++bi;
+      const NeuronBlock first = table[bi];
+      int bj = bi;
+      while (e + kWarpGroups >= table[bj].before + table[bj].count) ++bj;
+      const NeuronBlock second = table[bj];
+      const GradEntry a = LoadGradEntry<kGated, kRecords>(first.lo + e - first.before, first.base, b0 + bi, col, x,
+                                                          dy, by_col, coef, records, s);
+      const GradEntry z = LoadGradEntry<kGated, kRecords>(second.lo + e + kWarpGroups - second.before, second.base,
+                                                          b0 + bj, col, x, dy, by_col, coef, records, s);
+      ApplyGradEntry<E, kGated>(acc, a);
+      ApplyGradEntry<E, kGated>(acc, z);
+      bi = bj;
+    }
+    if (e < end) {
+      while (e >= table[bi].before + table[bi].count) ++bi;
+      const NeuronBlock last = table[bi];
+      ApplyGradEntry<E, kGated>(acc, LoadGradEntry<kGated, kRecords>(last.lo + e - last.before, last.base, b0 + bi,
+                                                                      col, x, dy, by_col, coef, records, s));
+    }
+    carry = end;
+    __syncwarp();  // the table is rewritten next
+  }
+}
+
+// Adds part [a, z) of neuron j's list (its by_col lists over the blocks in order) to acc.
+template <typename E, bool kGated, bool kRecords>
+__device__ __forceinline__ void AddNeuronPart(GradAcc& acc, int j, int a, int z, int k, int col,
+                                              const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
+                                              const int32_t* __restrict__ seg_start, const int32_t* __restrict__ col_off,
+                                              const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
+                                              const uint4* __restrict__ records, const Shapes& s) {
+  int done = 0;  // entries of neuron j in the blocks before b
+  for (int b = 0; b < s.n_blocks && done < z; ++b) {
+    const int seg = b * s.n_tiles + k;
+    const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
+    const int lo_b = co[j], n_b = co[j + 1] - lo_b;
+    const int from = max(a - done, 0), to = min(z - done, n_b);
+    done += n_b;
+    if (from < to)
+      AddEntries<E, kGated, kRecords>(acc, lo_b + from, lo_b + to, seg_start[seg], b, col, x, dy, by_col, coef,
+                                      records, s);
+  }
+}
+
 template <typename E, bool kGated, bool kRecords>
 __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, const int32_t* __restrict__ seg_start,
@@ -455,63 +574,52 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
     uint16_t* __restrict__ dw_up_t, Shapes s) {
   __shared__ int scratch[32];
-  __shared__ int total, n_hot;
-  __shared__ int hot_list[kMaxHot], hot_count[kMaxHot];
-  __shared__ bool is_hot[kMaxTile];
+  __shared__ int total, n_hot, n_queued, next_item;
+  __shared__ int hot_list[kHotShare], hot_count[kHotShare];
+  __shared__ int class_count[kSizeClasses], class_start[kSizeClasses];
+  __shared__ int queue[kMaxTile], queue_count[kMaxTile];
   __shared__ float warp_part[kGradWarps][kGradLanes][24];
+  __shared__ NeuronBlock tables[kGradWarps][32];
   const int k = blockIdx.x, r = blockIdx.y;
   const int lane = threadIdx.x % kGradLanes, group = threadIdx.x / kGradLanes;
+  const int warp = threadIdx.x / 32, in_warp = group % kWarpGroups;
   const int col = r * kGradCols + lane * 8;
   const bool over_budget = OverBudget(s, seg_start);
   const int width = TileWidth(s, k);
   const int n = NeuronEntries(col_off, k, width, over_budget, s);
-  if (threadIdx.x == 0) n_hot = 0;
-  BlockExclusiveScan(n, scratch, &total);  // ends with a barrier: n_hot is set
-  const bool hot = 32LL * n > total;
-  if (static_cast<int>(threadIdx.x) < width) is_hot[threadIdx.x] = hot;
+  if (threadIdx.x == 0) n_hot = next_item = 0;
+  if (threadIdx.x < kSizeClasses) class_count[threadIdx.x] = 0;
+  BlockExclusiveScan(n, scratch, &total);  // ends with a barrier: the counters are set
+  const bool in_tile = static_cast<int>(threadIdx.x) < width;
+  const bool hot = static_cast<int64_t>(kHotShare) * n > total;
+  const int size_class = n > 0 ? 32 - __clz(n) : 0;
+  int class_rank = 0;
   if (hot) {
-    const int slot = atomicAdd(&n_hot, 1);  // at most 31 (each holds over 1/32)
+    const int slot = atomicAdd(&n_hot, 1);  // at most 15 (each holds over 1/16)
     hot_list[slot] = threadIdx.x;
     hot_count[slot] = n;
+  } else if (in_tile) {
+    class_rank = atomicAdd(&class_count[size_class], 1);
   }
   __syncthreads();
-  for (int jj = group; jj < width; jj += kGradGroups) {
-    if (is_hot[jj]) continue;
-    GradAcc acc = {};
-    for (int b = 0; !over_budget && b < s.n_blocks; ++b) {
-      const int seg = b * s.n_tiles + k;
-      const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
-      AddEntries<E, kGated, kRecords>(acc, co[jj], co[jj + 1], seg_start[seg], b, col, x, dy, by_col, coef, records, s);
-    }
-    StoreGrads<E, kGated>(acc, k, jj, col, over_budget, dw_down, dw_act_t, dw_up_t, s);
+  if (threadIdx.x == 0) {  // the queue: larger classes first
+    int start = 0;
+    for (int c = kSizeClasses - 1; c >= 0; --c) class_start[c] = start, start += class_count[c];
+    n_queued = start;
   }
-  const int warp = threadIdx.x / 32;
-  for (int h = 0; h < n_hot; ++h) {  // block-uniform
+  __syncthreads();
+  if (in_tile && !hot) {
+    queue[class_start[size_class] + class_rank] = threadIdx.x;
+    queue_count[class_start[size_class] + class_rank] = n;
+  }
+  for (int h = 0; h < n_hot; ++h) {  // hot neurons first, block-uniform
     const int j = hot_list[h], count = hot_count[h];
-    const int a = static_cast<int>(static_cast<int64_t>(count) * group / kGradGroups);
-    const int z = static_cast<int>(static_cast<int64_t>(count) * (group + 1) / kGradGroups);
     GradAcc acc = {};
-    int done = 0;  // entries of neuron j in the blocks before b
-    for (int b = 0; b < s.n_blocks && done < z; ++b) {
-      const int seg = b * s.n_tiles + k;
-      const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
-      const int lo_b = co[j], n_b = co[j + 1] - lo_b;
-      const int from = max(a - done, 0), to = min(z - done, n_b);
-      done += n_b;
-      if (from < to)
-        AddEntries<E, kGated, kRecords>(acc, lo_b + from, lo_b + to, seg_start[seg], b, col, x, dy, by_col, coef,
-                                        records, s);
-    }
-#pragma unroll
-    for (int o = kGradLanes; o < 32; o <<= 1) {  // groups g ^ 1, g ^ 2, g ^ 4 of the warp
-#pragma unroll
-      for (int v = 0; v < 8; ++v) {
-        acc.down[v] += __shfl_xor_sync(0xffffffffu, acc.down[v], o);
-        acc.act[v] += __shfl_xor_sync(0xffffffffu, acc.act[v], o);
-        if (kGated) acc.up[v] += __shfl_xor_sync(0xffffffffu, acc.up[v], o);
-      }
-    }
-    if (threadIdx.x % 32 < kGradLanes) {
+    AddNeuronPart<E, kGated, kRecords>(acc, j, static_cast<int>(static_cast<int64_t>(count) * group / kGradGroups),
+                                       static_cast<int>(static_cast<int64_t>(count) * (group + 1) / kGradGroups), k,
+                                       col, x, dy, seg_start, col_off, by_col, coef, records, s);
+    WarpGroupSum<kGated>(acc);
+    if (in_warp == 0) {
       float* slot = warp_part[warp][lane];
 #pragma unroll
       for (int v = 0; v < 8; ++v) slot[v] = acc.down[v], slot[8 + v] = acc.act[v], slot[16 + v] = acc.up[v];
@@ -535,6 +643,20 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
       StoreGrads<E, kGated>(sum, k, j, col, false, dw_down, dw_act_t, dw_up_t, s);
     }
     __syncthreads();
+  }
+  __syncthreads();  // the queue is written (when there was no hot neuron)
+  for (;;) {  // the other neurons, one per warp at a time
+    int q = 0;
+    if (threadIdx.x % 32 == 0) q = atomicAdd(&next_item, 1);
+    q = __shfl_sync(0xffffffffu, q, 0);
+    if (q >= n_queued) break;
+    const int j = queue[q];
+    GradAcc acc = {};
+    if (queue_count[q] > 0)
+      AddNeuronStrided<E, kGated, kRecords>(acc, j, k, col, tables[warp], x, dy, seg_start, col_off, by_col, coef,
+                                            records, s);
+    WarpGroupSum<kGated>(acc);
+    if (in_warp == 0) StoreGrads<E, kGated>(acc, k, j, col, over_budget, dw_down, dw_act_t, dw_up_t, s);
   }
 }
 

@@ -29,7 +29,8 @@ ADVERSARIAL = [
     (1100, 256, 700, 0.02, "heavy", 4, 10),
     (2500, 2048, 1300, 0.01, "heavy", 3, 7),
     (64, 192, 256, 0.5, "dense", 0, 0),
-    (1100, 256, 700, 0.02, "skewed", 0, 0),  # neurons over 1/32 of a tile: shared by all weight-gradient groups
+    (1100, 256, 700, 0.02, "skewed", 0, 0),  # neurons over 1/16 of a tile: shared by all weight-gradient groups
+    (1100, 64, 520, 0.01, "skewed", 0, 0),  # one neuron with 44% of its tile's entries
 ]
 
 
@@ -86,6 +87,15 @@ def test_train_kernels_match_emulation_bitwise(case, gated, dtype):
         eq(dw_act_t, dw_act_t_e, "dw_act_t")
         if gated:
             eq(bwd[3], dw_up_t_e, "dw_up_t")
+
+
+def test_weight_grads_past_32_blocks_match_emulation_bitwise():
+    """Over 32 token blocks a neuron's per-block table is read in two passes (M=33,000)."""
+    x, wg, wu, wd, dy = make_case(33000, 64, 260, 0.01, "skewed", True, key=7)
+    need, (y, res, h_source, bwd), (y_e, res_e, h_e, bwd_e) = _raw(x, wg, wu, wd, dy, 256, 32)
+    assert res.col_off.shape[0] == 33
+    for got, want, name in zip(bwd[1:4], bwd_e[1:4], ("dw_down", "dw_act_t", "dw_up_t")):
+        np.testing.assert_array_equal(_bits(got), _bits(want), name)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])

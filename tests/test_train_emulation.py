@@ -88,7 +88,8 @@ CASES = [
     (77, 128, 300, 0.05, "heavy", 3, 5),  # heavy-tailed rows
     (1100, 64, 700, 0.02, "heavy", 4, 10),  # two token blocks, the second partial
     (40, 64, 256, 0.5, "dense", 0, 0),  # every row overflowing
-    (600, 64, 700, 0.02, "skewed", 0, 0),  # neurons over 1/32 of a tile: shared by all weight-gradient groups
+    (600, 64, 700, 0.02, "skewed", 0, 0),  # neurons over 1/16 of a tile: shared by all weight-gradient groups
+    (1100, 64, 520, 0.01, "skewed", 0, 0),  # one neuron with 44% of its tile's entries
 ]
 
 

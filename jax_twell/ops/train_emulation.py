@@ -16,9 +16,10 @@ training adds:
 - backward: dh partial dot products with the up step's lane structure (dy for x, Wd rows
   for Wu^T rows, every entry); ``dh = sum of partials + c sign(h)`` with ``c = dl1 / M``;
   coefficients ``(h, dh * u, dh * g)`` (non-gated: ``(h, dh)``); dx accumulated per token in
-  entry order (tiles, then columns); weight gradients per neuron in token order, except for
-  a neuron holding over 1/32 of its tile's entries: its list cut into ``GRAD_GROUPS`` equal
-  parts, each summed in token order, the parts added in a fixed tree.
+  entry order (tiles, then columns); weight gradients per neuron in token order, strided
+  over a warp's 8 groups (entry p to part p mod 8), except for a neuron holding over
+  1/16 of its tile's entries: its list cut into ``GRAD_GROUPS`` equal consecutive parts;
+  each part summed in token order, the parts added in a fixed tree.
 
 Products of two 2-byte floats are exact in f32 (``fma == add``); products of an f32
 coefficient with a 2-byte weight are not, and :func:`fma` evaluates them in float64 with a
@@ -35,7 +36,9 @@ import numpy as np
 from jax_twell.ops import blocked_emulation as _b
 
 TOKEN_SHIFT = 18
-GRAD_GROUPS = 64  # the weight-gradient kernel's groups of 4 lanes per CTA (kGradGroups), 8 per warp
+GRAD_GROUPS = 64  # the weight-gradient kernel's groups of 4 lanes per CTA (kGradGroups)
+WARP_GROUPS = 8  # groups per warp (kWarpGroups)
+HOT_SHARE = 16  # a neuron over 1/HOT_SHARE of its tile's entries is shared by all groups (kHotShare)
 _F32 = np.float32
 _F64 = np.float64
 
@@ -241,29 +244,30 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
                 acc[t] = fma(coef[2, sel][:, None], wut[neuron[sel]], acc[t])
     dx = acc.astype(dt)
 
-    # WeightGrad: per neuron, its tokens in increasing order, summed from zero. A "hot"
-    # neuron (over 1/32 of its tile's fired entries) is cut into GRAD_GROUPS equal
-    # consecutive parts, each summed from zero; per warp of 8 parts a butterfly
-    # ((0+1)+(2+3))+((4+5)+(6+7)), then the warps' sums in order.
+    # WeightGrad: per neuron, its tokens in increasing order. A "hot" neuron (over
+    # 1/HOT_SHARE of its tile's fired entries) is cut into GRAD_GROUPS equal consecutive
+    # parts, each summed from zero; per warp of 8 parts a butterfly
+    # ((0+1)+(2+3))+((4+5)+(6+7)), then the warps' sums in order. Any other neuron is
+    # strided over one warp's 8 groups (entry p to part p mod 8), each part summed from
+    # zero, the 8 parts added in the same butterfly.
     a = np.nonzero(fired)[0]
     a = a[np.lexsort((tok[a], neuron[a]))]
     nrn = neuron[a]
     n_tiles_all = -(-f // tile)
     per_neuron = np.bincount(nrn, minlength=n_tiles_all * tile)
     w_tile = per_neuron.reshape(n_tiles_all, tile).sum(axis=1)
-    hot_neuron = 32 * per_neuron > np.repeat(w_tile, tile)
+    hot_neuron = HOT_SHARE * per_neuron > np.repeat(w_tile, tile)
     pos = np.arange(a.size) - np.searchsorted(nrn, nrn, side="left")
     cnt = per_neuron[nrn]
-    # part = the last g with floor(cnt g / G) <= pos
-    part = np.minimum((GRAD_GROUPS * (pos + 1) + cnt - 1) // np.maximum(cnt, 1) - 1, GRAD_GROUPS - 1)
-    part = np.where(hot_neuron[nrn], part, 0)
-    key = nrn * GRAD_GROUPS + part
-    new_chunk = np.ones(a.size, bool)
-    new_chunk[1:] = key[1:] != key[:-1]
-    chunk = np.cumsum(new_chunk) - 1
-    rank = np.arange(a.size) - np.flatnonzero(new_chunk)[chunk]
-    n_chunks = int(chunk[-1]) + 1 if a.size else 0
-    sums = [np.zeros((n_chunks, d), _F32) for _ in range(3)]
+    hot_entry = hot_neuron[nrn]
+    # hot: part = the last g with floor(cnt g / G) <= pos, rank = pos - floor(cnt part / G)
+    hot_part = np.minimum((GRAD_GROUPS * (pos + 1) + cnt - 1) // np.maximum(cnt, 1) - 1, GRAD_GROUPS - 1)
+    part = np.where(hot_entry, hot_part, pos % WARP_GROUPS)
+    rank = np.where(hot_entry, pos - cnt * part // GRAD_GROUPS, pos // WARP_GROUPS)
+    key = nrn.astype(np.int64) * GRAD_GROUPS + part
+    chunk_key, chunk = np.unique(key, return_inverse=True)
+    chunk = chunk.reshape(-1)
+    sums = [np.zeros((chunk_key.size, d), _F32) for _ in range(3)]
     for r in range(int(rank.max(initial=-1)) + 1):
         sel = a[rank == r]
         c = chunk[rank == r]
@@ -272,23 +276,23 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
         sums[1][c] = fma(coef[1, sel][:, None], xf[t], sums[1][c])
         if gated:
             sums[2][c] = fma(coef[2, sel][:, None], xf[t], sums[2][c])
-    heads = np.flatnonzero(new_chunk)
-    chunk_neuron, chunk_part = nrn[heads], part[heads]
+    chunk_neuron, chunk_part = chunk_key // GRAD_GROUPS, chunk_key % GRAD_GROUPS
     grads = [np.zeros((f, d), _F32) for _ in range(3)]
-    cold = ~hot_neuron[chunk_neuron]
-    hot_ids = np.unique(chunk_neuron[~cold])
-    slot = np.searchsorted(hot_ids, chunk_neuron[~cold])
-    for out, src in zip(grads, sums):
-        out[chunk_neuron[cold]] = src[cold]
-        parts = np.zeros((hot_ids.size, GRAD_GROUPS, d), _F32)
-        parts[slot, chunk_part[~cold]] = src[~cold]
-        warps = parts.reshape(hot_ids.size, GRAD_GROUPS // 8, 8, d)
-        for o in (1, 2, 4):  # the butterfly within each warp's 8 groups (group 0's view)
-            warps = warps + warps[:, :, np.arange(8) ^ o]
-        total_h = warps[:, 0, 0]
-        for w in range(1, GRAD_GROUPS // 8):
-            total_h = total_h + warps[:, w, 0]
-        out[hot_ids] = total_h
+    for hot_side in (False, True):
+        mine = hot_neuron[chunk_neuron] == hot_side
+        ids = np.unique(chunk_neuron[mine])
+        slot = np.searchsorted(ids, chunk_neuron[mine])
+        n_parts = GRAD_GROUPS if hot_side else WARP_GROUPS
+        for out, src in zip(grads, sums):
+            parts = np.zeros((ids.size, n_parts, d), _F32)
+            parts[slot, chunk_part[mine]] = src[mine]
+            warps = parts.reshape(ids.size, n_parts // WARP_GROUPS, WARP_GROUPS, d)
+            for o in (1, 2, 4):  # the butterfly within each warp's 8 groups (group 0's view)
+                warps = warps + warps[:, :, np.arange(WARP_GROUPS) ^ o]
+            total_h = warps[:, 0, 0]
+            for w in range(1, n_parts // WARP_GROUPS):
+                total_h = total_h + warps[:, w, 0]
+            out[ids] = total_h
     a_down, a_act, a_up = grads
     dw_up_t = a_up.astype(dt) if gated else None
     return dx, a_down.astype(dt), a_act.astype(dt), dw_up_t, partial, coef
