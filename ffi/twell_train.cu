@@ -362,9 +362,12 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
 //   g-th of 64 equal consecutive parts of its list from zero, the 8 groups of a warp add
 //   their parts in a butterfly ((0+1)+(2+3))+((4+5)+(6+7)), then the 8 warps' sums are added
 //   in warp order;
-// - every other neuron is taken whole by one warp from a queue in decreasing size (by
-//   powers of two): group i of the warp sums entries i, i + 8, i + 16, ... of its list from
-//   zero, and the warp adds the 8 sums in the same butterfly.
+// - in a "strided" tile (a non-hot neuron over 3x the tile's mean: trained models' per-neuron
+//   spread), every other neuron is taken whole by one warp from a queue in decreasing size
+//   (by powers of two): group i of the warp sums entries i, i + 8, i + 16, ... of its list
+//   from zero, and the warp adds the 8 sums in the same butterfly;
+// - in an even tile (uniform per-neuron rates), group g owns neurons g, g + 64, ... and sums
+//   each one's list from zero: no per-neuron table or warp sums (measured faster there).
 // Which warp takes a neuron does not change its sums, so the queue may be dynamic: a warp
 // takes the next neuron when it is done, and the tile's work ends within about one neuron
 // of even. The 8 groups of a warp walk one list together (no divergence between neurons of
@@ -377,6 +380,7 @@ constexpr int kGradWarps = kGradThreads / 32;
 constexpr int kWarpGroups = 32 / kGradLanes;  // 8 groups per warp
 constexpr int kHotShare = 16;                 // a hot neuron holds over 1/16 of its tile's entries
 constexpr int kSizeClasses = 33;              // queue classes: 0 (no entries), 1 + floor(log2 n)
+constexpr int kSpreadTile = 3;                // a neuron over 3x its tile's mean makes the tile strided
 
 struct GradAcc {
   float down[8], act[8], up[8];
@@ -574,7 +578,8 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
     uint16_t* __restrict__ dw_up_t, Shapes s) {
   __shared__ int scratch[32];
-  __shared__ int total, n_hot, n_queued, next_item;
+  __shared__ int total, n_hot, n_queued, next_item, max_cold;
+  __shared__ bool is_hot[kMaxTile];
   __shared__ int hot_list[kHotShare], hot_count[kHotShare];
   __shared__ int class_count[kSizeClasses], class_start[kSizeClasses];
   __shared__ int queue[kMaxTile], queue_count[kMaxTile];
@@ -587,7 +592,7 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
   const bool over_budget = OverBudget(s, seg_start);
   const int width = TileWidth(s, k);
   const int n = NeuronEntries(col_off, k, width, over_budget, s);
-  if (threadIdx.x == 0) n_hot = next_item = 0;
+  if (threadIdx.x == 0) n_hot = next_item = max_cold = 0;
   if (threadIdx.x < kSizeClasses) class_count[threadIdx.x] = 0;
   BlockExclusiveScan(n, scratch, &total);  // ends with a barrier: the counters are set
   const bool in_tile = static_cast<int>(threadIdx.x) < width;
@@ -600,8 +605,13 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     hot_count[slot] = n;
   } else if (in_tile) {
     class_rank = atomicAdd(&class_count[size_class], 1);
+    atomicMax(&max_cold, n);
   }
+  if (in_tile) is_hot[threadIdx.x] = hot;
   __syncthreads();
+  // An even tile (no neuron over kSpreadTile times the tile's mean) keeps one neuron per
+  // group: no per-neuron table or warp sums, and its groups' loads are already even.
+  const bool strided = static_cast<int64_t>(max_cold) * width > static_cast<int64_t>(kSpreadTile) * total;
   if (threadIdx.x == 0) {  // the queue: larger classes first
     int start = 0;
     for (int c = kSizeClasses - 1; c >= 0; --c) class_start[c] = start, start += class_count[c];
@@ -645,6 +655,20 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     __syncthreads();
   }
   __syncthreads();  // the queue is written (when there was no hot neuron)
+  if (!strided) {
+    for (int jj = group; jj < width; jj += kGradGroups) {
+      if (is_hot[jj]) continue;
+      GradAcc acc = {};
+      for (int b = 0; !over_budget && b < s.n_blocks; ++b) {
+        const int seg = b * s.n_tiles + k;
+        const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
+        AddEntries<E, kGated, kRecords>(acc, co[jj], co[jj + 1], seg_start[seg], b, col, x, dy, by_col, coef, records,
+                                        s);
+      }
+      StoreGrads<E, kGated>(acc, k, jj, col, over_budget, dw_down, dw_act_t, dw_up_t, s);
+    }
+    return;
+  }
   for (;;) {  // the other neurons, one per warp at a time
     int q = 0;
     if (threadIdx.x % 32 == 0) q = atomicAdd(&next_item, 1);

@@ -16,10 +16,11 @@ training adds:
 - backward: dh partial dot products with the up step's lane structure (dy for x, Wd rows
   for Wu^T rows, every entry); ``dh = sum of partials + c sign(h)`` with ``c = dl1 / M``;
   coefficients ``(h, dh * u, dh * g)`` (non-gated: ``(h, dh)``); dx accumulated per token in
-  entry order (tiles, then columns); weight gradients per neuron in token order, strided
-  over a warp's 8 groups (entry p to part p mod 8), except for a neuron holding over
-  1/16 of its tile's entries: its list cut into ``GRAD_GROUPS`` equal consecutive parts;
-  each part summed in token order, the parts added in a fixed tree.
+  entry order (tiles, then columns); weight gradients per neuron in token order, summed
+  whole, or in a tile with a neuron over 3x the tile's mean strided over a warp's 8 groups
+  (entry p to part p mod 8), and for a neuron holding over 1/16 of its tile's entries cut
+  into ``GRAD_GROUPS`` equal consecutive parts; each part summed in token order, the parts
+  added in a fixed tree.
 
 Products of two 2-byte floats are exact in f32 (``fma == add``); products of an f32
 coefficient with a 2-byte weight are not, and :func:`fma` evaluates them in float64 with a
@@ -39,6 +40,7 @@ TOKEN_SHIFT = 18
 GRAD_GROUPS = 64  # the weight-gradient kernel's groups of 4 lanes per CTA (kGradGroups)
 WARP_GROUPS = 8  # groups per warp (kWarpGroups)
 HOT_SHARE = 16  # a neuron over 1/HOT_SHARE of its tile's entries is shared by all groups (kHotShare)
+SPREAD_TILE = 3  # a non-hot neuron over SPREAD_TILE x its tile's mean makes the tile strided (kSpreadTile)
 _F32 = np.float32
 _F64 = np.float64
 
@@ -247,9 +249,10 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
     # WeightGrad: per neuron, its tokens in increasing order. A "hot" neuron (over
     # 1/HOT_SHARE of its tile's fired entries) is cut into GRAD_GROUPS equal consecutive
     # parts, each summed from zero; per warp of 8 parts a butterfly
-    # ((0+1)+(2+3))+((4+5)+(6+7)), then the warps' sums in order. Any other neuron is
-    # strided over one warp's 8 groups (entry p to part p mod 8), each part summed from
-    # zero, the 8 parts added in the same butterfly.
+    # ((0+1)+(2+3))+((4+5)+(6+7)), then the warps' sums in order. In a strided tile (a
+    # non-hot neuron over SPREAD_TILE times the tile's mean) any other neuron is strided
+    # over one warp's 8 groups (entry p to part p mod 8), each part summed from zero, the 8
+    # parts added in the same butterfly; in an even tile it is summed whole from zero.
     a = np.nonzero(fired)[0]
     a = a[np.lexsort((tok[a], neuron[a]))]
     nrn = neuron[a]
@@ -257,13 +260,17 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
     per_neuron = np.bincount(nrn, minlength=n_tiles_all * tile)
     w_tile = per_neuron.reshape(n_tiles_all, tile).sum(axis=1)
     hot_neuron = HOT_SHARE * per_neuron > np.repeat(w_tile, tile)
+    max_cold = np.where(hot_neuron, 0, per_neuron).reshape(n_tiles_all, tile).max(axis=1)
+    width = np.minimum(tile, f - tile * np.arange(n_tiles_all))
+    strided_neuron = np.repeat(max_cold * width > SPREAD_TILE * w_tile, tile)
     pos = np.arange(a.size) - np.searchsorted(nrn, nrn, side="left")
     cnt = per_neuron[nrn]
     hot_entry = hot_neuron[nrn]
     # hot: part = the last g with floor(cnt g / G) <= pos, rank = pos - floor(cnt part / G)
     hot_part = np.minimum((GRAD_GROUPS * (pos + 1) + cnt - 1) // np.maximum(cnt, 1) - 1, GRAD_GROUPS - 1)
-    part = np.where(hot_entry, hot_part, pos % WARP_GROUPS)
-    rank = np.where(hot_entry, pos - cnt * part // GRAD_GROUPS, pos // WARP_GROUPS)
+    strided_entry = strided_neuron[nrn] & ~hot_entry
+    part = np.where(hot_entry, hot_part, np.where(strided_entry, pos % WARP_GROUPS, 0))
+    rank = np.where(hot_entry, pos - cnt * part // GRAD_GROUPS, np.where(strided_entry, pos // WARP_GROUPS, pos))
     key = nrn.astype(np.int64) * GRAD_GROUPS + part
     chunk_key, chunk = np.unique(key, return_inverse=True)
     chunk = chunk.reshape(-1)
@@ -278,11 +285,15 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
             sums[2][c] = fma(coef[2, sel][:, None], xf[t], sums[2][c])
     chunk_neuron, chunk_part = chunk_key // GRAD_GROUPS, chunk_key % GRAD_GROUPS
     grads = [np.zeros((f, d), _F32) for _ in range(3)]
-    for hot_side in (False, True):
-        mine = hot_neuron[chunk_neuron] == hot_side
+    kind = np.where(hot_neuron, 2, np.where(strided_neuron, 1, 0))[chunk_neuron]
+    for side, n_parts in enumerate((1, WARP_GROUPS, GRAD_GROUPS)):  # whole, strided, hot
+        mine = kind == side
         ids = np.unique(chunk_neuron[mine])
         slot = np.searchsorted(ids, chunk_neuron[mine])
-        n_parts = GRAD_GROUPS if hot_side else WARP_GROUPS
+        if n_parts == 1:
+            for out, src in zip(grads, sums):  # one chunk per neuron, in neuron order
+                out[ids] = src[mine]
+            continue
         for out, src in zip(grads, sums):
             parts = np.zeros((ids.size, n_parts, d), _F32)
             parts[slot, chunk_part[mine]] = src[mine]
