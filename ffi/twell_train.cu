@@ -26,8 +26,9 @@
 //   WeightGrad          grid (tile, d/32), 8 warps of 8 groups of 4 lanes: dWd[j] += h dy[t],
 //                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs. A hot
 //                       neuron (over 1/16 of the tile's entries) is shared by all 64 groups
-//                       first; the others go to the warps from a queue in decreasing size,
-//                       each warp's 8 groups striding one neuron's list; parts added in a
+//                       first; in a tile with a neuron over 3x the mean the others go to the
+//                       warps from a queue in decreasing size, each warp's 8 groups striding
+//                       one neuron's list, else one neuron per group; parts added in a
 //                       fixed tree.
 // Every output element is summed by one lane in a fixed order: deterministic, no atomics.
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weight slabs 16 blocks x 5 x 23 MB =
