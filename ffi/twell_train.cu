@@ -33,6 +33,7 @@
 // Every output element is summed by one lane in a fixed order: deterministic, no atomics.
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weight slabs 16 blocks x 5 x 23 MB =
 // 1.85 GB (L2); WeightGrad x/dy slices nnz x d x 4 B = 3.8 GB (L2); partials 2 x 2 x 59 MB.
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -333,32 +334,103 @@ __global__ void __launch_bounds__(kFlatThreads, 1) TwellTrainDxMmaKernel(
   StoreWarpRows64<E>(acc, dx, static_cast<int64_t>(th.b) * kBlockTokens + th.t0, th.col0, th.g, th.t, th.over_budget, s);
 }
 
-// The weight gradients' records: for the by_col entry at seg_start[seg] + p, its
-// (h, gate coefficient, up coefficient, token) as four words, so that the weight-gradient
-// kernel reads one 16-byte record per entry instead of a by_col word and three
-// coefficients from three arrays in entry order (three scattered 32-byte sectors).
+// The weight gradients read each neuron's entries of all token blocks as one contiguous list
+// of 16-byte records (h, gate coefficient, up coefficient, token), tile-major, neurons
+// ascending, then blocks and tokens ascending: the order of the sums. The lists live in the
+// backward's workspace (union_ws, GradWorkspaceOf): records [max_entries] uint4, then the
+// lists' starts nrn_off [n_tiles, tile + 1] (the last of a tile its end), then each
+// (block, tile) segment's first record per neuron, dstart [blocks, n_tiles, tile].
+struct GradWorkspace {
+  uint4* records;
+  int32_t* nrn_off;
+  int32_t* dstart;
+  int64_t ints;  // words in all
+};
+
+GradWorkspace GradWorkspaceOf(const Shapes& s, void* base) {
+  GradWorkspace w{};
+  const int64_t record_ints = 4 * s.max_entries;
+  const int64_t off_ints = static_cast<int64_t>(s.n_tiles) * (s.tile + 1);
+  int32_t* p = static_cast<int32_t*>(base);
+  w.records = reinterpret_cast<uint4*>(p);
+  w.nrn_off = p == nullptr ? nullptr : p + record_ints;
+  w.dstart = p == nullptr ? nullptr : p + record_ints + off_ints;
+  w.ints = record_ints + off_ints + static_cast<int64_t>(s.n_blocks) * s.n_tiles * s.tile;
+  return w;
+}
+
+// Grid (tile k), kMaxTile threads: the starts of tile k's lists. Thread j counts neuron j's
+// entries over the blocks; the tiles before k come first.
+__global__ void __launch_bounds__(kMaxTile) TwellTrainGradOffsetsKernel(const int32_t* __restrict__ seg_start,
+                                                                        const int32_t* __restrict__ col_off,
+                                                                        int32_t* __restrict__ nrn_off,
+                                                                        int32_t* __restrict__ dstart, Shapes s) {
+  __shared__ int scratch[32];
+  __shared__ int before_total, tile_total;
+  if (OverBudget(s, seg_start)) return;
+  const int k = blockIdx.x, j = threadIdx.x;
+  int before = 0;  // entries of tiles [0, k), all blocks
+  for (int i = threadIdx.x; i < k * s.n_blocks; i += blockDim.x) {
+    const int kk = i / s.n_blocks, b = i % s.n_blocks;
+    before += col_off[(static_cast<int64_t>(b) * s.n_tiles + kk) * (s.tile + 1) + s.tile];
+  }
+  BlockExclusiveScan(before, scratch, &before_total);
+  const int width = TileWidth(s, k);
+  const bool in_tile = j < width;
+  int n = 0;
+  for (int b = 0; in_tile && b < s.n_blocks; ++b) {
+    const int32_t* co = col_off + (static_cast<int64_t>(b) * s.n_tiles + k) * (s.tile + 1);
+    n += co[j + 1] - co[j];
+  }
+  int run = before_total + BlockExclusiveScan(n, scratch, &tile_total);
+  int32_t* off = nrn_off + static_cast<int64_t>(k) * (s.tile + 1);
+  if (j < s.tile) off[j] = run;
+  if (j == 0) off[s.tile] = before_total + tile_total;
+  for (int b = 0; j < s.tile && b < s.n_blocks; ++b) {
+    const int64_t seg = static_cast<int64_t>(b) * s.n_tiles + k;
+    dstart[seg * s.tile + j] = run;
+    if (in_tile) run += col_off[seg * (s.tile + 1) + j + 1] - col_off[seg * (s.tile + 1) + j];
+  }
+}
+
+// Grid (tile k, block b): the records of segment (b, k)'s by_col entries, each at its
+// neuron's place (dstart): entry p of the segment belongs to the column j with
+// col_off[j] <= p < col_off[j + 1].
 template <bool kGated>
 __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t* __restrict__ seg_start,
                                                                    const int32_t* __restrict__ col_off,
                                                                    const uint32_t* __restrict__ by_col,
                                                                    const float* __restrict__ coef,
+                                                                   const int32_t* __restrict__ dstart,
                                                                    uint4* __restrict__ records, Shapes s) {
+  __shared__ int co[kMaxTile + 1], shift[kMaxTile];
   if (OverBudget(s, seg_start)) return;
-  const int k = blockIdx.x, b = blockIdx.y, seg = b * s.n_tiles + k;
+  const int k = blockIdx.x, b = blockIdx.y;
+  const int64_t seg = static_cast<int64_t>(b) * s.n_tiles + k;
   const int64_t base = seg_start[seg];
-  const int n = col_off[static_cast<int64_t>(seg) * (s.tile + 1) + s.tile];  // the segment's by_col entries
-  for (int p = threadIdx.x; p < n; p += 256) {
+  for (int i = threadIdx.x; i <= s.tile; i += blockDim.x) co[i] = col_off[seg * (s.tile + 1) + i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < s.tile; i += blockDim.x) shift[i] = dstart[seg * s.tile + i] - co[i];
+  __syncthreads();
+  const int n = co[s.tile];
+  for (int p = threadIdx.x; p < n; p += blockDim.x) {
+    int lo = 0, hi = s.tile;  // the last j with co[j] <= p: co[lo] <= p < co[hi]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (co[mid] <= p) lo = mid;
+      else hi = mid;
+    }
     const uint32_t w = by_col[base + p];
     const int64_t e = base + (w & kLocalMask);
     const uint32_t token = static_cast<uint32_t>(b) * kBlockTokens + (w >> kTokenShift);
-    records[base + p] = make_uint4(__float_as_uint(coef[e]), __float_as_uint(coef[s.max_entries + e]),
-                                   kGated ? __float_as_uint(coef[2 * s.max_entries + e]) : 0u, token);
+    records[shift[lo] + p] = make_uint4(__float_as_uint(coef[e]), __float_as_uint(coef[s.max_entries + e]),
+                                        kGated ? __float_as_uint(coef[2 * s.max_entries + e]) : 0u, token);
   }
 }
 
 // Weight gradients: grid (tile k, model columns [32 r, 32 r + 32)), 8 warps of 8 groups of
 // 4 lanes (a group: 8 columns per lane). With W the tile's entries and n a neuron's (its
-// by_col lists over the blocks in order, in token order):
+// contiguous list of records, blocks then tokens ascending):
 // - a hot neuron (16 n > W, at most 15) is shared by all 64 groups first: group g sums the
 //   g-th of 64 equal consecutive parts of its list from zero, the 8 groups of a warp add
 //   their parts in a butterfly ((0+1)+(2+3))+((4+5)+(6+7)), then the 8 warps' sums are added
@@ -368,14 +440,20 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
 //   (by powers of two): group i of the warp sums entries i, i + 8, i + 16, ... of its list
 //   from zero, and the warp adds the 8 sums in the same butterfly;
 // - in an even tile (uniform per-neuron rates), group g owns neurons g, g + 64, ... and sums
-//   each one's list from zero: no per-neuron table or warp sums (measured faster there).
+//   each one's list from zero.
 // Which warp takes a neuron does not change its sums, so the queue may be dynamic: a warp
 // takes the next neuron when it is done, and the tile's work ends within about one neuron
-// of even. The 8 groups of a warp walk one list together (no divergence between neurons of
-// different sizes), and the lanes read the list's per-block starts at once into a table
-// instead of a chain of dependent col_off reads. One fixed order of f32 operations per
-// output (train_emulation.py follows it). kRecords: each entry read from its record
-// (TwellTrainGradRecordsKernel), else from by_col and coef.
+// of even. A group reads its records kGradBatch at a time, the next batch's records in flight
+// with the current batch's x and dy slices. One fixed order of f32 operations per output
+// (train_emulation.py follows it).
+#ifndef TWELL_GRAD_BATCH
+#define TWELL_GRAD_BATCH 4
+#endif
+#ifndef TWELL_GRAD_MIN_BLOCKS
+#define TWELL_GRAD_MIN_BLOCKS 2
+#endif
+constexpr int kGradBatch = TWELL_GRAD_BATCH;      // records per group in flight
+constexpr int kGradMinBlocks = TWELL_GRAD_MIN_BLOCKS;
 constexpr int kGradGroups = kGradThreads / kGradLanes;
 constexpr int kGradWarps = kGradThreads / 32;
 constexpr int kWarpGroups = 32 / kGradLanes;  // 8 groups per warp
@@ -387,68 +465,48 @@ struct GradAcc {
   float down[8], act[8], up[8];
 };
 
-// One by_col entry's loads: x and dy slices of its token and its coefficients.
-struct GradEntry {
-  uint4 x, dy;
-  float h, gate, up;
-};
-
-// Loads entry q of segment (b, k) (by_col at base).
-template <bool kGated, bool kRecords>
-__device__ __forceinline__ GradEntry LoadGradEntry(int q, int64_t base, int b, int col,
-                                                   const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
-                                                   const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
-                                                   const uint4* __restrict__ records, const Shapes& s) {
-  GradEntry l;
-  int64_t t;
-  if constexpr (kRecords) {
-    const uint4 rec = records[base + q];
-    t = rec.w;
-    l.h = __uint_as_float(rec.x);
-    l.gate = __uint_as_float(rec.y);
-    l.up = __uint_as_float(rec.z);
-  } else {
-    const uint32_t w = by_col[base + q];
-    const int64_t e = base + (w & kLocalMask);
-    t = static_cast<int64_t>(b) * kBlockTokens + (w >> kTokenShift);
-    l.h = coef[e];
-    l.gate = coef[s.max_entries + e];
-    l.up = kGated ? coef[2 * s.max_entries + e] : 0.f;
-  }
-  l.x = *reinterpret_cast<const uint4*>(x + t * s.d + col);
-  l.dy = *reinterpret_cast<const uint4*>(dy + t * s.d + col);
-  return l;
-}
-
+// Adds record x/dy products to acc: dWd += h dy[t], dWg^T += gate x[t], dWu^T += up x[t].
 template <typename E, bool kGated>
-__device__ __forceinline__ void ApplyGradEntry(GradAcc& acc, const GradEntry& l) {
+__device__ __forceinline__ void ApplyGradRecord(GradAcc& acc, const uint4& rec, const uint4& xs, const uint4& ds) {
   float xv[8], dv[8];
-  Unpack8<E>(l.x, xv);
-  Unpack8<E>(l.dy, dv);
+  Unpack8<E>(xs, xv);
+  Unpack8<E>(ds, dv);
+  const float h = __uint_as_float(rec.x), gate = __uint_as_float(rec.y), up = __uint_as_float(rec.z);
 #pragma unroll
   for (int v = 0; v < 8; ++v) {
-    acc.down[v] = fmaf(l.h, dv[v], acc.down[v]);
-    acc.act[v] = fmaf(l.gate, xv[v], acc.act[v]);
-    if (kGated) acc.up[v] = fmaf(l.up, xv[v], acc.up[v]);
+    acc.down[v] = fmaf(h, dv[v], acc.down[v]);
+    acc.act[v] = fmaf(gate, xv[v], acc.act[v]);
+    if (kGated) acc.up[v] = fmaf(up, xv[v], acc.up[v]);
   }
 }
 
-// Adds by_col entries [p, p_end) of segment (b, k) (at base) to acc, in list order.
-template <typename E, bool kGated, bool kRecords>
-__device__ __forceinline__ void AddEntries(GradAcc& acc, int p, int p_end, int64_t base, int b, int col,
-                                           const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
-                                           const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
-                                           const uint4* __restrict__ records, const Shapes& s) {
-  // Two entries' loads in flight before either is applied (in list order): halves the
-  // chain of dependent L2 reads (by_col word or record -> x/dy slices and coefficients).
-  for (; p + 1 < p_end; p += 2) {
-    const GradEntry first = LoadGradEntry<kGated, kRecords>(p, base, b, col, x, dy, by_col, coef, records, s);
-    const GradEntry second = LoadGradEntry<kGated, kRecords>(p + 1, base, b, col, x, dy, by_col, coef, records, s);
-    ApplyGradEntry<E, kGated>(acc, first);
-    ApplyGradEntry<E, kGated>(acc, second);
+// Adds records rec[0], rec[step], ..., rec[(n - 1) step] to acc in that order.
+template <typename E, bool kGated>
+__device__ __forceinline__ void AddRecords(GradAcc& acc, const uint4* __restrict__ rec, int n, int step,
+                                           const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, int col,
+                                           const Shapes& s) {
+  uint4 r[kGradBatch];
+#pragma unroll
+  for (int m = 0; m < kGradBatch; ++m) r[m] = m < n ? rec[static_cast<int64_t>(m) * step] : make_uint4(0, 0, 0, 0);
+  for (int q = 0; q < n; q += kGradBatch) {
+    uint4 xs[kGradBatch], ds[kGradBatch], next[kGradBatch];
+#pragma unroll
+    for (int m = 0; m < kGradBatch; ++m) {
+      if (q + m < n) {
+        const int64_t t = r[m].w;
+        xs[m] = *reinterpret_cast<const uint4*>(x + t * s.d + col);
+        ds[m] = *reinterpret_cast<const uint4*>(dy + t * s.d + col);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kGradBatch; ++m)
+      next[m] = q + kGradBatch + m < n ? rec[static_cast<int64_t>(q + kGradBatch + m) * step] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int m = 0; m < kGradBatch; ++m)
+      if (q + m < n) ApplyGradRecord<E, kGated>(acc, r[m], xs[m], ds[m]);
+#pragma unroll
+    for (int m = 0; m < kGradBatch; ++m) r[m] = next[m];
   }
-  if (p < p_end) ApplyGradEntry<E, kGated>(acc, LoadGradEntry<kGated, kRecords>(p, base, b, col, x, dy, by_col, coef,
-                                                                                 records, s));
 }
 
 template <typename E, bool kGated>
@@ -459,20 +517,6 @@ __device__ __forceinline__ void StoreGrads(const GradAcc& acc, int k, int j, int
   *reinterpret_cast<uint4*>(dw_down + row * s.d + col) = Pack8<E>(acc.down, poison);
   *reinterpret_cast<uint4*>(dw_act_t + row * s.d + col) = Pack8<E>(acc.act, poison);
   if (kGated) *reinterpret_cast<uint4*>(dw_up_t + row * s.d + col) = Pack8<E>(acc.up, poison);
-}
-
-// Entries of neuron threadIdx.x of tile k over the blocks (0 past the width or when skipped).
-__device__ __forceinline__ int NeuronEntries(const int32_t* __restrict__ col_off, int k, int width, bool skip,
-                                             const Shapes& s) {
-  const int c = threadIdx.x;
-  int n = 0;
-  if (skip || c >= width) return 0;
-#pragma unroll 4
-  for (int b = 0; b < s.n_blocks; ++b) {
-    const int32_t* co = col_off + static_cast<int64_t>(b * s.n_tiles + k) * (s.tile + 1);
-    n += co[c + 1] - co[c];
-  }
-  return n;
 }
 
 // The 8 groups of a warp add their accumulators: ((0+1)+(2+3))+((4+5)+(6+7)) in group 0.
@@ -489,114 +533,38 @@ __device__ __forceinline__ void WarpGroupSum(GradAcc& acc) {
   }
 }
 
-// A neuron's entries in one block, for the warp walking its list.
-struct NeuronBlock {
-  int lo, count, before, base;  // by_col start, entries, entries in the blocks before, seg_start
-};
-
-// Warp-wide: adds neuron j's entries i, i + 8, ... (i = the lane's group in the warp) to acc,
-// in list order. The blocks are read 32 at a time, lane b reading block b0 + b into table.
-template <typename E, bool kGated, bool kRecords>
-__device__ __forceinline__ void AddNeuronStrided(GradAcc& acc, int j, int k, int col, NeuronBlock* table,
-                                                 const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
-                                                 const int32_t* __restrict__ seg_start,
-                                                 const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col,
-                                                 const float* __restrict__ coef, const uint4* __restrict__ records,
-                                                 const Shapes& s) {
-  const int l = threadIdx.x % 32, i = l / kGradLanes;
-  int carry = 0;  // entries in the blocks before b0
-  for (int b0 = 0; b0 < s.n_blocks; b0 += 32) {
-    NeuronBlock nb{0, 0, 0, 0};
-    if (b0 + l < s.n_blocks) {
-      const int seg = (b0 + l) * s.n_tiles + k;
-      const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
-      nb.lo = co[j];
-      nb.count = co[j + 1] - nb.lo;
-      nb.base = seg_start[seg];
-    }
-    int incl = nb.count;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (l >= o) incl += v;
-    }
-    nb.before = carry + incl - nb.count;
-    table[l] = nb;
-    const int end = carry + __shfl_sync(0xffffffffu, incl, 31);
-    __syncwarp();
-    int e = carry + ((i - carry) % kWarpGroups + kWarpGroups) % kWarpGroups;  // first e >= carry, e = i mod 8
-    int bi = 0;
-    // Two entries (e, e + 8) in flight before either is applied, in list order.
-    for (; e + kWarpGroups < end; e += 2 * kWarpGroups) {
-      while (e >= table[bi].before + table[bi].count) ++bi;
-      const NeuronBlock first = table[bi];
-      int bj = bi;
-      while (e + kWarpGroups >= table[bj].before + table[bj].count) ++bj;
-      const NeuronBlock second = table[bj];
-      const GradEntry a = LoadGradEntry<kGated, kRecords>(first.lo + e - first.before, first.base, b0 + bi, col, x,
-                                                          dy, by_col, coef, records, s);
-      const GradEntry z = LoadGradEntry<kGated, kRecords>(second.lo + e + kWarpGroups - second.before, second.base,
-                                                          b0 + bj, col, x, dy, by_col, coef, records, s);
-      ApplyGradEntry<E, kGated>(acc, a);
-      ApplyGradEntry<E, kGated>(acc, z);
-      bi = bj;
-    }
-    if (e < end) {
-      while (e >= table[bi].before + table[bi].count) ++bi;
-      const NeuronBlock last = table[bi];
-      ApplyGradEntry<E, kGated>(acc, LoadGradEntry<kGated, kRecords>(last.lo + e - last.before, last.base, b0 + bi,
-                                                                      col, x, dy, by_col, coef, records, s));
-    }
-    carry = end;
-    __syncwarp();  // the table is rewritten next
-  }
-}
-
-// Adds part [a, z) of neuron j's list (its by_col lists over the blocks in order) to acc.
-template <typename E, bool kGated, bool kRecords>
-__device__ __forceinline__ void AddNeuronPart(GradAcc& acc, int j, int a, int z, int k, int col,
-                                              const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy,
-                                              const int32_t* __restrict__ seg_start, const int32_t* __restrict__ col_off,
-                                              const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
-                                              const uint4* __restrict__ records, const Shapes& s) {
-  int done = 0;  // entries of neuron j in the blocks before b
-  for (int b = 0; b < s.n_blocks && done < z; ++b) {
-    const int seg = b * s.n_tiles + k;
-    const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
-    const int lo_b = co[j], n_b = co[j + 1] - lo_b;
-    const int from = max(a - done, 0), to = min(z - done, n_b);
-    done += n_b;
-    if (from < to)
-      AddEntries<E, kGated, kRecords>(acc, lo_b + from, lo_b + to, seg_start[seg], b, col, x, dy, by_col, coef,
-                                      records, s);
-  }
-}
-
-template <typename E, bool kGated, bool kRecords>
-__global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(kGradThreads, kGradMinBlocks) TwellTrainWeightGradKernel(
     const uint16_t* __restrict__ x, const uint16_t* __restrict__ dy, const int32_t* __restrict__ seg_start,
-    const int32_t* __restrict__ col_off, const uint32_t* __restrict__ by_col, const float* __restrict__ coef,
-    const uint4* __restrict__ records, uint16_t* __restrict__ dw_down, uint16_t* __restrict__ dw_act_t,
-    uint16_t* __restrict__ dw_up_t, Shapes s) {
+    const int32_t* __restrict__ nrn_off, const uint4* __restrict__ records, uint16_t* __restrict__ dw_down,
+    uint16_t* __restrict__ dw_act_t, uint16_t* __restrict__ dw_up_t, Shapes s) {
   __shared__ int scratch[32];
   __shared__ int total, n_hot, n_queued, next_item, max_cold;
+  __shared__ int start[kMaxTile + 1];
   __shared__ bool is_hot[kMaxTile];
   __shared__ int hot_list[kHotShare], hot_count[kHotShare];
   __shared__ int class_count[kSizeClasses], class_start[kSizeClasses];
-  __shared__ int queue[kMaxTile], queue_count[kMaxTile];
+  __shared__ int queue[kMaxTile];
   __shared__ float warp_part[kGradWarps][kGradLanes][24];
-  __shared__ NeuronBlock tables[kGradWarps][32];
   const int k = blockIdx.x, r = blockIdx.y;
   const int lane = threadIdx.x % kGradLanes, group = threadIdx.x / kGradLanes;
   const int warp = threadIdx.x / 32, in_warp = group % kWarpGroups;
   const int col = r * kGradCols + lane * 8;
   const bool over_budget = OverBudget(s, seg_start);
   const int width = TileWidth(s, k);
-  const int n = NeuronEntries(col_off, k, width, over_budget, s);
+  const bool in_tile = static_cast<int>(threadIdx.x) < width;
+  int n = 0;  // neuron threadIdx.x's entries; its list is records[start[j], start[j + 1])
+  if (!over_budget) {
+    const int32_t* off = nrn_off + static_cast<int64_t>(k) * (s.tile + 1);
+    if (in_tile) {
+      start[threadIdx.x] = off[threadIdx.x];
+      n = off[threadIdx.x + 1] - off[threadIdx.x];
+    }
+    if (threadIdx.x == 0) start[width] = off[width];
+  }
   if (threadIdx.x == 0) n_hot = next_item = max_cold = 0;
   if (threadIdx.x < kSizeClasses) class_count[threadIdx.x] = 0;
   BlockExclusiveScan(n, scratch, &total);  // ends with a barrier: the counters are set
-  const bool in_tile = static_cast<int>(threadIdx.x) < width;
   const bool hot = static_cast<int64_t>(kHotShare) * n > total;
   const int size_class = n > 0 ? 32 - __clz(n) : 0;
   int class_rank = 0;
@@ -611,24 +579,21 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
   if (in_tile) is_hot[threadIdx.x] = hot;
   __syncthreads();
   // An even tile (no neuron over kSpreadTile times the tile's mean) keeps one neuron per
-  // group: no per-neuron table or warp sums, and its groups' loads are already even.
+  // group: no warp sums, and its groups' loads are already even.
   const bool strided = static_cast<int64_t>(max_cold) * width > static_cast<int64_t>(kSpreadTile) * total;
-  if (threadIdx.x == 0) {  // the queue: larger classes first
-    int start = 0;
-    for (int c = kSizeClasses - 1; c >= 0; --c) class_start[c] = start, start += class_count[c];
-    n_queued = start;
+  if (strided && threadIdx.x == 0) {  // the queue: larger classes first
+    int first = 0;
+    for (int c = kSizeClasses - 1; c >= 0; --c) class_start[c] = first, first += class_count[c];
+    n_queued = first;
   }
   __syncthreads();
-  if (in_tile && !hot) {
-    queue[class_start[size_class] + class_rank] = threadIdx.x;
-    queue_count[class_start[size_class] + class_rank] = n;
-  }
+  if (strided && in_tile && !hot) queue[class_start[size_class] + class_rank] = threadIdx.x;
   for (int h = 0; h < n_hot; ++h) {  // hot neurons first, block-uniform
     const int j = hot_list[h], count = hot_count[h];
+    const int a = static_cast<int>(static_cast<int64_t>(count) * group / kGradGroups);
+    const int z = static_cast<int>(static_cast<int64_t>(count) * (group + 1) / kGradGroups);
     GradAcc acc = {};
-    AddNeuronPart<E, kGated, kRecords>(acc, j, static_cast<int>(static_cast<int64_t>(count) * group / kGradGroups),
-                                       static_cast<int>(static_cast<int64_t>(count) * (group + 1) / kGradGroups), k,
-                                       col, x, dy, seg_start, col_off, by_col, coef, records, s);
+    AddRecords<E, kGated>(acc, records + start[j] + a, z - a, 1, x, dy, col, s);
     WarpGroupSum<kGated>(acc);
     if (in_warp == 0) {
       float* slot = warp_part[warp][lane];
@@ -660,11 +625,8 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     for (int jj = group; jj < width; jj += kGradGroups) {
       if (is_hot[jj]) continue;
       GradAcc acc = {};
-      for (int b = 0; !over_budget && b < s.n_blocks; ++b) {
-        const int seg = b * s.n_tiles + k;
-        const int32_t* co = col_off + static_cast<int64_t>(seg) * (s.tile + 1);
-        AddEntries<E, kGated, kRecords>(acc, co[jj], co[jj + 1], seg_start[seg], b, col, x, dy, by_col, coef, records,
-                                        s);
+      if (!over_budget) {
+        AddRecords<E, kGated>(acc, records + start[jj], start[jj + 1] - start[jj], 1, x, dy, col, s);
       }
       StoreGrads<E, kGated>(acc, k, jj, col, over_budget, dw_down, dw_act_t, dw_up_t, s);
     }
@@ -676,10 +638,11 @@ __global__ void __launch_bounds__(kGradThreads) TwellTrainWeightGradKernel(
     q = __shfl_sync(0xffffffffu, q, 0);
     if (q >= n_queued) break;
     const int j = queue[q];
+    const int a = start[j], count = start[j + 1] - a;
     GradAcc acc = {};
-    if (queue_count[q] > 0)
-      AddNeuronStrided<E, kGated, kRecords>(acc, j, k, col, tables[warp], x, dy, seg_start, col_off, by_col, coef,
-                                            records, s);
+    if (count > in_warp)
+      AddRecords<E, kGated>(acc, records + a + in_warp, (count - in_warp + kWarpGroups - 1) / kWarpGroups,
+                            kWarpGroups, x, dy, col, s);
     WarpGroupSum<kGated>(acc);
     if (in_warp == 0) StoreGrads<E, kGated>(acc, k, j, col, over_budget, dw_down, dw_act_t, dw_up_t, s);
   }
@@ -760,19 +723,14 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
   }
   status = LaunchStatus("twell_train backward dx");
   if (status.failure()) return status;
-  // The records go into the union layout's workspace, free once dx is done, where it holds
-  // four words per entry (the gated layout's does: ~4 words per entry).
-  const dim3 grads(s.n_tiles, s.d / kGradCols);
-  if (dx_union && UnionLayoutOf(s, kGated ? 2 : 1, nullptr).ints >= 4 * s.max_entries) {
-    uint4* records = reinterpret_cast<uint4*>(union_ws);
-    TwellTrainGradRecordsKernel<kGated><<<dim3(s.n_tiles, s.n_blocks), 256, 0, stream>>>(seg_start, col_off, by_col,
-                                                                                         coef, records, s);
-    TwellTrainWeightGradKernel<E, kGated, true><<<grads, kGradThreads, 0, stream>>>(
-        x, dy, seg_start, col_off, by_col, coef, records, dw_down, dw_act_t, dw_up_t, s);
-  } else {
-    TwellTrainWeightGradKernel<E, kGated, false><<<grads, kGradThreads, 0, stream>>>(
-        x, dy, seg_start, col_off, by_col, coef, nullptr, dw_down, dw_act_t, dw_up_t, s);
-  }
+  // The weight gradients' lists go into the union layout's workspace, free once dx is done
+  // (sized for both).
+  const GradWorkspace lists = GradWorkspaceOf(s, union_ws);
+  TwellTrainGradOffsetsKernel<<<s.n_tiles, kMaxTile, 0, stream>>>(seg_start, col_off, lists.nrn_off, lists.dstart, s);
+  TwellTrainGradRecordsKernel<kGated><<<dim3(s.n_tiles, s.n_blocks), 256, 0, stream>>>(
+      seg_start, col_off, by_col, coef, lists.dstart, lists.records, s);
+  TwellTrainWeightGradKernel<E, kGated><<<dim3(s.n_tiles, s.d / kGradCols), kGradThreads, 0, stream>>>(
+      x, dy, seg_start, lists.nrn_off, lists.records, dw_down, dw_act_t, dw_up_t, s);
   return LaunchStatus("twell_train backward weight gradients");
 }
 
@@ -910,15 +868,16 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
       partial->element_count() != s.d / kUpCols * e || coef->element_count() != (kGated ? 3 : 2) * e)
     return Invalid(std::string(name) + "residuals must match the forward's (col_off, by_col, up [max_entries]), "
                    "l1_grad [1], partial [d/64, max_entries], coef [3 or 2, max_entries]");
+  int64_t need = GradWorkspaceOf(s, nullptr).ints;  // the weight gradients' lists
   if ((mma & 4) != 0) {
-    const int64_t need = UnionLayoutOf(s, kGated ? 2 : 1, nullptr).ints;
     if (!UnionDxSupported(s, kGated ? 2 : 1))
       return Invalid(std::string(name) + "dx as a union product (mma bit 2) needs d a multiple of 256, f at most "
                      "65536 and its layout below 2^31 words");
-    if (union_ws->element_count() != need)
-      return Invalid(std::string(name) + "union_ws must have " + std::to_string(need) +
-                     " elements for dx as a union product");
+    need = std::max(need, UnionLayoutOf(s, kGated ? 2 : 1, nullptr).ints);
   }
+  if (union_ws->element_count() != need)
+    return Invalid(std::string(name) + "union_ws must have " + std::to_string(need) +
+                   " elements (the weight gradients' lists and, with mma bit 2, dx's union layout)");
   if (s.rows == 0) {
     // No tokens: the weight gradients are zero (nothing else to write).
     cudaMemsetAsync(dw_down->untyped_data(), 0, f * d * 2, stream);
@@ -1058,7 +1017,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
                                   .Ret<ffi_api::AnyBuffer>()                 // dw_up_t [f, d]
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
-                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace; [1] unless bit 2)
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace: gradient lists, union layout)
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("mma"),  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product
                               {ffi_api::Traits::kCmdBufferCompatible});
@@ -1081,7 +1040,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                                   .Ret<ffi_api::AnyBuffer>()                 // dw_up_t [f, d]
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
-                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace; [1] unless bit 2)
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace: gradient lists, union layout)
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("mma"),  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product
                               {ffi_api::Traits::kCmdBufferCompatible});

@@ -90,7 +90,8 @@ def test_train_kernels_match_emulation_bitwise(case, gated, dtype):
 
 
 def test_weight_grads_past_32_blocks_match_emulation_bitwise():
-    """Over 32 token blocks a neuron's per-block table is read in two passes (M=33,000)."""
+    """33 token blocks (M=33,000): each neuron's list of records spans every block, in
+    block order, and the skewed pattern sends some tiles through the warp queue."""
     x, wg, wu, wd, dy = make_case(33000, 64, 260, 0.01, "skewed", True, key=7)
     need, (y, res, h_source, bwd), (y_e, res_e, h_e, bwd_e) = _raw(x, wg, wu, wd, dy, 256, 32)
     assert res.col_off.shape[0] == 33

@@ -301,6 +301,15 @@ def union_workspace_ints(m: int, max_entries: int, gated: bool) -> int:
     return _union.workspace_ints(m, max_entries, gated)
 
 
+def grad_workspace_ints(m: int, f: int, tile: int, max_entries: int) -> int:
+    """Words of the weight gradients' neuron-major lists (ffi/twell_train.cu, GradWorkspaceOf):
+    a 4-word record per entry, each tile's list starts ``[n_tiles, tile + 1]`` and each
+    (block, tile) segment's first record per neuron ``[blocks, n_tiles, tile]``."""
+    n_tiles = -(-f // tile)
+    n_blocks = -(-m // _blocked.BLOCK_TOKENS)
+    return 4 * max_entries + n_tiles * (tile + 1) + n_blocks * n_tiles * tile
+
+
 def union_dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) -> bool:
     """Whether dx can run as a union product (``train_backward(dx_union=True)``) here: d a
     multiple of 256, f at most 65536 and the layout below 2^31 words. The same test as
@@ -337,7 +346,9 @@ def train_backward(
     outs += [
         jax.ShapeDtypeStruct((d // _blocked.UP_COLS, e), jnp.float32),
         jax.ShapeDtypeStruct((3 if gated else 2, e), jnp.float32),
-        jax.ShapeDtypeStruct((union_workspace_ints(m, e, gated) if dx_union else 1,), jnp.int32),
+        # the weight gradients' lists, and dx's union layout (free once dx is done)
+        jax.ShapeDtypeStruct((max(grad_workspace_ints(m, f, tile, e),
+                                  union_workspace_ints(m, e, gated) if dx_union else 0),), jnp.int32),
     ]
     l1 = jnp.reshape(l1_grad, (1,)).astype(jnp.float32)
     tile_attr = np.int32(tile)
