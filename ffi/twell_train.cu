@@ -23,6 +23,8 @@
 //   Dx                  grid (d/32, block), like K2: 4 lanes per token hold dx[t, 32 cols] in
 //                       f32; per tile the Wg^T and Wu^T slabs [tile, 32] are staged;
 //                       acc = fma(coef1, Wg^T[j], acc), then fma(coef2, Wu^T[j], acc).
+//   GradOffsets/Records each neuron's entries of all blocks as one contiguous list of
+//                       16-byte records (h, coefficients, token), in the sums' order.
 //   WeightGrad          grid (tile, d/32), 8 warps of 8 groups of 4 lanes: dWd[j] += h dy[t],
 //                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs. A hot
 //                       neuron (over 1/16 of the tile's entries) is shared by all 64 groups
