@@ -20,18 +20,21 @@ clock falls on all alike; ``<variant>_step_spread``: interquartile range / media
 - udx (with --union-dx): as mma, with dx as a union product (dx_union=True);
 - udn (with --union-down): as mma, with the forward's down step as a union product too (down_union=True);
 - uup (with --union-up): as mma, with the forward's up step as a union product too (up_union=True);
+- pdh (with --per-entry-dh): as mma, with the backward's dh step per entry instead of as a union
+  product (dh_union=False);
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
 arrays other than the inputs) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
 Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down] [--union-up]
-       [--out results.json]
+       [--per-entry-dh] [--out results.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import jax
@@ -47,6 +50,14 @@ from common import run_metadata, time_calls, time_interleaved, write_result
 L1 = 2e-5
 ALWAYS_SPARSE = cuda_train.TrainCrossover(margin=float("inf"))
 WIDTH = 128
+# Optional step variants: (argument, name, ffn_with_aux options on top of mma=True, label).
+OPTIONAL_VARIANTS = (
+    ("cudacore_dx", "cdx", dict(dx_mma=False), "cuda-core dx"),
+    ("union_dx", "udx", dict(dx_union=True), "union dx"),
+    ("union_down", "udn", dict(down_union=True), "union down"),
+    ("union_up", "uup", dict(up_union=True), "union up"),
+    ("per_entry_dh", "pdh", dict(dh_union=False), "per-entry dh"),
+)
 
 
 def timed(fn, args):
@@ -106,6 +117,8 @@ def main():
                         help="also time the tensor-core steps with the forward's down step as a union product")
     parser.add_argument("--union-up", action="store_true",
                         help="also time the tensor-core steps with the forward's up step as a union product")
+    parser.add_argument("--per-entry-dh", action="store_true",
+                        help="also time the tensor-core steps with the backward's dh step per entry (not a union product)")
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
@@ -119,23 +132,10 @@ def main():
     )
     auto_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH)
     mma_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True)
-    cdx_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
-        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, dx_mma=False
-    )
-    udx_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
-        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, dx_union=True
-    )
-    udn_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
-        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, down_union=True
-    )
-    uup_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
-        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, up_union=True
-    )
     optional = [
-        (name, op)
-        for flag, name, op in ((args.cudacore_dx, "cdx", cdx_op), (args.union_dx, "udx", udx_op), (args.union_down, "udn", udn_op),
-                                (args.union_up, "uup", uup_op))
-        if flag
+        (name, functools.partial(cuda_train.ffn_with_aux, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, **options))
+        for flag, name, options, _ in OPTIONAL_VARIANTS
+        if getattr(args, flag)
     ]
     rows, memory = [], None
     for m, d, f, density, pattern in grid(args.quick, densities):
@@ -211,10 +211,8 @@ def main():
             f"{r['branch'][:6]:>7} {r['dense_step_ms']:>9.3f} {r['cuda_step_ms']:>8.3f} {r['cuda_ratio']:>6.2f} "
             f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['layer_ratio']:>7.2f} {r['mma_step_ms']:>8.3f} {r['mma_ratio']:>6.2f} "
             f"{r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f} {r['mma_forward_ms']:>8.3f}"
-            + (f" cuda-core dx {r['cdx_step_ms']:.3f} ms ({r['cdx_ratio']:.2f}x)" if "cdx_step_ms" in r else "")
-            + (f" union dx {r['udx_step_ms']:.3f} ms ({r['udx_ratio']:.2f}x)" if "udx_step_ms" in r else "")
-            + (f" union down {r['udn_step_ms']:.3f} ms ({r['udn_ratio']:.2f}x)" if "udn_step_ms" in r else "")
-            + (f" union up {r['uup_step_ms']:.3f} ms ({r['uup_ratio']:.2f}x)" if "uup_step_ms" in r else "")
+            + "".join(f" {label} {r[name + '_step_ms']:.3f} ms ({r[name + '_ratio']:.2f}x)"
+                      for _, name, _, label in OPTIONAL_VARIANTS if name + "_step_ms" in r)
         )
 
 

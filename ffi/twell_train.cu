@@ -17,7 +17,8 @@
 // Residuals: entries, up, col_off, by_col, seg_start, tok_off (~10 B per entry), plus x.
 //
 // Backward (train_bwd), c = dl1 / M from the device:
-//   K1 Up (dy, Wd)      partial sums of dh = dy[t] . Wd[j], every entry (flagged ones too).
+//   K1 Up (dy, Wd)      partial sums of dh = dy[t] . Wd[j], every entry (flagged ones too);
+//                       mma bit 3: dh whole from the union up product instead.
 //   BwdFinish           grid-stride over entries: dh = sum of partials + c sign(h);
 //                       coef[0] = h, coef[1] = dh * u (gate; dh non-gated), coef[2] = dh * g.
 //   Dx                  grid (d/32, block), like K2: 4 lanes per token hold dx[t, 32 cols] in
@@ -703,10 +704,17 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                           uint16_t* dx, uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t, float* partial,
                           float* coef, int32_t* union_ws, int32_t mma) {
   const bool steps_mma = (mma & 1) != 0, dx_mma = (mma & 2) != 0, dx_union = (mma & 4) != 0;
-  LaunchUpStep<E, false>(stream, steps_mma, dy, w_down, tok_off, seg_start, entries, partial, s);
+  const bool dh_union = (mma & 8) != 0;
+  ffi::Error status = ffi::Error::Success();
+  if (dh_union) {  // dh whole in the partials' row 0, the layout after it
+    status = LaunchUnionUp<E, kFiredIndex>(stream, s, tok_off, seg_start, entries, dy, w_down, partial);
+    if (status.failure()) return status;
+  } else {
+    LaunchUpStep<E, false>(stream, steps_mma, dy, w_down, tok_off, seg_start, entries, partial, s);
+  }
   TwellTrainBwdFinishKernel<E, kGated><<<static_cast<unsigned>(FinishBlocks(s)), 256, 0, stream>>>(
-      partial, seg_start, entries, up, l1_grad, coef, s.d / kUpCols, s);
-  ffi::Error status = LaunchStatus("twell_train backward dh");
+      partial, seg_start, entries, up, l1_grad, coef, dh_union ? 1 : s.d / kUpCols, s);
+  status = LaunchStatus("twell_train backward dh");
   if (status.failure()) return status;
   if (dx_union) {
     status = LaunchUnion<E, kGated ? 2 : 1, kCoefValues>(stream, s, tok_off, seg_start, entries, coef, w_act_t, w_up_t,
@@ -870,6 +878,9 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
       partial->element_count() != s.d / kUpCols * e || coef->element_count() != (kGated ? 3 : 2) * e)
     return Invalid(std::string(name) + "residuals must match the forward's (col_off, by_col, up [max_entries]), "
                    "l1_grad [1], partial [d/64, max_entries], coef [3 or 2, max_entries]");
+  if ((mma & 8) != 0 && !UnionUpSupported(s))
+    return Invalid(std::string(name) + "the dh step as a union product (mma bit 3) needs f at most 65536 and its "
+                   "layout (~4 words per entry: d at least 320) within rows 1.. of the partials [d/64, max_entries]");
   int64_t need = GradWorkspaceOf(s, nullptr).ints;  // the weight gradients' lists
   if ((mma & 4) != 0) {
     if (!UnionDxSupported(s, kGated ? 2 : 1))
@@ -1021,7 +1032,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace: gradient lists, union layout)
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"),  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product
+                                  .Attr<int32_t>("mma"),  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx, bit 3: dh as union products
                               {ffi_api::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
@@ -1044,5 +1055,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwd, jax_twell::BackwardUngated,
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // coef (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // union_ws (workspace: gradient lists, union layout)
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"),  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx as a union product
+                                  .Attr<int32_t>("mma"),  // bit 0: dh step on tensor cores; bit 1: dx too; bit 2: dx, bit 3: dh as union products
                               {ffi_api::Traits::kCmdBufferCompatible});

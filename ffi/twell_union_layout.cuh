@@ -31,6 +31,8 @@ enum UnionValues : int {
   kWordValues = 1,  // h in the entry words' top 16 bits (down steps)
   kEntryIndex = 2,  // the up step: a word pair (column within the 256-neuron tile << 8 | token,
                     // entry index) per entry outside overflowed tiles, whatever its value
+  kFiredIndex = 3,  // the backward's dh step: the same word pairs for every entry with g != 0,
+                    // overflowed tiles' included
 };
 
 struct UnionWorkspace {
@@ -116,7 +118,7 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
                                                                    const float* __restrict__ coef, UnionWorkspace w,
                                                                    Shapes s) {
   static_assert(kValues == kCoefValues || R == 1, "word values and entry indices: one table row per neuron");
-  constexpr bool kIndex = kValues == kEntryIndex;
+  constexpr bool kIndex = kValues == kEntryIndex || kValues == kFiredIndex;
   extern __shared__ int32_t union_smem[];
   __shared__ int scratch[32];
   __shared__ int total;
@@ -174,9 +176,11 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
     }
   };
   // Non-zero where entry e contributes table row r (kEntryIndex: every entry outside an
-  // overflowed tile, which Recompute handles whole).
+  // overflowed tile, which Recompute handles whole; kFiredIndex: every entry with g != 0).
   auto coef_bits = [&](int r, int64_t e) -> uint32_t {
-    if constexpr (kIndex)
+    if constexpr (kValues == kFiredIndex)
+      return ((entries[e] >> 16) & 0x7fffu) != 0u ? 1u : 0u;
+    else if constexpr (kIndex)
       return (entries[e] & kFlag) ? 0u : 1u;
     else if constexpr (kValues == kWordValues)
       return entries[e] >> 16;
@@ -280,14 +284,17 @@ ffi::Error LaunchUnion(cudaStream_t stream, const Shapes& s, const int32_t* tok_
 // The inference FFN's up step as a union product (gated): the layout (word pairs) in rows
 // 1.. of the partials, u of every entry outside overflowed tiles into row 0 (f32, one sum
 // over d; Finish then runs with one range). x [M, d], w_up_t [f, d].
-template <typename E>
+// kFiredIndex: the training backward's dh = dy . Wd rows (x = dy, w_up_t = Wd) at every entry
+// with g != 0.
+template <typename E, int kValues = kEntryIndex>
 ffi::Error LaunchUnionUp(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
                          const uint32_t* entries, const uint16_t* x, const uint16_t* w_up_t, float* partial) {
-  const char* what = "twell_ffn_blocked up as a union product";
+  static_assert(kValues == kEntryIndex || kValues == kFiredIndex, "the up product reads word pairs");
+  const char* what = kValues == kEntryIndex ? "up step as a union product" : "dh step as a union product";
   const UnionWorkspace w = UnionLayoutOf(s, 1, partial + UnionUpOffset(s), 2);
   const int n_sub = static_cast<int>(UnionSubBlocks(s));
   const int smem = UnionLayoutSmem(s, 1);
-  auto* layout = TwellUnionLayoutKernel<E, 1, kEntryIndex>;
+  auto* layout = TwellUnionLayoutKernel<E, 1, kValues>;
   cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   layout<<<n_sub, 256, smem, stream>>>(tok_off, seg_start, entries, nullptr, w, s);
   ffi::Error status = LaunchStatus(what);

@@ -230,12 +230,47 @@ def test_up_union_matches_up_step(case, dtype):
         assert_close(y1, y0, 2.0**-7, what)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", UP_UNION_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_dh_union_matches_dh_step(case, gated, dtype):
+    """The backward's dh step as a union product (``train_backward(dh_union=True)``): dh
+    (row 0 of the partials) equals the per-entry step's sum of partials at every entry with
+    g != 0 to the f32 summation order (flagged entries of overflowed tiles included); h
+    bit for bit; the other coefficients, dx and the weight gradients to that order."""
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + d + 17,
+                                  dtype=dtype)
+    w_act = wg if gated else wu
+    act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
+    budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
+    assert cuda_train.union_up_supported(m, d, f, budget), case
+    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget, mma=True)
+    need = int(res.seg_start[-1])
+    l1 = jnp.float32(L1 / m)
+    kw = dict(tile=256, workspace=True, mma=True, dx_mma=True, dx_union=d % 256 == 0)
+    step = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, **kw)
+    union = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, dh_union=True, **kw)
+    words = np.asarray(res.entries)[:need]
+    fired = ((words >> 16) & 0x7FFF) != 0
+    if full:
+        assert (fired & ((words & bemu.RECOMPUTE_FLAG) != 0)).any(), "flagged entries with g != 0"
+    dh_step = np.asarray(step[-2], np.float64)[:, :need].sum(axis=0)[fired]
+    assert_close(np.asarray(union[-2])[0, :need][fired], dh_step, 2.0**-16, f"{case} dh")
+    coef, coef_step = np.asarray(union[-1])[:, :need], np.asarray(step[-1])[:, :need]
+    np.testing.assert_array_equal(_bits(coef[0]), _bits(coef_step[0]), "h")
+    for i in range(1, coef.shape[0]):
+        assert_close(coef[i], coef_step[i], 2.0**-16, f"{case} coefficient {i}")
+    for i in range(len(step) - 2):  # dx and the weight gradients: a bf16 rounding apart at most
+        assert_close(union[i], step[i], 2.0**-7, f"{case} result {i}")
+
+
 def test_train_gradients_with_union_dx_match_dense():
-    """ffn_with_aux(dx_union=True, down_union=True, up_union=True) through jit and grad: the
-    dense formula's gradients."""
+    """ffn_with_aux(dx_union=True, down_union=True, up_union=True, dh_union=True) through jit
+    and grad: the dense formula's gradients."""
     x, wg, wu, wd, dy = make_case(3000, 512, 1408, 0.01, "heavy", True, full=2, empty=3, key=23)
     fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_union=True,
-                                                    down_union=True, up_union=True)[:2])
+                                                    down_union=True, up_union=True, dh_union=True)[:2])
     (y, l1), grads = grads_of(fn, x, wg, wu, wd, dy)
     with jax.default_matmul_precision("highest"):
         (y_d, l1_d), g_d = grads_of(dense_ffn, x, wg, wu, wd, dy)

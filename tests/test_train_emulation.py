@@ -186,7 +186,8 @@ def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, do
     return _callback(run, out_shapes, x, act.values, act.cols, act.counts, w_act, w_down, *extra)
 
 
-def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=False, dx_mma=False, dx_union=False):
+def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=False, dx_mma=False, dx_union=False,
+                       dh_union=False):
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     grad = lambda w: jax.ShapeDtypeStruct(w.shape, x.dtype)
@@ -428,6 +429,18 @@ def test_dx_union_needs_dx_mma_and_follows_the_default(emulated_kernels, monkeyp
     for default in (False, True):
         monkeypatch.setattr(cuda_train, "DX_UNION_DEFAULT", default)
         seen += _backward_options_seen(monkeypatch, ("dx_mma", "dx_union"), calls, key=15, d=256)
+    assert seen == [(True, False), (True, True), (True, False), (False, False),
+                    (True, True), (True, True), (True, False), (False, False)]
+
+
+def test_dh_union_follows_mma_and_the_default(emulated_kernels, monkeypatch):
+    """``ffn_with_aux`` asks the backward call for dh as a union product by default (as
+    ``DH_UNION_DEFAULT`` says) or when told, never without ``mma``."""
+    calls = ({}, dict(dh_union=True), dict(dh_union=False), dict(mma=False, dh_union=True))
+    seen = []
+    for default in (False, True):
+        monkeypatch.setattr(cuda_train, "DH_UNION_DEFAULT", default)
+        seen += _backward_options_seen(monkeypatch, ("mma", "dh_union"), calls, key=16, d=384)
     assert seen == [(True, False), (True, True), (True, False), (False, False),
                     (True, True), (True, True), (True, False), (False, False)]
 

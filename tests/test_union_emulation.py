@@ -115,3 +115,34 @@ def test_union_layout_of_the_up_step(case):
     want = np.asarray(res.up)[:need][normal].astype(np.uint16).view(jnp.bfloat16).astype(np.float32)
     got = u[:need][normal].astype(jnp.bfloat16).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=1e-6)  # one rounding to bf16 apart at most
+
+
+@pytest.mark.parametrize("case", UP_CASES, ids=lambda c: f"m{c[0]}_f{c[2]}_{c[4]}_t{c[7]}")
+def test_union_layout_of_the_dh_step(case):
+    """The backward's dh step as a union product (``kFiredIndex``): one word pair per entry
+    with g != 0, flagged entries of overflowed tiles included, none for the others; every
+    sub-block's pairs inside the workspace and disjoint; dh from the layout (dy against Wd's
+    rows) equals the model's per-entry dh to the f32 summation order, for every such entry
+    exactly once."""
+    m, d, f, density, pattern, full, empty, tile, capacity = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + f + 3)
+    act = pack_twell_reference(relu_matmul(x, wg), tile=tile, capacity=capacity)
+    need = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f)
+    e = need + 5
+    _, res, _, _, _ = emu.train_forward(x, act.values, act.cols, act.counts, wg, wu, wu.T, wd, tile=tile,
+                                        max_entries=e)
+    *_, partial, _ = emu.train_backward(x, dy, wg.T, wu.T, wd, res, L1 / m, tile=tile)
+    lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, None, m=m, f=f, tile=tile, max_entries=e,
+                            gated=True, dtype=jnp.bfloat16, up=True, fired=True)  # asserts: bounds, no overlap
+    assert lay["ws"].size == uemu.up_workspace_ints(m, e)
+    words = np.asarray(res.entries)[:need]
+    fired = ((words >> 16) & 0x7FFF) != 0
+    flagged = (words & bemu.RECOMPUTE_FLAG) != 0
+    if full:
+        assert (fired & flagged).any(), "the case has flagged entries with g != 0"
+    assert (lay["owner"][lay["ent0"]: lay["rows0"]] >= 0).sum() == 2 * fired.sum(), "one pair per fired entry"
+    dh = uemu.union_up(lay, dy, wd, e)
+    assert not np.isnan(dh[:need][fired]).any() and np.isnan(dh[:need][~fired]).all()
+    want = np.asarray(partial, np.float64)[:, :need].sum(axis=0)[fired]
+    # f32 sums of exact products in two orders: apart by a few f32 roundings of the row's terms
+    assert_close(dh[:need][fired], want, 2.0**-18, f"dh {case}")

@@ -291,6 +291,9 @@ UP_UNION_DEFAULT = True
 # dx as a union product by default (ffn_with_aux): measured 0.24-0.35 ms faster per step
 # than the per-entry tensor-core dx at 0.25-0.5% active (training_e16d5b5.json).
 DX_UNION_DEFAULT = True
+# The backward's dh step as a union product by default (ffn_with_aux, with mma): the forward
+# up step's product with dy and Wd (ffi/notes/training_kernels.md).
+DH_UNION_DEFAULT = True
 
 
 def union_workspace_ints(m: int, max_entries: int, gated: bool) -> int:
@@ -319,7 +322,7 @@ def union_dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) ->
 
 def train_backward(
     x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile: int, workspace: bool = False, mma: bool = False,
-    dx_mma: bool = False, dx_union: bool = False,
+    dx_mma: bool = False, dx_union: bool = False, dh_union: bool = False,
 ):
     """One ``jax_twell_train_bwd[_gated]`` call: ``(dx, dw_gate, dw_up, dw_down)``.
     ``mma``: the dh step on tensor cores (as in :func:`train_forward`). ``dx_mma``: dx on
@@ -328,7 +331,10 @@ def train_backward(
     coefficients (the bit-exact model's dx). ``dx_union``: dx as a dense tensor-core
     product over each 64-token block's union of active neurons (ffi/twell_union.cuh; the
     same rounded coefficients, another summation order), where
-    :func:`union_dx_supported` allows; elsewhere as ``dx_mma`` says.
+    :func:`union_dx_supported` allows; elsewhere as ``dx_mma`` says. ``dh_union``: dh as
+    the union up product of dy and Wd's rows (every entry with g != 0; dh's f32 sum in
+    another order than the per-entry step's), where :func:`union_up_supported` allows;
+    elsewhere the per-entry step (as ``mma`` says).
 
     ``l1_grad``: ``[]`` f32, the cotangent of the L1 term divided by M. w_gate None: the
     non-gated FFN (dw_gate None). ``workspace=True`` (tests) returns the raw results
@@ -343,6 +349,7 @@ def train_backward(
     grad_t = jax.ShapeDtypeStruct((f, d), x.dtype)
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype), grad_t, grad_t] + ([grad_t] if gated else [])
     dx_union = bool(dx_union) and union_dx_supported(m, d, f, e, gated)
+    dh_union = bool(dh_union) and union_up_supported(m, d, f, e)
     outs += [
         jax.ShapeDtypeStruct((d // _blocked.UP_COLS, e), jnp.float32),
         jax.ShapeDtypeStruct((3 if gated else 2, e), jnp.float32),
@@ -352,8 +359,8 @@ def train_backward(
     ]
     l1 = jnp.reshape(l1_grad, (1,)).astype(jnp.float32)
     tile_attr = np.int32(tile)
-    # bit 0: dh step on tensor cores, bit 1: dx too, bit 2: dx as a union product
-    mma_attr = np.int32(int(bool(mma)) | int(bool(dx_mma)) << 1 | int(dx_union) << 2)
+    # bit 0: dh step on tensor cores, bit 1: dx too, bit 2: dx, bit 3: dh as union products
+    mma_attr = np.int32(int(bool(mma)) | int(bool(dx_mma)) << 1 | int(dx_union) << 2 | int(dh_union) << 3)
     if gated:
         call = kernel_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
         out = call(x, dy, w_act_t, w_up.T, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
@@ -402,6 +409,7 @@ class _Config:
     dx_union: bool = False
     down_union: bool = False
     up_union: bool = False
+    dh_union: bool = False
 
 
 def _mesh_axes(*arrays) -> frozenset:
@@ -484,7 +492,7 @@ def _train_bwd(cfg: _Config, saved, cotangents):
     def sparse(_):
         grads = _backward_call(
             x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE, mma=cfg.mma, dx_mma=cfg.dx_mma,
-            dx_union=cfg.dx_union,
+            dx_union=cfg.dx_union, dh_union=cfg.dh_union,
         )
         grads = _as_varying(grads, axes)
         return tuple(reference._sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
@@ -508,7 +516,7 @@ def ffn_with_aux(
     x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
     crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
     dx_mma: bool | None = None, dx_union: bool | None = None, down_union: bool | None = None,
-    up_union: bool | None = None,
+    up_union: bool | None = None, dh_union: bool | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -530,7 +538,8 @@ def ffn_with_aux(
     :func:`union_dx_supported` allows (ffi/notes/training_kernels.md). ``down_union``
     (default: :data:`DOWN_UNION_DEFAULT`, on, with ``mma``) does the same for the forward's down step
     and ``up_union`` (default: :data:`UP_UNION_DEFAULT`, with ``mma``) for its up step
-    (:func:`train_forward`).
+    (:func:`train_forward`); ``dh_union`` (default: :data:`DH_UNION_DEFAULT`, with ``mma``)
+    for the backward's dh step (:func:`train_backward`).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
     steps): the choice is made at trace time instead (:meth:`TrainCrossover.prefers_sparse`
@@ -555,6 +564,7 @@ def ffn_with_aux(
     dx_union = dx_mma and bool(DX_UNION_DEFAULT if dx_union is None else dx_union)
     down_union = bool(mma) and bool(DOWN_UNION_DEFAULT if down_union is None else down_union)
     up_union = bool(mma) and bool(UP_UNION_DEFAULT if up_union is None else up_union)
+    dh_union = bool(mma) and bool(DH_UNION_DEFAULT if dh_union is None else dh_union)
     cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union, down_union,
-                  up_union)
+                  up_union, dh_union)
     return _train_ffn(x, w_gate, w_up, w_down, cfg)

@@ -83,7 +83,7 @@ def up_supported(m: int, d: int, f: int, max_entries: int) -> bool:
 
 
 def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int, max_entries: int, gated: bool,
-                 dtype, up: bool = False) -> dict:
+                 dtype, up: bool = False, fired: bool = False) -> dict:
     """The layout kernel's workspace and, for checks, which sub-block wrote each word
     (``owner``, -1 where none did). ``coef``: the backward's ``[2 or 3, max_entries]`` f32
     coefficients; ``dtype``: the element type they are rounded to.
@@ -91,7 +91,9 @@ def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int
     ``up=True`` models the inference FFN's up step (``kEntryIndex``; ``coef`` and ``gated``
     unused, one row per neuron): every entry outside an overflowed tile, whatever its value,
     gives a word pair ``((R p) % 256 << 8 | token, entry index)``; the word range holds two
-    words per entry and the chunk offsets count pairs."""
+    words per entry and the chunk offsets count pairs. ``fired=True`` (with ``up``) models the
+    training backward's dh step (``kFiredIndex``): the same pairs for every entry whose g is
+    non-zero, entries of overflowed tiles included."""
     if up:
         gated = False
     r_per = 2 if gated else 1
@@ -99,7 +101,9 @@ def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int
     seg_start = np.asarray(seg_start, np.int64)
     tok_off = np.asarray(tok_off, np.int64)
     entries = np.asarray(entries, np.uint32)
-    if up:  # non-zero where the entry is outside an overflowed tile
+    if up and fired:  # non-zero where g (the word's top half, sign aside) is
+        bits = [(((entries >> np.uint32(16)) & np.uint32(0x7FFF)) != 0).astype(np.uint32)]
+    elif up:  # non-zero where the entry is outside an overflowed tile
         bits = [((entries & np.uint32(_b.RECOMPUTE_FLAG)) == 0).astype(np.uint32)]
     else:
         rounded = [np.asarray(coef[1 + r], np.float32).astype(dtype) for r in range(r_per)]
