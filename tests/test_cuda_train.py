@@ -255,14 +255,21 @@ def test_dh_union_matches_dh_step(case, gated, dtype):
     fired = ((words >> 16) & 0x7FFF) != 0
     if full:
         assert (fired & ((words & bemu.RECOMPUTE_FLAG) != 0)).any(), "flagged entries with g != 0"
+    # f32 sums of d products in two orders (~2^-21 of the largest dh apart in a NumPy model of
+    # both orders at d=2048); a lost, doubled or misplaced entry is off by a whole dh.
     dh_step = np.asarray(step[-2], np.float64)[:, :need].sum(axis=0)[fired]
-    assert_close(np.asarray(union[-2])[0, :need][fired], dh_step, 2.0**-16, f"{case} dh")
+    assert_close(np.asarray(union[-2])[0, :need][fired], dh_step, 2.0**-14, f"{case} dh")
     coef, coef_step = np.asarray(union[-1])[:, :need], np.asarray(step[-1])[:, :need]
     np.testing.assert_array_equal(_bits(coef[0]), _bits(coef_step[0]), "h")
     for i in range(1, coef.shape[0]):
-        assert_close(coef[i], coef_step[i], 2.0**-16, f"{case} coefficient {i}")
-    for i in range(len(step) - 2):  # dx and the weight gradients: a bf16 rounding apart at most
-        assert_close(union[i], step[i], 2.0**-7, f"{case} result {i}")
+        assert_close(coef[i], coef_step[i], 2.0**-14, f"{case} coefficient {i}")
+    # dx and the weight gradients: an element-type rounding apart at most. In f16 the largest
+    # weight gradients of the M=2500, d=2048 case overflow to inf on both paths (the NumPy
+    # model's too), so both are clipped to the largest finite value first.
+    top = float(jnp.finfo(dtype).max)
+    for i in range(len(step) - 2):
+        clip = lambda a: np.clip(np.asarray(a, np.float64), -top, top)
+        assert_close(clip(union[i]), clip(step[i]), 2.0**-7, f"{case} result {i}")
 
 
 def test_train_gradients_with_union_dx_match_dense():
