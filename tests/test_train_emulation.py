@@ -421,26 +421,16 @@ def test_dx_mma_follows_mma_unless_given(emulated_kernels, monkeypatch):
     assert seen == [(True, True), (False, False), (True, False), (False, True)]
 
 
-def test_dx_union_needs_dx_mma_and_follows_the_default(emulated_kernels, monkeypatch):
-    """``ffn_with_aux`` asks for dx as a union product only with dx on tensor cores: by
-    default as ``DX_UNION_DEFAULT`` says, or when told ``dx_union``."""
-    calls = ({}, dict(dx_union=True), dict(dx_union=False), dict(dx_mma=False, dx_union=True))
+@pytest.mark.parametrize("option, needs, d, key", [("dx_union", "dx_mma", 256, 15), ("dh_union", "mma", 384, 16)])
+def test_backward_union_steps_follow_their_defaults(emulated_kernels, monkeypatch, option, needs, d, key):
+    """``ffn_with_aux`` asks the backward call for dx (dh) as a union product by default as
+    ``DX_UNION_DEFAULT`` (``DH_UNION_DEFAULT``) says, or when told, and never without dx on
+    tensor cores (the tensor-core steps)."""
+    calls = ({}, {option: True}, {option: False}, {needs: False, option: True})
     seen = []
     for default in (False, True):
-        monkeypatch.setattr(cuda_train, "DX_UNION_DEFAULT", default)
-        seen += _backward_options_seen(monkeypatch, ("dx_mma", "dx_union"), calls, key=15, d=256)
-    assert seen == [(True, False), (True, True), (True, False), (False, False),
-                    (True, True), (True, True), (True, False), (False, False)]
-
-
-def test_dh_union_follows_mma_and_the_default(emulated_kernels, monkeypatch):
-    """``ffn_with_aux`` asks the backward call for dh as a union product by default (as
-    ``DH_UNION_DEFAULT`` says) or when told, never without ``mma``."""
-    calls = ({}, dict(dh_union=True), dict(dh_union=False), dict(mma=False, dh_union=True))
-    seen = []
-    for default in (False, True):
-        monkeypatch.setattr(cuda_train, "DH_UNION_DEFAULT", default)
-        seen += _backward_options_seen(monkeypatch, ("mma", "dh_union"), calls, key=16, d=384)
+        monkeypatch.setattr(cuda_train, option.upper() + "_DEFAULT", default)
+        seen += _backward_options_seen(monkeypatch, (needs, option), calls, key=key, d=d)
     assert seen == [(True, False), (True, True), (True, False), (False, False),
                     (True, True), (True, True), (True, False), (False, False)]
 

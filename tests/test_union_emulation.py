@@ -91,6 +91,23 @@ def test_union_layout_of_the_forward_down_step(case):
 UP_CASES = [c for c in CASES if c[1] % bemu.UP_COLS == 0] + [(130, 64, 700, 0.1, "uniform", 0, 0, 256, 32)]
 
 
+def _gated_up_layout(case, *, key: int, fired: bool):
+    """The gated model's forward on ``case`` with a tight budget, and the word-pair layout of
+    the up step (``fired=False``) or of the backward's dh step (``fired=True``), which
+    asserts that every word lands inside the workspace and none twice."""
+    m, d, f, density, pattern, full, empty, tile, capacity = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=key)
+    act = pack_twell_reference(relu_matmul(x, wg), tile=tile, capacity=capacity)
+    need = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f)
+    e = need + 5
+    _, res, _, _, _ = emu.train_forward(x, act.values, act.cols, act.counts, wg, wu, wu.T, wd, tile=tile,
+                                        max_entries=e)
+    lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, None, m=m, f=f, tile=tile, max_entries=e,
+                            gated=True, dtype=jnp.bfloat16, up=True, fired=fired)
+    assert lay["ws"].size == uemu.up_workspace_ints(m, e)
+    return x, wg, wu, wd, dy, res, need, e, lay
+
+
 @pytest.mark.parametrize("case", UP_CASES, ids=lambda c: f"m{c[0]}_f{c[2]}_{c[4]}_t{c[7]}")
 def test_union_layout_of_the_up_step(case):
     """The up step as a union product (``kEntryIndex``): one word pair per entry outside an
@@ -98,15 +115,7 @@ def test_union_layout_of_the_up_step(case):
     disjoint inside the workspace; u from the layout equals the model's up residual to its
     rounding, for every such entry exactly once."""
     m, d, f, density, pattern, full, empty, tile, capacity = case
-    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + f + 2)
-    act = pack_twell_reference(relu_matmul(x, wg), tile=tile, capacity=capacity)
-    need = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f)
-    e = need + 5
-    _, res, _, _, _ = emu.train_forward(x, act.values, act.cols, act.counts, wg, wu, wu.T, wd, tile=tile,
-                                        max_entries=e)
-    lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, None, m=m, f=f, tile=tile, max_entries=e,
-                            gated=True, dtype=jnp.bfloat16, up=True)  # asserts: in bounds, no word written twice
-    assert lay["ws"].size == uemu.up_workspace_ints(m, e)
+    x, wg, wu, wd, dy, res, need, e, lay = _gated_up_layout(case, key=m + f + 2, fired=False)
     assert uemu.up_supported(m, 64 * 8, f, e) == (e + e % 2 + lay["ws"].size <= 8 * e)
     normal = (np.asarray(res.entries)[:need] & bemu.RECOMPUTE_FLAG) == 0
     assert (lay["owner"][lay["ent0"]: lay["rows0"]] >= 0).sum() == 2 * normal.sum(), "one pair per entry"
@@ -125,16 +134,8 @@ def test_union_layout_of_the_dh_step(case):
     rows) equals the model's per-entry dh to the f32 summation order, for every such entry
     exactly once."""
     m, d, f, density, pattern, full, empty, tile, capacity = case
-    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + f + 3)
-    act = pack_twell_reference(relu_matmul(x, wg), tile=tile, capacity=capacity)
-    need = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f)
-    e = need + 5
-    _, res, _, _, _ = emu.train_forward(x, act.values, act.cols, act.counts, wg, wu, wu.T, wd, tile=tile,
-                                        max_entries=e)
+    x, wg, wu, wd, dy, res, need, e, lay = _gated_up_layout(case, key=m + f + 3, fired=True)
     *_, partial, _ = emu.train_backward(x, dy, wg.T, wu.T, wd, res, L1 / m, tile=tile)
-    lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, None, m=m, f=f, tile=tile, max_entries=e,
-                            gated=True, dtype=jnp.bfloat16, up=True, fired=True)  # asserts: bounds, no overlap
-    assert lay["ws"].size == uemu.up_workspace_ints(m, e)
     words = np.asarray(res.entries)[:need]
     fired = ((words >> 16) & 0x7FFF) != 0
     flagged = (words & bemu.RECOMPUTE_FLAG) != 0
