@@ -293,8 +293,9 @@ UP_UNION_DEFAULT = True
 DX_UNION_DEFAULT = True
 # The backward's dh step as a union product (ffn_with_aux, with mma): the forward up step's
 # product with dy and Wd. Measured 0.04-0.17 ms faster per step at 0.25-0.5% active
-# (training_quick_3be377b_dh_union.json), but off by default until its f16 GPU test at d=2048
-# is understood (ffi/notes/training_kernels.md).
+# (training_quick_3be377b_dh_union.json), but off by default until its GPU comparison test,
+# fixed since (f16 weight gradients that overflow on both paths), is rerun
+# (ffi/notes/training_kernels.md).
 DH_UNION_DEFAULT = False
 
 
