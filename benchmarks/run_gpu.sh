@@ -17,7 +17,7 @@ if [ -n "${JAX_TWELL_CUDA_LIB:-}" ]; then export JAX_TWELL_CUDA=OFF; fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
 grep -E "spill stores|error" "$OUT/install.log" | sort | uniq -c | head
 python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); print(jt.kernel_status())"
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${GPU_TEST_SECONDS:-170} python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT ${GPU_TEST_SECONDS:-170} python3 -m pytest -q -rf -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -12
 if [ $sanitize = 1 ]; then
   for tool in memcheck racecheck; do
     for spec in "tests/test_cuda_ffn.py|adversarial_rows" "tests/test_cuda_ffn_blocked.py|over_budget" \

@@ -2,7 +2,8 @@
 # One GPU session for the training kernels (ffi/twell_train.cu): build, all GPU tests,
 # compute-sanitizer memcheck and racecheck on a small training forward + backward, then the
 # training benchmark (JSON under $OUT); short table last. Step timeouts (130 + 100 + 2 x 45 + 200 s
-# after a ~40 s build) keep it under 10 minutes.
+# after a ~40 s build) keep it under 10 minutes; a test step cut by its timeout is interrupted
+# (SIGINT), so pytest still prints its summary and the failed tests' ids (-rf).
 # Usage: JAX_TWELL_COMMIT=<commit measured> benchmarks/run_gpu_training.sh [--quick] [--no-sanitizer]
 set -uo pipefail
 OUT=${OUT:-gpu-logs}
@@ -17,9 +18,9 @@ grep -E "spill stores|error" "$OUT/install.log" | sort | uniq -c | head
 python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); print(jt.kernel_status())"
 # The training tests first (their own log), then every other GPU test (the blocked inference
 # kernels share their device code with the training kernels).
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 130 python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/test_cuda_train.py 2>&1 \
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT 130 python3 -m pytest -q -rf -n ${GPU_TEST_WORKERS:-6} -m gpu tests/test_cuda_train.py 2>&1 \
   | tee "$OUT/gpu_tests_train.log" | tail -15
-[ "${SKIP_OTHER_TESTS:-0}" = 1 ] || XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 100 python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ --ignore=tests/test_cuda_train.py 2>&1 \
+[ "${SKIP_OTHER_TESTS:-0}" = 1 ] || XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT 100 python3 -m pytest -q -rf -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ --ignore=tests/test_cuda_train.py 2>&1 \
   | tee "$OUT/gpu_tests_other.log" | tail -4
 if [ $sanitize = 1 ]; then
   for tool in memcheck racecheck; do

@@ -11,7 +11,7 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.lo
 grep -E "registers|spill|error" "$OUT/install.log" | head -20
 python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); print(jt.kernel_status())"
 # Test processes share the GPU (no preallocation); compilation dominates, so run several.
-timeout 360 python3 -m pytest -q -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+timeout -s INT 360 python3 -m pytest -q -rf -n ${GPU_TEST_WORKERS:-6} -m gpu tests/ ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 for tool in ${SANITIZERS-memcheck racecheck}; do
   # The fused gate's kernel is CUTLASS's device_kernel template.
   for spec in "Twell:tests/test_gpu_pack.py -k adversarial" "Twell:tests/test_cuda_ffn.py -k adversarial_rows" \
