@@ -34,12 +34,13 @@ Each configuration gives one row per fused kernel ("kernel": one of cuda.KERNELS
 cuda.sparse_ffn(kernel="blocked") under the default rule); dense is timed once and shared.
 
 Usage: python benchmarks/bench_inference.py [--quick] [--kernels row,blocked,blocked_mma|none] [--m 16384,2048]
-       [--out results.json]
+       [--configs M:d:f:density:pattern,...] [--out results.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -58,7 +59,13 @@ def timed(fn, args):
     return time_calls(fn, args, min_seconds=0.02, max_reps=200)
 
 
-def grid(quick: bool, only_m: list[int] | None = None):
+def grid(quick: bool, only_m: list[int] | None = None, configs: str | None = None):
+    if configs:  # "M:d:f:density:pattern,..."
+        out = []
+        for item in configs.split(","):
+            m, d, f, density, pattern = item.split(":")
+            out.append((int(m), int(d), int(f), float(density), pattern))
+        return out
     return [c for c in inference_benchmark_grid(quick) if only_m is None or c[0] in only_m]
 
 
@@ -80,12 +87,18 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--kernels", default=",".join(cuda.KERNELS), help="comma-separated fused kernels to time")
     parser.add_argument("--m", default=None, help="comma-separated token counts: time only these configurations")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated M:d:f:density:pattern: time these configurations instead of the grid")
+    parser.add_argument("--margin", type=float, default=None,
+                        help="the dense-crossover rule's margin for the auto and layer variants (default: the rule's own)")
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
     if args.no_fused_gate:
         cuda.FUSED_GATE_MIN_TOKENS = 1 << 62
     kernels = [k for k in args.kernels.split(",") if k != "none"]
+    if args.margin is not None:
+        cuda.set_dense_crossover(dataclasses.replace(cuda.dense_crossover(), margin=args.margin))
 
     dense_op = lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd)
 
@@ -110,7 +123,7 @@ def main():
         )
 
     rows = []
-    for m, d, f, density, pattern in grid(args.quick, [int(v) for v in args.m.split(",")] if args.m else None):
+    for m, d, f, density, pattern in grid(args.quick, [int(v) for v in args.m.split(",")] if args.m else None, args.configs):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
         act = jt.gate_twell(inp.x, inp.w_gate)
         counts = act.counts

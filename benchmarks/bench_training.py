@@ -20,14 +20,14 @@ clock falls on all alike; ``<variant>_step_spread``: interquartile range / media
 - udx (with --union-dx): as mma, with dx as a union product (dx_union=True);
 - udn (with --union-down): as mma, with the forward's down step as a union product too (down_union=True);
 - uup (with --union-up): as mma, with the forward's up step as a union product too (up_union=True);
-- udh (with --union-dh): as mma, with the backward's dh step as a union product (dh_union=True);
+- pdh (with --per-entry-dh): as mma, with the backward's dh step per entry, not a union product (dh_union=False);
 - forward only, for dense and cuda.
 Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
 arrays other than the inputs) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
 Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down] [--union-up]
-       [--union-dh] [--out results.json]
+       [--per-entry-dh] [--out results.json]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ OPTIONAL_VARIANTS = (
     ("union_dx", "udx", dict(dx_union=True), "union dx"),
     ("union_down", "udn", dict(down_union=True), "union down"),
     ("union_up", "uup", dict(up_union=True), "union up"),
-    ("union_dh", "udh", dict(dh_union=True), "union dh"),
+    ("per_entry_dh", "pdh", dict(dh_union=False), "per-entry dh"),
 )
 
 
@@ -116,8 +116,8 @@ def main():
                         help="also time the tensor-core steps with the forward's down step as a union product")
     parser.add_argument("--union-up", action="store_true",
                         help="also time the tensor-core steps with the forward's up step as a union product")
-    parser.add_argument("--union-dh", action="store_true",
-                        help="also time the tensor-core steps with the backward's dh step as a union product")
+    parser.add_argument("--per-entry-dh", action="store_true",
+                        help="also time the tensor-core steps with the backward's dh step per entry (not a union product)")
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()

@@ -335,10 +335,12 @@ class DenseCrossover:
     transpose_bandwidth: float = 1.4e12
     overflow_penalty: float = 2.0e-6
     fixed_overhead: float = 1.0e-5
-    # Sparse runs only where predicted at least 10% faster than dense: the per-call branch
-    # itself costs ~0.1 ms at M=16384, d=2048, f=5632 (measured: the blocked kernel forced
-    # 1.00x of dense, chosen through the branch 0.93x; inference_quick_ac4e9a0.json).
-    margin: float = 0.9
+    # Sparse runs only where predicted at least 5% faster than dense. The margin was 0.9
+    # while the per-call branch cost ~0.1 ms (a host round trip); on the device it costs
+    # ~10 us. At 0.95 the three points that change sides measured 1.09x (M=16384, 0.5%
+    # uniform), 1.01x ((2048, 8192), M=256, 0.25%) and 1.05x ((4096, 11008), M=4096,
+    # 0.5%) under the layer rule (inference_configs_3ea68d3_margin095.json).
+    margin: float = 0.95
     # Blocked kernel with its tensor-core steps (version 4.1): everything after the gate
     # matmul (pack, layout, the fused steps), fitted by least squares to the H200's
     # interleaved timings (ffi/notes/twell_ffn_blocked.md, inference_quick_b47940f.json):

@@ -291,12 +291,10 @@ UP_UNION_DEFAULT = True
 # dx as a union product by default (ffn_with_aux): measured 0.24-0.35 ms faster per step
 # than the per-entry tensor-core dx at 0.25-0.5% active (training_e16d5b5.json).
 DX_UNION_DEFAULT = True
-# The backward's dh step as a union product (ffn_with_aux, with mma): the forward up step's
-# product with dy and Wd. Measured 0.04-0.17 ms faster per step at 0.25-0.5% active
-# (training_quick_3be377b_dh_union.json), but off by default until its GPU comparison test,
-# fixed since (f16 weight gradients that overflow on both paths), is rerun
-# (ffi/notes/training_kernels.md).
-DH_UNION_DEFAULT = False
+# The backward's dh step as a union product by default (ffn_with_aux, with mma): the forward
+# up step's product with dy and Wd. Measured 0.04-0.17 ms faster per step at 0.25-0.5%
+# active (training_quick_3be377b_dh_union.json).
+DH_UNION_DEFAULT = True
 
 
 def union_workspace_ints(m: int, max_entries: int, gated: bool) -> int:
