@@ -45,19 +45,39 @@ struct ChunkWords {
   int e0, e1;
 };
 
+// A chunk's range [e0, e1) of entry words; empty for chunks outside [0, chunks).
+struct ChunkSpan {
+  int e0 = 0, e1 = 0;
+};
+
+__device__ __forceinline__ ChunkSpan LoadSpan(const int* off, int c, int chunks) {
+  ChunkSpan s;
+  if (c >= 0 && c < chunks) {
+    s.e0 = off[c];
+    s.e1 = off[c + 1];
+  }
+  return s;
+}
+
+// The words at a span loaded earlier: the loads issue at once (no dependent offset load).
 template <int T, int P>
-__device__ __forceinline__ ChunkWords<T, P> LoadWords(const uint32_t* ent, const int* off, int c, int chunks,
+__device__ __forceinline__ ChunkWords<T, P> LoadWords(const uint32_t* ent, ChunkSpan span,
                                                      int t = static_cast<int>(threadIdx.x)) {
   ChunkWords<T, P> cw{};
-  if (c < 0 || c >= chunks) return cw;
-  cw.e0 = off[c];
-  cw.e1 = off[c + 1];
+  cw.e0 = span.e0;
+  cw.e1 = span.e1;
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     const int e = cw.e0 + t + i * T;
     if (e < cw.e1) cw.w[i] = ent[e];
   }
   return cw;
+}
+
+template <int T, int P>
+__device__ __forceinline__ ChunkWords<T, P> LoadWords(const uint32_t* ent, const int* off, int c, int chunks,
+                                                     int t = static_cast<int>(threadIdx.x)) {
+  return LoadWords<T, P>(ent, LoadSpan(off, c, chunks), t);
 }
 
 // put(word) for every entry word of the chunk this thread holds.
@@ -182,19 +202,23 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
       ++state;
     };
     // Row indices and entry words reach registers two chunks ahead, in two sets used in
-    // turn: a register is reloaded only after its chunk is issued.
+    // turn: a register is reloaded only after its chunk is issued. A chunk's word offsets
+    // are loaded a chunk before its words, so the word loads never wait on them in line.
     int r0[kRowsPerThread], r1[kRowsPerThread];
     load_rows(0, r0);
     load_rows(1, r1);
+    ChunkSpan s0 = LoadSpan(off, 2, chunks), s1 = LoadSpan(off, 3, chunks);
     Words w0 = LoadWords<128, 4>(ent, off, 0, chunks), w1 = LoadWords<128, 4>(ent, off, 1, chunks);
     for (int c = 0; c < chunks; c += 2) {
       produce(r0, w0);
       load_rows(c + 2, r0);
-      w0 = LoadWords<128, 4>(ent, off, c + 2, chunks);
+      w0 = LoadWords<128, 4>(ent, s0);
+      s0 = LoadSpan(off, c + 4, chunks);
       if (c + 1 >= chunks) break;
       produce(r1, w1);
       load_rows(c + 3, r1);
-      w1 = LoadWords<128, 4>(ent, off, c + 3, chunks);
+      w1 = LoadWords<128, 4>(ent, s1);
+      s1 = LoadSpan(off, c + 5, chunks);
     }
     return;
   }
