@@ -442,7 +442,7 @@ void Launch(const Problem& p, const DeviceProblem& g, int kind) {
   const dim3 grid(p.d / kCols, p.m / kTok);
   if (kind == kWarpSpecialized)
     jax_twell::union_product::UnionProductKernel<cutlass::bfloat16_t, 2, 1>
-        <<<dim3(p.d / WsConfig::kSpan, p.m / kTok), WsConfig::kThreads, WsConfig::kSmemBytes>>>(
+        <<<dim3(p.m / kTok, p.d / WsConfig::kSpan), WsConfig::kThreads, WsConfig::kSmemBytes>>>(
             g.w, nullptr, p.d, p.m, reinterpret_cast<const jax_twell::union_product::UnionMeta*>(g.meta), g.rows,
             g.chunk_off, g.ent, g.y);
   else if (kind == kWgmma)

@@ -14,7 +14,7 @@ cudaError_t Launch(cudaStream_t stream, const uint16_t* table0, const uint16_t* 
   auto* kernel = UnionProductKernel<Elem, kConsumers, kRowsPerNeuron>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (e != cudaSuccess) return e;
-  kernel<<<dim3(d / Cfg::kSpan, n_blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
+  kernel<<<dim3(n_blocks, d / Cfg::kSpan), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(
       table0, table1, d, out_rows, meta, rows, chunk_off, ent, y);
   return cudaGetLastError();
 }
