@@ -167,12 +167,6 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
 
   if (group == 0) {  // producer
     const int* block_rows = rows + bm.row_base;
-    const int piece = tid % 32;                 // this thread's 16-byte piece of each row slice
-    constexpr int kRowsPerThread = kChunk / 4;  // 8: rows tid / 32 + 4 i
-    auto load_rows = [&](int c, int (&r)[kRowsPerThread]) {
-      CUTE_UNROLL
-      for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 4 * i] : 0;
-    };
     auto row_ptr = [&](int id) -> const uint16_t* {
       if constexpr (kRowsPerNeuron == 2)
         return ((id & 1) ? table1 : table0) + static_cast<int64_t>(id >> 1) * d;
@@ -180,6 +174,12 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
         return table0 + static_cast<int64_t>(id) * d;
     };
     auto state = cutlass::make_producer_start_state<Pipe>();
+    const int piece = tid % 32;                 // this thread's 16-byte piece of each row slice
+    constexpr int kRowsPerThread = kChunk / 4;  // 8: rows tid / 32 + 4 i
+    auto load_rows = [&](int c, int (&r)[kRowsPerThread]) {
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 4 * i] : 0;
+    };
     auto produce = [&](const int (&r)[kRowsPerThread], const Words& cw) {
       pipe.producer_acquire(state);
       const int st = state.index();
@@ -190,6 +190,10 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
         sA(static_cast<int>(e & 0xff), static_cast<int>((e >> 8) & 0xff), st) =
             Elem::bitcast(static_cast<uint16_t>(e >> 16));
       });
+      // The A stores, visible to the async proxy: fenced before this chunk's copies are
+      // issued, so the fence does not wait behind them (the consumers fence the copies'
+      // data after their full-barrier wait).
+      cutlass::arch::fence_view_async_shared();
       CUTE_UNROLL
       for (int i = 0; i < kRowsPerThread; ++i) {
         const uint16_t* src = row_ptr(r[i]) + n0 + piece * 8;
@@ -199,7 +203,6 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
           CpAsync16(&sB(piece * 8, tid / 32 + 4 * i, st), src + k * kCols);
         }
       }
-      cutlass::arch::fence_view_async_shared();  // the A stores, visible to the async proxy
       pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
       ++state;
     };
