@@ -63,8 +63,11 @@ def grid(quick: bool, only_m: list[int] | None = None, configs: str | None = Non
     if configs:  # "M:d:f:density:pattern,..."
         out = []
         for item in configs.split(","):
-            m, d, f, density, pattern = item.split(":")
-            out.append((int(m), int(d), int(f), float(density), pattern))
+            try:
+                m, d, f, density, pattern = item.split(":")
+                out.append((int(m), int(d), int(f), float(density), pattern))
+            except ValueError:
+                raise SystemExit(f"--configs: {item!r} is not M:d:f:density:pattern (e.g. 16384:2048:5632:0.005:uniform)")
         return out
     return [c for c in inference_benchmark_grid(quick) if only_m is None or c[0] in only_m]
 
