@@ -13,6 +13,22 @@ namespace jax_twell {
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+// 32-bit shared-memory accesses the compiler can't turn into generic ones (volatile: they
+// stay in program order with the barriers around them).
+__device__ __forceinline__ int LdSharedInt(const int* p) {
+  int v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(SmemAddr(p)));
+  return v;
+}
+__device__ __forceinline__ void StSharedInt(int* p, int v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(SmemAddr(p)), "r"(v) : "memory");
+}
+__device__ __forceinline__ void StSharedU16(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(static_cast<unsigned short>(v)));
+}
+__device__ __forceinline__ void CpAsync16Shared(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
 __device__ __forceinline__ void CpAsync16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SmemAddr(dst)), "l"(src));
 }

@@ -16,10 +16,14 @@
 // Words of one chunk may come in any order: they land in distinct places of A.
 //
 // UnionProductKernel: one CTA per (block, 256 kConsumers output columns), blocks fastest; a producer warp
-// group clears and scatters each chunk's A tile and copies its row slices by cp.async
-// (completion on the stage's full barrier, CUTLASS's PipelineAsync); kConsumers warp
-// groups, each its own 256 columns over the same A, wait, issue two 64 x 256 x 16 wgmma
-// and release the previous stage. Five stages of A 4 KB + B kConsumers x 16 KB.
+// group scatters each chunk's entries into its (clear) A tile and copies its row slices by
+// cp.async (completion on the stage's full barrier, CUTLASS's PipelineAsync); kConsumers
+// warp groups, each its own 256 columns over the same A, wait, issue two 64 x 256 x 16
+// wgmma, and clear and release the previous stage's A. Five stages of A 4 KB + B
+// kConsumers x 16 KB, and the block's chunk offsets. The producer sets the pace, so it
+// does as little as it can: no clearing, offsets from shared memory, and 32-bit shared
+// addresses with the swizzles worked out once (ffi/notes/training_kernels.md, "The
+// producer's profile").
 #pragma once
 
 #include <cstdint>
@@ -55,6 +59,27 @@ __device__ __forceinline__ ChunkSpan LoadSpan(const int* off, int c, int chunks)
   if (c >= 0 && c < chunks) {
     s.e0 = off[c];
     s.e1 = off[c + 1];
+  }
+  return s;
+}
+
+// Chunk offsets staged in shared memory: the first kStagedOffsets of a block's offsets
+// (every block's, at f <= kMaxF), copied once when the CTA starts, so that a chunk's span
+// is read without a global load, which would queue behind the copies the producer has in
+// flight (ffi/notes/training_kernels.md, "The producer's profile"); offsets past those
+// (a larger f) come from global memory.
+constexpr int kStagedOffsets = 2 * kMaxF / kChunk + 1;
+
+__device__ __forceinline__ ChunkSpan LoadSpan(const int* staged, const int* off, int c, int chunks) {
+  ChunkSpan s;
+  if (c >= 0 && c < chunks) {
+    if (c + 1 < kStagedOffsets) {
+      s.e0 = LdSharedInt(staged + c);
+      s.e1 = LdSharedInt(staged + c + 1);
+    } else {
+      s.e0 = off[c];
+      s.e1 = off[c + 1];
+    }
   }
   return s;
 }
@@ -113,6 +138,20 @@ struct MmaFor<cutlass::half_t, kMajorB> {
   }
 };
 
+// Byte offsets in the A and B tiles of one stage (16-bit elements; the GMMA layouts of
+// Config, checked against CuTe's own by benchmarks/union_layout_check.cu): A, K-major with the
+// 64-byte swizzle, for an entry word's (token, column); B, MN-major with the 128-byte
+// swizzle, for output column n (a multiple of 8) of union row k.
+static_assert(kChunk == 32 && kCols % 64 == 0, "A rows are one 64-byte swizzle atom wide; B spans whole 128-byte atoms");
+__host__ __device__ __forceinline__ uint32_t SwizzleA(uint32_t e) {
+  const uint32_t o = (e & 0xff) * (2 * kChunk) + ((e >> 7) & 0x1fe);  // token * 64 + column * 2
+  return o ^ ((o >> 3) & 0x30);
+}
+__host__ __device__ __forceinline__ uint32_t SwizzleB(int n, int k) {
+  const uint32_t o = ((n / 64) + (kCols / 64) * (k / 8)) * 1024 + (k % 8) * 128 + (n % 64) * 2;
+  return o ^ ((o >> 3) & 0x70);
+}
+
 template <typename Elem, int kConsumers>
 struct Config {
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -128,6 +167,7 @@ struct Config {
     alignas(1024) Elem b[kConsumers][cute::cosize_v<LayoutB>];
     alignas(1024) Elem a[cute::cosize_v<LayoutA>];
     typename Pipe::SharedStorage pipe;
+    int off[kStagedOffsets];  // the block's chunk offsets (producer only)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;  // + alignment slack
 };
@@ -162,20 +202,37 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
   params.producer_arv_count = 128;
   params.consumer_arv_count = 128 * kConsumers;
   Pipe pipe(s.pipe, params);
+  {  // every stage's A starts clear; after that the consumers clear a stage before releasing it
+    uint4* a4 = reinterpret_cast<uint4*>(s.a);
+    for (int i = tid; i < static_cast<int>(sizeof(s.a) / 16); i += Cfg::kThreads) a4[i] = make_uint4(0, 0, 0, 0);
+  }
   __syncthreads();  // barriers initialised
   Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::LayoutA{});  // (token, k, stage)
 
   if (group == 0) {  // producer
     const int* block_rows = rows + bm.row_base;
-    auto row_ptr = [&](int id) -> const uint16_t* {
-      if constexpr (kRowsPerNeuron == 2)
-        return ((id & 1) ? table1 : table0) + static_cast<int64_t>(id >> 1) * d;
-      else
-        return table0 + static_cast<int64_t>(id) * d;
-    };
     auto state = cutlass::make_producer_start_state<Pipe>();
     const int piece = tid % 32;                 // this thread's 16-byte piece of each row slice
     constexpr int kRowsPerThread = kChunk / 4;  // 8: rows tid / 32 + 4 i
+    // Addresses as 32-bit shared offsets and one wide multiply-add per row: the layouts'
+    // swizzles are fixed per thread and row (B) or two shifts and an xor (A), so the chunk
+    // loop needs none of the generic 64-bit pointer arithmetic.
+    constexpr uint32_t kAStageBytes = kTok * kChunk * sizeof(Elem);
+    constexpr uint32_t kBStageBytes = kCols * kChunk * sizeof(Elem);
+    constexpr uint32_t kBTableBytes = sizeof(s.b[0]);
+    const uint32_t a_base = SmemAddr(s.a), b_base = SmemAddr(s.b[0]);
+    uint32_t b_off[kRowsPerThread];
+    CUTE_UNROLL
+    for (int i = 0; i < kRowsPerThread; ++i) b_off[i] = SwizzleB(piece * 8, tid / 32 + 4 * i);
+    const char* src0 = reinterpret_cast<const char*>(table0 + n0 + piece * 8);
+    const char* src1 = reinterpret_cast<const char*>(table1 + n0 + piece * 8);
+    const uint32_t row_bytes = static_cast<uint32_t>(d) * sizeof(Elem);
+    auto row_src = [&](int id) -> const char* {
+      if constexpr (kRowsPerNeuron == 2)
+        return ((id & 1) ? src1 : src0) + static_cast<uint64_t>(static_cast<uint32_t>(id) >> 1) * row_bytes;
+      else
+        return src0 + static_cast<uint64_t>(static_cast<uint32_t>(id)) * row_bytes;
+    };
     auto load_rows = [&](int c, int (&r)[kRowsPerThread]) {
       CUTE_UNROLL
       for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 4 * i] : 0;
@@ -183,47 +240,44 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
     auto produce = [&](const int (&r)[kRowsPerThread], const Words& cw) {
       pipe.producer_acquire(state);
       const int st = state.index();
-      uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, st));
-      for (int i = tid; i < kTok * kChunk / 8; i += 128) a4[i] = make_uint4(0, 0, 0, 0);
-      cutlass::arch::NamedBarrier::sync(128, 1);  // the stage's A is clear before any entry lands
-      ForEachWord(cw, ent, [&](uint32_t e) {
-        sA(static_cast<int>(e & 0xff), static_cast<int>((e >> 8) & 0xff), st) =
-            Elem::bitcast(static_cast<uint16_t>(e >> 16));
-      });
+      const uint32_t a_stage = a_base + st * kAStageBytes;
+      ForEachWord(cw, ent, [&](uint32_t e) { StSharedU16(a_stage + SwizzleA(e), e >> 16); });
       // The A stores, visible to the async proxy: fenced before this chunk's copies are
       // issued, so the fence does not wait behind them (the consumers fence the copies'
       // data after their full-barrier wait).
       cutlass::arch::fence_view_async_shared();
+      const uint32_t b_stage = b_base + st * kBStageBytes;
       CUTE_UNROLL
       for (int i = 0; i < kRowsPerThread; ++i) {
-        const uint16_t* src = row_ptr(r[i]) + n0 + piece * 8;
+        const char* src = row_src(r[i]);
         CUTE_UNROLL
-        for (int k = 0; k < kConsumers; ++k) {
-          Tensor sB = make_tensor(make_smem_ptr(s.b[k]), typename Cfg::LayoutB{});
-          CpAsync16(&sB(piece * 8, tid / 32 + 4 * i, st), src + k * kCols);
-        }
+        for (int k = 0; k < kConsumers; ++k)
+          CpAsync16Shared(b_stage + b_off[i] + k * kBTableBytes, src + k * kCols * sizeof(Elem));
       }
       pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
       ++state;
     };
     // Row indices and entry words reach registers two chunks ahead, in two sets used in
     // turn: a register is reloaded only after its chunk is issued. A chunk's word offsets
-    // are loaded a chunk before its words, so the word loads never wait on them in line.
+    // are read (from shared memory) a chunk before its words.
     int r0[kRowsPerThread], r1[kRowsPerThread];
     load_rows(0, r0);
     load_rows(1, r1);
-    ChunkSpan s0 = LoadSpan(off, 2, chunks), s1 = LoadSpan(off, 3, chunks);
-    Words w0 = LoadWords<128, 4>(ent, off, 0, chunks), w1 = LoadWords<128, 4>(ent, off, 1, chunks);
+    for (int i = tid; i < min(chunks + 1, kStagedOffsets); i += 128) StSharedInt(&s.off[i], off[i]);
+    cutlass::arch::NamedBarrier::sync(128, 1);  // the staged offsets are in place
+    auto span = [&](int c) { return LoadSpan(s.off, off, c, chunks); };
+    ChunkSpan s0 = span(2), s1 = span(3);
+    Words w0 = LoadWords<128, 4>(ent, span(0)), w1 = LoadWords<128, 4>(ent, span(1));
     for (int c = 0; c < chunks; c += 2) {
       produce(r0, w0);
       load_rows(c + 2, r0);
       w0 = LoadWords<128, 4>(ent, s0);
-      s0 = LoadSpan(off, c + 4, chunks);
+      s0 = span(c + 4);
       if (c + 1 >= chunks) break;
       produce(r1, w1);
       load_rows(c + 3, r1);
       w1 = LoadWords<128, 4>(ent, s1);
-      s1 = LoadSpan(off, c + 5, chunks);
+      s1 = span(c + 5);
     }
     return;
   }
@@ -255,6 +309,12 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
     multiply();
     warpgroup_wait<1>();  // chunk c - 1's products are done: release its stage
     warpgroup_fence_operand(acc);
+    if constexpr (kConsumers > 1) cutlass::arch::NamedBarrier::sync(128 * kConsumers, 2);  // all groups are done with it
+    {
+      uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, release.index()));
+      for (int i = tid - 128; i < kTok * kChunk / 8; i += 128 * kConsumers) a4[i] = make_uint4(0, 0, 0, 0);
+      cutlass::arch::fence_view_async_shared();
+    }
     pipe.consumer_release(release);
     ++release;
   }

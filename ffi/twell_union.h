@@ -14,6 +14,7 @@ constexpr int kCols = 256;  // output columns per consumer warp group
 constexpr int kChunk = 32;  // union rows per K step
 constexpr int kUpNeurons = 256;  // the up product: union neurons per CTA (kUpNeurons / kChunk chunks)
 constexpr int kUpK = 64;         // the up product: d columns per pipeline stage
+constexpr int kMaxF = 65536;     // the largest f the union layouts and products take
 
 struct UnionMeta {
   int chunks;      // K steps (R |U| / 32, rounded up)

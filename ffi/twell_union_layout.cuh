@@ -65,7 +65,7 @@ UnionWorkspace UnionLayoutOf(const Shapes& s, int rows_per_neuron, void* base, i
 // Whether the union product can run dx here: the handler refuses bit 2 otherwise (the
 // Python side checks the same first; cuda_train.union_dx_supported).
 bool UnionDxSupported(const Shapes& s, int rows_per_neuron) {
-  return s.d % up::kCols == 0 && s.f <= 65536 &&
+  return s.d % up::kCols == 0 && s.f <= up::kMaxF &&
          UnionLayoutOf(s, rows_per_neuron, nullptr).ints < (int64_t{1} << 31);
 }
 
@@ -82,7 +82,7 @@ int64_t UnionUpOffset(const Shapes& s) { return s.max_entries + (s.max_entries &
 // with word pairs, in rows 1.. of the partials workspace [d/64, max_entries] f32, row 0
 // taking u; cuda.union_up_supported).
 bool UnionUpSupported(const Shapes& s) {
-  return s.f <= 65536 && s.d / kUpCols >= 2 &&
+  return s.f <= up::kMaxF && s.d / kUpCols >= 2 &&
          UnionUpOffset(s) + UnionLayoutOf(s, 1, nullptr, 2).ints <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
 }
 
