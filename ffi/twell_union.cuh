@@ -394,7 +394,9 @@ __global__ void __launch_bounds__(UpConfig<Elem>::kThreads, 1)
 
   if (group == 0) {  // producer: thread tid copies 16-byte piece tid % 8 of rows tid / 8 + 16 i
     const int piece = tid % 8, r0 = tid / 8;
-    const int n_rows = min(kUpNeurons, bm.chunks * kChunk - tile * kUpNeurons);  // padded rows are id 0
+    // Rows past the block's chunks (the last tile's padding, ~half a tile on average) are
+    // zero-filled, not read: their U columns are never used.
+    const int n_rows = min(kUpNeurons, bm.chunks * kChunk - tile * kUpNeurons);
     const int* my_rows = rows + bm.row_base + tile * kUpNeurons;
     const uint16_t* b_src[kUpNeurons / 16];
     CUTE_UNROLL
@@ -414,7 +416,8 @@ __global__ void __launch_bounds__(UpConfig<Elem>::kThreads, 1)
       pipe.producer_acquire(state);
       const int st = state.index(), k0 = k * kUpK;
       CUTE_UNROLL
-      for (int i = 0; i < kUpNeurons / 16; ++i) CpAsync16(&sB(r0 + 16 * i, piece * 8, st), b_src[i] + k0);
+      for (int i = 0; i < kUpNeurons / 16; ++i)
+        CpAsync16OrZero(&sB(r0 + 16 * i, piece * 8, st), b_src[i] + k0, r0 + 16 * i < n_rows ? 16 : 0);
       CUTE_UNROLL
       for (int i = 0; i < kTok / 16; ++i) CpAsync16(&sA(r0 + 16 * i, piece * 8, st), a_src[i] + k0);
       pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
