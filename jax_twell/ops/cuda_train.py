@@ -103,20 +103,22 @@ class TrainCrossover:
     """
 
     # Fitted on the H200 to interleaved timings (ffi/notes/training_kernels.md,
-    # training_725c27c_union_up.json): XLA's dense forward + backward 4.02-4.06 ms at
-    # M=16384, d=2048, f=5632 (9 matmuls, ~3.52 ms after the gate matmul); the kernels with
-    # dx and the forward's up and down steps as union products (the defaults) 2.68-2.76 ms
-    # at 0.25% and 3.77-3.78 ms at 0.5% (whole step): ~4.58 ns per pair, ~1.15 ms fixed
-    # after the gate matmul; crossover ~0.56% active. (Refit from e16d5b5's ~4.87 ns and
-    # ~1.19 ms, crossover ~0.52%, before the union up and down steps.)
+    # training_quick_a26fd98_up_zero_fill.json): XLA's dense forward + backward 4.11-4.17 ms
+    # at M=16384, d=2048, f=5632 (9 matmuls, ~3.52 ms after the gate matmul); the kernels
+    # (the defaults: every row product and dh as union products) 2.04-2.05 ms at 0.25% and
+    # 2.88 ms at 0.5% (whole step, uniform and heavy-tailed): ~3.61 ns per pair, ~0.69 ms
+    # fixed after the gate matmul; crossover ~0.85% active. The union products' work grows
+    # more slowly than the pairs past 0.5%, so the line overestimates them there (dense a
+    # little early, never sparse where it loses). (Earlier fits: 725c27c ~4.58 ns and
+    # ~1.15 ms, crossover ~0.56%; e16d5b5 ~4.87 ns and ~1.19 ms, ~0.52%.)
     matmul_rate: float = 8.58e14
     hbm_bandwidth: float = 3.0e12
     weight_bandwidth: float = 7.0e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 4.80e12
+    pair_rate: float = 6.71e12
     grad_stream_bandwidth: float = 7.0e12
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 0.737e-3
+    fixed_overhead: float = 0.282e-3
     margin: float = 1.0
     min_tokens: int = 256
 
