@@ -1,5 +1,5 @@
-// union_layout_check: the union product's hand-written shared-memory offsets (SwizzleA,
-// SwizzleB in ffi/twell_union.cuh) against CuTe's GMMA layouts they stand for, on the host.
+// union_layout_check: the union products' hand-written shared-memory offsets (SwizzleA,
+// SwizzleB, SwizzleK128 in ffi/twell_union.cuh) against CuTe's GMMA layouts they stand for, on the host.
 //
 // Build: nvcc -std=c++17 --expt-relaxed-constexpr -Iffi -I$CUTLASS/include -I$CUTLASS/tools/util/include \
 //          benchmarks/union_layout_check.cu -o union_layout_check
@@ -33,6 +33,24 @@ int Check(const char* name) {
         if (got != want && bad++ < 5) std::printf("%s B column %d row %d stage %d: CuTe %ld, ours %ld\n", name, n, k, st, got, want);
       }
   }
+  using Up = up::UpConfig<Elem>;
+  alignas(1024) static Elem ua[cosize_v<typename Up::LayoutA>];
+  alignas(1024) static Elem ub[cosize_v<typename Up::LayoutB>];
+  Tensor uA = make_tensor(make_smem_ptr(ua), typename Up::LayoutA{});
+  Tensor uB = make_tensor(make_smem_ptr(ub), typename Up::LayoutB{});
+  for (int st = 0; st < Up::kStages; ++st)
+    for (int c = 0; c < up::kUpK; c += 8) {
+      for (int r = 0; r < up::kTok; ++r) {
+        const long got = reinterpret_cast<char*>(&uA(r, c, st)) - reinterpret_cast<char*>(ua);
+        const long want = st * up::kTok * up::kUpK * 2 + up::SwizzleK128(r, c);
+        if (got != want && bad++ < 5) std::printf("%s up A row %d column %d stage %d: CuTe %ld, ours %ld\n", name, r, c, st, got, want);
+      }
+      for (int r = 0; r < up::kUpNeurons; ++r) {
+        const long got = reinterpret_cast<char*>(&uB(r, c, st)) - reinterpret_cast<char*>(ub);
+        const long want = st * up::kUpNeurons * up::kUpK * 2 + up::SwizzleK128(r, c);
+        if (got != want && bad++ < 5) std::printf("%s up B row %d column %d stage %d: CuTe %ld, ours %ld\n", name, r, c, st, got, want);
+      }
+    }
   std::printf("%s: %s\n", name, bad ? "MISMATCH" : "ok");
   return bad;
 }

@@ -26,12 +26,12 @@ __device__ __forceinline__ void StSharedInt(int* p, int v) {
 __device__ __forceinline__ void StSharedU16(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(static_cast<unsigned short>(v)));
 }
+// 16 bytes from src, or (bytes = 0) 16 zero bytes without reading src.
+__device__ __forceinline__ void CpAsync16SharedOrZero(uint32_t dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
+}
 __device__ __forceinline__ void CpAsync16Shared(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-}
-// 16 bytes from src, or (bytes = 0) 16 zero bytes without reading src.
-__device__ __forceinline__ void CpAsync16OrZero(void* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SmemAddr(dst)), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void CpAsync16(void* dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SmemAddr(dst)), "l"(src));

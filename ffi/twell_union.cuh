@@ -152,6 +152,14 @@ __host__ __device__ __forceinline__ uint32_t SwizzleB(int n, int k) {
   return o ^ ((o >> 3) & 0x70);
 }
 
+// The up product's tiles (K-major, 128-byte swizzle, kUpK = 64 elements a row): row r,
+// column c (a multiple of 8).
+static_assert(kUpK * 2 == 128, "an up-product tile row is one 128-byte swizzle atom wide");
+__host__ __device__ __forceinline__ uint32_t SwizzleK128(int r, int c) {
+  const uint32_t o = r * 128 + c * 2;
+  return o ^ ((o >> 3) & 0x70);
+}
+
 template <typename Elem, int kConsumers>
 struct Config {
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -404,22 +412,36 @@ __global__ void __launch_bounds__(UpConfig<Elem>::kThreads, 1)
       const int r = r0 + 16 * i;
       b_src[i] = table + static_cast<int64_t>(r < n_rows ? my_rows[r] : 0) * d + piece * 8;
     }
+    uint32_t b_bytes[kUpNeurons / 16];  // 16, or 0 for a zero fill
+    CUTE_UNROLL
+    for (int i = 0; i < kUpNeurons / 16; ++i) b_bytes[i] = r0 + 16 * i < n_rows ? 16 : 0;
     const uint16_t* a_src[kTok / 16];
     CUTE_UNROLL
     for (int i = 0; i < kTok / 16; ++i) {  // tokens past M read the last row: their U is never used
       const int64_t t = min(static_cast<int64_t>(block) * kTok + r0 + 16 * i, x_rows - 1);
       a_src[i] = x + t * d + piece * 8;
     }
+    // 32-bit shared addresses: rows r0 + 16 i of both K-major tiles share one swizzle phase
+    // (r0 % 8), so each copy lands at this thread's offset plus 2 KB i (as in the row
+    // product, the producer's instructions set its pace).
+    constexpr uint32_t kRowBytes = kUpK * sizeof(Elem), kBStage = kUpNeurons * kRowBytes, kAStage = kTok * kRowBytes;
+    const uint32_t lane_off = SwizzleK128(r0, piece * 8);
+    const uint32_t b_base = SmemAddr(s.b) + lane_off, a_base = SmemAddr(s.a) + lane_off;
     auto state = cutlass::make_producer_start_state<Pipe>();
 #pragma unroll 1
     for (int k = 0; k < k_steps; ++k) {
       pipe.producer_acquire(state);
-      const int st = state.index(), k0 = k * kUpK;
+      const uint32_t b_stage = b_base + state.index() * kBStage, a_stage = a_base + state.index() * kAStage;
       CUTE_UNROLL
-      for (int i = 0; i < kUpNeurons / 16; ++i)
-        CpAsync16OrZero(&sB(r0 + 16 * i, piece * 8, st), b_src[i] + k0, r0 + 16 * i < n_rows ? 16 : 0);
+      for (int i = 0; i < kUpNeurons / 16; ++i) {
+        CpAsync16SharedOrZero(b_stage + i * 16 * kRowBytes, b_src[i], b_bytes[i]);
+        b_src[i] += kUpK;
+      }
       CUTE_UNROLL
-      for (int i = 0; i < kTok / 16; ++i) CpAsync16(&sA(r0 + 16 * i, piece * 8, st), a_src[i] + k0);
+      for (int i = 0; i < kTok / 16; ++i) {
+        CpAsync16Shared(a_stage + i * 16 * kRowBytes, a_src[i]);
+        a_src[i] += kUpK;
+      }
       pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
       ++state;
     }
