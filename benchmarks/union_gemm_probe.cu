@@ -22,7 +22,8 @@
 //          -Iffi -I$CUTLASS/include -I$CUTLASS/tools/util/include benchmarks/union_gemm_probe.cu -o union_gemm_probe
 // Kernels: the mma.sync one, a wgmma one (namespace wg) and the library's warp-specialized
 // wgmma one (ffi/twell_union.cuh), which the training backward runs for dx.
-// Measured: union_probe_d2b0ab9.txt, union_probe_aac403c.txt, union_probe_ws.txt.
+// Measured: union_probe_d2b0ab9.txt, union_probe_aac403c.txt, union_probe_ws.txt,
+//           union_probe_producer_variants.txt.
 // Run:   ./union_gemm_probe [M d f active]   (default 16384 2048 5632 0.005): checks a small
 //        problem against a host reference, then times the headline shape's dx (two weights)
 //        and down projection (one), and the dense CUTLASS GEMMs they replace.
