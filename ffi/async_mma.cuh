@@ -33,9 +33,7 @@ __device__ __forceinline__ void CpAsync16SharedOrZero(uint32_t dst, const void* 
 __device__ __forceinline__ void CpAsync16Shared(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
 }
-__device__ __forceinline__ void CpAsync16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(SmemAddr(dst)), "l"(src));
-}
+__device__ __forceinline__ void CpAsync16(void* dst, const void* src) { CpAsync16Shared(SmemAddr(dst), src); }
 __device__ __forceinline__ void CpAsync4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(SmemAddr(dst)), "l"(src));
 }
