@@ -96,14 +96,18 @@ __global__ void __launch_bounds__(256) TwellTrainFinishKernel(const float* __res
 }
 
 // Per (tile, block) segment: entries with g != 0 sorted stably by (column, token). Warp w
-// owns tokens [64 w, 64 w + 64); one token's entries have distinct columns, so a warp step
-// never collides; per-warp column histograms make the scatter order fixed.
+// owns tokens [64 w, 64 w + 64), whose entries are one contiguous range of the segment
+// (token-major): the warp walks it 32 entries at a time, the token of an entry from its
+// word's token bits and which half of the 64 it lies in. Per-warp column histograms make
+// the scatter order fixed; within a step of 32 entries (tokens ascending with the lane),
+// lanes of one column take consecutive slots in lane order (__match_any_sync).
 __global__ void __launch_bounds__(kThreads) TwellTrainByColumnKernel(const int32_t* __restrict__ tok_off,
                                                          const int32_t* __restrict__ seg_start,
                                                          const uint32_t* __restrict__ entries,
                                                          int32_t* __restrict__ col_off,
                                                          uint32_t* __restrict__ by_col, Shapes s) {
   constexpr int kTokensPerWarp = kBlockTokens / kByColWarps;
+  static_assert(kTokensPerWarp == 64, "two 32-token halves per warp (the words hold the token mod 32)");
   __shared__ int start[kByColWarps][kMaxTile];
   __shared__ int scratch[32];
   __shared__ int total;
@@ -113,18 +117,13 @@ __global__ void __launch_bounds__(kThreads) TwellTrainByColumnKernel(const int32
   const int64_t base = seg_start[seg];
   const int32_t* off = tok_off + static_cast<int64_t>(seg) * (kBlockTokens + 1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t0 = warp * kTokensPerWarp;
+  const int lo = off[t0], mid = off[t0 + 32], hi = off[t0 + kTokensPerWarp];
   for (int i = threadIdx.x; i < kByColWarps * kMaxTile; i += blockDim.x) (&start[0][0])[i] = 0;
   __syncthreads();
-  for (int i = warp * kTokensPerWarp; i < (warp + 1) * kTokensPerWarp; ++i) {
-    const int lo = off[i], hi = off[i + 1];
-    for (int e0 = lo; e0 < hi; e0 += 32) {
-      const int e = e0 + lane;
-      if (e < hi) {
-        const uint32_t word = entries[base + e];
-        if (GateFired(word)) ++start[warp][word & kColumnMask];
-      }
-      __syncwarp();
-    }
+  for (int e = lo + lane; e < hi; e += 32) {
+    const uint32_t word = entries[base + e];
+    if (GateFired(word)) atomicAdd(&start[warp][word & kColumnMask], 1);
   }
   __syncthreads();
   const int c = threadIdx.x;
@@ -142,19 +141,22 @@ __global__ void __launch_bounds__(kThreads) TwellTrainByColumnKernel(const int32
     }
   }
   __syncthreads();
-  for (int i = warp * kTokensPerWarp; i < (warp + 1) * kTokensPerWarp; ++i) {
-    const int lo = off[i], hi = off[i + 1];
-    for (int e0 = lo; e0 < hi; e0 += 32) {
-      const int e = e0 + lane;
-      if (e < hi) {
-        const uint32_t word = entries[base + e];
-        if (GateFired(word)) {
-          const int pos = start[warp][word & kColumnMask]++;
-          by_col[base + pos] = (static_cast<uint32_t>(i) << kTokenShift) | static_cast<uint32_t>(e);
-        }
-      }
-      __syncwarp();
+  const uint32_t below = (1u << lane) - 1u;
+  for (int e0 = lo; e0 < hi; e0 += 32) {
+    const int e = e0 + lane;
+    const uint32_t word = e < hi ? entries[base + e] : 0u;
+    const bool fired = e < hi && GateFired(word);
+    const int col = static_cast<int>(word & kColumnMask);
+    // Lanes without a fired entry get a key of their own, so they match no one.
+    const uint32_t peers = __match_any_sync(0xffffffffu, fired ? col : kMaxTile + lane);
+    const int slot = fired ? start[warp][col] + __popc(peers & below) : 0;
+    __syncwarp();
+    if (fired) {
+      if ((peers & below) == 0u) start[warp][col] = slot + __popc(peers);  // the column's first lane
+      const int i = t0 + (e >= mid ? 32 : 0) + static_cast<int>((word >> kWordTokenShift) & 31u);
+      by_col[base + slot] = (static_cast<uint32_t>(i) << kTokenShift) | static_cast<uint32_t>(e);
     }
+    __syncwarp();
   }
 }
 

@@ -354,12 +354,14 @@ class DenseCrossover:
     # where union_up_supported and union_down_supported hold): after the gate matmul, each
     # 64-token block reads its union's rows of Wu^T and Wd, 1 - (1 - p)^64 of f at a
     # fraction p of active pairs (uniform; heavy-tailed patterns have smaller unions, so
-    # the estimate errs toward dense), plus a fixed part (pack, layouts, finish). Fitted by
-    # least squares to the H200's interleaved timings (ffi/notes/twell_ffn_blocked.md,
-    # inference_quick_56229e5.json): 0.5% and 2% at d=2048, f=5632, 0.5% at (2048, 8192) and
-    # (4096, 11008), all within 5% of measured.
-    union_row_bandwidth: float = 4.31e12
-    union_fixed_overhead: float = 2.43e-4
+    # the estimate errs toward dense), plus a fixed part (pack, layouts, finish). Refit by
+    # relative least squares to the H200's timings of the kernels as of 6dbecd9
+    # (ffi/notes/twell_ffn_blocked.md, inference_sweep_6dbecd9.json): 0.5-1.25% uniform at
+    # d=2048, f=5632 and 0.5-1% at (4096, 11008), M=4096, 0.5% at (2048, 8192) and
+    # (4096, 11008), M=16384, all within 6% of measured (the after-gate time: the call less
+    # a third of the dense call). The crossover at the headline shape is ~0.8% active.
+    union_row_bandwidth: float = 5.22e12
+    union_fixed_overhead: float = 1.29e-4
     # The per-call choice counts the active pairs of about this many rows of g (whole
     # 64-row blocks, evenly spaced; all rows below 2x this many; the blocked_union estimate
     # of the union reads the same rows), and scales up: a full count reads all of g
