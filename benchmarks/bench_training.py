@@ -33,6 +33,7 @@ Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 
@@ -87,13 +88,19 @@ def forward(op):
 
 
 def residual_bytes(op, args) -> int:
-    """Bytes jax.vjp keeps for the backward, the operands themselves left out."""
+    """Bytes jax.vjp keeps for the backward, the operands themselves left out: one leaf per
+    operand of the same shape and dtype (the operands are kept once each), so a residual
+    shaped like an operand (a weight's copy, say) still counts."""
     _, vjp_fn = jax.eval_shape(lambda *a: jax.vjp(lambda *b: op(*b)[:2], *a), *args)
-    leaves = jax.tree.leaves(vjp_fn)
-    inputs = {(a.shape, a.dtype) for a in args}
-    total = sum(int(np.prod(l.shape)) * jnp.dtype(l.dtype).itemsize for l in leaves)
-    operand = sum(int(np.prod(l.shape)) * jnp.dtype(l.dtype).itemsize for l in leaves if (l.shape, l.dtype) in inputs)
-    return total - operand
+    operands = collections.Counter((tuple(a.shape), jnp.dtype(a.dtype)) for a in args)
+    total = 0
+    for leaf in jax.tree.leaves(vjp_fn):
+        key = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
+        if operands[key] > 0:
+            operands[key] -= 1
+            continue
+        total += int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+    return total
 
 
 def compiled_forward_output_bytes(op, args) -> int | None:
