@@ -22,8 +22,10 @@ clock falls on all alike; ``<variant>_step_spread``: interquartile range / media
 - uup (with --union-up): as mma, with the forward's up step as a union product too (up_union=True);
 - pdh (with --per-entry-dh): as mma, with the backward's dh step per entry, not a union product (dh_union=False);
 - forward only, for dense and cuda.
-Memory held between forward and backward: the residuals of jax.vjp (bytes of the saved
-arrays other than the inputs) for dense and cuda, and the compiled forward's
+Each row also records the measured active fraction and the mean 64-token union of active
+neurons (``measured_union_fraction``, what the union products read). Memory held between
+forward and backward: the residuals of jax.vjp (bytes of the saved arrays other than the
+inputs, each left out once) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
 Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down] [--union-up]
@@ -41,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_twell.formats import relu_matmul
 from jax_twell.ops import blocked_emulation as bemu
 from jax_twell.ops import cuda, cuda_train, xla
 from jax_twell.testing import synthetic_ffn_inputs
@@ -155,6 +158,9 @@ def main():
         row = dict(
             m=m, d=d, f=f, density=density, pattern=pattern,
             measured_active_fraction=float(nnz.mean() / f),
+            # the mean union of active neurons over 64-token blocks, as a fraction of f:
+            # what the union products read (to fit a rule that sees it)
+            measured_union_fraction=float(cuda.block_union_fraction(relu_matmul(inp.x, inp.w_gate))),
             max_active_per_row=int(nnz.max()),
             overflowed_tiles=int((counts > cuda_train.CAPACITY).sum()),
             entries_needed=int(need), entry_budget=int(budget),
