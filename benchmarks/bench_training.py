@@ -29,7 +29,7 @@ inputs, each left out once) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
 Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down] [--union-up]
-       [--per-entry-dh] [--out results.json]
+       [--per-entry-dh] [--patterns uniform,skewed] [--out results.json]
 """
 
 from __future__ import annotations
@@ -67,9 +67,14 @@ def timed(fn, args):
     return time_calls(fn, args, min_seconds=0.05, max_reps=100)
 
 
-def grid(quick: bool, densities: list[float] | None = None):
+PATTERNS = ("uniform", "heavy", "skewed")
+
+
+def grid(quick: bool, densities: list[float] | None = None, patterns: tuple[str, ...] | None = None):
     if densities is None:
         densities = [0.005, 0.02] if quick else [0.0025, 0.005, 0.01, 0.02, 0.05]
+    if patterns is not None:
+        return [(16384, 2048, 5632, p, pattern) for p in densities for pattern in patterns]
     # "skewed" (per-neuron rates as in a trained model; jax_twell.testing) where the
     # kernels are meant to run: at most 1% active
     return [(16384, 2048, 5632, p, pattern) for p in densities
@@ -128,12 +133,17 @@ def main():
                         help="also time the tensor-core steps with the forward's up step as a union product")
     parser.add_argument("--per-entry-dh", action="store_true",
                         help="also time the tensor-core steps with the backward's dh step per entry (not a union product)")
+    parser.add_argument("--patterns", default=None,
+                        help=f"comma-separated activity patterns of {PATTERNS} (default: skewed only up to 1%%)")
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
     if args.no_fused_gate:
         cuda.FUSED_GATE_MIN_TOKENS = 1 << 62
     densities = [float(v) for v in args.densities.split(",")] if args.densities else None
+    patterns = tuple(args.patterns.split(",")) if args.patterns else None
+    if patterns is not None and not set(patterns) <= set(PATTERNS):
+        parser.error(f"--patterns: each of {PATTERNS}, got {args.patterns}")
 
     dense_op = xla.ffn_with_aux
     cuda_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
@@ -147,7 +157,7 @@ def main():
         if getattr(args, flag)
     ]
     rows, memory = [], None
-    for m, d, f, density, pattern in grid(args.quick, densities):
+    for m, d, f, density, pattern in grid(args.quick, densities, patterns):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
         cot = jax.random.normal(jax.random.key(1), (m, d), jnp.float32)
         act = cuda.gate_twell(inp.x, inp.w_gate, tile=cuda_train.TILE, capacity=cuda_train.CAPACITY)
