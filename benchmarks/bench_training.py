@@ -11,9 +11,9 @@ clock falls on all alike; ``<variant>_step_spread``: interquartile range / media
   fit the budget; "branch" says which path ran);
 - auto: cuda_train.ffn_with_aux under the default rule (TrainCrossover), decided per call
   on the device;
-- layer: the same rule decided at trace time from the measured active fraction
-  (``active_fraction=``, as a training loop would pass each layer's): XLA autodiff where
-  the rule says dense, the kernels where it says sparse;
+- layer: the same rule decided at trace time from the measured active fraction and 64-token
+  union (``active_fraction=``, ``union_fraction=``, as the bundled training loop decides
+  each layer's side): XLA autodiff where the rule says dense, the kernels where it says sparse;
 - mma: as cuda, with the up, down, dh and dx steps on tensor cores (mma=True, the default
   of ffn_with_aux; auto and layer use it);
 - cdx (with --cudacore-dx): as mma, with dx on CUDA cores (dx_mma=False);
@@ -29,7 +29,8 @@ inputs, each left out once) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
 Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down] [--union-up]
-       [--per-entry-dh] [--patterns uniform,skewed] [--out results.json]
+       [--per-entry-dh] [--patterns uniform,skewed] [--tokens 4096,16384]
+       [--out results.json]
 """
 
 from __future__ import annotations
@@ -70,15 +71,17 @@ def timed(fn, args):
 PATTERNS = ("uniform", "heavy", "skewed")
 
 
-def grid(quick: bool, densities: list[float] | None = None, patterns: tuple[str, ...] | None = None):
+def grid(quick: bool, densities: list[float] | None = None, patterns: tuple[str, ...] | None = None,
+         tokens: tuple[int, ...] = (16384,)):
     if densities is None:
         densities = [0.005, 0.02] if quick else [0.0025, 0.005, 0.01, 0.02, 0.05]
-    if patterns is not None:
-        return [(16384, 2048, 5632, p, pattern) for p in densities for pattern in patterns]
-    # "skewed" (per-neuron rates as in a trained model; jax_twell.testing) where the
-    # kernels are meant to run: at most 1% active
-    return [(16384, 2048, 5632, p, pattern) for p in densities
-            for pattern in ("uniform", "heavy") + (("skewed",) if p <= 0.01 else ())]
+    if patterns is None:
+        # "skewed" (per-neuron rates as in a trained model; jax_twell.testing) where the
+        # kernels are meant to run: at most 1% active
+        pick = lambda p: ("uniform", "heavy") + (("skewed",) if p <= 0.01 else ())
+    else:
+        pick = lambda p: patterns
+    return [(m, 2048, 5632, p, pattern) for m in tokens for p in densities for pattern in pick(p)]
 
 
 def step(op):
@@ -135,6 +138,7 @@ def main():
                         help="also time the tensor-core steps with the backward's dh step per entry (not a union product)")
     parser.add_argument("--patterns", default=None,
                         help=f"comma-separated activity patterns of {PATTERNS} (default: skewed only up to 1%%)")
+    parser.add_argument("--tokens", default="16384", help="comma-separated token counts M (default 16384)")
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
@@ -157,7 +161,7 @@ def main():
         if getattr(args, flag)
     ]
     rows, memory = [], None
-    for m, d, f, density, pattern in grid(args.quick, densities, patterns):
+    for m, d, f, density, pattern in grid(args.quick, densities, patterns, tuple(int(v) for v in args.tokens.split(","))):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
         cot = jax.random.normal(jax.random.key(1), (m, d), jnp.float32)
         act = cuda.gate_twell(inp.x, inp.w_gate, tile=cuda_train.TILE, capacity=cuda_train.CAPACITY)
@@ -179,9 +183,11 @@ def main():
                 int(nnz.sum()), int((counts > cuda_train.CAPACITY).sum()), m, d, f, 2)),
         )
         operands = (*inp, cot)
-        fraction = row["measured_active_fraction"]
-        layer_op = lambda x, wg, wu, wd, p=fraction: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, active_fraction=p)
-        row["layer_rule_sparse"] = cuda_train.train_crossover().prefers_sparse(m, d, f, 2, fraction)
+        fraction, union = row["measured_active_fraction"], row["measured_union_fraction"]
+        layer_op = lambda x, wg, wu, wd, p=fraction, u=union: cuda_train.ffn_with_aux(
+            x, wg, wu, wd, width=WIDTH, active_fraction=p, union_fraction=u
+        )
+        row["layer_rule_sparse"] = cuda_train.train_crossover().prefers_sparse(m, d, f, 2, fraction, union)
         variants = [("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("layer", layer_op), ("mma", mma_op)]
         variants += optional
         steps = time_interleaved({name: step(op) for name, op in variants}, operands, min_seconds=0.05, max_reps=100)
@@ -196,7 +202,7 @@ def main():
         row["mma_ratio"] = row["dense_step_ms"] / row["mma_step_ms"]
         row["auto_ratio"] = row["dense_step_ms"] / row["auto_step_ms"]
         row["layer_ratio"] = row["dense_step_ms"] / row["layer_step_ms"]
-        if memory is None and density == 0.005:
+        if memory is None and density == 0.005 and m == 16384:
             memory = dict(
                 m=m, d=d, f=f,
                 dense_residual_bytes=residual_bytes(dense_op, tuple(inp)),
@@ -225,11 +231,11 @@ def main():
     if memory:
         mb = {k: (round(v / 2**20, 1) if isinstance(v, int) and k.endswith("bytes") else v) for k, v in memory.items()}
         print("memory between forward and backward (MiB):", mb)
-    print(f"{'dens':>6} {'pattern':>8} {'act%':>6} {'max':>5} {'branch':>7} {'dense ms':>9} {'cuda ms':>8} {'ratio':>6} "
+    print(f"{'M':>6} {'dens':>6} {'pattern':>8} {'act%':>6} {'max':>5} {'branch':>7} {'dense ms':>9} {'cuda ms':>8} {'ratio':>6} "
           f"{'auto ms':>8} {'auto r':>6} {'layer r':>7} {'mma ms':>8} {'mma r':>6} {'fwd dense':>9} {'fwd cuda':>8} {'fwd mma':>8}")
     for r in rows:
         print(
-            f"{r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>6.2f} {r['max_active_per_row']:>5} "
+            f"{r['m']:>6} {r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>6.2f} {r['max_active_per_row']:>5} "
             f"{r['branch'][:6]:>7} {r['dense_step_ms']:>9.3f} {r['cuda_step_ms']:>8.3f} {r['cuda_ratio']:>6.2f} "
             f"{r['auto_step_ms']:>8.3f} {r['auto_ratio']:>6.2f} {r['layer_ratio']:>7.2f} {r['mma_step_ms']:>8.3f} {r['mma_ratio']:>6.2f} "
             f"{r['dense_forward_ms']:>9.3f} {r['cuda_forward_ms']:>8.3f} {r['mma_forward_ms']:>8.3f}"

@@ -212,9 +212,9 @@ class SparseFFN(_FFN):
         ``TransformerLM.calibrate_ffn``) and re-jit when the layer's choice changes.
       union_fraction: this layer's measured mean union of active neurons over 64-token
         blocks as a fraction of f (a Python float or None; :meth:`block_union`, or
-        ``TransformerLM.calibrate_ffn``); passed to ``sparse_ffn`` for inference, where
-        with ``active_fraction`` it prices the CUDA union kernels at trace time. A plain
-        attribute, like ``active_fraction``.
+        ``TransformerLM.calibrate_ffn``); passed with ``active_fraction`` to ``sparse_ffn``
+        and ``sparse_ffn_train``, where on "cuda" it prices the union kernels at trace
+        time. A plain attribute, like ``active_fraction``.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     See the module docstring for the parameter layout, initialisation and entry points.
@@ -277,6 +277,7 @@ class SparseFFN(_FFN):
             implementation=self.implementation,
             sharding=self.sharding,
             active_fraction=self.active_fraction,
+            union_fraction=None if self.active_fraction is None else self.union_fraction,
         )
 
     def block_union(self, x: jax.Array) -> jax.Array:

@@ -296,6 +296,19 @@ class TransformerLM(nnx.Module):
             auxes.append(aux)
         return self._logits(x), stack_stats(auxes)
 
+    def measure_ffn(self, tokens: jax.Array) -> tuple[FFNStats, jax.Array]:
+        """The training forward's FFN statistics on ``tokens [B, T]`` and each layer's mean
+        union of active neurons over blocks of 64 consecutive tokens, as a fraction of f
+        (``SparseFFN.block_union``; NaN for a dense FFN): ``(FFNStats, [L] f32)``.
+        Traceable; one extra gate matmul per sparse layer."""
+        x = self._embed(tokens)
+        auxes, unions = [], []
+        for layer in self.layers:
+            x, aux, union = layer.forward_with_union(x)
+            auxes.append(aux)
+            unions.append(union)
+        return stack_stats(auxes), jnp.stack(unions)
+
     def calibrate_ffn(self, tokens: jax.Array) -> list[float]:
         """Measures each sparse FFN layer's fraction of active (token, neuron) pairs on
         ``tokens [B, T]`` (the training forward) and stores it as the layer's
@@ -306,17 +319,7 @@ class TransformerLM(nnx.Module):
         below the uniform pattern's at the same density). Returns the active fractions, one
         per layer. Re-jit code that captured the model after calling it.
         """
-
-        def measure(model, t):
-            x = model._embed(t)
-            auxes, unions = [], []
-            for layer in model.layers:
-                x, aux, union = layer.forward_with_union(x)
-                auxes.append(aux)
-                unions.append(union)
-            return stack_stats(auxes), jnp.stack(unions)
-
-        stats, unions = nnx.jit(measure)(self, jnp.asarray(tokens, jnp.int32))
+        stats, unions = nnx.jit(TransformerLM.measure_ffn)(self, jnp.asarray(tokens, jnp.int32))
         fractions = [float(v) / self.cfg.d_ff for v in np.asarray(stats.nnz_mean, np.float64)]
         for layer, fraction, union in zip(self.layers, fractions, np.asarray(unions, np.float64)):
             if isinstance(layer.ffn, SparseFFN):

@@ -305,15 +305,33 @@ def test_crossover_rule_predictions():
     m, d, f = 16384, 2048, 5632
     assert rule.sparse_can_win(m, d, f, 2) and not rule.sparse_can_win(64, d, f, 2)
     pairs = lambda p: int(p * m * f)
-    # Fitted to the H200 (ffi/notes/training_kernels.md, interleaved timings): the kernels
-    # (the row products and dh as union products) at 0.5% take ~2.88 ms against XLA's
-    # ~4.14 ms; the rule crosses over near 0.85% active.
+    # Fitted to the H200 (benchmarks/fit_train_rule.py, training_fit_b1bb9c0_union.json):
+    # the kernels at 0.5% take ~2.82 ms against XLA's ~4.1 ms; per call (the union
+    # unknown: the uniform pattern's) the rule crosses over near 0.85% active.
     for p in (0.003, 0.005, 0.007, 0.008):
         assert bool(rule.use_sparse(pairs(p), 0, m, d, f, 2)), p
     for p in (0.009, 0.01, 0.02, 0.5):
         assert not bool(rule.use_sparse(pairs(p), 0, m, d, f, 2)), p
     # Each overflowed tile adds to the sparse estimate.
     assert not bool(rule.use_sparse(pairs(0.003), 200_000, m, d, f, 2))
+    # A measured union prices the union products by it. The benchmark's points at 1%
+    # active: uniform rows (union 47% of f) lose on the kernels (0.92x), skewed ones
+    # (union 27%, a trained layer's spread) win (1.12x); at 1.25% skewed (union 30%) they
+    # lose again (0.97x). The rule sees the same.
+    assert not rule.prefers_sparse(m, d, f, 2, 0.0099, 0.472)
+    assert rule.prefers_sparse(m, d, f, 2, 0.0100, 0.267)
+    assert not rule.prefers_sparse(m, d, f, 2, 0.0124, 0.296)
+    assert not rule.prefers_sparse(m, d, f, 2, 0.0100)  # unknown union: the uniform pattern's
+    assert rule.uniform_union(0.01) == pytest.approx(0.474, abs=1e-3)
+    unknown = rule.sparse_cost(pairs(0.01), 0, m, d, f, 2)
+    as_uniform = rule.sparse_cost(pairs(0.01), 0, m, d, f, 2, union=rule.uniform_union(0.01))
+    np.testing.assert_allclose(unknown, as_uniform, rtol=1e-5)
+    # A smaller union is cheaper, by its rows: 5 tables x d x 2 B per union row and block.
+    saved = float(as_uniform - rule.sparse_cost(pairs(0.01), 0, m, d, f, 2, union=0.2))
+    np.testing.assert_allclose(saved, (m // 64) * (rule.uniform_union(0.01) - 0.2) * f * 5 * d * 2 / rule.union_bandwidth,
+                               rtol=1e-4)
+    with pytest.raises(ValueError, match="union_fraction"):
+        rule.prefers_sparse(m, d, f, 2, 0.01, 1.2)
     with pytest.raises(ValueError, match="multiple of 64"):
         cuda_train.check_supported(96, jnp.bfloat16)
 
@@ -321,7 +339,7 @@ def test_crossover_rule_predictions():
 # Crosses over at 0.5% active for d=64 (no fixed costs): dense is 16 M d f / rate, sparse
 # 0.005 M f (8 d + 4 d) / 1e12 at the crossover.
 CROSSES_AT_HALF_PERCENT = cuda_train.TrainCrossover(
-    matmul_rate=16 * 64 / (0.005 * 12 * 64 / 1e12), hbm_bandwidth=1e30, weight_bandwidth=1e30,
+    matmul_rate=16 * 64 / (0.005 * 12 * 64 / 1e12), hbm_bandwidth=1e30, union_bandwidth=1e30,
     transpose_bandwidth=1e30, pair_rate=1e12, grad_stream_bandwidth=1e12, fixed_overhead=0.0, min_tokens=1,
 )
 
@@ -364,6 +382,30 @@ def test_active_fraction_is_checked_and_follows_the_rule():
     x, wg, wu, wd, _ = make_case(64, 64, 256, 0.05, "uniform", True, key=16)
     with pytest.raises(ValueError, match="active_fraction"):
         jt.sparse_ffn_train(x, wg, wu, wd, active_fraction=-0.1)
+    with pytest.raises(ValueError, match="union_fraction"):
+        jt.sparse_ffn_train(x, wg, wu, wd, active_fraction=0.01, union_fraction=2.0)
+
+
+def test_union_fraction_decides_with_the_active_fraction(emulated_kernels):
+    """A measured union moves the trace-time choice: at a density where the uniform
+    pattern's union makes the kernels lose, a small union keeps them (a rule where only
+    union rows and pairs cost). Without active_fraction it is refused."""
+    rule = dataclasses.replace(CROSSES_AT_HALF_PERCENT, pair_rate=1e30, grad_stream_bandwidth=1e30,
+                               union_bandwidth=1e12)
+    m, d, f = 300, 64, 520
+    # dense 16 m d f / rate; the union term blocks x union x f x 5 d x 2 B at union_bandwidth
+    at_cost = rule.dense_cost(m, d, f) * rule.union_bandwidth / (-(-m // 64) * f * 5 * d * 2)  # both the same
+    assert 0.2 < at_cost < 0.5
+    assert rule.prefers_sparse(m, d, f, 2, 0.01, 0.9 * at_cost)
+    assert not rule.prefers_sparse(m, d, f, 2, 0.01, 1.1 * at_cost)
+    x, wg, wu, wd, _ = make_case(m, d, f, 0.03, "heavy", True, key=17)
+    fn = lambda u: lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=rule, active_fraction=0.01,
+                                                      union_fraction=u)[0]
+    for union, kernels in ((0.9 * at_cost, True), (1.1 * at_cost, False)):
+        jaxpr = str(jax.make_jaxpr(fn(union))(x, wg, wu, wd))
+        assert ("callback" in jaxpr) == kernels, union
+    with pytest.raises(ValueError, match="with active_fraction"):
+        cuda_train.ffn_with_aux(x, wg, wu, wd, width=128, union_fraction=0.1)
 
 
 @pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 host devices")

@@ -1,6 +1,7 @@
 """The per-layer trace-time choice of the CUDA training FFN in the loop (train/ffn_paths):
-the rule's hysteresis, the register in the train state (updated at log steps only), and
-the model traced with each layer's side. On CPU the sparse FFN runs the reference
+the rule's hysteresis and its use of each layer's measured union, the register in the
+train state (updated by the loop at log steps only), and the model traced with each
+layer's side. On CPU the sparse FFN runs the reference
 implementation with the choice switched on by hand: the mechanism, not the kernels."""
 
 import dataclasses
@@ -18,7 +19,7 @@ from test_train_step import CFG, _batch
 
 # Crosses over at 0.5% active for m=300, d=64, f=520 (see test_train_emulation).
 HALF_PERCENT = cuda_train.TrainCrossover(
-    matmul_rate=16 * 64 / (0.005 * 12 * 64 / 1e12), hbm_bandwidth=1e30, weight_bandwidth=1e30,
+    matmul_rate=16 * 64 / (0.005 * 12 * 64 / 1e12), hbm_bandwidth=1e30, union_bandwidth=1e30,
     transpose_bandwidth=1e30, pair_rate=1e12, grad_stream_bandwidth=1e12, fixed_overhead=0.0, min_tokens=1,
 )
 
@@ -45,6 +46,28 @@ def test_sides_change_with_hysteresis(rule):
     np.testing.assert_array_equal(paths.next(sparse, fraction), [True, False, True, False, True])
     rule(dataclasses.replace(HALF_PERCENT, min_tokens=301))  # the kernels never run for 300 tokens
     np.testing.assert_array_equal(paths.next(sparse, fraction), [False] * 5)
+    with pytest.raises(ValueError, match="one value per layer"):
+        paths.next(sparse, fraction[:4])
+
+
+# Only the union rows cost: the kernels win below a union of 0.36 of f for m=300, d=64,
+# f=520 (dense 16 m d f / matmul_rate against 5 blocks x union x f x 5 d x 2 B at 1e12 B/s).
+UNION_ONLY = dataclasses.replace(HALF_PERCENT, pair_rate=1e30, grad_stream_bandwidth=1e30, union_bandwidth=1e12)
+
+
+def test_sides_follow_the_measured_union(rule):
+    rule(UNION_ONLY)
+    crossing = UNION_ONLY.dense_cost(300, 64, 520) * 1e12 / (5 * 520 * 5 * 64 * 2)
+    assert 0.3 < crossing < 0.4
+    paths = ffn_paths.PathRule(m=300, d=64, f=520)
+    # 1% active: the uniform pattern's union (47% of f) loses; a trained layer's smaller one wins
+    fraction = [0.01] * 4
+    union = [0.2, 0.6, np.nan, 1.05 * crossing]
+    # NaN (a dense layer's, or unmeasured): the uniform pattern's union; hysteresis on the
+    # union too: 5% past the crossing stays sparse, does not go sparse
+    np.testing.assert_array_equal(paths.next([False] * 4, fraction, union), [True, False, False, False])
+    np.testing.assert_array_equal(paths.next([True] * 4, fraction, union), [True, False, False, True])
+    np.testing.assert_array_equal(paths.next([False] * 4, fraction), [False] * 4)  # no union: uniform
 
 
 def test_path_rule_sees_one_shard_of_one_micro_batch():
@@ -62,7 +85,7 @@ def _setup(cfg):
     return mesh, tx, schedule
 
 
-def test_the_state_moves_layers_at_log_steps_and_the_traced_sides_follow(monkeypatch, rule):
+def test_the_loop_moves_layers_by_probe_and_the_traced_sides_follow(monkeypatch, rule):
     monkeypatch.setattr(ffn_paths, "enabled", lambda model_cfg: True)  # reference FFN, choice on
     rule(cuda_train.TrainCrossover(margin=float("inf")))  # every layer prefers the kernels
     cfg = dataclasses.replace(CFG, log_every=3)
@@ -72,11 +95,23 @@ def test_the_state_moves_layers_at_log_steps_and_the_traced_sides_follow(monkeyp
         state = setup.init()
         assert not np.asarray(state.ffn_sparse).any()  # dense from initialisation
         step = make_train_step(cfg, ffn_paths.with_paths(setup, (False,) * setup.num_layers), tx, schedule)
-        seen = []
-        for i in range(4):
+        for i in range(3):
             state, metrics = step(state, _batch(i, cfg))
-            seen.append(tuple(np.asarray(state.ffn_sparse)))
-        assert seen[:2] == [(False, False)] * 2 and seen[2:] == [(True, True)] * 2  # after step 3 only
+        assert not np.asarray(state.ffn_sparse).any()  # the step never moves a layer
+        # The union probe: each layer's mean 64-token union on the micro-batch, as the model measures it.
+        probe = ffn_paths.make_union_probe(setup)
+        tokens = jnp.asarray(_batch(3, cfg))[0]
+        unions = np.asarray(probe(state.params, tokens))
+        _, direct = setup.bind(state.params).measure_ffn(tokens[:, :-1])
+        np.testing.assert_allclose(unions, np.asarray(direct), rtol=1e-6)
+        assert unions.shape == (setup.num_layers,) and ((unions > 0) & (unions <= 1)).all()
+        path_rule = ffn_paths.PathRule(m=tokens.shape[0] * (tokens.shape[1] - 1), d=cfg.model.d_model, f=setup.d_ff)
+        state, sides = ffn_paths.update_sides(state, setup, path_rule, probe, tokens, metrics["nnz_mean"])
+        assert sides == (True, True) and tuple(np.asarray(state.ffn_sparse)) == sides
+        rule(cuda_train.TrainCrossover(margin=0.0))  # every layer prefers dense
+        state, sides = ffn_paths.update_sides(state, setup, path_rule, probe, tokens, metrics["nnz_mean"])
+        assert sides == (False, False) and not np.asarray(state.ffn_sparse).any()
+        state = state._replace(ffn_sparse=jnp.asarray([True, True]))
 
         # Each layer's FFN is traced with its side; the reference FFN ignores it, so the
         # loss is the same whichever side each layer is on.

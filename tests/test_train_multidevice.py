@@ -110,3 +110,24 @@ def test_tensor_parallel_step_never_all_gathers_ffn_weights(runs):
     # Sanity: the weights really are split over the tensor axis.
     w_gate = state.params["layers"][0]["ffn"]["w_gate"]
     assert w_gate.sharding.shard_shape(w_gate.shape) == (D, F // 4)
+
+
+def test_union_probe_on_a_mesh_matches_single_device():
+    """The loop's union probe (train/ffn_paths.py) on sharded parameters and tokens, as
+    the loop calls it (one micro-batch of the step's sharded batch), measures what one
+    device does."""
+    from jax_twell.train import ffn_paths
+
+    unions = {}
+    for name in ("single", "data2-fsdp2", "fsdp2-tensor2"):
+        mesh_cfg, num_devices = MESHES[name]
+        mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:num_devices])
+        tx = optimizer.make_optimizer(CFG.optim, CFG.steps)
+        with sharding.mesh_context(mesh):
+            setup = setup_model(CFG.model, CFG.seed, tx, mesh)
+            state = setup.init()
+            batch = sharding.put_batch(_batches(1)[0], sharding.batch_sharding(mesh, 3))
+            unions[name] = np.asarray(ffn_paths.make_union_probe(setup)(state.params, batch[0]))
+    assert unions["single"].shape == (CFG.model.n_layers,) and (unions["single"] > 0).all()
+    for name in ("data2-fsdp2", "fsdp2-tensor2"):
+        np.testing.assert_allclose(unions[name], unions["single"], rtol=1e-5, err_msg=name)

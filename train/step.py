@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jax_twell.train import ffn_paths, sharding
-from jax_twell.train.config import TrainConfig, seq_len_of
+from jax_twell.train import sharding
+from jax_twell.train.config import TrainConfig
 from jax_twell.train.dead_neurons import reinit_dead_gates, update_since_fired
 from jax_twell.train.loss import l1_coefficient, lm_loss
 from jax_twell.train.state import ModelSetup, TrainState
@@ -34,9 +34,6 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
     batch_size / grad_accum, T + 1] int32. Trace inside `sharding.mesh_context(setup.mesh)`.
     """
     base_key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), DEAD_REINIT_SALT)
-    path_rule = None
-    if ffn_paths.enabled(cfg.model):
-        path_rule = ffn_paths.path_rule(cfg.model, setup.mesh, cfg.batch_size // cfg.grad_accum, seq_len_of(cfg))
 
     def micro_step(params, l1_coef, tokens):
         def loss_fn(p):
@@ -69,10 +66,6 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
 
         ce, l1 = aux.ce.mean(), aux.l1.mean()
         nnz_mean = aux.stats.nnz_mean.mean(axis=0)
-        ffn_sparse = state.ffn_sparse
-        if path_rule is not None:  # the layers' sides change at log steps only (the loop re-jits then)
-            at_log = (state.step + 1) % cfg.log_every == 0
-            ffn_sparse = jnp.where(at_log, path_rule.next(ffn_sparse, nnz_mean / setup.d_ff), ffn_sparse)
         metrics = dict(
             loss=ce + l1_coef * l1,
             ce=ce,
@@ -87,7 +80,8 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
             fired_fraction=fired.mean(axis=-1, dtype=jnp.float32),
             dead_fraction=dead.mean(axis=-1, dtype=jnp.float32),
         )
-        return TrainState(state.step + 1, params, opt_state, since_fired, ffn_sparse), metrics
+        # ffn_sparse, the layers' sides, changes at log steps in the loop (train/ffn_paths.py)
+        return TrainState(state.step + 1, params, opt_state, since_fired, state.ffn_sparse), metrics
 
     batch_sharding = sharding.batch_sharding(setup.mesh, 3)
     return jax.jit(

@@ -134,6 +134,9 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
 
         paths = tuple(bool(v) for v in jax.device_get(state.ffn_sparse))
         train_step = train_step_for(paths)
+        if ffn_paths.enabled(cfg.model):  # the layers' sides, decided at log steps
+            path_rule = ffn_paths.path_rule(cfg.model, mesh, micro, seq_len)
+            union_probe = ffn_paths.make_union_probe(setup)
         log = metrics.MetricsLog(workdir, resume_step=restored_step) if lead else None
         flops_token = metrics.flops_per_token(setup.num_params, setup.num_layers, cfg.model.d_model, seq_len)
         peak = metrics.peak_flops_per_device(jax.devices()[0], cfg.peak_tflops)
@@ -165,7 +168,8 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                     corpus.train, step, seed=cfg.seed, batch_size=cfg.batch_size, seq_len=seq_len, rows=rows
                 )
                 batch = batch.reshape(cfg.grad_accum, -1, seq_len + 1)
-                state, step_metrics = train_step(state, sharding.put_batch(batch, batch_sharding))
+                tokens = sharding.put_batch(batch, batch_sharding)
+                state, step_metrics = train_step(state, tokens)
                 done = step + 1
                 if step == start:
                     # Throughput excludes the first step, which includes compilation.
@@ -175,15 +179,18 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                     timer_step, timer = done, time.perf_counter()
                 if done % cfg.log_every == 0 or done == cfg.steps:
                     values = jax.device_get(step_metrics)
-                    if ffn_paths.enabled(cfg.model):  # the step moves layers between sides at log steps
-                        new_paths = tuple(bool(v) for v in jax.device_get(state.ffn_sparse))
+                    now = time.perf_counter()
+                    steps_timed = done - timer_step
+                    tokens_per_s = steps_timed * cfg.batch_size * seq_len / (now - timer) if steps_timed else 0.0
+                    if ffn_paths.enabled(cfg.model):  # layers move between sides at log steps
+                        state, new_paths = ffn_paths.update_sides(
+                            state, setup, path_rule, union_probe, tokens[0], values["nnz_mean"]
+                        )
                         if new_paths != paths:
                             paths, train_step = new_paths, train_step_for(new_paths)
                             if lead:
                                 progress.console.print(f"step {done}: {ffn_paths.describe(paths)} (re-jit)")
-                    now = time.perf_counter()
-                    steps_timed = done - timer_step
-                    tokens_per_s = steps_timed * cfg.batch_size * seq_len / (now - timer) if steps_timed else 0.0
+                        now = time.perf_counter()  # the union probe stays out of tokens/s
                     timer_step, timer = done, now
                     record = _train_record(done, values, tokens_per_s, setup.d_ff)
                     record["mfu"] = metrics.mfu(tokens_per_s, flops_token, peak, jax.device_count())

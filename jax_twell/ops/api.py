@@ -405,6 +405,7 @@ def sparse_ffn_train(
     implementation: str | None = None,
     sharding: FFNSharding | None = None,
     active_fraction: float | None = None,
+    union_fraction: float | None = None,
 ) -> tuple[jax.Array, FFNAux]:
     """Training FFN: output, L1 term and sparsity statistics, differentiable.
 
@@ -432,19 +433,27 @@ def sparse_ffn_train(
         sparse-or-dense choice is then made at trace time, per layer, and the dense side
         is plain XLA autodiff; None decides per call on the device (see
         :func:`jax_twell.ops.cuda_train.ffn_with_aux`). Other implementations ignore it.
+      union_fraction: "cuda" only, with ``active_fraction``: this layer's measured mean
+        union of active neurons over 64-token blocks, as a fraction of f (a Python float;
+        :func:`jax_twell.ops.cuda.block_union_fraction` on its gate activations). The
+        training rule then prices the union products by it instead of the uniform
+        pattern's union (a trained layer's is smaller at the same density, so it stays on
+        the kernels to a higher density). Other implementations ignore it.
     Returns:
       ``(y [..., d], FFNAux)``.
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     _check_hybrid_layout(width, backup_capacity)
     _check_fraction(active_fraction)
+    _check_fraction(union_fraction, "union_fraction")
     kernels = dict(
         reference=functools.partial(reference.ffn_with_aux, width=width, backup_capacity=backup_capacity),
         xla=xla.ffn_with_aux,
     )
     if implementation == "cuda" or (cuda_train.TRAINING_KERNELS_DEFAULT and cuda_train.supports(x.shape[-1], x.dtype)):
         kernels["cuda"] = functools.partial(
-            cuda_train.ffn_with_aux, width=width, backup_capacity=backup_capacity, active_fraction=active_fraction
+            cuda_train.ffn_with_aux, width=width, backup_capacity=backup_capacity, active_fraction=active_fraction,
+            union_fraction=union_fraction,
         )
     fn = _choose("sparse_ffn_train", implementation, kernels, "xla")
     x2, lead = _flatten_tokens(x)

@@ -88,37 +88,43 @@ class TrainCrossover:
     Both sides share the forward gate matmul; the rule compares what follows, in seconds:
 
     - dense: XLA autodiff of the rest, 8 matmuls of ``2 M d f`` at ``matmul_rate``;
-    - sparse: the pack (``M f`` elements at ``hbm_bandwidth``), weight slabs read once per
-      block of 1024 tokens by five passes (``n_blocks * 5 d f`` elements at
-      ``weight_bandwidth``), the per-call transposes (``5 d f`` at
-      ``transpose_bandwidth``), ``8 d`` FMA per active pair at ``pair_rate``, the weight
-      gradients' x/dy slices (``2 d`` elements per pair at ``grad_stream_bandwidth``),
-      ``overflow_penalty`` per overflowed tile and ``fixed_overhead``.
+    - sparse: the pack (``M f`` elements at ``hbm_bandwidth``), the per-call transposes
+      (``5 d f`` at ``transpose_bandwidth``), ``8 d`` FMA per active pair at
+      ``pair_rate``, the weight gradients' x/dy slices (``2 d`` elements per pair at
+      ``grad_stream_bandwidth``), the union products' rows (per 64-token block, its union
+      of active neurons times ``5 d`` elements, one row of each table the products read,
+      at ``union_bandwidth``), ``overflow_penalty`` per overflowed tile and
+      ``fixed_overhead``.
+
+    The union term takes a layer's measured mean 64-token union where it is given (a
+    trained layer's is well below the uniform pattern's at the same density, and its step
+    is that much faster); otherwise the uniform pattern's ``1 - (1 - p)^64`` at ``p``
+    active, the largest union a density has in practice, so the estimate errs toward dense.
 
     Sparse runs where its entries fit the budget and its estimate is below ``margin`` times
-    the dense one (decided on the device, per call). Below ``min_tokens`` tokens the
-    kernels never run (trace time: pure XLA autodiff). ``margin=inf`` forces the kernels
-    (when the entries fit), ``margin=0`` forces dense. Constants fitted to the H200
-    benchmark (ffi/notes/training_kernels.md).
+    the dense one (decided on the device, per call, or at trace time given the layer's
+    fractions: :meth:`prefers_sparse`). Below ``min_tokens`` tokens the kernels never run
+    (trace time: pure XLA autodiff). ``margin=inf`` forces the kernels (when the entries
+    fit), ``margin=0`` forces dense. Constants fitted to the H200 benchmark
+    (``benchmarks/fit_train_rule.py``; ffi/notes/training_kernels.md).
     """
 
-    # Fitted on the H200 to interleaved timings (ffi/notes/training_kernels.md,
-    # training_quick_a26fd98_up_zero_fill.json): XLA's dense forward + backward 4.11-4.17 ms
-    # at M=16384, d=2048, f=5632 (9 matmuls, ~3.52 ms after the gate matmul); the kernels
-    # (the defaults: every row product and dh as union products) 2.04-2.05 ms at 0.25% and
-    # 2.88 ms at 0.5% (whole step, uniform and heavy-tailed): ~3.61 ns per pair, ~0.69 ms
-    # fixed after the gate matmul; crossover ~0.85% active. The union products' work grows
-    # more slowly than the pairs past 0.5%, so the line overestimates them there (dense a
-    # little early, never sparse where it loses). (Earlier fits: 725c27c ~4.58 ns and
-    # ~1.15 ms, crossover ~0.56%; e16d5b5 ~4.87 ns and ~1.19 ms, ~0.52%.)
+    # Fitted on the H200 (benchmarks/fit_train_rule.py on training_fit_b1bb9c0_union.json:
+    # 15 points, 0.25-1.25% active, uniform, heavy-tailed and skewed rows; every point
+    # within 4% but one at 6%): XLA's dense forward + backward 4.07-4.20 ms at M=16384,
+    # d=2048, f=5632; the kernels' step after the gate matmul ~0.48 ms fixed, ~1.89 ns per
+    # active pair and ~2.4 ns per union row of a 64-token block. The crossover moves with
+    # the union: ~0.85% active for uniform rows, ~1.1% for a trained layer's skewed ones.
+    # (Earlier, pairs only: a26fd98 ~3.61 ns per pair, ~0.69 ms fixed; 725c27c ~4.58 ns
+    # and ~1.15 ms; e16d5b5 ~4.87 ns and ~1.19 ms.)
     matmul_rate: float = 8.58e14
     hbm_bandwidth: float = 3.0e12
-    weight_bandwidth: float = 7.0e12
+    union_bandwidth: float = 8.6e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 6.71e12
+    pair_rate: float = 2.3e13
     grad_stream_bandwidth: float = 7.0e12
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 0.282e-3
+    fixed_overhead: float = 0.476e-3
     margin: float = 1.0
     min_tokens: int = 256
 
@@ -126,36 +132,56 @@ class TrainCrossover:
         return 16.0 * m * d * f / self.matmul_rate
 
     def sparse_fixed_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
-        n_blocks = -(-m // _blocked.BLOCK_TOKENS)
-        return (
-            self.fixed_overhead
-            + m * f * itemsize / self.hbm_bandwidth
-            + n_blocks * 5.0 * d * f * itemsize / self.weight_bandwidth
-            + 5.0 * d * f * itemsize / self.transpose_bandwidth
-        )
+        return self.fixed_overhead + m * f * itemsize / self.hbm_bandwidth + 5.0 * d * f * itemsize / self.transpose_bandwidth
 
     def pair_cost(self, d: int, itemsize: int) -> float:
         """Seconds per active pair: the FMAs of the up, down and backward steps, and the
         weight gradients' x/dy slices."""
         return 8.0 * d / self.pair_rate + 2.0 * d * itemsize / self.grad_stream_bandwidth
 
-    def sparse_cost(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int) -> jax.Array:
-        cost = jnp.asarray(nnz).astype(jnp.float32) * self.pair_cost(d, itemsize)
+    @staticmethod
+    def uniform_union(active_fraction):
+        """The mean 64-token union, as a fraction of f, of the uniform pattern with
+        ``active_fraction`` of the pairs active: ``1 - (1 - p)^64`` (Python float or
+        array)."""
+        return 1.0 - (1.0 - active_fraction) ** _union.TOKENS
+
+    def union_bytes(self, m: int, d: int, f: int, itemsize: int, union_fraction) -> float:
+        """Bytes of table rows the union products read for ``m`` tokens whose 64-token
+        blocks' mean union is ``union_fraction`` of f."""
+        blocks = -(-m // _union.TOKENS)
+        return blocks * union_fraction * f * 5.0 * d * itemsize
+
+    def sparse_cost(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int, union=None) -> jax.Array:
+        """``[]`` f32 seconds of the kernels for ``nnz`` active pairs and ``n_overflow``
+        overflowed tiles (device values); ``union`` the measured mean 64-token union as a
+        fraction of f, else the uniform pattern's at this density."""
+        nnz = jnp.asarray(nnz).astype(jnp.float32)
+        if union is None:
+            union = self.uniform_union(nnz / max(m * f, 1))
+        cost = nnz * self.pair_cost(d, itemsize)
+        cost = cost + self.union_bytes(m, d, f, itemsize, jnp.asarray(union, jnp.float32)) / self.union_bandwidth
         cost = cost + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
         return cost + self.sparse_fixed_cost(m, d, f, itemsize)
 
-    def prefers_sparse(self, m: int, d: int, f: int, itemsize: int, active_fraction: float) -> bool:
+    def prefers_sparse(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,
+                       union_fraction: float | None = None) -> bool:
         """Static: True where the kernels are predicted faster for calls of ``m`` tokens
-        with ``active_fraction`` of the (token, neuron) pairs active (no overflow assumed).
-        What :func:`ffn_with_aux` decides at trace time when given ``active_fraction``."""
+        with ``active_fraction`` of the (token, neuron) pairs active and, where measured,
+        a mean 64-token union of ``union_fraction`` of f (no overflow assumed). What
+        :func:`ffn_with_aux` decides at trace time when given ``active_fraction``."""
         if not 0.0 <= active_fraction <= 1.0:
             raise ValueError(f"active_fraction must be in [0, 1], got {active_fraction}")
+        if union_fraction is not None and not 0.0 <= union_fraction <= 1.0:
+            raise ValueError(f"union_fraction must be in [0, 1], got {union_fraction}")
         if self.margin == float("inf"):
             return True
         if self.margin <= 0 or not self.sparse_can_win(m, d, f, itemsize):
             return False
+        union = self.uniform_union(active_fraction) if union_fraction is None else union_fraction
         # sparse_cost in Python floats: this runs while tracing, where jnp would stage it
-        cost = active_fraction * m * f * self.pair_cost(d, itemsize) + self.sparse_fixed_cost(m, d, f, itemsize)
+        cost = (active_fraction * m * f * self.pair_cost(d, itemsize) + self.sparse_fixed_cost(m, d, f, itemsize)
+                + self.union_bytes(m, d, f, itemsize, union) / self.union_bandwidth)
         return cost < self.margin * self.dense_cost(m, d, f)
 
     def sparse_can_win(self, m: int, d: int, f: int, itemsize: int) -> bool:
@@ -167,7 +193,8 @@ class TrainCrossover:
         return self.sparse_fixed_cost(m, d, f, itemsize) < self.margin * self.dense_cost(m, d, f)
 
     def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int) -> jax.Array:
-        """``[]`` bool on the device: True where the sparse kernels should run."""
+        """``[]`` bool on the device: True where the sparse kernels should run (the union
+        estimated from the density, as the uniform pattern's)."""
         if self.margin == float("inf"):
             return jnp.bool_(True)
         return self.sparse_cost(nnz, n_overflow, m, d, f, itemsize) < self.margin * self.dense_cost(m, d, f)
@@ -519,7 +546,7 @@ def ffn_with_aux(
     x, w_gate, w_up, w_down, *, width: int, backup_capacity: int | None = None,
     crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
     dx_mma: bool | None = None, dx_union: bool | None = None, down_union: bool | None = None,
-    up_union: bool | None = None, dh_union: bool | None = None,
+    up_union: bool | None = None, dh_union: bool | None = None, union_fraction: float | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -551,16 +578,25 @@ def ffn_with_aux(
     not fit (exactness). The per-call device decision costs the dense side ~15% (its
     residuals share the sparse side's static shapes, so its backward recomputes g and u);
     a per-layer trace-time choice does not. Each distinct decision is a distinct trace:
-    change it when a layer's density crosses, not every step.
+    change it when a layer's density crosses, not every step. ``union_fraction`` (with
+    ``active_fraction``; a Python float): the layer's measured mean union of active
+    neurons over 64-token blocks, as a fraction of f (``jax_twell.ops.cuda.block_union_fraction``
+    of its gate activations), which the union products' cost follows; without it the
+    rule assumes the uniform pattern's, the largest at that density.
     """
     m, d = x.shape
     rule = _crossover.get() if crossover is None else crossover
     f = w_up.shape[1]
     check_supported(d, x.dtype)
+    if union_fraction is not None:
+        if active_fraction is None:
+            raise ValueError("union_fraction is a trace-time measurement: pass it with active_fraction")
+        if not 0.0 <= union_fraction <= 1.0:
+            raise ValueError(f"union_fraction must be in [0, 1], got {union_fraction}")
     if m == 0 or jnp.dtype(x.dtype) == jnp.float32 or not rule.sparse_can_win(m, d, f, x.dtype.itemsize):
         return xla.ffn_with_aux(x, w_gate, w_up, w_down)
     if active_fraction is not None:
-        if not rule.prefers_sparse(m, d, f, x.dtype.itemsize, active_fraction):
+        if not rule.prefers_sparse(m, d, f, x.dtype.itemsize, active_fraction, union_fraction):
             return xla.ffn_with_aux(x, w_gate, w_up, w_down)
         rule = dataclasses.replace(rule, margin=float("inf"))  # decided: only the entry budget is checked per call
     dx_mma = bool(mma if dx_mma is None else dx_mma)
