@@ -88,13 +88,13 @@ class TrainCrossover:
     Both sides share the forward gate matmul; the rule compares what follows, in seconds:
 
     - dense: XLA autodiff of the rest, 8 matmuls of ``2 M d f`` at ``matmul_rate``;
-    - sparse: the pack (``M f`` elements at ``hbm_bandwidth``), the per-call transposes
-      (``5 d f`` at ``transpose_bandwidth``), ``8 d`` FMA per active pair at
-      ``pair_rate``, the weight gradients' x/dy slices (``2 d`` elements per pair at
-      ``grad_stream_bandwidth``), the union products' rows (per 64-token block, its union
-      of active neurons times ``5 d`` elements, one row of each table the products read,
-      at ``union_bandwidth``), ``overflow_penalty`` per overflowed tile and
-      ``fixed_overhead``.
+    - sparse: the pack (``M f`` elements at ``hbm_bandwidth``), the per-call transposes (``5 d f`` at ``transpose_bandwidth``), ``8 d`` FMA per active
+      pair at ``pair_rate``, the weight gradients' x/dy slices (``2 d`` elements per pair
+      at ``grad_stream_bandwidth``, slowed by ``1 + 2 M d itemsize / grad_stream_spill``:
+      the slices miss L2 more as x and dy outgrow it), the union products' rows (per
+      64-token block, its union of active neurons times ``5 d`` elements, one row of each
+      table the products read, at ``union_bandwidth``), ``overflow_penalty`` per
+      overflowed tile and ``fixed_overhead``.
 
     The union term takes a layer's measured mean 64-token union where it is given (a
     trained layer's is well below the uniform pattern's at the same density, and its step
@@ -109,22 +109,25 @@ class TrainCrossover:
     (``benchmarks/fit_train_rule.py``; ffi/notes/training_kernels.md).
     """
 
-    # Fitted on the H200 (benchmarks/fit_train_rule.py on training_fit_b1bb9c0_union.json:
-    # 15 points, 0.25-1.25% active, uniform, heavy-tailed and skewed rows; every point
-    # within 4% but one at 6%): XLA's dense forward + backward 4.07-4.20 ms at M=16384,
-    # d=2048, f=5632; the kernels' step after the gate matmul ~0.48 ms fixed, ~1.89 ns per
-    # active pair and ~2.4 ns per union row of a 64-token block. The crossover moves with
-    # the union: ~0.85% active for uniform rows, ~1.1% for a trained layer's skewed ones.
-    # (Earlier, pairs only: a26fd98 ~3.61 ns per pair, ~0.69 ms fixed; 725c27c ~4.58 ns
-    # and ~1.15 ms; e16d5b5 ~4.87 ns and ~1.19 ms.)
+    # Fitted on the H200 (benchmarks/fit_train_rule.py on the four training_fit_*.json:
+    # 35 points, M = 4,096, 16,384 and 65,536, 0.25-1.25% active, uniform, heavy-tailed
+    # and skewed rows; d=2048, f=5632; model within 5% of 26 points, within 13% of all).
+    # At M=16,384 the kernels' step after the gate matmul is ~0.52 ms fixed (with the pack
+    # and the transposes), ~2.1 ns per active pair and ~2.2 ns per union row of a 64-token
+    # block; the crossover moves with the union: ~0.85% active for uniform rows, ~1.05%
+    # for a trained layer's skewed ones. At M=65,536 a pair costs ~3.5 ns (x and dy,
+    # 256 MB each, far past L2). On these points the rule never picks the kernels where
+    # they lose (lowest pick 1.02x) and passes up three wins of 1.07-1.12x. (Earlier, pairs only: a26fd98 ~3.61 ns
+    # per pair and ~0.69 ms fixed; 725c27c ~4.58 ns and ~1.15 ms.)
     matmul_rate: float = 8.58e14
     hbm_bandwidth: float = 3.0e12
-    union_bandwidth: float = 8.6e12
+    union_bandwidth: float = 9.11e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 2.3e13
+    pair_rate: float = 3.28e13
     grad_stream_bandwidth: float = 7.0e12
+    grad_stream_spill: float = 3.45e8
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 0.476e-3
+    fixed_overhead: float = 0.375e-3
     margin: float = 1.0
     min_tokens: int = 256
 
@@ -134,10 +137,11 @@ class TrainCrossover:
     def sparse_fixed_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
         return self.fixed_overhead + m * f * itemsize / self.hbm_bandwidth + 5.0 * d * f * itemsize / self.transpose_bandwidth
 
-    def pair_cost(self, d: int, itemsize: int) -> float:
-        """Seconds per active pair: the FMAs of the up, down and backward steps, and the
-        weight gradients' x/dy slices."""
-        return 8.0 * d / self.pair_rate + 2.0 * d * itemsize / self.grad_stream_bandwidth
+    def pair_cost(self, m: int, d: int, itemsize: int) -> float:
+        """Seconds per active pair in a call of ``m`` tokens: the FMAs of the up, down and
+        backward steps, and the weight gradients' x/dy slices."""
+        spill = 1.0 + 2.0 * m * d * itemsize / self.grad_stream_spill
+        return 8.0 * d / self.pair_rate + 2.0 * d * itemsize / self.grad_stream_bandwidth * spill
 
     @staticmethod
     def uniform_union(active_fraction):
@@ -159,7 +163,7 @@ class TrainCrossover:
         nnz = jnp.asarray(nnz).astype(jnp.float32)
         if union is None:
             union = self.uniform_union(nnz / max(m * f, 1))
-        cost = nnz * self.pair_cost(d, itemsize)
+        cost = nnz * self.pair_cost(m, d, itemsize)
         cost = cost + self.union_bytes(m, d, f, itemsize, jnp.asarray(union, jnp.float32)) / self.union_bandwidth
         cost = cost + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
         return cost + self.sparse_fixed_cost(m, d, f, itemsize)
@@ -180,7 +184,7 @@ class TrainCrossover:
             return False
         union = self.uniform_union(active_fraction) if union_fraction is None else union_fraction
         # sparse_cost in Python floats: this runs while tracing, where jnp would stage it
-        cost = (active_fraction * m * f * self.pair_cost(d, itemsize) + self.sparse_fixed_cost(m, d, f, itemsize)
+        cost = (active_fraction * m * f * self.pair_cost(m, d, itemsize) + self.sparse_fixed_cost(m, d, f, itemsize)
                 + self.union_bytes(m, d, f, itemsize, union) / self.union_bandwidth)
         return cost < self.margin * self.dense_cost(m, d, f)
 
