@@ -26,7 +26,7 @@
 //                       acc = fma(coef1, Wg^T[j], acc), then fma(coef2, Wu^T[j], acc).
 //   GradOffsets/Records each neuron's entries of all blocks as one contiguous list of
 //                       16-byte records (h, coefficients, token), in the sums' order.
-//   WeightGrad          grid (tile, d/32), 8 warps of 8 groups of 4 lanes: dWd[j] += h dy[t],
+//   WeightGrad          grid (tile x 4 parts, d/32), 8 warps of 8 groups of 4 lanes: dWd[j] += h dy[t],
 //                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs. A hot
 //                       neuron (over 1/16 of the tile's entries) is shared by all 64 groups
 //                       first; in a tile with a neuron over 3x the mean the others go to the
@@ -454,11 +454,20 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
 #ifndef TWELL_GRAD_BATCH
 #define TWELL_GRAD_BATCH 4
 #endif
+#ifndef TWELL_GRAD_SPLIT
+#define TWELL_GRAD_SPLIT 4
+#endif
 #ifndef TWELL_GRAD_MIN_BLOCKS
 #define TWELL_GRAD_MIN_BLOCKS 2
 #endif
 constexpr int kGradBatch = TWELL_GRAD_BATCH;      // records per group in flight
 constexpr int kGradMinBlocks = TWELL_GRAD_MIN_BLOCKS;
+// CTAs per (tile, column range): each classifies the whole tile (hot neurons, strided or
+// not) and sums the neurons of every kGradSplit-th group of 64, so a neuron's sums are the
+// same whichever CTA takes it (the hot list and the queue hold only the CTA's own neurons:
+// their order, set by atomics, differs between CTAs); more CTAs per column range keep
+// fewer column ranges in flight (their x/dy slices, 2 x 64 B x M, stay in L2 at large M).
+constexpr int kGradSplit = TWELL_GRAD_SPLIT;
 constexpr int kGradGroups = kGradThreads / kGradLanes;
 constexpr int kGradWarps = kGradThreads / 32;
 constexpr int kWarpGroups = 32 / kGradLanes;  // 8 groups per warp
@@ -551,7 +560,7 @@ __global__ void __launch_bounds__(kGradThreads, kGradMinBlocks) TwellTrainWeight
   __shared__ int class_count[kSizeClasses], class_start[kSizeClasses];
   __shared__ int queue[kMaxTile];
   __shared__ float warp_part[kGradWarps][kGradLanes][24];
-  const int k = blockIdx.x, r = blockIdx.y;
+  const int k = blockIdx.x / kGradSplit, part = blockIdx.x % kGradSplit, r = blockIdx.y;
   const int lane = threadIdx.x % kGradLanes, group = threadIdx.x / kGradLanes;
   const int warp = threadIdx.x / 32, in_warp = group % kWarpGroups;
   const int col = r * kGradCols + lane * 8;
@@ -573,13 +582,15 @@ __global__ void __launch_bounds__(kGradThreads, kGradMinBlocks) TwellTrainWeight
   const bool hot = static_cast<int64_t>(kHotShare) * n > total;
   const int size_class = n > 0 ? 32 - __clz(n) : 0;
   int class_rank = 0;
-  if (hot) {
+  // This CTA's neurons: the tile's groups of 64 with index part, part + kGradSplit, ...
+  const bool mine = (static_cast<int>(threadIdx.x) / kGradGroups) % kGradSplit == part;
+  if (hot && mine) {
     const int slot = atomicAdd(&n_hot, 1);  // at most 15 (each holds over 1/16)
     hot_list[slot] = threadIdx.x;
     hot_count[slot] = n;
-  } else if (in_tile) {
-    class_rank = atomicAdd(&class_count[size_class], 1);
-    atomicMax(&max_cold, n);
+  } else if (in_tile && !hot) {
+    if (mine) class_rank = atomicAdd(&class_count[size_class], 1);
+    atomicMax(&max_cold, n);  // over the whole tile: every part decides "strided" alike
   }
   if (in_tile) is_hot[threadIdx.x] = hot;
   __syncthreads();
@@ -592,8 +603,8 @@ __global__ void __launch_bounds__(kGradThreads, kGradMinBlocks) TwellTrainWeight
     n_queued = first;
   }
   __syncthreads();
-  if (strided && in_tile && !hot) queue[class_start[size_class] + class_rank] = threadIdx.x;
-  for (int h = 0; h < n_hot; ++h) {  // hot neurons first, block-uniform
+  if (strided && in_tile && !hot && mine) queue[class_start[size_class] + class_rank] = threadIdx.x;
+  for (int h = 0; h < n_hot; ++h) {  // this CTA's hot neurons first, block-uniform
     const int j = hot_list[h], count = hot_count[h];
     const int a = static_cast<int>(static_cast<int64_t>(count) * group / kGradGroups);
     const int z = static_cast<int>(static_cast<int64_t>(count) * (group + 1) / kGradGroups);
@@ -627,7 +638,7 @@ __global__ void __launch_bounds__(kGradThreads, kGradMinBlocks) TwellTrainWeight
   }
   __syncthreads();  // the queue is written (when there was no hot neuron)
   if (!strided) {
-    for (int jj = group; jj < width; jj += kGradGroups) {
+    for (int jj = part * kGradGroups + group; jj < width; jj += kGradGroups * kGradSplit) {
       if (is_hot[jj]) continue;
       GradAcc acc = {};
       if (!over_budget) {
@@ -741,7 +752,7 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
   TwellTrainGradOffsetsKernel<<<s.n_tiles, kMaxTile, 0, stream>>>(seg_start, col_off, lists.nrn_off, lists.dstart, s);
   TwellTrainGradRecordsKernel<kGated><<<dim3(s.n_tiles, s.n_blocks), 256, 0, stream>>>(
       seg_start, col_off, by_col, coef, lists.dstart, lists.records, s);
-  TwellTrainWeightGradKernel<E, kGated><<<dim3(s.n_tiles, s.d / kGradCols), kGradThreads, 0, stream>>>(
+  TwellTrainWeightGradKernel<E, kGated><<<dim3(s.n_tiles * kGradSplit, s.d / kGradCols), kGradThreads, 0, stream>>>(
       x, dy, seg_start, lists.nrn_off, lists.records, dw_down, dw_act_t, dw_up_t, s);
   return LaunchStatus("twell_train backward weight gradients");
 }
