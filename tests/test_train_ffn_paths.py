@@ -5,6 +5,7 @@ layer's side. On CPU the sparse FFN runs the reference
 implementation with the choice switched on by hand: the mechanism, not the kernels."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -106,10 +107,11 @@ def test_the_loop_moves_layers_by_probe_and_the_traced_sides_follow(monkeypatch,
         np.testing.assert_allclose(unions, np.asarray(direct), rtol=1e-6)
         assert unions.shape == (setup.num_layers,) and ((unions > 0) & (unions <= 1)).all()
         path_rule = ffn_paths.PathRule(m=tokens.shape[0] * (tokens.shape[1] - 1), d=cfg.model.d_model, f=setup.d_ff)
-        state, sides = ffn_paths.update_sides(state, setup, path_rule, probe, tokens, metrics["nnz_mean"])
+        state, sides, measured = ffn_paths.update_sides(state, setup, path_rule, probe, tokens, metrics["nnz_mean"])
         assert sides == (True, True) and tuple(np.asarray(state.ffn_sparse)) == sides
+        np.testing.assert_allclose(measured, unions, rtol=1e-6)
         rule(cuda_train.TrainCrossover(margin=0.0))  # every layer prefers dense
-        state, sides = ffn_paths.update_sides(state, setup, path_rule, probe, tokens, metrics["nnz_mean"])
+        state, sides, _ = ffn_paths.update_sides(state, setup, path_rule, probe, tokens, metrics["nnz_mean"])
         assert sides == (False, False) and not np.asarray(state.ffn_sparse).any()
         state = state._replace(ffn_sparse=jnp.asarray([True, True]))
 
@@ -162,3 +164,8 @@ def test_the_loop_re_jits_when_layers_change_side(monkeypatch, rule, tmp_path):
     assert last["train"]["step"] == 6 and np.isfinite(last["train"]["loss"])
     text = out.getvalue()
     assert text.count("re-jit") == 1 and "step 2: FFN on the sparse kernels in 2/2 layers" in text
+    # each log record carries the layers' measured unions and sides
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_records = [r for r in records if r["kind"] == "train"]
+    assert train_records and all(len(r["union_fraction"]) == 2 and r["ffn_sparse"] == [True, True] for r in train_records)
+    assert all(0 < u <= 1 for r in train_records for u in r["union_fraction"])

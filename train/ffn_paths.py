@@ -121,15 +121,16 @@ def make_union_probe(setup):
 
 
 def update_sides(state, setup, rule: PathRule, probe, tokens: jax.Array, nnz_mean) -> tuple:
-    """At a log step: ``(state, sides)`` with ``state.ffn_sparse`` set to the layers' new
-    sides (a tuple of bools, also returned) from ``nnz_mean`` ``[L]`` (that step's, fetched)
-    and the union ``probe`` measures on ``tokens [B, T + 1]`` (one micro-batch)."""
+    """At a log step: ``(state, sides, unions)`` with ``state.ffn_sparse`` set to the
+    layers' new sides (a tuple of bools, also returned) from ``nnz_mean`` ``[L]`` (that
+    step's, fetched) and the unions ``probe`` measures on ``tokens [B, T + 1]`` (one
+    micro-batch; returned as ``[L]`` float64)."""
     current = tuple(bool(v) for v in jax.device_get(state.ffn_sparse))
     unions = np.asarray(jax.device_get(probe(state.params, tokens)), np.float64)
     sides = rule.next(current, np.asarray(nnz_mean, np.float64) / setup.d_ff, unions)
     if sides != current:
         state = state._replace(ffn_sparse=jax.device_put(np.asarray(sides, bool), setup.state_shardings.ffn_sparse))
-    return state, sides
+    return state, sides, unions
 
 
 def describe(sparse: tuple[bool, ...]) -> str:

@@ -183,9 +183,10 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                     steps_timed = done - timer_step
                     tokens_per_s = steps_timed * cfg.batch_size * seq_len / (now - timer) if steps_timed else 0.0
                     if ffn_paths.enabled(cfg.model):  # layers move between sides at log steps
-                        state, new_paths = ffn_paths.update_sides(
+                        state, new_paths, unions = ffn_paths.update_sides(
                             state, setup, path_rule, union_probe, tokens[0], values["nnz_mean"]
                         )
+                        values = dict(values, union_fraction=unions, ffn_sparse=np.asarray(new_paths))
                         if new_paths != paths:
                             paths, train_step = new_paths, train_step_for(new_paths)
                             if lead:
