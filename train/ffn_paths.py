@@ -8,11 +8,11 @@ deciding before tracing costs a re-jit each time a layer's choice flips, which h
 once or twice per layer in a run (dense from initialisation, sparse after the L1 warm-up).
 
 The choice lives in ``TrainState.ffn_sparse`` ([L] bool, checkpointed). At log steps
-only, the loop measures each layer's mean union of active neurons over 64-token blocks on
+only, the loop decides each layer's side from that step's ``nnz_mean`` and, where it could
+change a side, each layer's mean union of active neurons over 64-token blocks, measured on
 the step's first micro-batch (:func:`make_union_probe`: a dense forward plus one gate
-matmul per layer), decides each layer's side from that step's ``nnz_mean`` and the union,
-with 10% hysteresis (:meth:`PathRule.next`), writes the register and re-jits when a side
-changed (:func:`update_sides`). The union matters: the kernels' union products read each
+matmul per layer), with 10% hysteresis (:meth:`PathRule.next`); it writes the register
+and re-jits when a side changed (:func:`update_sides`). The union matters: the kernels' union products read each
 block's union rows, and a trained layer's union is well below the uniform pattern's at
 the same density, so such layers stay on the kernels to ~1.1% active instead of ~0.85%.
 A resumed run traces the same layers sparse as the run it continues.
@@ -123,11 +123,17 @@ def make_union_probe(setup):
 def update_sides(state, setup, rule: PathRule, probe, tokens: jax.Array, nnz_mean) -> tuple:
     """At a log step: ``(state, sides, unions)`` with ``state.ffn_sparse`` set to the
     layers' new sides (a tuple of bools, also returned) from ``nnz_mean`` ``[L]`` (that
-    step's, fetched) and the unions ``probe`` measures on ``tokens [B, T + 1]`` (one
-    micro-batch; returned as ``[L]`` float64)."""
+    step's, fetched) and each layer's union as ``probe`` measures it on ``tokens [B, T + 1]``
+    (one micro-batch). The probe runs only when a union could change a side: the cost
+    grows with the union, so if the sides are the same with no union at all and with the
+    uniform pattern's (the largest a density has), they are the sides; ``unions`` is then
+    None, else the measured ``[L]`` float64."""
     current = tuple(bool(v) for v in jax.device_get(state.ffn_sparse))
-    unions = np.asarray(jax.device_get(probe(state.params, tokens)), np.float64)
-    sides = rule.next(current, np.asarray(nnz_mean, np.float64) / setup.d_ff, unions)
+    fractions = np.asarray(nnz_mean, np.float64) / setup.d_ff
+    sides, unions = rule.next(current, fractions), None
+    if rule.next(current, fractions, np.zeros_like(fractions)) != sides:
+        unions = np.asarray(jax.device_get(probe(state.params, tokens)), np.float64)
+        sides = rule.next(current, fractions, unions)
     if sides != current:
         state = state._replace(ffn_sparse=jax.device_put(np.asarray(sides, bool), setup.state_shardings.ffn_sparse))
     return state, sides, unions

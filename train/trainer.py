@@ -186,7 +186,9 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                         state, new_paths, unions = ffn_paths.update_sides(
                             state, setup, path_rule, union_probe, tokens[0], values["nnz_mean"]
                         )
-                        values = dict(values, union_fraction=unions, ffn_sparse=np.asarray(new_paths))
+                        values = dict(values, ffn_sparse=np.asarray(new_paths))
+                        if unions is not None:  # measured at this log step (where it could move a layer)
+                            values["union_fraction"] = unions
                         if new_paths != paths:
                             paths, train_step = new_paths, train_step_for(new_paths)
                             if lead:
