@@ -253,3 +253,20 @@ def test_sparse_ffn_passes_its_layer_fractions(monkeypatch):
     layer.union_fraction = None
     layer.infer(jnp.ones((4, 16), jnp.float32))
     assert seen["union_fraction"] is None
+
+    # The training forward too (the training rule prices the union products by it), and
+    # only with the active fraction it belongs to.
+    seen.clear()
+    real_train = modules.sparse_ffn_train
+
+    def train_spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(modules, "sparse_ffn_train", train_spy)
+    layer.union_fraction = 0.2
+    layer(jnp.ones((4, 16), jnp.float32))
+    assert seen["active_fraction"] == 0.01 and seen["union_fraction"] == 0.2
+    layer.active_fraction = None
+    layer(jnp.ones((4, 16), jnp.float32))
+    assert seen["active_fraction"] is None and seen["union_fraction"] is None
