@@ -127,7 +127,14 @@ def test_union_probe_on_a_mesh_matches_single_device():
             setup = setup_model(CFG.model, CFG.seed, tx, mesh)
             state = setup.init()
             batch = sharding.put_batch(_batches(1)[0], sharding.batch_sharding(mesh, 3))
-            unions[name] = np.asarray(ffn_paths.make_union_probe(setup)(state.params, batch[0]))
+            probe = ffn_paths.make_union_probe(setup)
+            unions[name] = np.asarray(probe(state.params, batch[0]))
+            # the register the loop writes keeps the state's sharding on every mesh
+            rule = ffn_paths.PathRule(m=4096, d=2048, f=5632)  # a size where the kernels can win
+            state, sides, _ = ffn_paths.update_sides(state, setup, rule, probe, batch[0], [0.1, 60.0])
+            assert sides == (True, False), name  # 0.05% and 31% of the layer's neurons
+            assert state.ffn_sparse.sharding.is_equivalent_to(setup.state_shardings.ffn_sparse, 1)
+            np.testing.assert_array_equal(np.asarray(state.ffn_sparse), [True, False])
     assert unions["single"].shape == (CFG.model.n_layers,) and (unions["single"] > 0).all()
     for name in ("data2-fsdp2", "fsdp2-tensor2"):
         np.testing.assert_allclose(unions[name], unions["single"], rtol=1e-5, err_msg=name)

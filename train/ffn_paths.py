@@ -67,7 +67,7 @@ class PathRule:
             return rule.prefers_sparse(self.m, self.d, self.f, self.itemsize, clip(fraction), known)
 
         # a layer changes side only when a 10% denser (sparser) layer would too
-        return tuple(wins(p, u, 1.0 - HYSTERESIS) if s else wins(p, u, 1.0 + HYSTERESIS)
+        return tuple(bool(wins(p, u, 1.0 - HYSTERESIS) if s else wins(p, u, 1.0 + HYSTERESIS))
                      for s, p, u in zip(sparse, fractions, unions))
 
 
@@ -134,8 +134,10 @@ def update_sides(state, setup, rule: PathRule, probe, tokens: jax.Array, nnz_mea
     if rule.next(current, fractions, np.zeros_like(fractions)) != sides:
         unions = np.asarray(jax.device_get(probe(state.params, tokens)), np.float64)
         sides = rule.next(current, fractions, unions)
-    if sides != current:
-        state = state._replace(ffn_sparse=jax.device_put(np.asarray(sides, bool), setup.state_shardings.ffn_sparse))
+    if sides != current:  # every process holds the same sides: build the array from them
+        host = np.asarray(sides, bool)
+        register = jax.make_array_from_callback(host.shape, setup.state_shardings.ffn_sparse, lambda index: host[index])
+        state = state._replace(ffn_sparse=register)
     return state, sides, unions
 
 
