@@ -2,11 +2,11 @@
 constants to a ``bench_training.py`` result, and shows how the refit decides each point.
 
 The rule prices the kernels' step after the shared gate matmul as known terms (the pack,
-the per-call transposes, the weight gradients' x/dy slices at L2 rate) plus five fitted
+the per-call transposes, the weight gradients' x/dy slices at L2 rate) plus four fitted
 ones, each linear in its constant's inverse: ``fixed_overhead`` (seconds per call),
-``pair_rate`` (the FMAs of each active pair), ``grad_stream_spill`` (how the x/dy slices slow as x and dy outgrow L2) and
-``union_bandwidth`` (each 64-token block's union rows of the five tables the union
-products read). The target of each row is its forced-kernel step (``mma_step_ms``) less a
+``pair_rate`` (the FMAs of each active pair), ``grad_stream_spill`` (how the x/dy slices
+slow as x and dy outgrow L2) and ``union_bandwidth`` (each 64-token block's union rows of
+the five tables the union products read). The target of each row is its forced-kernel step (``mma_step_ms``) less a
 ninth of XLA's step (the gate matmul, one of its nine matmuls). Relative least squares:
 every point weighs the same whatever its time. Points at several M separate the per-call
 and per-token parts (the slices' spill).

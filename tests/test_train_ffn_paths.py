@@ -182,7 +182,8 @@ def test_the_probe_runs_only_where_a_union_could_move_a_layer(rule):
     pattern's differ; then the measured union decides. Rule: pairs cross over at 0.5% alone
     (HALF_PERCENT), plus union rows (a union of 0.36 of f costs as much as dense)."""
     rule(dataclasses.replace(HALF_PERCENT, union_bandwidth=1e12))
-    setup = types.SimpleNamespace(d_ff=520, state_shardings=_State(jax.sharding.SingleDeviceSharding(jax.devices()[0]), None))
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    setup = types.SimpleNamespace(d_ff=520, state_shardings=_State(one_device, None))
     path_rule = ffn_paths.PathRule(m=300, d=64, f=520)
     calls = []
 

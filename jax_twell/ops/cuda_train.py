@@ -88,9 +88,10 @@ class TrainCrossover:
     Both sides share the forward gate matmul; the rule compares what follows, in seconds:
 
     - dense: XLA autodiff of the rest, 8 matmuls of ``2 M d f`` at ``matmul_rate``;
-    - sparse: the pack (``M f`` elements at ``hbm_bandwidth``), the per-call transposes (``5 d f`` at ``transpose_bandwidth``), ``8 d`` FMA per active
-      pair at ``pair_rate``, the weight gradients' x/dy slices (``2 d`` elements per pair
-      at ``grad_stream_bandwidth``, slowed by ``1 + 2 M d itemsize / grad_stream_spill``:
+    - sparse: the pack (``M f`` elements at ``hbm_bandwidth``), the per-call transposes
+      (``5 d f`` at ``transpose_bandwidth``), ``8 d`` FMA per active pair at
+      ``pair_rate``, the weight gradients' x/dy slices (``2 d`` elements per pair at
+      ``grad_stream_bandwidth``, slowed by ``1 + 2 M d itemsize / grad_stream_spill``:
       the slices miss L2 more as x and dy outgrow it), the union products' rows (per
       64-token block, its union of active neurons times ``5 d`` elements, one row of each
       table the products read, at ``union_bandwidth``), ``overflow_penalty`` per
@@ -117,8 +118,10 @@ class TrainCrossover:
     # block; the crossover moves with the union: ~0.85% active for uniform rows, ~1.05%
     # for a trained layer's skewed ones. At M=65,536 a pair costs ~3.5 ns (x and dy,
     # 256 MB each, far past L2). On these points the rule never picks the kernels where
-    # they lose (lowest pick 1.02x) and passes up three wins of 1.07-1.12x. (Earlier, pairs only: a26fd98 ~3.61 ns
-    # per pair and ~0.69 ms fixed; 725c27c ~4.58 ns and ~1.15 ms.)
+    # they lose (lowest pick 1.02x) and passes up three wins of 1.07-1.12x. Fitted before
+    # the weight gradients' split (203f2ea), which made the pairs cheaper, most at large M:
+    # the rule now errs toward dense there. (Earlier, pairs only: a26fd98 ~3.61 ns per
+    # pair and ~0.69 ms fixed; 725c27c ~4.58 ns and ~1.15 ms.)
     matmul_rate: float = 8.58e14
     hbm_bandwidth: float = 3.0e12
     union_bandwidth: float = 9.11e12
@@ -135,7 +138,8 @@ class TrainCrossover:
         return 16.0 * m * d * f / self.matmul_rate
 
     def sparse_fixed_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
-        return self.fixed_overhead + m * f * itemsize / self.hbm_bandwidth + 5.0 * d * f * itemsize / self.transpose_bandwidth
+        pack = m * f * itemsize / self.hbm_bandwidth
+        return self.fixed_overhead + pack + 5.0 * d * f * itemsize / self.transpose_bandwidth
 
     def pair_cost(self, m: int, d: int, itemsize: int) -> float:
         """Seconds per active pair in a call of ``m`` tokens: the FMAs of the up, down and
