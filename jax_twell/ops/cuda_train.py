@@ -165,12 +165,15 @@ class TrainCrossover:
         overflowed tiles (device values); ``union`` the measured mean 64-token union as a
         fraction of f, else the uniform pattern's at this density."""
         nnz = jnp.asarray(nnz).astype(jnp.float32)
-        if union is None:
-            union = self.uniform_union(nnz / max(m * f, 1))
-        cost = nnz * self.pair_cost(m, d, itemsize)
-        cost = cost + self.union_bytes(m, d, f, itemsize, jnp.asarray(union, jnp.float32)) / self.union_bandwidth
-        cost = cost + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
-        return cost + self.sparse_fixed_cost(m, d, f, itemsize)
+        union = self.uniform_union(nnz / max(m * f, 1)) if union is None else jnp.asarray(union, jnp.float32)
+        cost = self._estimate(nnz, union, m, d, f, itemsize)
+        return cost + jnp.asarray(n_overflow).astype(jnp.float32) * self.overflow_penalty
+
+    def _estimate(self, nnz, union, m: int, d: int, f: int, itemsize: int):
+        """Seconds without overflow: plain arithmetic, on Python floats (at trace time)
+        or device arrays alike."""
+        return (nnz * self.pair_cost(m, d, itemsize) + self.sparse_fixed_cost(m, d, f, itemsize)
+                + self.union_bytes(m, d, f, itemsize, union) / self.union_bandwidth)
 
     def prefers_sparse(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,
                        union_fraction: float | None = None) -> bool:
@@ -187,10 +190,8 @@ class TrainCrossover:
         if self.margin <= 0 or not self.sparse_can_win(m, d, f, itemsize):
             return False
         union = self.uniform_union(active_fraction) if union_fraction is None else union_fraction
-        # sparse_cost in Python floats: this runs while tracing, where jnp would stage it
-        cost = (active_fraction * m * f * self.pair_cost(m, d, itemsize) + self.sparse_fixed_cost(m, d, f, itemsize)
-                + self.union_bytes(m, d, f, itemsize, union) / self.union_bandwidth)
-        return cost < self.margin * self.dense_cost(m, d, f)
+        # in Python floats: this runs while tracing, where jnp would stage it
+        return self._estimate(active_fraction * m * f, union, m, d, f, itemsize) < self.margin * self.dense_cost(m, d, f)
 
     def sparse_can_win(self, m: int, d: int, f: int, itemsize: int) -> bool:
         """Static: False where the kernels should not even be traced (tiny M, fixed costs)."""
