@@ -110,27 +110,27 @@ class TrainCrossover:
     (``benchmarks/fit_train_rule.py``; ffi/notes/training_kernels.md).
     """
 
-    # Fitted on the H200 (benchmarks/fit_train_rule.py on the four training_fit_*.json:
-    # 35 points, M = 4,096, 16,384 and 65,536, 0.25-1.25% active, uniform, heavy-tailed
-    # and skewed rows; d=2048, f=5632; model within 5% of 26 points, within 13% of all).
-    # At M=16,384 the kernels' step after the gate matmul is ~0.52 ms fixed (with the pack
-    # and the transposes), ~2.1 ns per active pair and ~2.2 ns per union row of a 64-token
-    # block; the crossover moves with the union: ~0.85% active for uniform rows, ~1.05%
-    # for a trained layer's skewed ones. At M=65,536 a pair costs ~3.5 ns (x and dy,
-    # 256 MB each, far past L2). On these points the rule never picks the kernels where
-    # they lose (lowest pick 1.02x) and passes up three wins of 1.07-1.12x. Fitted before
-    # the weight gradients' split (203f2ea), which made the pairs cheaper, most at large M:
-    # the rule now errs toward dense there. (Earlier, pairs only: a26fd98 ~3.61 ns per
-    # pair and ~0.69 ms fixed; 725c27c ~4.58 ns and ~1.15 ms.)
+    # Fitted on the H200 (benchmarks/fit_train_rule.py on the three training_fit_241db25
+    # files: 31 points, M = 4,096, 16,384 and 65,536, 0.25-1.25% active, uniform,
+    # heavy-tailed and skewed rows; d=2048, f=5632; model within 5% of 22 points, within
+    # 12% of all but one, +16% at M=4,096, 0.25% uniform). Fitted after the weight
+    # gradients' split (203f2ea). At M=16,384 the kernels' step after the gate matmul is
+    # ~0.51 ms fixed (with the pack and the transposes), ~1.9 ns per active pair and ~2.3
+    # ns per union row of a 64-token block; the crossover moves with the union: ~0.9%
+    # active for uniform rows, past 1% for a trained layer's skewed ones. At M=65,536 a
+    # pair costs ~2.6 ns (x and dy, 256 MB each, far past L2). On these points the rule
+    # never picks the kernels where they lose (lowest pick 1.03x) and passes up two wins
+    # of 1.05-1.09x. (Before the split, 35 points: ~2.1 ns per pair, ~3.5 ns at M=65,536;
+    # pairs only: a26fd98 ~3.61 ns per pair and ~0.69 ms fixed; 725c27c ~4.58 ns.)
     matmul_rate: float = 8.58e14
     hbm_bandwidth: float = 3.0e12
-    union_bandwidth: float = 9.11e12
+    union_bandwidth: float = 8.86e12
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 3.28e13
+    pair_rate: float = 3.07e13
     grad_stream_bandwidth: float = 7.0e12
-    grad_stream_spill: float = 3.45e8
+    grad_stream_spill: float = 7.24e8
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 0.375e-3
+    fixed_overhead: float = 0.370e-3
     margin: float = 1.0
     min_tokens: int = 256
 
