@@ -106,13 +106,23 @@ int UnionLayoutSmem(const Shapes& s, int rows_per_neuron) {
   return static_cast<int>((2 * CeilDiv(s.f, 32) + CeilDiv(rows_per_neuron * s.f, up::kChunk) + 1 + 3 * s.n_tiles) * 4);
 }
 
-// One CTA (256 threads) per sub-block; dynamic shared memory: UnionLayoutSmem. kValues
+// Threads of a layout CTA. The kernel is latency-bound (dependent shared-memory and L2
+// loads per entry, barriers between passes), so it runs as many warps per sub-block as
+// a CTA holds: with 256 threads its 256 CTAs left ~15 warps per SM (23% occupancy). Two
+// CTAs per SM (32 registers a thread at 1024) keep every sub-block of M=16,384 resident.
+#ifndef TWELL_LAYOUT_THREADS
+#define TWELL_LAYOUT_THREADS 1024
+#endif
+constexpr int kLayoutThreads = TWELL_LAYOUT_THREADS;
+static_assert(kLayoutThreads % 32 == 0 && kLayoutThreads <= 1024, "a CTA of whole warps (BlockExclusiveScan: <= 32)");
+
+// One CTA (kLayoutThreads) per sub-block; dynamic shared memory: UnionLayoutSmem. kValues
 // (UnionValues) says what the words carry; kWordValues and kEntryIndex need R = 1.
 // The sub-block's entries are visited as one flat range over all its tiles (a tile's
 // share found by a binary search of the tile prefix in shared memory), so each pass is a
 // few independent loads per thread, not a chain of dependent loads per tile.
 template <typename E, int R, int kValues>
-__global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __restrict__ tok_off,
+__global__ void __launch_bounds__(kLayoutThreads, 2048 / kLayoutThreads) TwellUnionLayoutKernel(const int32_t* __restrict__ tok_off,
                                                                    const int32_t* __restrict__ seg_start,
                                                                    const uint32_t* __restrict__ entries,
                                                                    const float* __restrict__ coef, UnionWorkspace w,
@@ -133,11 +143,11 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
   const int sub = blockIdx.x, b = sub / kSubBlocks, t0 = (sub % kSubBlocks) * up::kTok, tid = threadIdx.x;
   const float* coefs[2] = {coef + s.max_entries, coef + 2 * s.max_entries};  // Wact^T, Wu^T rows (backward)
   const bool over = OverBudget(s, seg_start);
-  for (int i = tid; i < n_words; i += 256) bits[i] = 0;
+  for (int i = tid; i < n_words; i += kLayoutThreads) bits[i] = 0;
   // The tiles' ranges, all loaded at once; before: the block's entries of tokens before t0.
   int before = 0, n_entries = 0;
   if (!over) {
-    for (int k0 = 0; k0 < s.n_tiles; k0 += 256) {
+    for (int k0 = 0; k0 < s.n_tiles; k0 += kLayoutThreads) {
       const int k = k0 + tid;
       int lo = 0, mid = 0, hi = 0, first = 0;
       if (k < s.n_tiles) {
@@ -161,7 +171,7 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
   __syncthreads();
   // Visits every entry of the sub-block: fn(entry, neuron, token within the sub-block).
   auto for_each_entry = [&](auto fn) {
-    for (int i = tid; i < n_entries; i += 256) {
+    for (int i = tid; i < n_entries; i += kLayoutThreads) {
       int k = 0, hi_k = s.n_tiles - 1;  // the last tile whose prefix is <= i (empty tiles share it)
       while (k < hi_k) {
         const int m = (k + hi_k + 1) / 2;
@@ -200,7 +210,7 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
   const int64_t row_base = ent_base + static_cast<int64_t>(up::kChunk) * sub;
   const int64_t chunk_base = ent_base / up::kChunk + 2 * static_cast<int64_t>(sub);
   // Union positions: exclusive prefix of the words' popcounts (words_per thread contiguous).
-  const int per = (n_words + 255) / 256;
+  const int per = (n_words + kLayoutThreads - 1) / kLayoutThreads;
   int mine = 0;
   for (int i = tid * per; i < min(n_words, (tid + 1) * per); ++i) mine += __popc(bits[i]);
   int acc = BlockExclusiveScan(mine, scratch, &total);
@@ -209,16 +219,16 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
     acc += __popc(bits[i]);
   }
   const int n_rows = R * total, chunks = (n_rows + up::kChunk - 1) / up::kChunk;
-  for (int i = tid; i <= chunks; i += 256) cnt[i] = 0;
+  for (int i = tid; i <= chunks; i += kLayoutThreads) cnt[i] = 0;
   __syncthreads();
   auto position = [&](int j) { return pos[j / 32] + __popc(bits[j / 32] & ((1u << (j % 32)) - 1u)); };
-  for (int i = tid; i < n_words; i += 256)
+  for (int i = tid; i < n_words; i += kLayoutThreads)
     for (uint32_t m = bits[i]; m != 0u; m &= m - 1u) {
       const int j = 32 * i + __ffs(m) - 1, p = position(j);
 #pragma unroll
       for (int r = 0; r < R; ++r) w.rows[row_base + R * p + r] = R == 2 ? 2 * j + r : j;
     }
-  for (int i = n_rows + tid; i < chunks * up::kChunk; i += 256) w.rows[row_base + i] = 0;  // A is zero there
+  for (int i = n_rows + tid; i < chunks * up::kChunk; i += kLayoutThreads) w.rows[row_base + i] = 0;  // A is zero there
   if (!over)
     for_each_entry([&](int64_t e, int j, int) {
 #pragma unroll
@@ -228,7 +238,7 @@ __global__ void __launch_bounds__(256) TwellUnionLayoutKernel(const int32_t* __r
   __syncthreads();
   // Chunk offsets (absolute in ent) and the scatter cursors.
   int carry = 0;
-  for (int c0 = 0; c0 < chunks; c0 += 256) {
+  for (int c0 = 0; c0 < chunks; c0 += kLayoutThreads) {
     const int c = c0 + tid;
     const int n = c < chunks ? cnt[c] : 0;
     const int o = BlockExclusiveScan(n, scratch, &total);
@@ -272,7 +282,7 @@ ffi::Error LaunchUnion(cudaStream_t stream, const Shapes& s, const int32_t* tok_
   const int smem = UnionLayoutSmem(s, R);
   auto* layout = TwellUnionLayoutKernel<E, R, kValues>;
   cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  layout<<<n_sub, 256, smem, stream>>>(tok_off, seg_start, words, coef, w, s);
+  layout<<<n_sub, kLayoutThreads, smem, stream>>>(tok_off, seg_start, words, coef, w, s);
   ffi::Error status = LaunchStatus(what);
   if (status.failure()) return status;
   const cudaError_t e = up::LaunchProduct(stream, std::is_same_v<E, Bf16>, R, table0, table1, s.d, s.rows, n_sub,
@@ -296,7 +306,7 @@ ffi::Error LaunchUnionUp(cudaStream_t stream, const Shapes& s, const int32_t* to
   const int smem = UnionLayoutSmem(s, 1);
   auto* layout = TwellUnionLayoutKernel<E, 1, kValues>;
   cudaFuncSetAttribute(layout, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  layout<<<n_sub, 256, smem, stream>>>(tok_off, seg_start, entries, nullptr, w, s);
+  layout<<<n_sub, kLayoutThreads, smem, stream>>>(tok_off, seg_start, entries, nullptr, w, s);
   ffi::Error status = LaunchStatus(what);
   if (status.failure()) return status;
   const cudaError_t e = up::LaunchUpProduct(stream, std::is_same_v<E, Bf16>, x, w_up_t, s.d, s.f, s.rows, n_sub, w.meta,
