@@ -4,6 +4,8 @@ Usage: ncu --kernel-name regex:Twell ... python benchmarks/profile_train.py [--m
        [--d 2048] [--f 5632] [--density 0.005] [--pattern uniform] [--nongated] [--cudacore-dx]
 The step runs twice (compile, then the profiled run); the kernels of one step are the
 second half of what ncu lists (or skip the first step's with --launch-skip).
+Nsight Compute does not profile kernels inside CUDA graphs with conditional nodes: run with
+XLA_FLAGS=--xla_gpu_graph_min_graph_size=100000 (no graphs for the step's small sequences).
 """
 
 from __future__ import annotations
