@@ -59,4 +59,5 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
+        """Waits for pending saves and releases the checkpoint manager."""
         self._manager.close()

@@ -94,6 +94,7 @@ class MetricsLog:
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict) -> None:
+        """Appends ``record`` to the log as one JSON line."""
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
 

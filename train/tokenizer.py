@@ -20,9 +20,13 @@ class Tokenizer(Protocol):
     vocab_size: int
     name: str
 
-    def encode(self, data: bytes) -> np.ndarray: ...
+    def encode(self, data: bytes) -> np.ndarray:
+        """bytes -> [n] token ids."""
+        ...
 
-    def decode(self, ids: Iterable[int]) -> str: ...
+    def decode(self, ids: Iterable[int]) -> str:
+        """Token ids -> text."""
+        ...
 
 
 class ByteTokenizer:
@@ -71,6 +75,7 @@ class BPETokenizer:
         return cls(_import_tokenizers().Tokenizer.from_file(str(path)))
 
     def save(self, path: str | Path) -> None:
+        """Writes the tokenizer to ``path`` (the tokenizers library's JSON)."""
         self._tok.save(str(path))
 
     def encode(self, data: bytes) -> np.ndarray:
@@ -85,6 +90,7 @@ class BPETokenizer:
         return [np.asarray(e.ids + suffix, dtype=np.uint32) for e in self._tok.encode_batch(texts)]
 
     def decode(self, ids: Iterable[int]) -> str:
+        """Token ids -> text."""
         return self._tok.decode([int(i) for i in ids])
 
 

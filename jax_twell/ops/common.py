@@ -24,9 +24,11 @@ class RuleSlot:
         self._rule = rule
 
     def get(self):
+        """The rule now in force."""
         return self._rule
 
     def set(self, rule):
+        """Replaces the rule for later traces; returns the previous one."""
         kind = type(self._rule)
         if not isinstance(rule, kind):
             raise TypeError(f"rule must be a {kind.__name__}, got {type(rule).__name__}")

@@ -457,9 +457,13 @@ class DenseCrossover:
         return sparse + self.sparse_fixed_cost(d, f, itemsize, transposed)
 
     def dense_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
+        """Seconds of XLA's dense up + down for ``m`` tokens: the larger of the matmuls' FLOPs
+        at ``matmul_rate`` and the two weights' bytes at ``hbm_bandwidth``."""
         return max(4.0 * m * d * f / self.matmul_rate, 2.0 * d * f * itemsize / self.hbm_bandwidth)
 
     def sparse_fixed_cost(self, d: int, f: int, itemsize: int, transposed: bool) -> float:
+        """Seconds every sparse call pays whatever its entries: ``fixed_overhead``, plus the
+        up weight's transpose when it is not given transposed."""
         transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.transpose_bandwidth
         return self.fixed_overhead + transpose
 

@@ -135,9 +135,13 @@ class TrainCrossover:
     min_tokens: int = 256
 
     def dense_cost(self, m: int, d: int, f: int) -> float:
+        """Seconds of XLA's dense forward + backward for ``m`` tokens past the gate matmul
+        (which both sides run): eight matmuls of ``m d f`` FMAs at ``matmul_rate``."""
         return 16.0 * m * d * f / self.matmul_rate
 
     def sparse_fixed_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
+        """Seconds the kernels' step pays whatever its entries: ``fixed_overhead``, the pack
+        of the ``M x f`` activation and the per-call weight transposes."""
         pack = m * f * itemsize / self.hbm_bandwidth
         return self.fixed_overhead + pack + 5.0 * d * f * itemsize / self.transpose_bandwidth
 
