@@ -122,11 +122,10 @@ static_assert(kLayoutThreads % 32 == 0 && kLayoutThreads <= 1024, "a CTA of whol
 // share found by a binary search of the tile prefix in shared memory), so each pass is a
 // few independent loads per thread, not a chain of dependent loads per tile.
 template <typename E, int R, int kValues>
-__global__ void __launch_bounds__(kLayoutThreads, 2048 / kLayoutThreads) TwellUnionLayoutKernel(const int32_t* __restrict__ tok_off,
-                                                                   const int32_t* __restrict__ seg_start,
-                                                                   const uint32_t* __restrict__ entries,
-                                                                   const float* __restrict__ coef, UnionWorkspace w,
-                                                                   Shapes s) {
+__global__ void __launch_bounds__(kLayoutThreads, 2048 / kLayoutThreads)
+    TwellUnionLayoutKernel(const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
+                           const uint32_t* __restrict__ entries, const float* __restrict__ coef, UnionWorkspace w,
+                           Shapes s) {
   static_assert(kValues == kCoefValues || R == 1, "word values and entry indices: one table row per neuron");
   constexpr bool kIndex = kValues == kEntryIndex || kValues == kFiredIndex;
   extern __shared__ int32_t union_smem[];
