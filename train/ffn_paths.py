@@ -14,8 +14,8 @@ the step's first micro-batch (:func:`make_union_probe`: a dense forward plus one
 matmul per layer), with 10% hysteresis (:meth:`PathRule.next`); it writes the register
 and re-jits when a side changed (:func:`update_sides`). The union matters: the kernels'
 union products read each block's union rows, and a trained layer's union is well below
-the uniform pattern's at the same density, so such layers stay on the kernels to ~1.05%
-active instead of ~0.85% (d=2048, f=5632, 16,384 tokens per call).
+the uniform pattern's at the same density, so such layers stay on the kernels to ~1.15%
+active instead of ~0.85-0.9% (d=2048, f=5632, 16,384 tokens per call).
 A resumed run traces the same layers sparse as the run it continues.
 """
 
