@@ -23,7 +23,9 @@
 // Kernels: the mma.sync one, a wgmma one (namespace wg) and the library's warp-specialized
 // wgmma one (ffi/twell_union.cuh), which the training backward runs for dx.
 // Measured: union_probe_d2b0ab9.txt, union_probe_aac403c.txt, union_probe_ws.txt,
-//           union_probe_producer_variants.txt.
+//           union_probe_producer_variants.txt; the variants of e5f4905 (128-token blocks,
+//           ring depth, two-chunk stages, ...): union_probe_{128_blocks,ring_depth,mma_lag,
+//           ablations,two_chunk_stages,lookahead}.txt.
 // Run:   ./union_gemm_probe [M d f active]   (default 16384 2048 5632 0.005): checks a small
 //        problem against a host reference, then times the headline shape's dx (two weights)
 //        and down projection (one), and the dense CUTLASS GEMMs they replace.
@@ -324,8 +326,6 @@ inline bool CheckLayouts() {
 // table (row id = 2 n + j), which it reads as a single table. Its variants measured here
 // and since removed (two producers, TMA row copies): ffi/notes/training_kernels.md.
 using WsConfig = jax_twell::union_product::Config<cutlass::bfloat16_t, 2>;
-template <int kBlk, int kCps>
-using WsVariantConfig = jax_twell::union_product::Config<cutlass::bfloat16_t, 2, kBlk, kCps>;
 static_assert(sizeof(BlockMeta) == sizeof(jax_twell::union_product::UnionMeta), "the same per-block record");
 
 
@@ -343,12 +343,10 @@ float FromBf16(uint16_t b) {
 }
 
 // A problem on the host: every token's active neurons (Bernoulli(active) over f), the
-// per-block unions of `blk` tokens (64, or 128 for the 128-token kernel), rows (per_neuron
-// rows of W per union neuron: 2 for dx, 1 for down), entries sorted by union row with their
-// chunk offsets, and random coefficients. The tokens' neurons and coefficients depend on
-// the seed only, not on blk, so both block sizes see the same tokens.
+// per-block unions, rows (per_neuron rows of W per union neuron: 2 for dx, 1 for down),
+// entries sorted by union row with their chunk offsets, and random coefficients.
 struct Problem {
-  int m, d, f, per_neuron, blk;
+  int m, d, f, per_neuron;
   std::vector<uint16_t> w;  // [per_neuron * f, d]
   std::vector<BlockMeta> meta;
   std::vector<int> rows, chunk_off;
@@ -356,25 +354,24 @@ struct Problem {
   int64_t union_rows = 0, entries = 0;
 };
 
-Problem MakeProblem(int m, int d, int f, double active, int per_neuron, uint32_t seed, int blk = kTok) {
+Problem MakeProblem(int m, int d, int f, double active, int per_neuron, uint32_t seed) {
   Problem p;
   p.m = m;
   p.d = d;
   p.f = f;
   p.per_neuron = per_neuron;
-  p.blk = blk;
-  std::mt19937 rng(seed), rng_on(seed + 1000u);
+  std::mt19937 rng(seed);
   std::uniform_real_distribution<float> uni(-1.f, 1.f);
   p.w.resize(static_cast<size_t>(per_neuron) * f * d);
   for (auto& v : p.w) v = ToBf16(uni(rng) * 0.05f);
   std::bernoulli_distribution on(active);
   std::vector<int> pos(f);
-  for (int b = 0; b < m / blk; ++b) {
-    std::vector<std::vector<int>> act(blk);
+  for (int b = 0; b < m / kTok; ++b) {
+    std::vector<std::vector<int>> act(kTok);
     std::vector<char> in_union(f, 0);
-    for (int t = 0; t < blk; ++t)
+    for (int t = 0; t < kTok; ++t)
       for (int n = 0; n < f; ++n)
-        if (on(rng_on)) {
+        if (on(rng)) {
           act[t].push_back(n);
           in_union[n] = 1;
         }
@@ -388,7 +385,7 @@ Problem MakeProblem(int m, int d, int f, double active, int per_neuron, uint32_t
         for (int j = 0; j < per_neuron; ++j) p.rows.push_back(n * per_neuron + j);
     for (int i = urows; i < chunks * kChunk; ++i) p.rows.push_back(0);  // padding rows: A is zero there
     std::vector<std::vector<uint32_t>> by_chunk(chunks);
-    for (int t = 0; t < blk; ++t)
+    for (int t = 0; t < kTok; ++t)
       for (int n : act[t])
         for (int j = 0; j < per_neuron; ++j) {
           const int r = pos[n] * per_neuron + j;
@@ -439,45 +436,14 @@ void FreeProblem(DeviceProblem& g) {
     cudaFree(q);
 }
 
-// The library's kernel in its build-time variants, on problems built with their block size:
-// kWs128, 128-token blocks (Config's kBlk = 128: two consumers of 128 tokens x 128
-// columns); kWsK64, two 32-row chunks a pipeline stage (kCps = 2); kWs128K64, both.
-enum Kind { kMmaSync, kWgmma, kWarpSpecialized, kWs128, kWsK64, kWs128K64 };
+enum Kind { kMmaSync, kWgmma, kWarpSpecialized };
 const char* KindName(int kind) {
-  switch (kind) {
-    case kMmaSync: return "mma.sync";
-    case kWgmma: return "wgmma";
-    case kWarpSpecialized: return "wgmma, warp-specialized (library)";
-    case kWs128: return "warp-specialized, 128-token blocks";
-    case kWsK64: return "warp-specialized, 2 chunks a stage";
-    default: return "warp-specialized, 128 tokens, 2 chunks a stage";
-  }
-}
-int BlockTokens(int kind) { return kind == kWs128 || kind == kWs128K64 ? 128 : kTok; }
-
-template <int kBlk, int kCps>
-auto* VariantKernel() {
-  return jax_twell::union_product::UnionProductKernel<cutlass::bfloat16_t, 2, 1, kBlk, kCps>;
-}
-
-template <int kBlk, int kCps>
-void LaunchVariant(const Problem& p, const DeviceProblem& g) {
-  // rows index one [per_neuron f, d] table, as for the library's kernel below
-  using Cfg = WsVariantConfig<kBlk, kCps>;
-  VariantKernel<kBlk, kCps>()<<<dim3(p.m / kBlk, p.d / Cfg::kSpan), Cfg::kThreads, Cfg::kSmemBytes>>>(
-      g.w, nullptr, p.d, p.m, reinterpret_cast<const jax_twell::union_product::UnionMeta*>(g.meta), g.rows,
-      g.chunk_off, g.ent, g.y);
+  return kind == kMmaSync ? "mma.sync" : kind == kWgmma ? "wgmma" : "wgmma, warp-specialized (library)";
 }
 
 void Launch(const Problem& p, const DeviceProblem& g, int kind) {
   const dim3 grid(p.d / kCols, p.m / kTok);
-  if (kind == kWs128) {
-    LaunchVariant<128, 1>(p, g);
-  } else if (kind == kWsK64) {
-    LaunchVariant<64, 2>(p, g);
-  } else if (kind == kWs128K64) {
-    LaunchVariant<128, 2>(p, g);
-  } else if (kind == kWarpSpecialized)
+  if (kind == kWarpSpecialized)
     jax_twell::union_product::UnionProductKernel<cutlass::bfloat16_t, 2, 1>
         <<<dim3(p.m / kTok, p.d / WsConfig::kSpan), WsConfig::kThreads, WsConfig::kSmemBytes>>>(
             g.w, nullptr, p.d, p.m, reinterpret_cast<const jax_twell::union_product::UnionMeta*>(g.meta), g.rows,
@@ -493,7 +459,7 @@ double CheckAgainstHost(const Problem& p, const DeviceProblem& g) {
   std::vector<uint16_t> y(size_t(p.m) * p.d);
   cudaMemcpy(y.data(), g.y, y.size() * 2, cudaMemcpyDeviceToHost);
   std::vector<double> ref(size_t(p.m) * p.d, 0.0);
-  for (int b = 0; b < p.m / p.blk; ++b) {
+  for (int b = 0; b < p.m / kTok; ++b) {
     const BlockMeta& bm = p.meta[b];
     for (int c = 0; c < bm.chunks; ++c)
       for (int e = p.chunk_off[bm.chunk_base + c]; e < p.chunk_off[bm.chunk_base + c + 1]; ++e) {
@@ -501,7 +467,7 @@ double CheckAgainstHost(const Problem& p, const DeviceProblem& g) {
         const int t = word & 0xff, r = p.rows[bm.row_base + c * kChunk + ((word >> 8) & 0xff)];
         const double v = FromBf16(static_cast<uint16_t>(word >> 16));
         for (int k = 0; k < p.d; ++k)
-          ref[(size_t(b) * p.blk + t) * p.d + k] += v * FromBf16(p.w[size_t(r) * p.d + k]);
+          ref[(size_t(b) * kTok + t) * p.d + k] += v * FromBf16(p.w[size_t(r) * p.d + k]);
       }
   }
   double err = 0, scale = 0;
@@ -534,8 +500,8 @@ int main(int argc, char** argv) {
   const int m = argc > 1 ? atoi(argv[1]) : 16384, d = argc > 2 ? atoi(argv[2]) : 2048;
   const int f = argc > 3 ? atoi(argv[3]) : 5632;
   const double active = argc > 4 ? atof(argv[4]) : 0.005;
-  if (m % 128 != 0 || d % WsConfig::kSpan != 0 || 2 * f / kChunk + 1 >= kMaxChunks) {
-    printf("M must be a multiple of %d, d of %d, and 2 f / %d below %d\n", 128, WsConfig::kSpan, kChunk, kMaxChunks);
+  if (m % kTok != 0 || d % WsConfig::kSpan != 0 || 2 * f / kChunk + 1 >= kMaxChunks) {
+    printf("M must be a multiple of %d, d of %d, and 2 f / %d below %d\n", kTok, WsConfig::kSpan, kChunk, kMaxChunks);
     return 1;
   }
   const bool layouts_ok = wg::CheckLayouts();
@@ -546,20 +512,14 @@ int main(int argc, char** argv) {
   cudaFuncSetAttribute(wg::Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sizeof(wg::Smem));
   cudaFuncSetAttribute(jax_twell::union_product::UnionProductKernel<cutlass::bfloat16_t, 2, 1>,
                        cudaFuncAttributeMaxDynamicSharedMemorySize, WsConfig::kSmemBytes);
-  cudaFuncSetAttribute(VariantKernel<128, 1>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       WsVariantConfig<128, 1>::kSmemBytes);
-  cudaFuncSetAttribute(VariantKernel<64, 2>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       WsVariantConfig<64, 2>::kSmemBytes);
-  cudaFuncSetAttribute(VariantKernel<128, 2>(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       WsVariantConfig<128, 2>::kSmemBytes);
 
   // Correctness on a small problem (both row counts per neuron, a dense-ish fraction so
   // that chunks hold many entries), against a double-precision host sum.
   int bad = 0;
-  for (int kind : {kMmaSync, kWgmma, kWarpSpecialized, kWs128, kWsK64, kWs128K64})
+  for (int kind : {kMmaSync, kWgmma, kWarpSpecialized})
     for (int per_neuron : {1, 2})
       for (double frac : {0.01, 0.2}) {
-        Problem p = MakeProblem(256, 512, 1000, frac, per_neuron, 7u + per_neuron, BlockTokens(kind));
+        Problem p = MakeProblem(256, 512, 1000, frac, per_neuron, 7u + per_neuron);
         DeviceProblem g = UploadProblem(p);
         cudaMemset(g.y, 0xff, sizeof(uint16_t) * size_t(p.m) * p.d);  // NaN: an output left unwritten fails
         Launch(p, g, kind);
@@ -576,27 +536,22 @@ int main(int argc, char** argv) {
 
   printf("M=%d d=%d f=%d, %.2f%% active, uniform; %d-token blocks, %d KB shared memory per CTA\n", m, d, f,
          100 * active, kTok, static_cast<int>(sizeof(SmemLayout) / 1024));
-  // PROBE_KINDS=ws: the warp-specialized kernels only (the library's and its variants).
-  const char* kinds_env = getenv("PROBE_KINDS");
-  const bool ws_only = kinds_env != nullptr && strcmp(kinds_env, "ws") == 0;
   for (int per_neuron : {2, 1}) {
-    for (int kind : {kMmaSync, kWgmma, kWarpSpecialized, kWs128, kWsK64, kWs128K64}) {
-      if (ws_only && (kind == kMmaSync || kind == kWgmma)) continue;
-      const int blk = BlockTokens(kind);
-      Problem p = MakeProblem(m, d, f, active, per_neuron, 1u, blk);
-      DeviceProblem g = UploadProblem(p);
+    Problem p = MakeProblem(m, d, f, active, per_neuron, 1u);
+    DeviceProblem g = UploadProblem(p);
+    for (int kind : {kMmaSync, kWgmma, kWarpSpecialized}) {
       const float ms = TimeKernel(p, g, 20, kind);
       const cudaError_t e = cudaGetLastError();
-      const double union_frac = double(p.union_rows) / (double(m / blk) * per_neuron * f);
-      const double flops = 2.0 * blk * double(p.union_rows) * d;
+      const double union_frac = double(p.union_rows) / (double(m / kTok) * per_neuron * f);
+      const double flops = 2.0 * kTok * double(p.union_rows) * d;
       char name[96];
       snprintf(name, sizeof(name), "union %s, %s", per_neuron == 2 ? "dx (Wg^T, Wu^T rows)" : "down (Wd rows)",
                KindName(kind));
       printf("%-56s %8.3f ms  union %.1f%% of rows, %.0f TF/s on the union, %.2f GB of rows %s\n", name, ms,
              100 * union_frac, flops / (ms * 1e-3) / 1e12, double(p.union_rows) * d * 2 / 1e9,
              e == cudaSuccess ? "" : cudaGetErrorString(e));
-      FreeProblem(g);
     }
+    FreeProblem(g);
   }
   // The dense products they replace: dx = [dg | du] @ [Wg^T; Wu^T] (K = 2f) and y = h @ Wd.
   BF16 *a, *b, *out;

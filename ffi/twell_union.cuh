@@ -38,20 +38,7 @@
 namespace jax_twell {
 namespace union_product {
 
-// Pipeline stages (a build switch for the probe's measurements; the library builds 5).
-#ifndef TWELL_UNION_RING
-#define TWELL_UNION_RING 5
-#endif
-constexpr int kRing = TWELL_UNION_RING;
-#ifndef TWELL_UNION_LOOKAHEAD  // chunks the producer loads rows and words ahead
-#define TWELL_UNION_LOOKAHEAD 2
-#endif
-#ifndef TWELL_UNION_ABLATE
-#define TWELL_UNION_ABLATE 0
-#endif
-#ifndef TWELL_UNION_MMA_LAG  // chunks of products in flight in the row product's consumers
-#define TWELL_UNION_MMA_LAG 1
-#endif
+constexpr int kRing = 5;  // pipeline stages
 
 // One chunk's entry words: with T threads and P words each, thread t holds entries
 // off + t, off + t + T, ... (registers, loaded ahead of their use); a chunk with more than
@@ -81,16 +68,12 @@ __device__ __forceinline__ ChunkSpan LoadSpan(const int* off, int c, int chunks)
 // is read without a global load, which would queue behind the copies the producer has in
 // flight (ffi/notes/training_kernels.md, "The producer's profile"); offsets past those
 // (a larger f) come from global memory.
-#ifndef TWELL_UNION_STAGED_OFFSETS  // a build switch: fewer, to make room for a deeper ring
-#define TWELL_UNION_STAGED_OFFSETS (2 * kMaxF / kChunk + 1)
-#endif
-constexpr int kStagedOffsets = TWELL_UNION_STAGED_OFFSETS;
+constexpr int kStagedOffsets = 2 * kMaxF / kChunk + 1;
 
-template <int kStaged = kStagedOffsets>
 __device__ __forceinline__ ChunkSpan LoadSpan(const int* staged, const int* off, int c, int chunks) {
   ChunkSpan s;
   if (c >= 0 && c < chunks) {
-    if (c + 1 < kStaged) {
+    if (c + 1 < kStagedOffsets) {
       s.e0 = LdSharedInt(staged + c);
       s.e1 = LdSharedInt(staged + c + 1);
     } else {
@@ -134,25 +117,21 @@ __device__ __forceinline__ void ForEachWord(const ChunkWords<T, P>& cw, const ui
   for (int e = cw.e0 + t + P * T; e < cw.e1; e += T) put(ent[e]);
 }
 
-// The 64 x N x 16 wgmma for Elem (N = 256 or 128): A K-major, B kMajorB (MN for the row
-// products, K for the up product), and the epilogue's packing of two f32 into an Elem pair.
-template <typename Elem, cute::GMMA::Major kMajorB = cute::GMMA::Major::MN, int N = 256>
+// The 64 x 256 x 16 wgmma for Elem: A K-major, B kMajorB (MN for the row products, K for
+// the up product), and the epilogue's packing of two f32 into an Elem pair.
+template <typename Elem, cute::GMMA::Major kMajorB = cute::GMMA::Major::MN>
 struct MmaFor;
-template <cute::GMMA::Major kMajorB, int N>
-struct MmaFor<cutlass::bfloat16_t, kMajorB, N> {
-  static_assert(N == 256 || N == 128, "the row products' wgmma is 64 x 256 or 64 x 128");
-  using Op = std::conditional_t<N == 256, cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>,
-                                cute::SM90_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>>;
+template <cute::GMMA::Major kMajorB>
+struct MmaFor<cutlass::bfloat16_t, kMajorB> {
+  using Op = cute::SM90_64x256x16_F32BF16BF16_SS<cute::GMMA::Major::K, kMajorB>;
   static __device__ __forceinline__ uint32_t Pack(float a, float b) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&v);
   }
 };
-template <cute::GMMA::Major kMajorB, int N>
-struct MmaFor<cutlass::half_t, kMajorB, N> {
-  static_assert(N == 256 || N == 128, "the row products' wgmma is 64 x 256 or 64 x 128");
-  using Op = std::conditional_t<N == 256, cute::SM90_64x256x16_F32F16F16_SS<cute::GMMA::Major::K, kMajorB>,
-                                cute::SM90_64x128x16_F32F16F16_SS<cute::GMMA::Major::K, kMajorB>>;
+template <cute::GMMA::Major kMajorB>
+struct MmaFor<cutlass::half_t, kMajorB> {
+  using Op = cute::SM90_64x256x16_F32F16F16_SS<cute::GMMA::Major::K, kMajorB>;
   static __device__ __forceinline__ uint32_t Pack(float a, float b) {
     const __half2 v = __floats2half2_rn(a, b);
     return *reinterpret_cast<const uint32_t*>(&v);
@@ -161,18 +140,15 @@ struct MmaFor<cutlass::half_t, kMajorB, N> {
 
 // Byte offsets in the A and B tiles of one stage (16-bit elements; the GMMA layouts of
 // Config, checked against CuTe's own by benchmarks/union_layout_check.cu): A, K-major with the
-// 64-byte swizzle, for an entry word's (token, column), any number of tokens up to 256; B,
-// MN-major with the 128-byte swizzle and kC columns (a multiple of 64), for output column n
-// (a multiple of 8) of union row k.
+// 64-byte swizzle, for an entry word's (token, column); B, MN-major with the 128-byte
+// swizzle, for output column n (a multiple of 8) of union row k.
 static_assert(kChunk == 32 && kCols % 64 == 0, "A rows are one 64-byte swizzle atom wide; B spans whole 128-byte atoms");
 __host__ __device__ __forceinline__ uint32_t SwizzleA(uint32_t e) {
   const uint32_t o = (e & 0xff) * (2 * kChunk) + ((e >> 7) & 0x1fe);  // token * 64 + column * 2
   return o ^ ((o >> 3) & 0x30);
 }
-template <int kC = kCols>
 __host__ __device__ __forceinline__ uint32_t SwizzleB(int n, int k) {
-  static_assert(kC % 64 == 0, "B spans whole 128-byte atoms");
-  const uint32_t o = ((n / 64) + (kC / 64) * (k / 8)) * 1024 + (k % 8) * 128 + (n % 64) * 2;
+  const uint32_t o = ((n / 64) + (kCols / 64) * (k / 8)) * 1024 + (k % 8) * 128 + (n % 64) * 2;
   return o ^ ((o >> 3) & 0x70);
 }
 
@@ -184,40 +160,22 @@ __host__ __device__ __forceinline__ uint32_t SwizzleK128(int r, int c) {
   return o ^ ((o >> 3) & 0x70);
 }
 
-// kBlk tokens per block: 64 (the library's layouts), or 128 (benchmarks/union_gemm_probe.cu's
-// variant: a consumer then holds 128 tokens x 128 columns, the same 128 accumulators a
-// thread, and issues two 64 x 128 wgmma where it issued one 64 x 256).
-//
-// kCps chunks per pipeline stage: 1, or 2 (a stage of K = 64: A [kBlk, 64], whose two
-// 32-column halves are two 32-column tiles back to back in the SW64 layout, and B 64 rows;
-// four wgmma per consumer between barriers instead of two). A 2-chunk stage of 72 KB
-// leaves room for kRing2 = 3 stages and 1,025 staged chunk offsets (dx up to f = 16,384;
-// offsets past those come from global memory).
-#ifndef TWELL_UNION_RING2
-#define TWELL_UNION_RING2 3
-#endif
-template <typename Elem, int kConsumers, int kBlk = kTok, int kCps = 1>
+template <typename Elem, int kConsumers>
 struct Config {
-  static_assert(kBlk == 64 || kBlk == 128, "64- or 128-token blocks");
-  static_assert(kCps == 1 || kCps == 2, "one or two chunks a stage");
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kColsC = kCols * kTok / kBlk;  // output columns per consumer
-  static constexpr int kSpan = kColsC * kConsumers;  // output columns per CTA
-  static constexpr int kStageK = kChunk * kCps;      // union rows per stage
-  static constexpr int kStages = kCps == 1 ? kRing : TWELL_UNION_RING2;
-  static constexpr int kStaged = kCps == 1 ? kStagedOffsets : 1025;
+  static constexpr int kSpan = kCols * kConsumers;  // output columns per CTA
   using LayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW64_Atom<Elem>{},
-                                               cute::make_shape(cute::Int<kBlk>{}, cute::Int<kStageK>{},
-                                                                cute::Int<kStages>{})));
+                                               cute::make_shape(cute::Int<kTok>{}, cute::Int<kChunk>{},
+                                                                cute::Int<kRing>{})));
   using LayoutB = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Elem>{},
-                                               cute::make_shape(cute::Int<kColsC>{}, cute::Int<kStageK>{},
-                                                                cute::Int<kStages>{})));
-  using Pipe = cutlass::PipelineAsync<kStages>;
+                                               cute::make_shape(cute::Int<kCols>{}, cute::Int<kChunk>{},
+                                                                cute::Int<kRing>{})));
+  using Pipe = cutlass::PipelineAsync<kRing>;
   struct Smem {
     alignas(1024) Elem b[kConsumers][cute::cosize_v<LayoutB>];
     alignas(1024) Elem a[cute::cosize_v<LayoutA>];
     typename Pipe::SharedStorage pipe;
-    int off[kStaged];  // the block's chunk offsets (producer only)
+    int off[kStagedOffsets];  // the block's chunk offsets (producer only)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;  // + alignment slack
 };
@@ -227,16 +185,14 @@ struct Config {
 // block is marked over budget (as the per-entry down steps write it). Table rows:
 // kRowsPerNeuron = 2: id & 1 selects table1 over table0, row id >> 1; otherwise table0,
 // row id. d a multiple of kSpan; grid (blocks, d / kSpan).
-template <typename Elem, int kConsumers, int kRowsPerNeuron, int kBlk = kTok, int kCps = 1>
-__global__ void __launch_bounds__(Config<Elem, kConsumers, kBlk, kCps>::kThreads, 1)
+template <typename Elem, int kConsumers, int kRowsPerNeuron>
+__global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
     UnionProductKernel(const uint16_t* __restrict__ table0, const uint16_t* __restrict__ table1, int d,
                        int64_t out_rows, const UnionMeta* __restrict__ meta, const int* __restrict__ rows,
                        const int* __restrict__ chunk_off, const uint32_t* __restrict__ ent,
                        uint16_t* __restrict__ y) {
   using namespace cute;
-  using Cfg = Config<Elem, kConsumers, kBlk, kCps>;
-  constexpr int kColsC = Cfg::kColsC;
-  constexpr int kStages = Cfg::kStages;
+  using Cfg = Config<Elem, kConsumers>;
   using Pipe = typename Cfg::Pipe;
   using Words = ChunkWords<128, 4>;
   extern __shared__ unsigned char smem_raw[];
@@ -264,30 +220,20 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers, kBlk, kCps>::kThreads
   if (group == 0) {  // producer
     const int* block_rows = rows + bm.row_base;
     auto state = cutlass::make_producer_start_state<Pipe>();
-    // This thread's 16-byte piece of each row's 256-column slice: consumer slab
-    // `slab0 + pass kSlabsPerPass` (one pass per consumer at 256 columns, two slabs a pass
-    // at 128), column `piece_col` within it.
-    const int piece = tid % 32;
-    constexpr int kSlabsPerPass = kCols / kColsC, kPasses = kConsumers / kSlabsPerPass;
-    static_assert(kConsumers % kSlabsPerPass == 0, "whole 256-column passes");
-    const int slab0 = piece / (kColsC / 8), piece_col = piece % (kColsC / 8) * 8;
+    const int piece = tid % 32;                 // this thread's 16-byte piece of each row slice
     constexpr int kRowsPerThread = kChunk / 4;  // 8: rows tid / 32 + 4 i
     // Addresses as 32-bit shared offsets and one wide multiply-add per row: the layouts'
     // swizzles are fixed per thread and row (B) or two shifts and an xor (A), so the chunk
     // loop needs none of the generic 64-bit pointer arithmetic.
-    constexpr uint32_t kAStageBytes = kBlk * Cfg::kStageK * sizeof(Elem);
-    constexpr uint32_t kBStageBytes = kColsC * Cfg::kStageK * sizeof(Elem);
-    // A stage's chunk h: its A columns and B rows start h 32-column A tiles and h 32-row B
-    // tiles in (the layouts tile K after M and N).
-    constexpr uint32_t kAChunkBytes = kBlk * kChunk * sizeof(Elem), kBChunkBytes = kColsC * kChunk * sizeof(Elem);
+    constexpr uint32_t kAStageBytes = kTok * kChunk * sizeof(Elem);
+    constexpr uint32_t kBStageBytes = kCols * kChunk * sizeof(Elem);
     constexpr uint32_t kBTableBytes = sizeof(s.b[0]);
     const uint32_t a_base = SmemAddr(s.a), b_base = SmemAddr(s.b[0]);
     uint32_t b_off[kRowsPerThread];
     CUTE_UNROLL
-    for (int i = 0; i < kRowsPerThread; ++i)
-      b_off[i] = SwizzleB<kColsC>(piece_col, tid / 32 + 4 * i) + slab0 * kBTableBytes;
-    const char* src0 = reinterpret_cast<const char*>(table0 + n0 + slab0 * kColsC + piece_col);
-    const char* src1 = reinterpret_cast<const char*>(table1 + n0 + slab0 * kColsC + piece_col);
+    for (int i = 0; i < kRowsPerThread; ++i) b_off[i] = SwizzleB(piece * 8, tid / 32 + 4 * i);
+    const char* src0 = reinterpret_cast<const char*>(table0 + n0 + piece * 8);
+    const char* src1 = reinterpret_cast<const char*>(table1 + n0 + piece * 8);
     const uint32_t row_bytes = static_cast<uint32_t>(d) * sizeof(Elem);
     auto row_src = [&](int id) -> const char* {
       if constexpr (kRowsPerNeuron == 2)
@@ -299,93 +245,47 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers, kBlk, kCps>::kThreads
       CUTE_UNROLL
       for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 4 * i] : 0;
     };
-    // kCps chunks into one stage: r[h], cw[h] are chunk h's rows and words.
-    auto produce = [&](const int (&r)[kCps][kRowsPerThread], const Words (&cw)[kCps]) {
+    auto produce = [&](const int (&r)[kRowsPerThread], const Words& cw) {
       pipe.producer_acquire(state);
       const int st = state.index();
       const uint32_t a_stage = a_base + st * kAStageBytes;
-#if TWELL_UNION_ABLATE != 2  // probe-only ablations (wrong results): 1 no producer fence, 2 no scatter either
-      CUTE_UNROLL
-      for (int h = 0; h < kCps; ++h)
-        ForEachWord(cw[h], ent, [&](uint32_t e) { StSharedU16(a_stage + h * kAChunkBytes + SwizzleA(e), e >> 16); });
-#endif
+      ForEachWord(cw, ent, [&](uint32_t e) { StSharedU16(a_stage + SwizzleA(e), e >> 16); });
       // The A stores, visible to the async proxy: fenced before this chunk's copies are
       // issued, so the fence does not wait behind them (the consumers fence the copies'
       // data after their full-barrier wait).
-#if TWELL_UNION_ABLATE == 0
       cutlass::arch::fence_view_async_shared();
-#endif
       const uint32_t b_stage = b_base + st * kBStageBytes;
-#if TWELL_UNION_ABLATE != 4  // 4: no copies (wrong results)
       CUTE_UNROLL
-      for (int h = 0; h < kCps; ++h) {
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        const char* src = row_src(r[i]);
         CUTE_UNROLL
-        for (int i = 0; i < kRowsPerThread; ++i) {
-          const char* src = row_src(r[h][i]);
-          CUTE_UNROLL
-          for (int k = 0; k < kPasses; ++k)
-            CpAsync16Shared(b_stage + h * kBChunkBytes + b_off[i] + k * kSlabsPerPass * kBTableBytes,
-                            src + k * kCols * sizeof(Elem));
-        }
+        for (int k = 0; k < kConsumers; ++k)
+          CpAsync16Shared(b_stage + b_off[i] + k * kBTableBytes, src + k * kCols * sizeof(Elem));
       }
-#endif
       pipe.producer_commit(state, cutlass::arch::cpasync_barrier_arrive);
       ++state;
     };
     // Row indices and entry words reach registers two chunks ahead, in two sets used in
     // turn: a register is reloaded only after its chunk is issued. A chunk's word offsets
     // are read (from shared memory) a chunk before its words.
-    auto stage_offsets = [&] {
-      for (int i = tid; i < min(chunks + 1, Cfg::kStaged); i += 128) StSharedInt(&s.off[i], off[i]);
-      cutlass::arch::NamedBarrier::sync(128, 1);  // the staged offsets are in place
-    };
-    auto span = [&](int c) { return LoadSpan<Cfg::kStaged>(s.off, off, c, chunks); };
-    if constexpr (kCps == 1) {
-      // kSets register sets used in turn: a chunk's rows and words are loaded kSets chunks
-      // before it is produced.
-      constexpr int kSets = TWELL_UNION_LOOKAHEAD;
-      int r[kSets][1][kRowsPerThread];
-      Words w[kSets][1];
-      ChunkSpan sp[kSets];
-      CUTE_UNROLL
-      for (int j = 0; j < kSets; ++j) load_rows(j, r[j][0]);
-      stage_offsets();
-      CUTE_UNROLL
-      for (int j = 0; j < kSets; ++j) {
-        sp[j] = span(kSets + j);
-        w[j][0] = LoadWords<128, 4>(ent, span(j));
-      }
-      for (int c = 0; c < chunks; c += kSets) {
-        CUTE_UNROLL
-        for (int j = 0; j < kSets; ++j) {
-          if (c + j >= chunks) break;
-          produce(r[j], w[j]);
-          load_rows(c + kSets + j, r[j][0]);
-          w[j][0] = LoadWords<128, 4>(ent, sp[j]);
-          sp[j] = span(c + 2 * kSets + j);
-        }
-      }
-    } else {  // a stage's chunks in one set, loaded a stage (kCps chunks) ahead
-      int r[kCps][kRowsPerThread];
-      Words w[kCps];
-      ChunkSpan sp[kCps];
-      CUTE_UNROLL
-      for (int h = 0; h < kCps; ++h) load_rows(h, r[h]);
-      stage_offsets();
-      CUTE_UNROLL
-      for (int h = 0; h < kCps; ++h) {
-        w[h] = LoadWords<128, 4>(ent, span(h));
-        sp[h] = span(kCps + h);
-      }
-      for (int c = 0; c < chunks; c += kCps) {
-        produce(r, w);
-        CUTE_UNROLL
-        for (int h = 0; h < kCps; ++h) {
-          load_rows(c + kCps + h, r[h]);
-          w[h] = LoadWords<128, 4>(ent, sp[h]);
-          sp[h] = span(c + 2 * kCps + h);
-        }
-      }
+    int r0[kRowsPerThread], r1[kRowsPerThread];
+    load_rows(0, r0);
+    load_rows(1, r1);
+    for (int i = tid; i < min(chunks + 1, kStagedOffsets); i += 128) StSharedInt(&s.off[i], off[i]);
+    cutlass::arch::NamedBarrier::sync(128, 1);  // the staged offsets are in place
+    auto span = [&](int c) { return LoadSpan(s.off, off, c, chunks); };
+    ChunkSpan s0 = span(2), s1 = span(3);
+    Words w0 = LoadWords<128, 4>(ent, span(0)), w1 = LoadWords<128, 4>(ent, span(1));
+    for (int c = 0; c < chunks; c += 2) {
+      produce(r0, w0);
+      load_rows(c + 2, r0);
+      w0 = LoadWords<128, 4>(ent, s0);
+      s0 = span(c + 4);
+      if (c + 1 >= chunks) break;
+      produce(r1, w1);
+      load_rows(c + 3, r1);
+      w1 = LoadWords<128, 4>(ent, s1);
+      s1 = span(c + 5);
     }
     return;
   }
@@ -393,16 +293,16 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers, kBlk, kCps>::kThreads
   // consumer warp group `group` owns columns n0 + 256 (group - 1)
   const int consumer = group - 1;
   Tensor sB = make_tensor(make_smem_ptr(s.b[consumer]), typename Cfg::LayoutB{});
-  auto mma = make_tiled_mma(typename MmaFor<Elem, GMMA::Major::MN, kColsC>::Op{});
+  auto mma = make_tiled_mma(typename MmaFor<Elem>::Op{});
   auto thr = mma.get_thread_slice(tid % 128);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  Tensor acc = partition_fragment_C(mma, make_shape(Int<kBlk>{}, Int<kColsC>{}));
+  Tensor acc = partition_fragment_C(mma, make_shape(Int<kTok>{}, Int<kCols>{}));
   clear(acc);
   warpgroup_fence_operand(acc);
   mma.accumulate_ = GMMA::ScaleOut::One;
-  cutlass::PipelineState<kStages> read{}, release{};
-  auto multiply = [&] {  // stage `read`'s products, issued asynchronously
+  cutlass::PipelineState<kRing> read{}, release{};
+  auto multiply = [&] {  // chunk `read`'s products, issued asynchronously
     pipe.consumer_wait(read);
     cutlass::arch::fence_view_async_shared();
     warpgroup_fence_operand(acc);
@@ -411,34 +311,26 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers, kBlk, kCps>::kThreads
     warpgroup_commit_batch();
     ++read;
   };
-  // kMmaLag chunks of products stay in flight: chunk c - kMmaLag's stage is released once
-  // chunk c is issued, so the release path (named barrier, clear, fence, arrive) runs
-  // while the tensor pipe still has work queued.
-  constexpr int kMmaLag = TWELL_UNION_MMA_LAG;
-  static_assert(kMmaLag >= 1 && kMmaLag <= kStages - 2, "the producer needs a stage");
-  const int n_stages = (chunks + kCps - 1) / kCps;
-  for (int c = 0; c < min(n_stages, kMmaLag); ++c) multiply();
+  if (chunks > 0) multiply();
 #pragma unroll 1
-  for (int c = kMmaLag; c < n_stages; ++c) {
+  for (int c = 1; c < chunks; ++c) {
     multiply();
-    warpgroup_wait<kMmaLag>();  // chunk c - kMmaLag's products are done: release its stage
+    warpgroup_wait<1>();  // chunk c - 1's products are done: release its stage
     warpgroup_fence_operand(acc);
     if constexpr (kConsumers > 1) cutlass::arch::NamedBarrier::sync(128 * kConsumers, 2);  // all groups are done with it
-#if TWELL_UNION_ABLATE != 3  // 3: no clear (wrong results)
     {
       uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, release.index()));
-      for (int i = tid - 128; i < kBlk * Cfg::kStageK / 8; i += 128 * kConsumers) a4[i] = make_uint4(0, 0, 0, 0);
+      for (int i = tid - 128; i < kTok * kChunk / 8; i += 128 * kConsumers) a4[i] = make_uint4(0, 0, 0, 0);
       cutlass::arch::fence_view_async_shared();
     }
-#endif
     pipe.consumer_release(release);
     ++release;
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
-  const int64_t row0 = static_cast<int64_t>(block) * kBlk;
-  const int col0 = n0 + consumer * kColsC;
-  Tensor cY = make_identity_tensor(make_shape(Int<kBlk>{}, Int<kColsC>{}));
+  const int64_t row0 = static_cast<int64_t>(block) * kTok;
+  const int col0 = n0 + consumer * kCols;
+  Tensor cY = make_identity_tensor(make_shape(Int<kTok>{}, Int<kCols>{}));
   Tensor tCcY = thr.partition_C(cY);
   // Packed pairs: (i, i + 1) are adjacent columns of one row. Single-element stores made
   // ptxas serialize every wgmma (C7514).
