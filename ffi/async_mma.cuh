@@ -26,9 +26,6 @@ __device__ __forceinline__ void StSharedInt(int* p, int v) {
 __device__ __forceinline__ void StSharedU16(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(static_cast<unsigned short>(v)));
 }
-__device__ __forceinline__ void StSharedZero16(uint32_t addr) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0));
-}
 // 16 bytes from src, or (bytes = 0) 16 zero bytes without reading src.
 __device__ __forceinline__ void CpAsync16SharedOrZero(uint32_t dst, const void* src, uint32_t bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));

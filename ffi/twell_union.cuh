@@ -40,14 +40,6 @@ namespace union_product {
 
 constexpr int kRing = 5;  // pipeline stages
 
-// Build switch (probe measurement): 1 = each consumer group scatters the chunk's entries
-// into its own A ring and clears it after its products (no named barrier between the
-// groups; the producer only copies rows). 0 = the producer scatters one shared A ring.
-#ifndef TWELL_UNION_CONSUMER_SCATTER
-#define TWELL_UNION_CONSUMER_SCATTER 0
-#endif
-constexpr bool kConsumerScatter = TWELL_UNION_CONSUMER_SCATTER != 0;
-
 // One chunk's entry words: with T threads and P words each, thread t holds entries
 // off + t, off + t + T, ... (registers, loaded ahead of their use); a chunk with more than
 // T P entries reads the rest from global memory when used (correct, slower).
@@ -179,12 +171,11 @@ struct Config {
                                                cute::make_shape(cute::Int<kCols>{}, cute::Int<kChunk>{},
                                                                 cute::Int<kRing>{})));
   using Pipe = cutlass::PipelineAsync<kRing>;
-  static constexpr int kARings = kConsumerScatter ? kConsumers : 1;
   struct Smem {
     alignas(1024) Elem b[kConsumers][cute::cosize_v<LayoutB>];
-    alignas(1024) Elem a[kARings][cute::cosize_v<LayoutA>];
+    alignas(1024) Elem a[cute::cosize_v<LayoutA>];
     typename Pipe::SharedStorage pipe;
-    int off[kStagedOffsets];  // the block's chunk offsets (the threads that scatter)
+    int off[kStagedOffsets];  // the block's chunk offsets (producer only)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;  // + alignment slack
 };
@@ -223,11 +214,8 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
     uint4* a4 = reinterpret_cast<uint4*>(s.a);
     for (int i = tid; i < static_cast<int>(sizeof(s.a) / 16); i += Cfg::kThreads) a4[i] = make_uint4(0, 0, 0, 0);
   }
-  if constexpr (kConsumerScatter)  // the consumers read the spans: staged before the roles split
-    for (int i = tid; i < min(chunks + 1, kStagedOffsets); i += Cfg::kThreads) StSharedInt(&s.off[i], off[i]);
-  __syncthreads();  // barriers initialised (and the offsets staged)
-  const int a_ring = kConsumerScatter && group > 0 ? group - 1 : 0;
-  Tensor sA = make_tensor(make_smem_ptr(s.a[a_ring]), typename Cfg::LayoutA{});  // (token, k, stage)
+  __syncthreads();  // barriers initialised
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename Cfg::LayoutA{});  // (token, k, stage)
 
   if (group == 0) {  // producer
     const int* block_rows = rows + bm.row_base;
@@ -261,13 +249,11 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
       pipe.producer_acquire(state);
       const int st = state.index();
       const uint32_t a_stage = a_base + st * kAStageBytes;
-      if constexpr (!kConsumerScatter) {
-        ForEachWord(cw, ent, [&](uint32_t e) { StSharedU16(a_stage + SwizzleA(e), e >> 16); });
-        // The A stores, visible to the async proxy: fenced before this chunk's copies are
-        // issued, so the fence does not wait behind them (the consumers fence the copies'
-        // data after their full-barrier wait).
-        cutlass::arch::fence_view_async_shared();
-      }
+      ForEachWord(cw, ent, [&](uint32_t e) { StSharedU16(a_stage + SwizzleA(e), e >> 16); });
+      // The A stores, visible to the async proxy: fenced before this chunk's copies are
+      // issued, so the fence does not wait behind them (the consumers fence the copies'
+      // data after their full-barrier wait).
+      cutlass::arch::fence_view_async_shared();
       const uint32_t b_stage = b_base + st * kBStageBytes;
       CUTE_UNROLL
       for (int i = 0; i < kRowsPerThread; ++i) {
@@ -285,17 +271,6 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
     int r0[kRowsPerThread], r1[kRowsPerThread];
     load_rows(0, r0);
     load_rows(1, r1);
-    if constexpr (kConsumerScatter) {  // rows only: the consumers scatter the entries
-      const Words none{};
-      for (int c = 0; c < chunks; c += 2) {
-        produce(r0, none);
-        load_rows(c + 2, r0);
-        if (c + 1 >= chunks) break;
-        produce(r1, none);
-        load_rows(c + 3, r1);
-      }
-      return;
-    }
     for (int i = tid; i < min(chunks + 1, kStagedOffsets); i += 128) StSharedInt(&s.off[i], off[i]);
     cutlass::arch::NamedBarrier::sync(128, 1);  // the staged offsets are in place
     auto span = [&](int c) { return LoadSpan(s.off, off, c, chunks); };
@@ -336,39 +311,6 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
     warpgroup_commit_batch();
     ++read;
   };
-  if constexpr (kConsumerScatter) {
-    // Each group scatters chunk c's entries into its own A stage (clear since that stage's
-    // previous chunk), one fence after the full-barrier wait covers those stores and the
-    // copies, and after chunk c - 1's products it clears that stage and releases its B.
-    // Entry words two chunks ahead in two register sets, as the producer loads them below.
-    const int ctid = tid % 128;
-    const uint32_t a_base = SmemAddr(s.a[a_ring]);
-    constexpr uint32_t kAStageBytes = kTok * kChunk * sizeof(Elem);
-    auto span = [&](int c) { return LoadSpan(s.off, off, c, chunks); };
-    ChunkSpan s0 = span(2), s1 = span(3);
-    Words w0 = LoadWords<128, 4>(ent, span(0), ctid), w1 = LoadWords<128, 4>(ent, span(1), ctid);
-    auto step = [&](Words& w, ChunkSpan& sp, int c) {
-      const uint32_t a_stage = a_base + read.index() * kAStageBytes;
-      ForEachWord(w, ent, [&](uint32_t e) { StSharedU16(a_stage + SwizzleA(e), e >> 16); }, ctid);
-      w = LoadWords<128, 4>(ent, sp, ctid);
-      sp = span(c + 4);
-      multiply();
-      if (c > 0) {
-        warpgroup_wait<1>();  // chunk c - 1's products are done: clear its A, release its B
-        warpgroup_fence_operand(acc);
-        const uint32_t a_old = a_base + release.index() * kAStageBytes;
-        for (int i = ctid; i < static_cast<int>(kAStageBytes / 16); i += 128) StSharedZero16(a_old + 16 * i);
-        pipe.consumer_release(release);
-        ++release;
-      }
-    };
-#pragma unroll 1
-    for (int c = 0; c < chunks; c += 2) {
-      step(w0, s0, c);
-      if (c + 1 >= chunks) break;
-      step(w1, s1, c + 1);
-    }
-  } else {
   if (chunks > 0) multiply();
 #pragma unroll 1
   for (int c = 1; c < chunks; ++c) {
@@ -383,7 +325,6 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
     }
     pipe.consumer_release(release);
     ++release;
-  }
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
