@@ -1,0 +1,248 @@
+// row_copy_probe: how fast can one SM move gathered weight-row slices from L2 into shared
+// memory, by each of the ways Hopper offers, with nothing else running?
+//
+// The union products (ffi/twell_union.cuh) spend their time on row slices: per chunk of 32
+// union rows, 32 slices of 1 KB (512 bf16 columns of a d = 2048 row) gathered from rows
+// scattered over one or two [f, d] tables. Today 128 producer threads move them as 2,048
+// 16-byte cp.async (LDGSTS) a chunk. The notes (ffi/notes/training_kernels.md, "What the
+// probe runs of 2026-12-01 settle") leave one lever: fewer, larger transfers. This probe
+// bounds it before anything is built: it runs the union product's producer/consumer ring
+// with the products taken out, so the time is the copies' alone.
+//
+// Layout of the run: a table of R rows x d bf16 (R = 2 f = 11,264 at f = 5632, the dx
+// product's two tables, 46 MB, so the rows come from L2 as in the product); one CTA per
+// (block, column span), blocks fastest as in the product, each CTA `chunks` chunks of
+// random rows (uniform, fixed seed). A ring of 5 stages of 32 KB; stage s is filled by
+// the producer warp group and released by a consumer warp that waits for it and reads one
+// word of it. Ways to fill a stage:
+//   ldgsts    the library's: 16-byte cp.async, 128 threads, completion on the stage's
+//             barrier by cp.async.mbarrier.arrive.noinc;
+//   bulkP     the bulk copy engine (cp.async.bulk ... complete_tx on the barrier), one
+//             request per P bytes of a row slice (P = 128 ... the span), issued by the
+//             producer's lanes spread over its four warps;
+//   none      the ring with no copies (barrier rounds only).
+// Span: the bytes of each row a CTA copies (1,024 = the product's 512 columns; 2,048 and
+// 4,096 show what wider slices, or whole rows, would give). Rows per chunk = 32 KB / span.
+//
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/row_copy_probe.cu -o row_copy_probe
+// Run:   ./row_copy_probe [rows=11264] [d=2048] [blocks=256] [kb_per_cta=3040]
+//        (kb_per_cta: KB of slices per CTA; 3,040 = 95 chunks, the dx product's at 0.5%)
+// Prints one line per (way, span, request size): time per launch and TB/s of slices.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#define CHECK(x)                                                                        \
+  do {                                                                                  \
+    cudaError_t e_ = (x);                                                               \
+    if (e_ != cudaSuccess) {                                                            \
+      printf("%s failed: %s (line %d)\n", #x, cudaGetErrorString(e_), __LINE__);       \
+      exit(1);                                                                          \
+    }                                                                                   \
+  } while (0)
+
+namespace {
+
+constexpr int kStages = 5;
+constexpr int kStageBytes = 32 * 1024;
+constexpr int kProducerThreads = 128;
+constexpr int kThreads = kProducerThreads + 32;  // + one consumer warp
+
+enum Way { kNone = 0, kLdgsts = 1, kBulk = 2 };
+
+__device__ __forceinline__ uint32_t Smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void BarInit(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void BarArrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void BarArriveTx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void BarWait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void CpAsyncArrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void Bulk(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// rows: per CTA block, chunks x rows_per_chunk row ids. grid (blocks, row_bytes / span).
+template <int span>
+__global__ void __launch_bounds__(kThreads, 1)
+    RingKernel(const char* __restrict__ table, int64_t row_bytes, const int* __restrict__ rows, int chunks,
+               int way, int piece, unsigned* __restrict__ sink) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full[kStages], empty[kStages];
+  const int tid = threadIdx.x;
+  constexpr int rows_per_chunk = kStageBytes / span;
+  // the CTA's row ids, staged in shared memory after the ring (so the copies' addresses
+  // wait on nothing but a shared load)
+  int* my_rows = reinterpret_cast<int*>(smem + kStages * kStageBytes);
+  const int* src_rows = rows + static_cast<int64_t>(blockIdx.x) * chunks * rows_per_chunk;
+  for (int i = tid; i < chunks * rows_per_chunk; i += kThreads) my_rows[i] = src_rows[i];
+  const char* col0 = table + static_cast<int64_t>(blockIdx.y) * span;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      // full: the producer's 128 threads arrive (ldgsts: as their copies land; bulk: one
+      // arrival with the stage's byte count); empty: the consumer warp's lane 0.
+      BarInit(Smem(&full[s]), way == kLdgsts || way == kNone ? kProducerThreads : 1);
+      BarInit(Smem(&empty[s]), 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const uint32_t base = Smem(smem);
+  if (tid < kProducerThreads) {
+    const int requests_per_row = span / piece;
+    const int requests = rows_per_chunk * requests_per_row;
+    // request j is issued by thread (j % 4) * 32 + j / 4: the four warps share the issue
+    const int warp = tid / 32, lane = tid % 32;
+    for (int c = 0; c < chunks; ++c) {
+      const int s = c % kStages;
+      if (c >= kStages) BarWait(Smem(&empty[s]), ((c / kStages) - 1) & 1);
+      const uint32_t stage = base + s * kStageBytes;
+      const int* cr = my_rows + c * rows_per_chunk;
+      if (way == kLdgsts) {
+        // 16-byte pieces: thread t copies pieces t, t + 128, ... of the chunk (span / 16
+        // pieces a row, consecutive threads on consecutive pieces of one row)
+        constexpr int pieces_per_row = span / 16;
+#pragma unroll
+        for (int p = tid; p < kStageBytes / 16; p += kProducerThreads) {
+          const int r = p / pieces_per_row, q = p % pieces_per_row;
+          CpAsync16(stage + r * span + q * 16, col0 + cr[r] * row_bytes + q * 16);
+        }
+        CpAsyncArrive(Smem(&full[s]));
+      } else if (way == kBulk) {
+        // one arrival carries the stage's byte count; copies landing before it cannot
+        // complete the phase (its one pending arrival is still missing)
+        if (tid == 0) BarArriveTx(Smem(&full[s]), kStageBytes);
+        for (int j = lane * 4 + warp; j < requests; j += kProducerThreads) {
+          const int r = j / requests_per_row, q = j % requests_per_row;
+          Bulk(stage + r * span + q * piece, col0 + cr[r] * row_bytes + q * piece, piece, Smem(&full[s]));
+        }
+      } else {
+        BarArrive(Smem(&full[s]));
+      }
+    }
+    return;
+  }
+  // consumer warp: wait for each stage, read a word of it, release it
+  const int lane = tid % 32;
+  unsigned acc = 0;
+  for (int c = 0; c < chunks; ++c) {
+    const int s = c % kStages;
+    BarWait(Smem(&full[s]), (c / kStages) & 1);
+    acc += reinterpret_cast<const unsigned*>(smem + s * kStageBytes)[lane * 256];
+    __syncwarp();
+    if (lane == 0) BarArrive(Smem(&empty[s]));
+  }
+  if (acc == 0x12345678u) sink[0] = acc;  // keeps the reads
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int rows = argc > 1 ? atoi(argv[1]) : 11264, d = argc > 2 ? atoi(argv[2]) : 2048;
+  const int blocks = argc > 3 ? atoi(argv[3]) : 256, kb_per_cta = argc > 4 ? atoi(argv[4]) : 3040;
+  const int64_t row_bytes = int64_t(d) * 2;
+  const int chunks = kb_per_cta / 32;
+  if (chunks < 1 || chunks > 300 || d % 2048 != 0) {
+    printf("kb_per_cta must give 1 to 300 chunks of 32 KB, and d be a multiple of 2048\n");
+    return 1;
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("gathered row slices into shared memory: table %d x %d bf16 (%.1f MB), %d blocks, %d chunks of 32 KB per CTA, %s, %d SMs\n",
+         rows, d, rows * row_bytes / 1e6, blocks, chunks, prop.name, prop.multiProcessorCount);
+  char* table;
+  unsigned* sink;
+  CHECK(cudaMalloc(&table, rows * row_bytes));
+  CHECK(cudaMemset(table, 1, rows * row_bytes));
+  CHECK(cudaMalloc(&sink, 4));
+  const int smem = kStages * kStageBytes + chunks * 32 * static_cast<int>(sizeof(int));
+  CHECK(cudaFuncSetAttribute(RingKernel<1024>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(RingKernel<2048>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(RingKernel<4096>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  std::mt19937 rng(1);
+  struct Case { int way, span, piece; const char* name; bool sorted; };
+  const Case cases[] = {
+      {kNone, 1024, 1024, "none"},      {kLdgsts, 1024, 16, "ldgsts"},   {kBulk, 1024, 128, "bulk128"},
+      {kBulk, 1024, 256, "bulk256"},    {kBulk, 1024, 512, "bulk512"},   {kBulk, 1024, 1024, "bulk1024"},
+      {kLdgsts, 2048, 16, "ldgsts"},    {kBulk, 2048, 2048, "bulk2048"}, {kLdgsts, 4096, 16, "ldgsts"},
+      {kBulk, 4096, 4096, "bulk4096"},
+      // each CTA's rows distinct and in ascending order, as a union's are
+      {kLdgsts, 1024, 16, "ldgsts", true}, {kBulk, 1024, 512, "bulk512", true}, {kBulk, 1024, 1024, "bulk1024", true},
+  };
+  printf("%-10s %6s %7s %9s %7s %10s %8s\n", "way", "span", "request", "requests", "rows", "us/launch", "TB/s");
+  int failures = 0;
+  for (const Case& k : cases) {
+    if (k.span > row_bytes) continue;
+    const int rows_per_chunk = kStageBytes / k.span;
+    std::vector<int> ids(size_t(blocks) * chunks * rows_per_chunk);
+    std::uniform_int_distribution<int> pick(0, rows - 1);
+    if (!k.sorted) {
+      for (int& r : ids) r = pick(rng);
+    } else {  // per CTA: a random subset of the rows, ascending (rows repeat only past `rows`)
+      const size_t per_cta = size_t(chunks) * rows_per_chunk;
+      std::vector<int> all(rows);
+      for (int i = 0; i < rows; ++i) all[i] = i;
+      for (int b = 0; b < blocks; ++b) {
+        std::shuffle(all.begin(), all.end(), rng);
+        const size_t n = std::min<size_t>(per_cta, all.size());
+        std::sort(all.begin(), all.begin() + n);
+        for (size_t i = 0; i < per_cta; ++i) ids[b * per_cta + i] = all[i % n];
+        std::sort(all.begin(), all.end());
+      }
+    }
+    int* dev_ids;
+    CHECK(cudaMalloc(&dev_ids, ids.size() * sizeof(int)));
+    CHECK(cudaMemcpy(dev_ids, ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice));
+    const dim3 grid(blocks, static_cast<unsigned>(row_bytes / k.span));
+    auto launch = [&] {
+      if (k.span == 1024) RingKernel<1024><<<grid, kThreads, smem>>>(table, row_bytes, dev_ids, chunks, k.way, k.piece, sink);
+      if (k.span == 2048) RingKernel<2048><<<grid, kThreads, smem>>>(table, row_bytes, dev_ids, chunks, k.way, k.piece, sink);
+      if (k.span == 4096) RingKernel<4096><<<grid, kThreads, smem>>>(table, row_bytes, dev_ids, chunks, k.way, k.piece, sink);
+    };
+    for (int i = 0; i < 3; ++i) launch();
+    cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+      printf("%-10s %6d: %s\n", k.name, k.span, cudaGetErrorString(e));
+      return 1;
+    }
+    cudaEvent_t t0, t1;
+    cudaEventCreate(&t0);
+    cudaEventCreate(&t1);
+    const int reps = 20;
+    cudaEventRecord(t0);
+    for (int i = 0; i < reps; ++i) launch();
+    cudaEventRecord(t1);
+    CHECK(cudaEventSynchronize(t1));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, t0, t1);
+    const double us = 1e3 * ms / reps;
+    const double bytes = double(grid.x) * grid.y * chunks * kStageBytes;
+    const int requests = k.way == kBulk ? kStageBytes / k.piece : k.way == kLdgsts ? kStageBytes / 16 : 0;
+    printf("%-10s %6d %7d %9d %7s %10.1f %8.2f\n", k.name, k.span, k.way == kNone ? 0 : k.piece, requests,
+           k.sorted ? "sorted" : "random", us,
+           k.way == kNone ? 0.0 : bytes / (us * 1e-6) / 1e12);
+    CHECK(cudaFree(dev_ids));
+  }
+  return failures;
+}
