@@ -35,6 +35,7 @@
 #include <cstdlib>
 #include <algorithm>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #define CHECK(x)                                                                        \
@@ -50,10 +51,8 @@ namespace {
 
 constexpr int kStages = 5;
 constexpr int kStageBytes = 32 * 1024;
-constexpr int kProducerThreads = 128;
-constexpr int kThreads = kProducerThreads + 32;  // + one consumer warp
 
-enum Way { kNone = 0, kLdgsts = 1, kBulk = 2 };
+enum Way { kNone = 0, kLdgsts = 1, kBulk = 2, kLdgstsRows = 3 };
 
 __device__ __forceinline__ uint32_t Smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void BarInit(uint32_t bar, int count) {
@@ -83,9 +82,25 @@ __device__ __forceinline__ void Bulk(uint32_t dst, const void* src, uint32_t byt
                : "memory");
 }
 
+// 16-byte copies of a 32-row chunk of 1 KB slices, each warp instruction on R rows
+// (32 / R consecutive pieces of each): instruction j covers row group j % (32 / R) and
+// segment j / (32 / R) of the rows.
+template <int R, int kP>
+__device__ __forceinline__ void CopyRows(uint32_t stage, const char* col0, const int* cr, int64_t row_bytes, int tid) {
+  constexpr int L = 32 / R, G = 32 / R;
+  const int w = tid / 32, lane = tid % 32;
+#pragma unroll
+  for (int i = 0; i < 64 / (kP / 32); ++i) {
+    const int j = w + (kP / 32) * i;
+    const int r = (j % G) * R + lane / L, q = (j / G) * L + lane % L;
+    CpAsync16(stage + r * 1024 + q * 16, col0 + cr[r] * row_bytes + q * 16);
+  }
+}
+
 // rows: per CTA block, chunks x rows_per_chunk row ids. grid (blocks, row_bytes / span).
-template <int span>
-__global__ void __launch_bounds__(kThreads, 1)
+// kP producer threads and one consumer warp
+template <int span, int kP>
+__global__ void __launch_bounds__(kP + 32, 1)
     RingKernel(const char* __restrict__ table, int64_t row_bytes, const int* __restrict__ rows, int chunks,
                int way, int piece, unsigned* __restrict__ sink) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -96,35 +111,45 @@ __global__ void __launch_bounds__(kThreads, 1)
   // wait on nothing but a shared load)
   int* my_rows = reinterpret_cast<int*>(smem + kStages * kStageBytes);
   const int* src_rows = rows + static_cast<int64_t>(blockIdx.x) * chunks * rows_per_chunk;
-  for (int i = tid; i < chunks * rows_per_chunk; i += kThreads) my_rows[i] = src_rows[i];
+  for (int i = tid; i < chunks * rows_per_chunk; i += kP + 32) my_rows[i] = src_rows[i];
   const char* col0 = table + static_cast<int64_t>(blockIdx.y) * span;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       // full: the producer's 128 threads arrive (ldgsts: as their copies land; bulk: one
       // arrival with the stage's byte count); empty: the consumer warp's lane 0.
-      BarInit(Smem(&full[s]), way == kLdgsts || way == kNone ? kProducerThreads : 1);
+      BarInit(Smem(&full[s]), way == kBulk ? 1 : kP);
       BarInit(Smem(&empty[s]), 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   const uint32_t base = Smem(smem);
-  if (tid < kProducerThreads) {
+  if (tid < kP) {
     const int requests_per_row = span / piece;
     const int requests = rows_per_chunk * requests_per_row;
-    // request j is issued by thread (j % 4) * 32 + j / 4: the four warps share the issue
+    // request j is issued by lane j / warps of warp j % warps: the warps share the issue
+    constexpr int warps = kP / 32;
     const int warp = tid / 32, lane = tid % 32;
     for (int c = 0; c < chunks; ++c) {
       const int s = c % kStages;
       if (c >= kStages) BarWait(Smem(&empty[s]), ((c / kStages) - 1) & 1);
       const uint32_t stage = base + s * kStageBytes;
       const int* cr = my_rows + c * rows_per_chunk;
-      if (way == kLdgsts) {
+      if (way == kLdgstsRows) {
+        if constexpr (span == 1024) {
+          if (piece == 1) CopyRows<1, kP>(stage, col0, cr, row_bytes, tid);
+          if (piece == 2) CopyRows<2, kP>(stage, col0, cr, row_bytes, tid);
+          if (piece == 4) CopyRows<4, kP>(stage, col0, cr, row_bytes, tid);
+          if (piece == 8) CopyRows<8, kP>(stage, col0, cr, row_bytes, tid);
+          if (piece == 32) CopyRows<32, kP>(stage, col0, cr, row_bytes, tid);
+        }
+        CpAsyncArrive(Smem(&full[s]));
+      } else if (way == kLdgsts) {
         // 16-byte pieces: thread t copies pieces t, t + 128, ... of the chunk (span / 16
         // pieces a row, consecutive threads on consecutive pieces of one row)
         constexpr int pieces_per_row = span / 16;
 #pragma unroll
-        for (int p = tid; p < kStageBytes / 16; p += kProducerThreads) {
+        for (int p = tid; p < kStageBytes / 16; p += kP) {
           const int r = p / pieces_per_row, q = p % pieces_per_row;
           CpAsync16(stage + r * span + q * 16, col0 + cr[r] * row_bytes + q * 16);
         }
@@ -133,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // one arrival carries the stage's byte count; copies landing before it cannot
         // complete the phase (its one pending arrival is still missing)
         if (tid == 0) BarArriveTx(Smem(&full[s]), kStageBytes);
-        for (int j = lane * 4 + warp; j < requests; j += kProducerThreads) {
+        for (int j = lane * warps + warp; j < requests; j += kP) {
           const int r = j / requests_per_row, q = j % requests_per_row;
           Bulk(stage + r * span + q * piece, col0 + cr[r] * row_bytes + q * piece, piece, Smem(&full[s]));
         }
@@ -177,11 +202,13 @@ int main(int argc, char** argv) {
   CHECK(cudaMemset(table, 1, rows * row_bytes));
   CHECK(cudaMalloc(&sink, 4));
   const int smem = kStages * kStageBytes + chunks * 32 * static_cast<int>(sizeof(int));
-  CHECK(cudaFuncSetAttribute(RingKernel<1024>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CHECK(cudaFuncSetAttribute(RingKernel<2048>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CHECK(cudaFuncSetAttribute(RingKernel<4096>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(RingKernel<1024, 128>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(RingKernel<2048, 128>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(RingKernel<4096, 128>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(RingKernel<1024, 256>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(RingKernel<1024, 512>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   std::mt19937 rng(1);
-  struct Case { int way, span, piece; const char* name; bool sorted; };
+  struct Case { int way, span, piece; const char* name; bool sorted = false; int producers = 128; };
   const Case cases[] = {
       {kNone, 1024, 1024, "none"},      {kLdgsts, 1024, 16, "ldgsts"},   {kBulk, 1024, 128, "bulk128"},
       {kBulk, 1024, 256, "bulk256"},    {kBulk, 1024, 512, "bulk512"},   {kBulk, 1024, 1024, "bulk1024"},
@@ -189,8 +216,16 @@ int main(int argc, char** argv) {
       {kBulk, 4096, 4096, "bulk4096"},
       // each CTA's rows distinct and in ascending order, as a union's are
       {kLdgsts, 1024, 16, "ldgsts", true}, {kBulk, 1024, 512, "bulk512", true}, {kBulk, 1024, 1024, "bulk1024", true},
+      // more producer threads (the library's producer is one warp group of 128)
+      {kLdgsts, 1024, 16, "ldgsts", false, 256}, {kLdgsts, 1024, 16, "ldgsts", false, 512},
+      {kBulk, 1024, 1024, "bulk1024", false, 256},
+      // 16-byte cp.async, each warp instruction on 2, 4, 8 or 32 rows (the "request"
+      // column: rows per instruction)
+      {kLdgstsRows, 1024, 1, "ldgsts_rows"}, {kLdgstsRows, 1024, 2, "ldgsts_rows"}, {kLdgstsRows, 1024, 4, "ldgsts_rows"},
+      {kLdgstsRows, 1024, 8, "ldgsts_rows"},
+      {kLdgstsRows, 1024, 32, "ldgsts_rows"}, {kLdgstsRows, 1024, 4, "ldgsts_rows", false, 256},
   };
-  printf("%-10s %6s %7s %9s %7s %10s %8s\n", "way", "span", "request", "requests", "rows", "us/launch", "TB/s");
+  printf("%-10s %9s %6s %7s %9s %7s %10s %8s\n", "way", "producers", "span", "request", "requests", "rows", "us/launch", "TB/s");
   int failures = 0;
   for (const Case& k : cases) {
     if (k.span > row_bytes) continue;
@@ -216,9 +251,15 @@ int main(int argc, char** argv) {
     CHECK(cudaMemcpy(dev_ids, ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice));
     const dim3 grid(blocks, static_cast<unsigned>(row_bytes / k.span));
     auto launch = [&] {
-      if (k.span == 1024) RingKernel<1024><<<grid, kThreads, smem>>>(table, row_bytes, dev_ids, chunks, k.way, k.piece, sink);
-      if (k.span == 2048) RingKernel<2048><<<grid, kThreads, smem>>>(table, row_bytes, dev_ids, chunks, k.way, k.piece, sink);
-      if (k.span == 4096) RingKernel<4096><<<grid, kThreads, smem>>>(table, row_bytes, dev_ids, chunks, k.way, k.piece, sink);
+      const auto args = std::make_tuple(table, row_bytes, dev_ids, chunks, k.way, k.piece, sink);
+      auto go = [&](auto kernel, int threads) {
+        std::apply([&](auto... a) { kernel<<<grid, threads, smem>>>(a...); }, args);
+      };
+      if (k.producers == 256) go(RingKernel<1024, 256>, 256 + 32);
+      else if (k.producers == 512) go(RingKernel<1024, 512>, 512 + 32);
+      else if (k.span == 1024) go(RingKernel<1024, 128>, 160);
+      else if (k.span == 2048) go(RingKernel<2048, 128>, 160);
+      else go(RingKernel<4096, 128>, 160);
     };
     for (int i = 0; i < 3; ++i) launch();
     cudaError_t e = cudaDeviceSynchronize();
@@ -238,8 +279,8 @@ int main(int argc, char** argv) {
     cudaEventElapsedTime(&ms, t0, t1);
     const double us = 1e3 * ms / reps;
     const double bytes = double(grid.x) * grid.y * chunks * kStageBytes;
-    const int requests = k.way == kBulk ? kStageBytes / k.piece : k.way == kLdgsts ? kStageBytes / 16 : 0;
-    printf("%-10s %6d %7d %9d %7s %10.1f %8.2f\n", k.name, k.span, k.way == kNone ? 0 : k.piece, requests,
+    const int requests = k.way == kBulk ? kStageBytes / k.piece : k.way == kNone ? 0 : kStageBytes / 16;  // per stage
+    printf("%-10s %9d %6d %7d %9d %7s %10.1f %8.2f\n", k.name, k.producers, k.span, k.way == kNone ? 0 : k.piece, requests,
            k.sorted ? "sorted" : "random", us,
            k.way == kNone ? 0.0 : bytes / (us * 1e-6) / 1e12);
     CHECK(cudaFree(dev_ids));
