@@ -160,24 +160,6 @@ __host__ __device__ __forceinline__ uint32_t SwizzleK128(int r, int c) {
   return o ^ ((o >> 3) & 0x70);
 }
 
-// Build switches (ffi/notes/training_kernels.md, "How fast rows can reach shared memory at
-// all"): one warp group of 16-byte cp.async moves gathered rows at ~2/3 of what L2 gives,
-// eight warps reach it.
-// TWELL_UNION_CONSUMER_COPIES: in the row product each consumer warp group copies its own
-// B slices, for the stage it has just finished with, kRing chunks ahead; the producer keeps
-// the A scatter and passes the row ids on through shared memory.
-// TWELL_UNION_PRODUCERS: producer warp groups of the up product (1 or 2).
-#ifndef TWELL_UNION_CONSUMER_COPIES
-#define TWELL_UNION_CONSUMER_COPIES 0
-#endif
-#ifndef TWELL_UNION_PRODUCERS
-#define TWELL_UNION_PRODUCERS 1
-#endif
-constexpr bool kConsumerCopies = TWELL_UNION_CONSUMER_COPIES != 0;
-constexpr int kProducers = TWELL_UNION_PRODUCERS;
-static_assert(kProducers == 1 || kProducers == 2, "one or two producer warp groups");
-constexpr int kIdRing = 2 * kRing;  // chunks of row ids passed from the producer to the consumers
-
 template <typename Elem, int kConsumers>
 struct Config {
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -194,7 +176,6 @@ struct Config {
     alignas(1024) Elem a[cute::cosize_v<LayoutA>];
     typename Pipe::SharedStorage pipe;
     int off[kStagedOffsets];  // the block's chunk offsets (producer only)
-    int ids[kConsumerCopies ? kIdRing : 1][kChunk];  // row ids of chunks kRing ahead (consumer copies)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;  // + alignment slack
 };
@@ -226,8 +207,7 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
   const int* off = chunk_off + bm.chunk_base;
   typename Pipe::Params params;
   params.role = group == 0 ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
-  // full: the producer's threads, and with consumer copies each consumer thread's copies too
-  params.producer_arv_count = 128 + (kConsumerCopies ? 128 * kConsumers : 0);
+  params.producer_arv_count = 128;
   params.consumer_arv_count = 128 * kConsumers;
   Pipe pipe(s.pipe, params);
   {  // every stage's A starts clear; after that the consumers clear a stage before releasing it
@@ -261,38 +241,6 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
       else
         return src0 + static_cast<uint64_t>(static_cast<uint32_t>(id)) * row_bytes;
     };
-    if constexpr (kConsumerCopies) {
-      // The A scatter only; warp 0 hands chunk c + kRing's row ids to the consumers with
-      // chunk c (loaded two chunks ahead).
-      auto load_id = [&](int c) { return tid < kChunk && c < chunks ? block_rows[c * kChunk + tid] : 0; };
-      auto produce_a = [&](int c, int id, const Words& cw) {
-        pipe.producer_acquire(state);
-        const uint32_t a_stage = a_base + state.index() * kAStageBytes;
-        ForEachWord(cw, ent, [&](uint32_t e) { StSharedU16(a_stage + SwizzleA(e), e >> 16); });
-        cutlass::arch::fence_view_async_shared();
-        if (tid < kChunk) StSharedInt(&s.ids[(c + kRing) % kIdRing][tid], id);
-        pipe.producer_commit(state);
-        ++state;
-      };
-      int id0 = load_id(kRing), id1 = load_id(kRing + 1);
-      for (int i = tid; i < min(chunks + 1, kStagedOffsets); i += 128) StSharedInt(&s.off[i], off[i]);
-      cutlass::arch::NamedBarrier::sync(128, 1);  // the staged offsets are in place
-      auto span = [&](int c) { return LoadSpan(s.off, off, c, chunks); };
-      ChunkSpan s0 = span(2), s1 = span(3);
-      Words w0 = LoadWords<128, 4>(ent, span(0)), w1 = LoadWords<128, 4>(ent, span(1));
-      for (int c = 0; c < chunks; c += 2) {
-        produce_a(c, id0, w0);
-        id0 = load_id(c + 2 + kRing);
-        w0 = LoadWords<128, 4>(ent, s0);
-        s0 = span(c + 4);
-        if (c + 1 >= chunks) break;
-        produce_a(c + 1, id1, w1);
-        id1 = load_id(c + 3 + kRing);
-        w1 = LoadWords<128, 4>(ent, s1);
-        s1 = span(c + 5);
-      }
-      return;
-    }
     auto load_rows = [&](int c, int (&r)[kRowsPerThread]) {
       CUTE_UNROLL
       for (int i = 0; i < kRowsPerThread; ++i) r[i] = c < chunks ? block_rows[c * kChunk + tid / 32 + 4 * i] : 0;
@@ -354,35 +302,6 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
   warpgroup_fence_operand(acc);
   mma.accumulate_ = GMMA::ScaleOut::One;
   cutlass::PipelineState<kRing> read{}, release{};
-  // Consumer copies: thread ct copies 16-byte piece ct % 32 of this group's slice of rows
-  // ct / 32 + 4 i of a chunk (rows i and i + 2 lie 8 rows, one 4 KB atom row, apart).
-  const int ct = tid % 128;
-  const uint32_t b_mine = SmemAddr(s.b[consumer]);
-  const uint32_t b_even = SwizzleB((ct % 32) * 8, ct / 32), b_odd = SwizzleB((ct % 32) * 8, ct / 32 + 4);
-  const char* my0 = reinterpret_cast<const char*>(table0 + n0 + consumer * kCols + (ct % 32) * 8);
-  const char* my1 = reinterpret_cast<const char*>(table1 + n0 + consumer * kCols + (ct % 32) * 8);
-  auto copy_chunk = [&](int q, const int* ids) {  // chunk q's rows into stage q % kRing
-    const uint32_t stage = b_mine + (q % kRing) * (kCols * kChunk * sizeof(Elem));
-    const uint32_t row_bytes = static_cast<uint32_t>(d) * sizeof(Elem);
-    CUTE_UNROLL
-    for (int i = 0; i < kChunk / 4; ++i) {
-      const int id = ids[ct / 32 + 4 * i];
-      const char* src;
-      if constexpr (kRowsPerNeuron == 2)
-        src = ((id & 1) ? my1 : my0) + static_cast<uint64_t>(static_cast<uint32_t>(id) >> 1) * row_bytes;
-      else
-        src = my0 + static_cast<uint64_t>(static_cast<uint32_t>(id)) * row_bytes;
-      CpAsync16Shared(stage + ((i & 1) ? b_odd : b_even) + (i / 2) * (kCols / 64) * 1024, src);
-    }
-    cutlass::arch::cpasync_barrier_arrive_noinc(reinterpret_cast<const uint64_t*>(&s.pipe.full_barrier_[q % kRing]));
-  };
-  // Mode 2 issues chunk c + kRing - 2's copies right after chunk c's products (into the
-  // stage of chunk c - 2, whose products are done), while they run; mode 1 after waiting
-  // for chunk c - 1's, into its stage.
-  constexpr int kCopyLag = TWELL_UNION_CONSUMER_COPIES == 2 ? 2 : 1;
-  if constexpr (kConsumerCopies) {
-    for (int q = 0; q < min(kRing, chunks); ++q) copy_chunk(q, rows + bm.row_base + q * kChunk);
-  }
   auto multiply = [&] {  // chunk `read`'s products, issued asynchronously
     pipe.consumer_wait(read);
     cutlass::arch::fence_view_async_shared();
@@ -396,14 +315,8 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
 #pragma unroll 1
   for (int c = 1; c < chunks; ++c) {
     multiply();
-    if constexpr (kConsumerCopies && kCopyLag == 2) {
-      if (c >= 2 && c - 2 + kRing < chunks) copy_chunk(c - 2 + kRing, s.ids[(c - 2 + kRing) % kIdRing]);
-    }
     warpgroup_wait<1>();  // chunk c - 1's products are done: release its stage
     warpgroup_fence_operand(acc);
-    if constexpr (kConsumerCopies && kCopyLag == 1) {  // this group's B of that stage takes chunk c - 1 + kRing
-      if (c - 1 + kRing < chunks) copy_chunk(c - 1 + kRing, s.ids[(c - 1 + kRing) % kIdRing]);
-    }
     if constexpr (kConsumers > 1) cutlass::arch::NamedBarrier::sync(128 * kConsumers, 2);  // all groups are done with it
     {
       uint4* a4 = reinterpret_cast<uint4*>(&sA(0, 0, release.index()));
@@ -435,14 +348,21 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
 // The up product (the inference FFN's up step): per (256 union neurons, 64-token block),
 // U[t, i] = x[t] . Wu^T[rows[i]] over K = d, then u of each of the block's entries read
 // from U. A and B are both K-major (x rows and Wu^T rows, 128-byte swizzle, 64 columns of d
-// a stage); the producer warp group's rows are fixed for the whole CTA, so a stage is
-// 16 + 4 cp.async per thread and nothing else; one consumer warp group issues four
+// a stage); the producer warp groups' rows are fixed for the whole CTA, so a stage is
+// 8 + 2 cp.async per producer thread and nothing else; one consumer warp group issues four
 // 64 x 256 x 16 wgmma a stage. Epilogue: U through shared memory (reusing the B ring),
 // then one f32 per entry word pair.
+//
+// Producer warp groups of the up product. One group's 16-byte copies move its rows at
+// ~8 TB/s, near the ~8.5 TB/s gathered rows reach from L2 by any means; a second group
+// gains ~3% (benchmarks/row_copy_probe.cu; ffi/notes/training_kernels.md, "The up product
+// with two producer groups").
+constexpr int kUpProducers = 2;
+
 template <typename Elem>
 struct UpConfig {
   static constexpr int kStages = 5;
-  static constexpr int kThreads = 128 * (kProducers + 1);  // producers + one consumer warp group
+  static constexpr int kThreads = 128 * (kUpProducers + 1);  // producers + one consumer warp group
   using LayoutA = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Elem>{},
                                                cute::make_shape(cute::Int<kTok>{}, cute::Int<kUpK>{},
                                                                 cute::Int<kStages>{})));
@@ -478,8 +398,8 @@ __global__ void __launch_bounds__(UpConfig<Elem>::kThreads, 1)
   unsigned char* aligned = smem_raw + ((1024 - SmemAddr(smem_raw) % 1024) % 1024);
   auto& s = *reinterpret_cast<typename Cfg::Smem*>(aligned);
   typename Pipe::Params params;
-  params.role = group < kProducers ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
-  params.producer_arv_count = 128 * kProducers;
+  params.role = group < kUpProducers ? Pipe::ThreadCategory::Producer : Pipe::ThreadCategory::Consumer;
+  params.producer_arv_count = 128 * kUpProducers;
   params.consumer_arv_count = 128;
   Pipe pipe(s.pipe, params);
   __syncthreads();  // barriers initialised
@@ -488,8 +408,8 @@ __global__ void __launch_bounds__(UpConfig<Elem>::kThreads, 1)
   const int k_steps = d / kUpK;
 
   // producers: thread tid copies 16-byte piece tid % 8 of rows tid / 8 + kStep i
-  constexpr int kStep = 16 * kProducers;
-  if (group < kProducers) {
+  constexpr int kStep = 16 * kUpProducers;
+  if (group < kUpProducers) {
     const int piece = tid % 8, r0 = tid / 8;
     // Rows past the block's chunks (the last tile's padding, ~half a tile on average) are
     // zero-filled, not read: their U columns are never used.
@@ -538,7 +458,7 @@ __global__ void __launch_bounds__(UpConfig<Elem>::kThreads, 1)
   }
 
   auto mma = make_tiled_mma(typename MmaFor<Elem, GMMA::Major::K>::Op{});
-  const int ctid = tid - 128 * kProducers;
+  const int ctid = tid - 128 * kUpProducers;
   auto thr = mma.get_thread_slice(ctid);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
