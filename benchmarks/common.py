@@ -32,13 +32,22 @@ def time_interleaved(fns: dict, args, *, min_seconds: float, max_reps: int, roun
     call each, enough back-to-back calls, at most ``max_reps``, to last ``min_seconds``).
     A slow drift of the GPU's clock then falls on all of them alike, not on whichever
     happened to run during it. The spread is the interquartile range over the rounds
-    divided by the median."""
+    divided by the median.
+
+    The number of back-to-back calls comes from the fastest of three single calls after
+    the warm-up: the first calls of a freshly compiled function can be many times slower
+    than the rest (XLA captures its command buffer then), and a count set by one of them
+    left so few calls per batch that the batch's time carried the host's dispatch gaps
+    (the first configuration of a run measured 1.59 ms per call where it takes 1.27)."""
     reps = {}
     for name, fn in fns.items():
         jax.block_until_ready(fn(*args))
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        reps[name] = max(1, min(max_reps, int(min_seconds / max(time.perf_counter() - t0, 1e-6))))
+        single = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            single.append(time.perf_counter() - t0)
+        reps[name] = max(1, min(max_reps, int(min_seconds / max(min(single), 1e-6))))
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():

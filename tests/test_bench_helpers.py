@@ -1,5 +1,6 @@
-"""The training benchmark's memory count (benchmarks/bench_training.py, residual_bytes):
-what jax.vjp keeps for the backward, the operands themselves left out once each."""
+"""The benchmarks' helpers: the training benchmark's memory count (benchmarks/bench_training.py,
+residual_bytes: what jax.vjp keeps for the backward, the operands themselves left out once
+each), its rule fit, and the interleaved timer's batch size (benchmarks/common.py)."""
 
 import os
 import sys
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_training  # noqa: E402
+import common  # noqa: E402
 
 M, D, F = 64, 32, 48
 ARGS = tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((M, D), (D, F), (D, F), (F, D)))
@@ -64,3 +66,22 @@ def test_the_training_rule_fit_recovers_its_constants():
     slower = [dict(r, mma_step_ms=r["mma_step_ms"] + 1e3 * (r["m"] // 64) * r["measured_union_fraction"] * r["f"]
                    * 5 * r["d"] * 2 * (1 / 5e12 - 1 / 7e12)) for r in rows]  # union rows at 5e12 B/s
     np.testing.assert_allclose(fit_train_rule.fit(slower, cuda_train.TrainCrossover()).union_bandwidth, 5e12, rtol=1e-3)
+
+
+def test_a_slow_first_call_does_not_shrink_the_batch():
+    # A function whose first calls after the warm-up are slow (as a command buffer's
+    # capture makes them) must still be timed in batches sized by its steady speed.
+    import time
+
+    calls = []
+
+    def fn(x):
+        calls.append(None)
+        if len(calls) == 2:  # the first call after the warm-up
+            time.sleep(0.05)
+        return x
+
+    common.time_interleaved({"f": fn}, (jnp.zeros(()),), min_seconds=0.01, max_reps=50, rounds=1)
+    # warm-up + three single calls + one batch: the batch must hold many calls, not
+    # min_seconds / 0.05 s = 0 -> 1 of them
+    assert len(calls) - 4 > 10
