@@ -24,6 +24,12 @@
 // Span: the bytes of each row a CTA copies (1,024 = the product's 512 columns; 2,048 and
 // 4,096 show what wider slices, or whole rows, would give). Rows per chunk = 32 KB / span.
 //
+//   ldgsts_rows  16-byte cp.async whose warp instructions each cover R rows (the
+//             "request" column) instead of one.
+// Measured: benchmarks/results/row_copy_probe_4ec7ee8.txt, row_copy_probe_6372667.txt
+// (one warp group of cp.async ~5.7-6.1 TB/s, two ~8.5; 1 KB bulk requests ~8.0; the notes'
+// "How fast rows can reach shared memory at all").
+//
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/row_copy_probe.cu -o row_copy_probe
 // Run:   ./row_copy_probe [rows=11264] [d=2048] [blocks=256] [kb_per_cta=3040]
 //        (kb_per_cta: KB of slices per CTA; 3,040 = 95 chunks, the dx product's at 0.5%)
