@@ -26,7 +26,8 @@
 //           union_probe_producer_variants.txt; the variants of e5f4905 (128-token blocks,
 //           ring depth, two-chunk stages, ...): union_probe_{128_blocks,ring_depth,mma_lag,
 //           ablations,two_chunk_stages,lookahead}.txt; consumers scattering A (58f6344):
-//           union_probe_consumer_scatter.txt.
+//           union_probe_consumer_scatter.txt; consumers copying their B slices (6372667,
+//           -DTWELL_UNION_CONSUMER_COPIES=1 or 2): union_probe_consumer_copies.txt.
 // Run:   ./union_gemm_probe [M d f active]   (default 16384 2048 5632 0.005): checks a small
 //        problem against a host reference, then times the headline shape's dx (two weights)
 //        and down projection (one), and the dense CUTLASS GEMMs they replace.
