@@ -17,6 +17,9 @@ END_OF_TEXT = "<|endoftext|>"
 
 
 class Tokenizer(Protocol):
+    """What the training loop needs of a tokenizer: its vocabulary size (the model's
+    embedding rows), a name recorded with the run, and byte <-> id conversions."""
+
     vocab_size: int
     name: str
 
