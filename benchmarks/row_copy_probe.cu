@@ -25,7 +25,9 @@
 // 4,096 show what wider slices, or whole rows, would give). Rows per chunk = 32 KB / span.
 //
 //   ldgsts_rows  16-byte cp.async whose warp instructions each cover R rows (the
-//             "request" column) instead of one.
+//             "request" column) instead of one;
+//   walk      the up product's pattern: 256 fixed rows read along d, 128 bytes of each
+//             a stage (16-byte cp.async, 128 threads).
 // Measured: benchmarks/results/row_copy_probe_4ec7ee8.txt, row_copy_probe_6372667.txt
 // (one warp group of cp.async ~5.7-6.1 TB/s, two ~8.5; 1 KB bulk requests ~8.0; the notes'
 // "How fast rows can reach shared memory at all").
@@ -58,7 +60,7 @@ namespace {
 constexpr int kStages = 5;
 constexpr int kStageBytes = 32 * 1024;
 
-enum Way { kNone = 0, kLdgsts = 1, kBulk = 2, kLdgstsRows = 3 };
+enum Way { kNone = 0, kLdgsts = 1, kBulk = 2, kLdgstsRows = 3, kWalk = 4 };
 
 __device__ __forceinline__ uint32_t Smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void BarInit(uint32_t bar, int count) {
@@ -141,7 +143,18 @@ __global__ void __launch_bounds__(kP + 32, 1)
       if (c >= kStages) BarWait(Smem(&empty[s]), ((c / kStages) - 1) & 1);
       const uint32_t stage = base + s * kStageBytes;
       const int* cr = my_rows + c * rows_per_chunk;
-      if (way == kLdgstsRows) {
+      if (way == kWalk) {
+        // the up product's pattern: 256 fixed rows walked along d, 128 bytes of each a
+        // stage (32 stages a set of rows), thread t on piece t % 8 of rows t / 8 + 16 i
+        const int* set = my_rows + (c / 32) * 256;
+        const int64_t k_off = (c % 32) * 128 + (tid % 8) * 16;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int r = tid / 8 + 16 * i;
+          CpAsync16(stage + r * 128 + (tid % 8) * 16, table + set[r] * row_bytes + k_off);
+        }
+        CpAsyncArrive(Smem(&full[s]));
+      } else if (way == kLdgstsRows) {
         if constexpr (span == 1024) {
           if (piece == 1) CopyRows<1, kP>(stage, col0, cr, row_bytes, tid);
           if (piece == 2) CopyRows<2, kP>(stage, col0, cr, row_bytes, tid);
@@ -230,6 +243,8 @@ int main(int argc, char** argv) {
       {kLdgstsRows, 1024, 1, "ldgsts_rows"}, {kLdgstsRows, 1024, 2, "ldgsts_rows"}, {kLdgstsRows, 1024, 4, "ldgsts_rows"},
       {kLdgstsRows, 1024, 8, "ldgsts_rows"},
       {kLdgstsRows, 1024, 32, "ldgsts_rows"}, {kLdgstsRows, 1024, 4, "ldgsts_rows", false, 256},
+      // the up product's pattern (whole rows walked 128 bytes a stage; one CTA column)
+      {kWalk, 1024, 16, "walk"},
   };
   printf("%-10s %9s %6s %7s %9s %7s %10s %8s\n", "way", "producers", "span", "request", "requests", "rows", "us/launch", "TB/s");
   int failures = 0;
@@ -255,7 +270,7 @@ int main(int argc, char** argv) {
     int* dev_ids;
     CHECK(cudaMalloc(&dev_ids, ids.size() * sizeof(int)));
     CHECK(cudaMemcpy(dev_ids, ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice));
-    const dim3 grid(blocks, static_cast<unsigned>(row_bytes / k.span));
+    const dim3 grid(blocks, k.way == kWalk ? 1u : static_cast<unsigned>(row_bytes / k.span));
     auto launch = [&] {
       const auto args = std::make_tuple(table, row_bytes, dev_ids, chunks, k.way, k.piece, sink);
       auto go = [&](auto kernel, int threads) {
