@@ -23,7 +23,7 @@ dtype of ``x``):
 - ``__call__(x) -> y``: the same training forward, recording its ``FFNAux`` with
   ``self.sow(nnx.Intermediate, "ffn_stats", aux)`` for code that expects a plain MLP
   (collect with ``y, inter = nnx.capture(model, nnx.Intermediate)(x)``; one ``FFNAux``
-  per call in ``inter["ffn_stats"]``).
+  per call in ``inter["ffn_stats"]``; outside a capture nothing is recorded).
 - ``infer(x) -> y``: inference, no statistics (``jax_twell.sparse_ffn``): prefill and
   decode use this.
 
@@ -157,6 +157,13 @@ def summarize_stats(stats: FFNStats | FFNAux) -> dict[str, float]:
     return summary
 
 
+def _capturing(module: nnx.Module) -> bool:
+    """Whether ``module`` runs inside ``nnx.capture`` (which gives each module of the call
+    its collections), or the installed Flax predates ``nnx.capture`` (sowing is then the
+    only way to record intermediates)."""
+    return not hasattr(nnx, "capture") or hasattr(module, "__captures__")
+
+
 class _FFN(nnx.Module):
     """Parameters and the sow-ing ``__call__`` shared by ``SparseFFN`` and ``DenseFFN``."""
 
@@ -179,9 +186,13 @@ class _FFN(nnx.Module):
         return w_gate, self.w_up[...].astype(dtype), self.w_down[...].astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """Training forward ``y [..., d]`` for ``x [..., d]``; sows ``FFNAux`` as ``ffn_stats``."""
+        """Training forward ``y [..., d]`` for ``x [..., d]``; inside ``nnx.capture`` it sows
+        ``FFNAux`` as ``ffn_stats``. Outside a capture nothing is recorded: the module's state
+        stays its parameters (Flax deprecates sowing there, which stored the value on the
+        module); with a Flax that has no ``nnx.capture``, it sows as that Flax does."""
         y, aux = self.forward_with_stats(x)
-        self.sow(nnx.Intermediate, "ffn_stats", aux)
+        if _capturing(self):
+            self.sow(nnx.Intermediate, "ffn_stats", aux)
         return y
 
 

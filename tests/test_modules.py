@@ -100,6 +100,25 @@ def test_call_sows_stats():
     check_aux(aux, dense_formula(x, *weights(ffn), relu)[1], ffn.width)
 
 
+def test_call_outside_a_capture_records_nothing():
+    """A plain call (a drop-in MLP in someone's model) leaves the module's state as it was,
+    with no deprecation warning, and gives the training forward's output."""
+    import warnings
+
+    ffn = SparseFFN(D, F, rngs=nnx.Rngs(0))
+    x = inputs()
+    before = jax.tree_util.tree_structure(nnx.state(ffn))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a DeprecationWarning from sow would raise here
+        y = ffn(x)
+    np.testing.assert_allclose(y, ffn.forward_with_stats(x)[0], rtol=1e-6)
+    assert jax.tree_util.tree_structure(nnx.state(ffn)) == before
+    assert not nnx.state(ffn, nnx.Intermediate)
+    # and a capture afterwards still records exactly one call's statistics
+    _, intermediates = nnx.capture(ffn, nnx.Intermediate)(x)
+    assert len(intermediates["ffn_stats"].get_value()) == 1
+
+
 @pytest.mark.parametrize("activation", ["silu", "relu"])
 @pytest.mark.parametrize("gated", [True, False])
 def test_dense_ffn_matches_formula(gated, activation):
