@@ -27,14 +27,9 @@
 
 #include "elements.cuh"
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e = (x);                                                                  \
-    if (e != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
+#include "probe_barrier.cuh"
+
+using namespace probe;
 
 constexpr int kD = 2048;               // elements per row (compile-time: the lane's share is 8 vectors)
 constexpr int kVecs = kD / (32 * 8);   // 16-byte vectors per lane per row
@@ -94,24 +89,10 @@ __global__ void __launch_bounds__(256) LsuRows(const uint16_t* __restrict__ w, i
   }
 }
 
-__device__ __forceinline__ uint32_t Smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void BarInit(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(Smem(bar)));
-}
+// One row by the bulk copy engine into `dst`, completing on `bar` (one arrival with its bytes).
 __device__ __forceinline__ void BulkRow(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(Smem(bar)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(Smem(dst)),
-               "l"(src), "r"(bytes), "r"(Smem(bar))
-               : "memory");
-}
-__device__ __forceinline__ void BarWait(uint64_t* bar, uint32_t phase) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}" ::"r"(Smem(bar)),
-      "r"(phase)
-      : "memory");
+  BarArriveTx(Smem(bar), bytes);
+  Bulk(Smem(dst), src, bytes, Smem(bar));
 }
 
 // Warp-private ring of S one-row stages filled by the bulk copy engine.
@@ -125,7 +106,7 @@ __global__ void __launch_bounds__(256) TmaRows(const uint16_t* __restrict__ w, i
   uint8_t* ring = smem + static_cast<size_t>(warp) * S * kRowBytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + static_cast<size_t>(blockDim.x / 32) * S * kRowBytes) + warp * S;
   if (lane == 0) {
-    for (int s = 0; s < S; ++s) BarInit(bars + s);
+    for (int s = 0; s < S; ++s) BarInit(Smem(bars + s), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncwarp();
@@ -142,7 +123,7 @@ __global__ void __launch_bounds__(256) TmaRows(const uint16_t* __restrict__ w, i
     const int row = gw + k * nw;
     if (row >= rows) return;
     const int s = k % S;
-    BarWait(bars + s, (k / S) & 1);
+    BarWait(Smem(bars + s), (k / S) & 1);
     const uint4* stage = reinterpret_cast<const uint4*>(ring + s * kRowBytes);
     float acc = 0.f;
 #pragma unroll
