@@ -1,9 +1,11 @@
 // twell_pack: dense activation g [..., M, f] -> TwELL (values, cols, counts).
 //
-// Grid: one warp per (row, tile) pair, 8 warps per block. A lane reads V consecutive
-// elements (16 bytes) per step, so one warp step covers 32*V columns of its tile with a
-// single coalesced load; a warp-wide prefix sum of per-lane non-zero counts gives each
-// non-zero its slot, so entries stay in column order and the output is deterministic.
+// A warp packs a (row, tile) pair: a lane reads V consecutive elements (16 bytes) per step,
+// so one warp step covers 32*V columns of its tile with a single coalesced load; a
+// warp-wide prefix sum of per-lane non-zero counts gives each non-zero its slot, so entries
+// stay in column order and the output is deterministic. Tiles of 32, 64 or 128 V columns
+// (256, 512, 1024 for 2-byte elements) with f a multiple of V run TwellPackBatchKernel,
+// each warp several pairs with all their loads in flight; anything else TwellPackKernel.
 // Entries past `capacity` are not stored; the true count is, which flags the tile for
 // exact recomputation by its consumer (nothing is dropped silently).
 // Traffic: reads M*f elements once; writes M*n_tiles*(capacity*(elem+2) + 4) bytes.
@@ -25,6 +27,45 @@ __device__ __forceinline__ bool IsNonZero(Bits bits) {
   return (bits & kMagnitude) != 0;
 }
 
+// One step of a warp's pass over a tile: lane `lane` holds V consecutive elements starting
+// at column `c` of the tile (c = step base + lane V). A warp-wide prefix sum of the lanes'
+// non-zero counts gives each non-zero its slot, so entries stay in column order; slots past
+// `capacity` are counted, not stored. Returns the tile's count after this step.
+template <typename Bits, int V>
+__device__ __forceinline__ int PackStep(const Bits (&v)[V], int c, int count, int lane, Bits* out_values,
+                                        int16_t* out_cols, int capacity) {
+  unsigned nonzero = 0;
+#pragma unroll
+  for (int i = 0; i < V; ++i) nonzero |= IsNonZero(v[i]) ? (1u << i) : 0u;
+  const int mine = __popc(nonzero);
+  const int inclusive = WarpInclusiveSum(mine, lane);
+  int slot = count + inclusive - mine;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    if ((nonzero >> i) & 1u) {
+      if (slot < capacity) {
+        out_values[slot] = v[i];
+        out_cols[slot] = static_cast<int16_t>(c + i);
+      }
+      ++slot;
+    }
+  }
+  return count + __shfl_sync(kFullMask, inclusive, 31);
+}
+
+// A tile's unused slots zero-filled (the format never holds uninitialised memory) and its
+// true count, which flags a tile past capacity for exact recomputation by its consumer.
+template <typename Bits>
+__device__ __forceinline__ void FinishTile(int count, int lane, Bits* out_values, int16_t* out_cols,
+                                           int32_t* out_count, int capacity) {
+  for (int p = count + lane; p < capacity; p += 32) {
+    out_values[p] = Bits(0);
+    out_cols[p] = 0;
+  }
+  if (lane == 0) *out_count = count;
+}
+
+// Any tile and alignment: one warp per (row, tile) pair, 32 V columns per step.
 template <typename Bits>
 __global__ void TwellPackKernel(const Bits* __restrict__ g, Bits* __restrict__ values,
                                 int16_t* __restrict__ cols, int32_t* __restrict__ counts,
@@ -38,8 +79,6 @@ __global__ void TwellPackKernel(const Bits* __restrict__ g, Bits* __restrict__ v
   const int64_t col0 = static_cast<int64_t>(warp % n_tiles) * tile;
   const int64_t tile_end = min(col0 + tile, f);
   const Bits* g_row = g + row * f;
-  Bits* out_values = values + warp * capacity;
-  int16_t* out_cols = cols + warp * capacity;
 
   int count = 0;
   for (int64_t base = col0; base < tile_end; base += 32 * V) {
@@ -54,30 +93,66 @@ __global__ void TwellPackKernel(const Bits* __restrict__ g, Bits* __restrict__ v
 #pragma unroll
       for (int i = 0; i < V; ++i) v[i] = (c + i < tile_end) ? g_row[c + i] : Bits(0);
     }
-    unsigned nonzero = 0;
+    count = PackStep(v, static_cast<int>(c - col0), count, lane, values + warp * capacity, cols + warp * capacity,
+                     capacity);
+  }
+  FinishTile(count, lane, values + warp * capacity, cols + warp * capacity, counts + warp, capacity);
+}
+
+// The common layouts (tile = 32 V kSteps, f a multiple of V, g 16-byte aligned): each warp
+// packs kItems consecutive (row, tile) pairs and issues all their 16-byte loads before
+// packing any, so that kLoads loads per lane are in flight (one per warp left the kernel
+// latency-bound: ffi/notes/twell_gate.md, "The pack kernel").
+constexpr int kLoads = 4;
+
+template <typename Bits, int kSteps>
+__global__ void TwellPackBatchKernel(const Bits* __restrict__ g, Bits* __restrict__ values,
+                                     int16_t* __restrict__ cols, int32_t* __restrict__ counts, int64_t items,
+                                     int64_t f, int capacity, int n_tiles) {
+  constexpr int V = 16 / sizeof(Bits);
+  constexpr int kItems = kLoads / kSteps;
+  constexpr int kTile = 32 * V * kSteps;
+  static_assert(kItems * kSteps == kLoads, "kSteps must divide kLoads");
+  const int64_t item0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * kItems;
+  const int lane = threadIdx.x % 32;
+  if (item0 >= items) return;  // uniform per warp
+
+  uint4 raw[kItems][kSteps];
 #pragma unroll
-    for (int i = 0; i < V; ++i) nonzero |= IsNonZero(v[i]) ? (1u << i) : 0u;
-    const int mine = __popc(nonzero);
-    const int inclusive = WarpInclusiveSum(mine, lane);
-    int slot = count + inclusive - mine;
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t item = item0 + i;
+    const int64_t row = item / n_tiles;
+    const int64_t col0 = (item % n_tiles) * kTile;
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      if ((nonzero >> i) & 1u) {
-        if (slot < capacity) {
-          out_values[slot] = v[i];
-          out_cols[slot] = static_cast<int16_t>(c + i - col0);
-        }
-        ++slot;
-      }
+    for (int s = 0; s < kSteps; ++s) {
+      const int64_t c = col0 + s * 32 * V + lane * V;  // f is a multiple of V: all V in or none
+      raw[i][s] = item < items && c < f ? LoadStreaming(g + row * f + c) : make_uint4(0, 0, 0, 0);
     }
-    count += __shfl_sync(kFullMask, inclusive, 31);
   }
-  // Unused slots are zero-filled so the format never holds uninitialised memory.
-  for (int p = count + lane; p < capacity; p += 32) {
-    out_values[p] = Bits(0);
-    out_cols[p] = 0;
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    const int64_t item = item0 + i;
+    if (item >= items) break;
+    int count = 0;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      Bits v[V];
+      const Bits* unpacked = reinterpret_cast<const Bits*>(&raw[i][s]);
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[k] = unpacked[k];
+      count = PackStep(v, s * 32 * V + lane * V, count, lane, values + item * capacity, cols + item * capacity,
+                       capacity);
+    }
+    FinishTile(count, lane, values + item * capacity, cols + item * capacity, counts + item, capacity);
   }
-  if (lane == 0) counts[warp] = count;
+}
+
+template <typename Bits, int kSteps>
+void LaunchBatch(cudaStream_t stream, const void* g, void* values, int16_t* cols, int32_t* counts, int64_t items,
+                 int64_t f, int capacity, int n_tiles) {
+  constexpr int kItemsPerBlock = kWarpsPerBlock * (kLoads / kSteps);
+  TwellPackBatchKernel<Bits, kSteps><<<CeilDiv(items, kItemsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(
+      static_cast<const Bits*>(g), static_cast<Bits*>(values), cols, counts, items, f, capacity, n_tiles);
 }
 
 template <typename Bits>
@@ -87,11 +162,18 @@ ffi::Error LaunchPack(cudaStream_t stream, const void* g, void* values, int16_t*
   constexpr int V = 16 / sizeof(Bits);
   const bool vector_loads = (f % V == 0) && (tile % V == 0) &&
                             (reinterpret_cast<uintptr_t>(g) % 16 == 0);
-  const int64_t warps = rows * n_tiles;
-  const int64_t blocks = CeilDiv(warps, kWarpsPerBlock);
-  TwellPackKernel<Bits><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
-      static_cast<const Bits*>(g), static_cast<Bits*>(values), cols, counts, rows, f, tile,
-      capacity, n_tiles, vector_loads);
+  const int64_t items = rows * n_tiles;
+  if (vector_loads && tile == 32 * V) {
+    LaunchBatch<Bits, 1>(stream, g, values, cols, counts, items, f, capacity, n_tiles);
+  } else if (vector_loads && tile == 64 * V) {
+    LaunchBatch<Bits, 2>(stream, g, values, cols, counts, items, f, capacity, n_tiles);
+  } else if (vector_loads && tile == 128 * V) {
+    LaunchBatch<Bits, 4>(stream, g, values, cols, counts, items, f, capacity, n_tiles);
+  } else {
+    TwellPackKernel<Bits><<<CeilDiv(items, kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(
+        static_cast<const Bits*>(g), static_cast<Bits*>(values), cols, counts, rows, f, tile, capacity, n_tiles,
+        vector_loads);
+  }
   return LaunchStatus("twell_pack");
 }
 
