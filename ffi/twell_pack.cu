@@ -53,6 +53,46 @@ __device__ __forceinline__ int PackStep(const Bits (&v)[V], int c, int count, in
   return count + __shfl_sync(kFullMask, inclusive, 31);
 }
 
+// True when any of the sixteen bytes of elements is a non-zero (IsNonZero on each).
+template <typename Bits>
+__device__ __forceinline__ bool AnyNonZero(const uint4& raw) {
+  constexpr uint32_t kMagnitudes = sizeof(Bits) == 2 ? 0x7fff7fffu : 0x7fffffffu;
+  return ((raw.x | raw.y | raw.z | raw.w) & kMagnitudes) != 0;
+}
+
+// PackStep for a step where few lanes hold non-zeros (`active`, a ballot of AnyNonZero):
+// the active lanes one after another, in lane (column) order, each one's V elements spread
+// over lanes 0..V-1 and ordered by a ballot. About 20 instructions per active lane against
+// ~100 for the prefix sum's step, which at 0.5% active (~1.3 active lanes per 256-wide
+// tile) left the kernel bound by instruction issue, not memory.
+template <typename Bits, int V>
+__device__ __forceinline__ int PackStepFew(const uint4& raw, unsigned active, int c, int count, int lane,
+                                           Bits* out_values, int16_t* out_cols, int capacity) {
+  constexpr int kPerWord = 4 / sizeof(Bits);
+  const int word = lane / kPerWord;  // lane's element's word, for lanes below V
+  const int shift = 8 * static_cast<int>(sizeof(Bits)) * (lane % kPerWord);
+  while (active != 0) {
+    const int src = __ffs(static_cast<int>(active)) - 1;
+    active &= active - 1;
+    const uint32_t w0 = __shfl_sync(kFullMask, raw.x, src), w1 = __shfl_sync(kFullMask, raw.y, src);
+    const uint32_t w2 = __shfl_sync(kFullMask, raw.z, src), w3 = __shfl_sync(kFullMask, raw.w, src);
+    const uint32_t w = word == 0 ? w0 : word == 1 ? w1 : word == 2 ? w2 : w3;
+    const Bits v = static_cast<Bits>(w >> shift);
+    const bool nonzero = lane < V && IsNonZero(v);
+    const unsigned bits = __ballot_sync(kFullMask, nonzero);
+    const int slot = count + __popc(bits & ((1u << lane) - 1u));
+    if (nonzero && slot < capacity) {
+      out_values[slot] = v;
+      out_cols[slot] = static_cast<int16_t>(c + src * V + lane);
+    }
+    count += __popc(bits);
+  }
+  return count;
+}
+
+// Lanes holding non-zeros up to which a step takes PackStepFew (measured: twell_pack.md).
+constexpr int kFewLanes = 4;
+
 // A tile's unused slots zero-filled (the format never holds uninitialised memory) and its
 // true count, which flags a tile past capacity for exact recomputation by its consumer.
 template <typename Bits>
@@ -136,6 +176,12 @@ __global__ void TwellPackBatchKernel(const Bits* __restrict__ g, Bits* __restric
     int count = 0;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
+      const unsigned active = __ballot_sync(kFullMask, AnyNonZero<Bits>(raw[i][s]));
+      if (__popc(active) <= kFewLanes) {
+        count = PackStepFew<Bits, V>(raw[i][s], active, s * 32 * V, count, lane, values + item * capacity,
+                                     cols + item * capacity, capacity);
+        continue;
+      }
       Bits v[V];
       const Bits* unpacked = reinterpret_cast<const Bits*>(&raw[i][s]);
 #pragma unroll
