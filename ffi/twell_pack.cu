@@ -158,15 +158,19 @@ __global__ void TwellPackBatchKernel(const Bits* __restrict__ g, Bits* __restric
   if (item0 >= items) return;  // uniform per warp
 
   uint4 raw[kItems][kSteps];
+  int64_t row = item0 / n_tiles;  // one division per warp: the pairs follow in (row, tile) order
+  int tile = static_cast<int>(item0 - row * n_tiles);
 #pragma unroll
   for (int i = 0; i < kItems; ++i) {
-    const int64_t item = item0 + i;
-    const int64_t row = item / n_tiles;
-    const int64_t col0 = (item % n_tiles) * kTile;
+    const bool valid = item0 + i < items;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-      const int64_t c = col0 + s * 32 * V + lane * V;  // f is a multiple of V: all V in or none
-      raw[i][s] = item < items && c < f ? LoadStreaming(g + row * f + c) : make_uint4(0, 0, 0, 0);
+      const int64_t c = static_cast<int64_t>(tile) * kTile + s * 32 * V + lane * V;  // f % V == 0: all V in or none
+      raw[i][s] = valid && c < f ? LoadStreaming(g + row * f + c) : make_uint4(0, 0, 0, 0);
+    }
+    if (++tile == n_tiles) {
+      tile = 0;
+      ++row;
     }
   }
 #pragma unroll
