@@ -305,5 +305,8 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
                 total_h = total_h + warps[:, w, 0]
             out[ids] = total_h
     a_down, a_act, a_up = grads
-    dw_up_t = a_up.astype(dt) if gated else None
-    return dx, a_down.astype(dt), a_act.astype(dt), dw_up_t, partial, coef
+    # Rounded to the element type as the kernels store them: a sum past f16's range becomes
+    # inf there too (the heavy-tailed f16 cases), which NumPy would otherwise warn about.
+    with np.errstate(over="ignore"):
+        dw_up_t = a_up.astype(dt) if gated else None
+        return dx, a_down.astype(dt), a_act.astype(dt), dw_up_t, partial, coef
