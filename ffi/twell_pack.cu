@@ -90,7 +90,8 @@ __device__ __forceinline__ int PackStepFew(const uint4& raw, unsigned active, in
   return count;
 }
 
-// Lanes holding non-zeros up to which a step takes PackStepFew (measured: twell_pack.md).
+// Lanes holding non-zeros up to which a step takes PackStepFew: where its ~20 instructions
+// per active lane stay below the prefix-sum step's ~100 (an estimate, not swept).
 constexpr int kFewLanes = 4;
 
 // A tile's unused slots zero-filled (the format never holds uninitialised memory) and its
@@ -142,7 +143,7 @@ __global__ void TwellPackKernel(const Bits* __restrict__ g, Bits* __restrict__ v
 // The common layouts (tile = 32 V kSteps, f a multiple of V, g 16-byte aligned): each warp
 // packs kItems consecutive (row, tile) pairs and issues all their 16-byte loads before
 // packing any, so that kLoads loads per lane are in flight (one per warp left the kernel
-// latency-bound: ffi/notes/twell_gate.md, "The pack kernel").
+// latency-bound; four measured faster than eight: ffi/notes/twell_pack.md).
 constexpr int kLoads = 4;
 
 template <typename Bits, int kSteps>
