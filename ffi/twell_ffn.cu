@@ -25,11 +25,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "common.h"
 #include "elements.cuh"
+#include "twell_ffn.h"
 
 namespace jax_twell {
 namespace {
@@ -63,16 +65,16 @@ struct Smem {
   }
 };
 
+// One token row, by the whole CTA (steps 1-5 above).
 template <typename E, bool kGated>
-__global__ void __launch_bounds__(kThreads, 3)
-    TwellFfnKernel(const typename E::Bits* __restrict__ x,
-                   const typename E::Bits* __restrict__ values,
-                   const int16_t* __restrict__ cols, const int32_t* __restrict__ counts,
-                   const typename E::Bits* __restrict__ w_act,   // [d, f]
-                   const typename E::Bits* __restrict__ w_up,    // [d, f] (gated)
-                   const typename E::Bits* __restrict__ w_up_t,  // [f, d] (gated)
-                   const typename E::Bits* __restrict__ w_down,  // [f, d]
-                   typename E::Bits* __restrict__ y, Shapes s) {
+__device__ __forceinline__ void FfnRow(const int64_t row, const typename E::Bits* __restrict__ x,
+                                       const typename E::Bits* __restrict__ values,
+                                       const int16_t* __restrict__ cols, const int32_t* __restrict__ counts,
+                                       const typename E::Bits* __restrict__ w_act,   // [d, f]
+                                       const typename E::Bits* __restrict__ w_up,    // [d, f] (gated)
+                                       const typename E::Bits* __restrict__ w_up_t,  // [f, d] (gated)
+                                       const typename E::Bits* __restrict__ w_down,  // [f, d]
+                                       typename E::Bits* __restrict__ y, const Shapes& s) {
   using Bits = typename E::Bits;
   constexpr int V = Vec<E>::V;
   constexpr int kChunk = 32 * V;  // elements of d per warp-wide 16-byte access
@@ -88,7 +90,6 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int64_t row = blockIdx.x;
   const int d = s.d;
   const Bits* x_row = x + row * d;
   const int64_t slot0 = row * s.n_tiles;
@@ -231,27 +232,71 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 }
 
+#define TWELL_FFN_PARAMS                                                                            \
+  const typename E::Bits *__restrict__ x, const typename E::Bits *__restrict__ values,              \
+      const int16_t *__restrict__ cols, const int32_t *__restrict__ counts,                         \
+      const typename E::Bits *__restrict__ w_act, const typename E::Bits *__restrict__ w_up,        \
+      const typename E::Bits *__restrict__ w_up_t, const typename E::Bits *__restrict__ w_down,     \
+      typename E::Bits *__restrict__ y, Shapes s
+
+// One CTA per token row: the hardware scheduler balances heavy rows.
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(kThreads, 3) TwellFfnKernel(TWELL_FFN_PARAMS) {
+  FfnRow<E, kGated>(blockIdx.x, x, values, cols, counts, w_act, w_up, w_up_t, w_down, y, s);
+}
+
+// The blocked kernel's fallback, launched after it in the same handler: a grid of at most a
+// few CTAs per SM that exits at once unless the blocked kernel's entries overflowed its
+// workspace (*needed > max_entries, read on the device), and then computes every row.
+template <typename E, bool kGated>
+__global__ void __launch_bounds__(kThreads, 3)
+    TwellFfnFallbackKernel(TWELL_FFN_PARAMS, const int32_t* __restrict__ needed, int64_t max_entries) {
+  if (*needed <= max_entries) return;
+  for (int64_t row = blockIdx.x; row < s.rows; row += gridDim.x) {
+    FfnRow<E, kGated>(row, x, values, cols, counts, w_act, w_up, w_up_t, w_down, y, s);
+    __syncthreads();  // the next row reuses the shared memory
+  }
+}
+#undef TWELL_FFN_PARAMS
+
+// needed == nullptr: the row kernel, a CTA per row. Else the fallback kernel, which runs
+// only where *needed > max_entries (on the device).
 template <typename E, bool kGated>
 ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const void* values,
                   const int16_t* cols, const int32_t* counts, const void* w_act,
-                  const void* w_up, const void* w_up_t, const void* w_down, void* y) {
+                  const void* w_up, const void* w_up_t, const void* w_down, void* y,
+                  const int32_t* needed = nullptr, int64_t max_entries = 0) {
   using Bits = typename E::Bits;
   const Smem layout(s, sizeof(Bits));
   auto kernel = TwellFfnKernel<E, kGated>;
-  int device = 0, max_smem = 0;
+  auto fallback = TwellFfnFallbackKernel<E, kGated>;
+  int device = 0, max_smem = 0, n_sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (layout.total > max_smem)
     return Invalid("twell_ffn: d, ceil(f/tile)*capacity and tile need " +
                    std::to_string(layout.total) + " bytes of shared memory per row, over the " +
                    std::to_string(max_smem) + " this GPU allows; use a smaller capacity or tile");
-  if (layout.total > 48 * 1024)
+  if (layout.total > 48 * 1024) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, layout.total);
-  kernel<<<static_cast<unsigned>(s.rows), kThreads, layout.total, stream>>>(
-      static_cast<const Bits*>(x), static_cast<const Bits*>(values), cols, counts,
-      static_cast<const Bits*>(w_act), static_cast<const Bits*>(w_up),
-      static_cast<const Bits*>(w_up_t), static_cast<const Bits*>(w_down), static_cast<Bits*>(y), s);
-  return LaunchStatus("twell_ffn");
+    cudaFuncSetAttribute(fallback, cudaFuncAttributeMaxDynamicSharedMemorySize, layout.total);
+  }
+  const auto* x_ = static_cast<const Bits*>(x);
+  const auto* values_ = static_cast<const Bits*>(values);
+  const auto* w_act_ = static_cast<const Bits*>(w_act);
+  const auto* w_up_ = static_cast<const Bits*>(w_up);
+  const auto* w_up_t_ = static_cast<const Bits*>(w_up_t);
+  const auto* w_down_ = static_cast<const Bits*>(w_down);
+  if (needed == nullptr) {
+    kernel<<<static_cast<unsigned>(s.rows), kThreads, layout.total, stream>>>(x_, values_, cols, counts, w_act_, w_up_,
+                                                                            w_up_t_, w_down_, static_cast<Bits*>(y), s);
+    return LaunchStatus("twell_ffn");
+  }
+  cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t grid = std::min<int64_t>(s.rows, 3 * static_cast<int64_t>(std::max(n_sms, 1)));
+  fallback<<<static_cast<unsigned>(grid), kThreads, layout.total, stream>>>(
+      x_, values_, cols, counts, w_act_, w_up_, w_up_t_, w_down_, static_cast<Bits*>(y), s, needed, max_entries);
+  return LaunchStatus("twell_ffn fallback");
 }
 
 // Operands (gated): x [..., d], values/cols [..., n_tiles, capacity], counts [..., n_tiles],
@@ -344,6 +389,23 @@ ffi::Error TwellFfnUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
 }
 
 }  // namespace
+
+ffi::Error LaunchRowFallback(cudaStream_t stream, bool bf16, bool gated, int64_t rows, int d, int f, int tile,
+                             int capacity, int n_tiles, const void* x, const void* values, const int16_t* cols,
+                             const int32_t* counts, const void* w_act, const void* w_up, const void* w_up_t,
+                             const void* w_down, void* y, const int32_t* needed, int64_t max_entries) {
+  const int64_t max_d = static_cast<int64_t>(kWarps) * kMaxChunksPerWarp * 32 * 8;
+  if (d % 8 != 0 || d > max_d)
+    return Invalid("twell_ffn fallback: d must be a multiple of 8 and at most " + std::to_string(max_d));
+  if (rows == 0) return ffi::Error::Success();
+  const Shapes s{rows, d, f, tile, capacity, n_tiles};
+  if (bf16)
+    return gated ? Launch<Bf16, true>(stream, s, x, values, cols, counts, w_act, w_up, w_up_t, w_down, y, needed, max_entries)
+                 : Launch<Bf16, false>(stream, s, x, values, cols, counts, w_act, w_up, w_up_t, w_down, y, needed, max_entries);
+  return gated ? Launch<F16, true>(stream, s, x, values, cols, counts, w_act, w_up, w_up_t, w_down, y, needed, max_entries)
+               : Launch<F16, false>(stream, s, x, values, cols, counts, w_act, w_up, w_up_t, w_down, y, needed, max_entries);
+}
+
 }  // namespace jax_twell
 
 // The handlers only launch work on the stream (no host synchronisation): XLA may capture

@@ -32,12 +32,15 @@
 // 0.74 GB, mostly L2; partials 2 x 59 MB; entries (4 B) re-read per d-range CTA: 0.2 GB.
 // Workspace results (static sizes): seg_start, tok_off, entries [max_entries], partial
 // [d/64, max_entries] (gated). When the needed entries exceed max_entries nothing past
-// the workspace is written and y is NaN (the op checks first and never lets that happen).
+// the workspace is written and y is NaN; with the attribute fallback = 1 the handler then
+// launches the row kernel's fallback form (twell_ffn.h), which reads the needed entries on
+// the device and, only then, writes every row of y exactly: the op needs no branch.
 // Device code: twell_blocked.cuh.
 #include <string>
 
 #include "common.h"
 #include "twell_blocked.cuh"
+#include "twell_ffn.h"
 #include "twell_union_layout.cuh"
 
 namespace jax_twell {
@@ -98,7 +101,7 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
                        ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> seg_start,
                        ffi::Result<ffi::Buffer<ffi::S32>> tok_off, ffi::Result<ffi::Buffer<ffi::U32>> entries,
                        float* partial, int64_t partial_rows, int64_t partial_cols, int32_t tile,
-                       int32_t mma) {
+                       int32_t mma, int32_t fallback) {
   const char* name = "twell_ffn_blocked: ";
   auto x_dims = x.dimensions();
   if (x_dims.size() < 1) return Invalid(std::string(name) + "x must have shape [..., d]");
@@ -149,15 +152,20 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   if (const char* refusal = UnionStepsRefusal(s, kGated, mma)) return Invalid(std::string(name) + refusal);
   const void* up = kGated ? w_up.untyped_data() : nullptr;
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
-  if (dtype == ffi::DataType::BF16)
-    return Launch<Bf16, kGated>(stream, s, x.untyped_data(), values.untyped_data(), cols.typed_data(),
-                                counts.typed_data(), w_act.untyped_data(), up, up_t, w_down.untyped_data(),
-                                y->untyped_data(), seg_start->typed_data(), tok_off->typed_data(),
-                                entries->typed_data(), partial, mma);
-  return Launch<F16, kGated>(stream, s, x.untyped_data(), values.untyped_data(), cols.typed_data(),
+  const bool bf16 = dtype == ffi::DataType::BF16;
+  auto launch = bf16 ? Launch<Bf16, kGated> : Launch<F16, kGated>;
+  ffi::Error status = launch(stream, s, x.untyped_data(), values.untyped_data(), cols.typed_data(),
                              counts.typed_data(), w_act.untyped_data(), up, up_t, w_down.untyped_data(),
                              y->untyped_data(), seg_start->typed_data(), tok_off->typed_data(),
                              entries->typed_data(), partial, mma);
+  if (status.failure() || fallback == 0) return status;
+  // The entries the call needed are seg_start's last value (K0b): past max_entries the
+  // blocked steps wrote NaN, and the row kernel now writes every row of y instead.
+  return LaunchRowFallback(stream, bf16, kGated, rows, static_cast<int>(d), static_cast<int>(f), tile,
+                           static_cast<int>(capacity), static_cast<int>(n_tiles), x.untyped_data(),
+                           values.untyped_data(), cols.typed_data(), counts.typed_data(), w_act.untyped_data(),
+                           up, up_t, w_down.untyped_data(), y->untyped_data(),
+                           seg_start->typed_data() + n_blocks * n_tiles, max_entries);
 }
 
 ffi::Error BlockedGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
@@ -165,20 +173,21 @@ ffi::Error BlockedGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer va
                         ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
                         ffi::Result<ffi::Buffer<ffi::S32>> seg_start, ffi::Result<ffi::Buffer<ffi::S32>> tok_off,
                         ffi::Result<ffi::Buffer<ffi::U32>> entries, ffi::Result<ffi::Buffer<ffi::F32>> partial,
-                        int32_t tile, int32_t mma) {
+                        int32_t tile, int32_t mma, int32_t fallback) {
   auto p_dims = partial->dimensions();
   if (p_dims.size() != 2) return Invalid("twell_ffn_blocked: partial must have shape [d/64, max_entries]");
   return BlockedImpl<true>(stream, x, values, cols, counts, w_gate, w_up, w_up_t, w_down, y, seg_start, tok_off,
-                           entries, partial->typed_data(), p_dims[0], p_dims[1], tile, mma);
+                           entries, partial->typed_data(), p_dims[0], p_dims[1], tile, mma, fallback);
 }
 
 ffi::Error BlockedUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                           ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up,
                           ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
                           ffi::Result<ffi::Buffer<ffi::S32>> seg_start, ffi::Result<ffi::Buffer<ffi::S32>> tok_off,
-                          ffi::Result<ffi::Buffer<ffi::U32>> entries, int32_t tile, int32_t mma) {
+                          ffi::Result<ffi::Buffer<ffi::U32>> entries, int32_t tile, int32_t mma,
+                          int32_t fallback) {
   return BlockedImpl<false>(stream, x, values, cols, counts, w_up, w_up, w_down, w_down, y, seg_start, tok_off,
-                            entries, nullptr, 0, 0, tile, mma & 1);
+                            entries, nullptr, 0, 0, tile, mma & 1, fallback);
 }
 
 }  // namespace
@@ -203,7 +212,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlockedGated, jax_twell::BlockedGated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partial
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"),  // bit 0: K1 and K2 on tensor cores; bits 2, 3: K2, K1 as union products
+                                  .Attr<int32_t>("mma")  // bit 0: K1 and K2 on tensor cores; bits 2, 3: K2, K1 as union products
+                                  .Attr<int32_t>("fallback"),  // 1: the row kernel after, where the entries overflowed
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlocked, jax_twell::BlockedUngated,
@@ -220,5 +230,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBlocked, jax_twell::BlockedUngated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // tok_off
                                   .Ret<xla::ffi::Buffer<xla::ffi::U32>>()  // entries
                                   .Attr<int32_t>("tile")
-                                  .Attr<int32_t>("mma"),  // 1: K2 on tensor cores
+                                  .Attr<int32_t>("mma")  // 1: K2 on tensor cores
+                                  .Attr<int32_t>("fallback"),  // 1: the row kernel after, where the entries overflowed
                               {xla::ffi::Traits::kCmdBufferCompatible});

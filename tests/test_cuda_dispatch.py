@@ -41,10 +41,12 @@ def stand_ins(monkeypatch):
                 return jnp.full(x.shape, ROW_MARK, x.dtype)
             return reference.twell_ffn(x, act, w_act, w_up, w_down)
 
-        def blocked(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma=False, down_union=False, up_union=False):
-            if mark:
-                return (jnp.full(x.shape, BLOCKED_MARK, x.dtype),)
-            return (reference.twell_ffn(x, act, w_act, w_up, w_down),)
+        def blocked(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma=False, down_union=False, up_union=False,
+                    fallback=False):
+            y = jnp.full(x.shape, BLOCKED_MARK, x.dtype) if mark else reference.twell_ffn(x, act, w_act, w_up, w_down)
+            if fallback:  # the handler's own row-kernel fallback, where the entries overflow the workspace
+                y = jnp.where(cuda.blocked_needed_entries(act) <= max_entries, y, row(x, act, w_act, w_up, w_down))
+            return (y,)
 
         monkeypatch.setattr(cuda, "pack_twell", pack)
         monkeypatch.setattr(cuda, "_twell_ffn_call", row)
@@ -768,3 +770,48 @@ def test_block_union_fraction_and_known_union():
         jt.sparse_ffn(x, wg, wu, wd, implementation="xla", union_fraction=0.2),
         jt.sparse_ffn(x, wg, wu, wd, implementation="xla"),
     )
+
+
+def _count_conds(jaxpr) -> int:
+    """``cond`` equations in a jaxpr, nested ones (branches, jit bodies) included."""
+    n = 0
+    for e in jaxpr.eqns:
+        n += e.primitive.name == "cond"
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    n += _count_conds(inner)
+                elif hasattr(sub, "eqns"):
+                    n += _count_conds(sub)
+    return n
+
+
+@pytest.mark.parametrize("kernel", ["blocked", "blocked_mma", "blocked_union"])
+def test_device_branches_of_the_blocked_paths(stand_ins, kernel):
+    """Each device branch is a conditional node in XLA's command buffer (~10 us per call on
+    the H200), so the blocked paths keep as few as their choices need: forced, none (the
+    entry budget is the handler's own fallback); a known active fraction, one (dense or
+    sparse on the call's counts; row or blocked at trace time); no fraction, two (then row
+    or blocked on the device). All three compute the FFN."""
+    stand_ins(mark=False)
+    inp = case(m=1100, key=9)
+    want = xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)
+    for rule, fraction, conds in [(cuda.DenseCrossover(margin=float("inf")), None, 0),
+                                  (cuda.DenseCrossover(**NO_FIXED), 0.0, 1),
+                                  (cuda.DenseCrossover(**NO_FIXED), None, 2)]:
+        fn = lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, crossover=rule,
+                                       kernel=kernel, active_fraction=fraction)
+        assert _count_conds(jax.make_jaxpr(fn)(inp.x).jaxpr) == conds, (rule.margin, fraction)
+        assert_close(jax.jit(fn)(inp.x), want, 2 * fused_tolerance(jnp.bfloat16, 700), f"{fraction}")
+    # The static choice between the row and blocked kernels agrees with the costs it compares.
+    rule = cuda.DenseCrossover()
+    for m, fraction in [(256, 0.0001), (16384, 0.005), (2048, 0.02)]:
+        nnz = fraction * m * 5632
+        row = float(rule.row_cost(nnz, 0, 2048, 5632, 2, False))
+        blocked = float(rule.union_cost(nnz, m, 2048, 5632, 2) if kernel == "blocked_union"
+                        else rule.blocked_cost(nnz, m, 2048, 5632, 2))
+        assert rule.blocked_preferred(m, 2048, 5632, 2, fraction, False, kernel) == (blocked < row), (m, fraction)
+    assert not rule.blocked_preferred(255, 2048, 5632, 2, 0.005, False, kernel)  # below BLOCKED_MIN_TOKENS
+    with pytest.raises(ValueError, match="active_fraction"):
+        rule.blocked_preferred(4096, 2048, 5632, 2, 1.5)

@@ -198,6 +198,38 @@ def test_blocked_over_budget_falls_back_exactly_or_is_nan():
     assert np.isnan(np.asarray(raw[0], np.float32)).all()
 
 
+def _bits(y):
+    return np.asarray(y).view(np.uint16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("variant", [(False, False), (True, False), (True, True)], ids=["cuda_cores", "mma", "union"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_blocked_handler_runs_the_row_kernel_only_past_its_budget(gated, variant, dtype):
+    """The handler's own fallback (``fallback=True``): within the entry budget its row kernel
+    exits at once and y keeps the blocked steps' bits; one entry past it, the blocked steps
+    write NaN and the row kernel then writes every row, with the row kernel's own bits. 1100
+    rows against a fallback grid of 3 CTAs per SM, so its CTAs take several rows each;
+    overflowed tiles (``full``) and empty rows included."""
+    m, d, f = 1100, 512, 700
+    x, inp = _inputs(m, d, f, 0.02, "heavy", dtype, 17, full=4, empty=10)
+    w_act, w_up = (inp.w_gate, inp.w_up) if gated else (inp.w_up, None)
+    w_up_t = None if w_up is None else w_up.T
+    act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
+    need = emu.needed_entries(np.asarray(act.counts), 32, 256, f)
+    mma, union = variant
+    call = lambda budget, fallback: cuda._blocked_call(
+        x, act, w_act, w_up, inp.w_down, w_up_t, budget, mma, union, union, fallback=fallback)[0]
+    within = call(need, True)
+    assert np.isfinite(np.asarray(within, np.float32)).all()
+    np.testing.assert_array_equal(_bits(within), _bits(call(need, False)), "within the budget")
+    assert np.isnan(np.asarray(call(need - 1, False), np.float32)).all()
+    row = cuda._twell_ffn_call(x, act, w_act, w_up, inp.w_down, w_up_t)
+    np.testing.assert_array_equal(_bits(call(need - 1, True)), _bits(row), "past the budget")
+    want = reference.twell_ffn(x, act, w_act, w_up, inp.w_down)
+    assert_close(row, want, fused_tolerance(dtype, f), "row kernel")
+
+
 def test_blocked_poisoned_output_fully_written_deterministic_leading_dims():
     x, inp = _inputs(1500, 256, 1000, 0.05, "heavy", jnp.bfloat16, 3, full=2)
     act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=128, capacity=8)

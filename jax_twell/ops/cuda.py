@@ -234,7 +234,10 @@ def _union_runs(gated: bool, m: int, d: int, f: int, tile: int, capacity: int) -
 
 
 def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, mma: bool = False,
-                  down_union: bool = False, up_union: bool = False):
+                  down_union: bool = False, up_union: bool = False, fallback: bool = False):
+    """The blocked handler: ``(y, seg_start, tok_off, entries[, partial])``. ``fallback``:
+    where the call's entries overflow ``max_entries`` (read on the device), the handler's
+    last launch, the row kernel, writes y exactly; without it y is NaN there."""
     m, d = int(np.prod(x.shape[:-1])), x.shape[-1]
     down_union = down_union and w_up is not None and _union.down_supported(m, d, act.f, max_entries)
     up_union = up_union and w_up is not None and _union.up_supported(m, d, act.f, max_entries)
@@ -247,15 +250,15 @@ def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, 
         jax.ShapeDtypeStruct((max_entries,), jnp.uint32),
     ]
     y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    tile = np.int32(act.tile)
+    attrs = dict(tile=np.int32(act.tile), mma=np.int32(mma), fallback=np.int32(bool(fallback)))
     if w_up is None:
         call = kernel_call("jax_twell_ffn_blocked", (y_type, *workspace), vmap_method="sequential")
-        return call(x, act.values, act.cols, act.counts, w_act, w_down, tile=tile, mma=np.int32(mma))
+        return call(x, act.values, act.cols, act.counts, w_act, w_down, **attrs)
     workspace.append(jax.ShapeDtypeStruct((d // _blocked.UP_COLS, max_entries), jnp.float32))
     if w_up_t is None:
         w_up_t = w_up.T
     call = kernel_call("jax_twell_ffn_blocked_gated", (y_type, *workspace), vmap_method="sequential")
-    return call(x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=tile, mma=np.int32(mma))
+    return call(x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, **attrs)
 
 
 def blocked_ffn(
@@ -271,9 +274,11 @@ def blocked_ffn(
     Constraints: bf16 or f16 (f32 runs the row kernel); d a multiple of 64 and at most
     16384, tile at most 256 (ValueError otherwise, see :func:`check_blocked_supported`).
     ``max_entries`` (default :func:`blocked_max_entries`) sizes the workspace; a call that
-    needs more entries runs the row kernel instead (decided on the device, exact).
+    needs more entries runs the row kernel instead, exact: the handler launches it last, and
+    it reads the needed entries on the device and exits at once where they fit (no
+    ``lax.cond``, whose conditional node costs ~10 us per call on the H200).
     ``workspace=True`` (tests) returns ``(y, seg_start, tok_off, entries[, partial])``
-    from the blocked kernel alone, without the fallback. ``mma=True`` runs the up
+    from the blocked kernel alone, without the fallback (y NaN where the entries overflow). ``mma=True`` runs the up
     and down steps on tensor cores (``kernel="blocked_mma"``; sums equal to f32 rounding,
     not bitwise, see ffi/notes/twell_ffn_blocked.md). ``down_union=True`` (gated, d a
     multiple of 256 and the layout within the partials workspace; elsewhere ignored) runs
@@ -298,12 +303,7 @@ def blocked_ffn(
         return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union, up_union)
     if m == 0:
         return jnp.zeros(x.shape, x.dtype)
-    fits = blocked_needed_entries(act) <= max_entries
-    return jax.lax.cond(
-        fits,
-        lambda: _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union, up_union)[0],
-        lambda: _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t),
-    )
+    return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union, up_union, fallback=True)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,12 +496,32 @@ class DenseCrossover:
         nnz = active_fraction * m * f
         cost = self._row_seconds(nnz, 0.0, d, f, itemsize, transposed)  # Python floats: runs while tracing
         if kernel != "row" and m >= BLOCKED_MIN_TOKENS:
-            if kernel == "blocked_union":
-                blocked = self._union_seconds(nnz, m, d, f, itemsize, union_fraction)
-            else:
-                blocked = self._blocked_seconds(nnz, m, d, f, itemsize)
-            cost = min(cost, blocked)
+            cost = min(cost, self._kernel_seconds(nnz, m, d, f, itemsize, kernel, union_fraction))
         return cost < self.margin * self.dense_cost(m, d, f, itemsize)
+
+    def _kernel_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, kernel: str, union_fraction):
+        """The blocked ``kernel``'s cost: :meth:`union_cost` for "blocked_union", else
+        :meth:`blocked_cost` (Python floats)."""
+        if kernel == "blocked_union":
+            return self._union_seconds(nnz, m, d, f, itemsize, union_fraction)
+        return self._blocked_seconds(nnz, m, d, f, itemsize)
+
+    def blocked_preferred(
+        self, m: int, d: int, f: int, itemsize: int, active_fraction: float, transposed: bool = False,
+        kernel: str = "blocked_union", union_fraction: float | None = None,
+    ) -> bool:
+        """Static: True where, at a known ``active_fraction`` (no overflow assumed), the
+        blocked ``kernel`` (union products costed by :meth:`union_cost` with
+        ``union_fraction``) is predicted faster than the row kernel for ``m`` tokens (at
+        least ``BLOCKED_MIN_TOKENS``). Both are exact; :func:`sparse_ffn` makes this choice at
+        trace time for a layer with a known fraction, so its sparse side has no device branch."""
+        if not 0.0 <= active_fraction <= 1.0:
+            raise ValueError(f"active_fraction must be in [0, 1], got {active_fraction}")
+        if kernel == "row" or m < BLOCKED_MIN_TOKENS:
+            return False
+        nnz = active_fraction * m * f
+        blocked = self._kernel_seconds(nnz, m, d, f, itemsize, kernel, union_fraction)
+        return blocked < self._row_seconds(nnz, 0.0, d, f, itemsize, transposed)
 
     def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int, transposed: bool = False) -> jax.Array:
         """``[]`` bool on device: True where the fused sparse kernel should run."""
@@ -664,7 +684,7 @@ def sparse_ffn(
         check_blocked_supported(d, tile)
         max_entries = blocked_max_entries(m, f, tile, capacity)
         if rule.margin == float("inf"):
-            prefer_blocked, any_sparse = jnp.bool_(True), jnp.bool_(True)
+            prefer_blocked, any_sparse = True, jnp.bool_(True)
         else:
             row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
             if kernel == "blocked_union":  # the union measured on a sample of g's blocks where g exists
@@ -672,18 +692,25 @@ def sparse_ffn(
                 blocked_cost = rule.union_cost(nnz, m, d, f, x.dtype.itemsize, union)
             else:
                 blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
-            prefer_blocked = blocked_cost < row_cost
             any_sparse = use_sparse | (blocked_cost < rule.margin * rule.dense_cost(m, d, f, x.dtype.itemsize))
+            if active_fraction is not None:  # row or blocked (both exact): at trace time, no second branch
+                prefer_blocked = rule.blocked_preferred(
+                    m, d, f, x.dtype.itemsize, active_fraction, transposed, kernel, union_fraction
+                )
+            else:
+                prefer_blocked = blocked_cost < row_cost
 
         def sparse_branch(_):
             act = packed()
-            # The blocked kernel only where the call's exact entries fit its workspace.
-            fits = blocked_needed_entries(act) <= max_entries
+            # The blocked kernel falls back to the row kernel by itself where the call's
+            # entries overflow its workspace (on the device, inside the handler).
             mma, union = kernel != "blocked", kernel == "blocked_union"
             run_blocked = lambda a: _blocked_call(
-                x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma, union, union
+                x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma, union, union, fallback=True
             )[0]
-            return jax.lax.cond(prefer_blocked & fits, run_blocked, row_kernel, act)
+            if isinstance(prefer_blocked, bool):
+                return run_blocked(act) if prefer_blocked else row_kernel(act)
+            return jax.lax.cond(prefer_blocked, run_blocked, row_kernel, act)
 
         if rule.margin == float("inf"):
             return sparse_branch(None)
