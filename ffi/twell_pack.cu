@@ -92,7 +92,11 @@ __device__ __forceinline__ int PackStepFew(const uint4& raw, unsigned active, in
 
 // Lanes holding non-zeros up to which a step takes PackStepFew: where its ~20 instructions
 // per active lane stay below the prefix-sum step's ~100 (an estimate, not swept).
-constexpr int kFewLanes = 4;
+// TWELL_PACK_FEW_LANES overrides it for timing probes (0: only empty steps skip).
+#ifndef TWELL_PACK_FEW_LANES
+#define TWELL_PACK_FEW_LANES 4
+#endif
+constexpr int kFewLanes = TWELL_PACK_FEW_LANES;
 
 // A tile's unused slots zero-filled (the format never holds uninitialised memory) and its
 // true count, which flags a tile past capacity for exact recomputation by its consumer.
