@@ -91,7 +91,8 @@ __device__ __forceinline__ int PackStepFew(const uint4& raw, unsigned active, in
 }
 
 // Lanes holding non-zeros up to which a step takes PackStepFew: where its ~20 instructions
-// per active lane stay below the prefix-sum step's ~100 (an estimate, not swept).
+// per active lane stay below the prefix-sum step's ~100 (swept: any bound from 2 to 16 times the
+// same, 0 costs +11 us at M=16384; notes/twell_pack.md).
 // TWELL_PACK_FEW_LANES overrides it for timing probes (0: only empty steps skip).
 #ifndef TWELL_PACK_FEW_LANES
 #define TWELL_PACK_FEW_LANES 4
