@@ -366,7 +366,7 @@ class DenseCrossover:
     # 64-row blocks, evenly spaced; all rows below 2x this many; the blocked_union estimate
     # of the union reads the same rows), and scales up: a full count reads all of g
     # (~0.1 ms at M=16384, f=5632), which a dense decision would pay for nothing. The
-    # sparse branches still check the blocked kernel's exact entry budget after packing.
+    # blocked kernel's handler still checks its exact entry budget after packing.
     count_sample_rows: int = 1024
     # Decode: calls of at most this many tokens run xla.gather_ffn (only the weights of
     # neurons active for some token are read) with room for ``decode_active_per_token``
@@ -573,8 +573,11 @@ def sparse_ffn(
     64-token block's union of active neurons; gated, where :func:`union_up_supported` and
     :func:`union_down_supported` hold at the default budget, else "blocked_mma"). With a blocked kernel, the call picks on the
     device, per call, among dense, the row kernel and the blocked kernel by the rule's
-    costs (:meth:`DenseCrossover.blocked_cost`), the blocked kernel only where its
-    workspace holds the call's entries; M below ``BLOCKED_MIN_TOKENS`` (decode sizes) is
+    costs (:meth:`DenseCrossover.blocked_cost`); with a known ``active_fraction`` only
+    dense or sparse is decided per call, row or blocked at trace time
+    (:meth:`DenseCrossover.blocked_preferred`). Where the call's entries overflow the
+    blocked kernel's workspace, its handler runs the row kernel itself (exact, no device
+    branch). M below ``BLOCKED_MIN_TOKENS`` (decode sizes) is
     decided at trace time as with "row" (a block would read all weights for few pairs).
     f32, or d/tile shapes the blocked kernel does not take, raise or run "row" as
     :func:`blocked_ffn` says. A margin of inf forces the blocked kernel (when it fits).
