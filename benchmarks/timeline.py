@@ -12,7 +12,10 @@ time for one call to return (its dispatch).
 
 Read kernel times here as a profile, not as the benchmark's ratio: under the profiler the
 host dispatches slowly, so calls may run with idle gaps between them on a cooler GPU than
-the benchmark's sustained back-to-back load (ffi/notes/twell_ffn_blocked.md).
+the benchmark's sustained back-to-back load (ffi/notes/twell_ffn_blocked.md). Idle gaps
+inside a call are not reliable either: the ~10 us gap the trace shows after each
+``lax.cond``'s conditional node was worth 2-8 us of the call clock when the branch was
+removed ("The entry budget's branch inside the handler", same notes).
 """
 
 from __future__ import annotations
