@@ -276,11 +276,12 @@ def blocked_ffn(
     ``max_entries`` (default :func:`blocked_max_entries`) sizes the workspace; a call that
     needs more entries runs the row kernel instead, exact: the handler launches it last, and
     it reads the needed entries on the device and exits at once where they fit (no
-    ``lax.cond``, whose conditional node costs ~10 us per call on the H200).
+    ``lax.cond`` in the op, and under vmap no select running both kernels).
     ``workspace=True`` (tests) returns ``(y, seg_start, tok_off, entries[, partial])``
-    from the blocked kernel alone, without the fallback (y NaN where the entries overflow). ``mma=True`` runs the up
-    and down steps on tensor cores (``kernel="blocked_mma"``; sums equal to f32 rounding,
-    not bitwise, see ffi/notes/twell_ffn_blocked.md). ``down_union=True`` (gated, d a
+    from the blocked kernel alone, without the fallback (y is NaN where the entries
+    overflow). ``mma=True`` runs the up and down steps on tensor cores
+    (``kernel="blocked_mma"``; sums equal to f32 rounding, not bitwise, see
+    ffi/notes/twell_ffn_blocked.md). ``down_union=True`` (gated, d a
     multiple of 256 and the layout within the partials workspace; elsewhere ignored) runs
     the down step as a dense product over each 64-token block's union of active neurons
     (``kernel="blocked_union"``; the same h, f32 sums in another order). ``up_union=True``
