@@ -1,6 +1,7 @@
 """The kernels on every configuration the benchmarks time (jax_twell.testing.
-inference_benchmark_grid), forced sparse, against the reference; and the training op at
-M=65,536 tokens (issue 4), forward and backward against the dense formula. GPU only."""
+inference_benchmark_grid), forced sparse, against the reference; the inference op at the
+largest M issue 3 names (131,072 tokens); and the training op at M=65,536 tokens (issue 4),
+forward and backward against the dense formula. GPU only."""
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,30 @@ def test_benchmark_configuration_matches_reference(config):
     # The default rule (whatever it picks) is exact too.
     auto = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
     assert_close(auto, want, fused_tolerance(jnp.bfloat16, f), f"{config} default rule")
+
+
+def test_inference_op_at_131072_tokens():
+    """Issue 3's largest M, as [32, 4096, d] (leading dims), with rows past every tile's
+    capacity and empty rows: every kernel forced sparse, and the default rule, against the
+    reference (the blocked kernels' workspace is then ~3 GB of partial sums, indexed past
+    2^31 bytes)."""
+    m, d, f = 131072, 2048, 5632
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(131), m, d, f, density=0.005), full=3, empty=5)
+    inp = inp._replace(x=inp.x.reshape(32, m // 32, d))
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(lambda x, wg, wu, wd: reference.ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
+    assert want.shape == (32, m // 32, d)
+    for kernel in cuda.KERNELS:
+        op = jax.jit(
+            lambda x, wg, wu, wd: cuda.sparse_ffn(
+                x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, kernel=kernel
+            )
+        )
+        y = op(*inp)
+        assert y.shape == want.shape, kernel
+        assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"M=131072 kernel={kernel}")
+    auto = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
+    assert_close(auto, want, fused_tolerance(jnp.bfloat16, f), "M=131072 default rule")
 
 
 def test_training_op_at_65536_tokens():
