@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_twell as jt
 from jax_twell.ops import cuda, cuda_train, reference
 from jax_twell.testing import inference_benchmark_grid, synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
@@ -20,42 +21,39 @@ ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
 def test_benchmark_configuration_matches_reference(config):
     m, d, f, density, pattern = config
     inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
+    assert_every_kernel_matches_reference(inp, f, str(config))
+
+
+def assert_every_kernel_matches_reference(inp, f, what):
+    """Every kernel forced sparse, and the default rule (whatever it picks), against the
+    reference, on bf16 inputs ``inp`` (x ``[M, d]``) with f neurons. Returns the reference."""
     with jax.default_matmul_precision("highest"):
         want = jax.jit(lambda x, wg, wu, wd: reference.ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
+    tol = fused_tolerance(jnp.bfloat16, f)
     for kernel in cuda.KERNELS:
         op = jax.jit(
             lambda x, wg, wu, wd: cuda.sparse_ffn(
                 x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, kernel=kernel
             )
         )
-        assert_close(op(*inp), want, fused_tolerance(jnp.bfloat16, f), f"{config} kernel={kernel}")
-    # The default rule (whatever it picks) is exact too.
+        assert_close(op(*inp), want, tol, f"{what} kernel={kernel}")
     auto = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
-    assert_close(auto, want, fused_tolerance(jnp.bfloat16, f), f"{config} default rule")
+    assert_close(auto, want, tol, f"{what} default rule")
+    return want
 
 
 def test_inference_op_at_131072_tokens():
-    """Issue 3's largest M, as [32, 4096, d] (leading dims), with rows past every tile's
-    capacity and empty rows: every kernel forced sparse, and the default rule, against the
-    reference (the blocked kernels' workspace is then ~3 GB of partial sums, indexed past
-    2^31 bytes)."""
+    """Issue 3's largest M, with rows past every tile's capacity and empty rows: every
+    kernel forced sparse, and the default rule, against the reference (the blocked
+    kernels' workspace is then ~3 GB of partial sums, indexed past 2^31 bytes); and the
+    public op on the same tokens as [32, 4096, d] (leading dims)."""
     m, d, f = 131072, 2048, 5632
     inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(131), m, d, f, density=0.005), full=3, empty=5)
-    inp = inp._replace(x=inp.x.reshape(32, m // 32, d))
-    with jax.default_matmul_precision("highest"):
-        want = jax.jit(lambda x, wg, wu, wd: reference.ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
-    assert want.shape == (32, m // 32, d)
-    for kernel in cuda.KERNELS:
-        op = jax.jit(
-            lambda x, wg, wu, wd: cuda.sparse_ffn(
-                x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, kernel=kernel
-            )
-        )
-        y = op(*inp)
-        assert y.shape == want.shape, kernel
-        assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"M=131072 kernel={kernel}")
-    auto = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
-    assert_close(auto, want, fused_tolerance(jnp.bfloat16, f), "M=131072 default rule")
+    want = assert_every_kernel_matches_reference(inp, f, "M=131072")
+    x3 = inp.x.reshape(32, m // 32, d)
+    y3 = jax.jit(lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd, implementation="cuda"))(x3, *inp[1:])
+    assert y3.shape == x3.shape
+    assert_close(y3, want.reshape(x3.shape), fused_tolerance(jnp.bfloat16, f), "M=131072 public op, [32, 4096, d]")
 
 
 def test_training_op_at_65536_tokens():
