@@ -1,9 +1,15 @@
 """Shared test configuration: GPU tests skip cleanly where kernels can't run; the CPU
-platform gets 4 host devices (before JAX initialises) for the multi-device tests."""
+platform gets 4 host devices (before JAX initialises) for the multi-device tests; XLA's
+GPU GEMM autotuning is off (the tests compile hundreds of matmul shapes, often in many
+processes sharing one GPU, and need any correct algorithm, not the fastest;
+``JAX_TWELL_TEST_AUTOTUNE=1``, or an autotune level in ``XLA_FLAGS``, keeps it)."""
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+_flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+if not os.environ.get("JAX_TWELL_TEST_AUTOTUNE") and "xla_gpu_autotune_level" not in _flags:
+    _flags += " --xla_gpu_autotune_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import pytest  # noqa: E402
 
