@@ -1,9 +1,12 @@
 """GPU timeline of back-to-back calls: kernel time against idle gaps, sparse and dense.
 
-Usage: python benchmarks/timeline.py [--kernel blocked_union] [--m 16384] [--d 2048]
-       [--f 5632] [--density 0.005] [--pattern uniform] [--calls 6] [--train] [--out t.json]
+Usage: python benchmarks/timeline.py [--kernel blocked_union] [--rule forced] [--m 16384]
+       [--d 2048] [--f 5632] [--density 0.005] [--pattern uniform] [--calls 6] [--train]
+       [--out t.json]
 
-Runs the forced-sparse op and XLA's dense FFN ``--calls`` times back to back (as the
+Runs the op (forced sparse; or, with ``--rule auto``, under the default rule decided per
+call on the device; with ``--rule layer``, under the default rule given ``--density`` as the
+layer's known active fraction) and XLA's dense FFN ``--calls`` times back to back (as the
 "call" clock of bench_inference.py does) under jax.profiler, reads the Perfetto trace the
 profiler writes, and reports over the last half of the calls: the wall span on the GPU per
 call, the summed kernel time, the idle time between kernels, the largest gaps with the
@@ -122,36 +125,41 @@ def traced(fn, args, calls: int) -> list:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kernel", default="blocked_union", choices=cuda.KERNELS)
+    p.add_argument("--rule", default="forced", choices=("forced", "auto", "layer"),
+                   help="forced sparse; the default rule per call; or with --density as the layer's fraction")
     p.add_argument("--calls", type=int, default=6)
     p.add_argument("--train", action="store_true", help="a training step (all gradients) instead of the forward")
     p.add_argument("--out", default=None)
     add_shape_arguments(p, m=16384)
     a = p.parse_args()
     inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
+    forced = a.rule == "forced"
+    rule = cuda.DenseCrossover(margin=float("inf")) if forced else None  # None: the default rule
+    fraction = a.density if a.rule == "layer" else None
     sparse = jax.jit(
         lambda x, wg, wu, wd: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, kernel=a.kernel, crossover=cuda.DenseCrossover(margin=float("inf"))
+            x, wg, wu, wd, tile=256, capacity=32, kernel=a.kernel, crossover=rule, active_fraction=fraction
         )
     )
     dense = jax.jit(xla.ffn)
     if a.train:  # one training step's gradients (x and every weight) instead of the forward
-        rule = cuda_train.TrainCrossover(margin=float("inf"))
+        rule = cuda_train.TrainCrossover(margin=float("inf")) if forced else None
 
         def grads(ffn):
             loss = lambda x, wg, wu, wd: ffn(x, wg, wu, wd).astype(jnp.float32).sum()
             return jax.jit(jax.grad(loss, (0, 1, 2, 3)))
 
-        sparse = grads(lambda *w: cuda_train.ffn_with_aux(*w, width=128, crossover=rule)[0])
+        sparse = grads(lambda *w: cuda_train.ffn_with_aux(*w, width=128, crossover=rule, active_fraction=fraction)[0])
         dense = grads(xla.ffn)
     rows = [
-        summarise(traced(sparse, inp, a.calls), a.calls, f"sparse {a.kernel}"),
+        summarise(traced(sparse, inp, a.calls), a.calls, f"{a.rule} {a.kernel}"),
         summarise(traced(dense, inp, a.calls), a.calls, "dense xla"),
     ]
     rows[0]["dispatch_us"] = dispatch_us(sparse, inp)
     rows[1]["dispatch_us"] = dispatch_us(dense, inp)
     result = dict(
         **run_metadata("timeline_train" if a.train else "timeline_inference"),
-        shape=dict(m=a.m, d=a.d, f=a.f, density=a.density, pattern=a.pattern, kernel=a.kernel),
+        shape=dict(m=a.m, d=a.d, f=a.f, density=a.density, pattern=a.pattern, kernel=a.kernel, rule=a.rule),
         rows=rows,
     )
     if a.out:
