@@ -554,6 +554,14 @@ def test_known_active_fraction_past_decode_sizes(stand_ins, kernel, gated):
         assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 700), f"{fraction}")
 
 
+def test_per_call_sample_rows():
+    """An eighth of the tokens, at least count_sample_min_rows, never past count_sample_rows
+    (the cap a user sets wins over the floor)."""
+    rule = cuda.DenseCrossover()
+    assert [rule.sample_rows(m) for m in (256, 2048, 4096, 8192, 65536)] == [256, 256, 512, 1024, 1024]
+    assert cuda.DenseCrossover(count_sample_rows=64).sample_rows(4096) == 64
+
+
 @pytest.mark.parametrize("pattern", ["uniform", "heavy"])
 def test_sampled_gate_counts(pattern):
     """The per-call choice's estimate: exact below twice the sample size, else within a few

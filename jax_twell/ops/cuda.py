@@ -369,15 +369,15 @@ class DenseCrossover:
     # (~0.1 ms at M=16384, f=5632), which a dense decision would pay for nothing. The
     # blocked kernel's handler still checks its exact entry budget after packing.
     count_sample_rows: int = 1024
-    # ... but at most M / 8 rows (never fewer than ``count_sample_min_rows``): at M=2,048 a
+    # ... or M / 8 rows where fewer (never fewer than ``count_sample_min_rows``): at M=2,048 a
     # 1,024-row sample was half of g, and its reductions (~17 us in the GPU trace,
     # timeline_auto_2048_c12fdb7.json) were most of what the per-call check cost there.
     count_sample_min_rows: int = 256
 
     def sample_rows(self, m: int) -> int:
-        """Rows of g the per-call choice reads for ``m`` tokens: ``count_sample_rows``, but
-        at most ``m // 8`` and at least ``count_sample_min_rows``."""
-        return max(self.count_sample_min_rows, min(self.count_sample_rows, m // 8))
+        """Rows of g the per-call choice reads for ``m`` tokens: ``m // 8``, but at least
+        ``count_sample_min_rows`` and never more than ``count_sample_rows``."""
+        return min(self.count_sample_rows, max(self.count_sample_min_rows, m // 8))
     # Decode: calls of at most this many tokens run xla.gather_ffn (only the weights of
     # neurons active for some token are read) with room for ``decode_active_per_token``
     # of f per token. 0 = off: measured 0.3-0.7x of dense on the H200 (ffi/notes/decode.md).
@@ -675,7 +675,8 @@ def sparse_ffn(
         n_over = gate.overflowed.sum(dtype=jnp.int32).astype(jnp.float32)
     else:
         g = relu_matmul(x, w_act)
-        nnz, n_over = sampled_gate_counts(g, tile=tile, capacity=capacity, rows=rule.sample_rows(m))
+        sample_rows = rule.sample_rows(m)
+        nnz, n_over = sampled_gate_counts(g, tile=tile, capacity=capacity, rows=sample_rows)
     use_sparse = rule.use_sparse(nnz, n_over, m, d, f, x.dtype.itemsize, transposed)
 
     def packed():
@@ -701,7 +702,7 @@ def sparse_ffn(
         else:
             row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
             if kernel == "blocked_union":  # the union measured on a sample of g's blocks where g exists
-                union = union_fraction if g is None else sampled_block_union(g, rows=rule.sample_rows(m))
+                union = union_fraction if g is None else sampled_block_union(g, rows=sample_rows)
                 blocked_cost = rule.union_cost(nnz, m, d, f, x.dtype.itemsize, union)
             else:
                 blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
