@@ -355,14 +355,23 @@ class DenseCrossover:
     # where union_up_supported and union_down_supported hold): after the gate matmul, each
     # 64-token block reads its union's rows of Wu^T and Wd, 1 - (1 - p)^64 of f at a
     # fraction p of active pairs (uniform; heavy-tailed patterns have smaller unions, so
-    # the estimate errs toward dense), plus a fixed part (pack, layouts, finish). Refit by
-    # relative least squares to the H200's timings of the kernels as of 6dbecd9
-    # (ffi/notes/twell_ffn_blocked.md, inference_sweep_6dbecd9.json): 0.5-1.25% uniform at
-    # d=2048, f=5632 and 0.5-1% at (4096, 11008), M=4096, 0.5% at (2048, 8192) and
-    # (4096, 11008), M=16384, all within 6% of measured (the after-gate time: the call less
-    # a third of the dense call). The crossover at the headline shape is ~0.8% active.
-    union_row_bandwidth: float = 5.22e12
-    union_fixed_overhead: float = 1.29e-4
+    # the estimate errs toward dense), plus a fixed part (pack, layouts, finish), plus the
+    # up weight's transpose where the call is not given ``w_up_t``. Refit at 2b4db29 by
+    # relative least squares to the after-gate time (the call less a third of the dense
+    # call) of 29 uniform points on the H200, each with and without ``w_up_t``
+    # (inference_union_sweep_2b4db29.json, inference_acceptance_b6d0b51.json,
+    # inference_sample_rows_ab_c12fdb7.json): M=2,048-16,384 at 0.25-2% for d=2048,
+    # f=5632, M=1,024-16,384 at 0.5% for (4096, 11008), M=16,384 for (2048, 8192). 56 of
+    # the 58 within 7%, the worst 11% (M=8,192 at 0.25%, overpriced toward dense, far
+    # from the crossover). The previous fit (5.22e12 B/s, 0.129 ms, no transpose term)
+    # came from M >= 4,096 on older kernels and overpriced M=2,048-4,096 by 20-45%.
+    # Crossovers now: ~0.87% at the headline shape (M=16,384), ~0.7% at M=4,096-8,192.
+    union_row_bandwidth: float = 5.39e12
+    union_fixed_overhead: float = 6.8e-5
+    # The up weight's transpose in a call without ``w_up_t`` (a separate fit from
+    # ``transpose_bandwidth``, which the row kernel's older fit keeps): 2 d f itemsize
+    # bytes at this rate, ~15 us at d=2048, f=5632 and ~58 us at (4096, 11008).
+    union_transpose_bandwidth: float = 3.1e12
     # The per-call choice counts the active pairs of about this many rows of g (whole
     # 64-row blocks, evenly spaced; all rows below 2x this many; the blocked_union estimate
     # of the union reads the same rows), and scales up: a full count reads all of g
@@ -440,22 +449,26 @@ class DenseCrossover:
         weights = n_blocks * 2.0 * d * f * itemsize / self.blocked_weight_bandwidth
         return weights + nnz * (2.0 * d / self.blocked_pair_rate) + self.blocked_fixed_overhead
 
-    def union_cost(self, nnz, m: int, d: int, f: int, itemsize: int, union=None) -> jax.Array:
+    def union_cost(
+        self, nnz, m: int, d: int, f: int, itemsize: int, union=None, transposed: bool = True
+    ) -> jax.Array:
         """Seconds for the blocked kernel with union products ("blocked_union"): the union
-        rows of Wu^T and Wd read per 64-token block, plus a fixed part. ``union``: the
+        rows of Wu^T and Wd read per 64-token block, plus a fixed part, plus the up weight's
+        transpose where ``transposed`` is False (the call is not given ``w_up_t``). ``union``: the
         blocks' mean union as a fraction of f where measured (:func:`sampled_block_union`);
         None: the uniform pattern's at the density ``nnz / (M f)``, ``1 - (1 - p)^64``, which
         a trained model's skewed neuron rates stay well below (about half at ~0.6% active;
         ffi/notes/twell_ffn_blocked.md)."""
         union = None if union is None else jnp.asarray(union).astype(jnp.float32)
-        return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize, union)
+        return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize, union, transposed)
 
-    def _union_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, union=None):
+    def _union_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, union=None, transposed: bool = True):
         if union is None:
             p = nnz / float(max(1, m * f))
             union = 1.0 - (1.0 - p) ** _union.TOKENS  # of f, per block (uniform pattern)
         blocks = -(-m // _union.TOKENS)
-        return blocks * union * 2.0 * f * d * itemsize / self.union_row_bandwidth + self.union_fixed_overhead
+        transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.union_transpose_bandwidth
+        return blocks * union * 2.0 * f * d * itemsize / self.union_row_bandwidth + self.union_fixed_overhead + transpose
 
     def row_cost(self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool) -> jax.Array:
         """Seconds for the row kernel (the ``sparse`` side of :meth:`use_sparse`)."""
@@ -506,14 +519,14 @@ class DenseCrossover:
         nnz = active_fraction * m * f
         cost = self._row_seconds(nnz, 0.0, d, f, itemsize, transposed)  # Python floats: runs while tracing
         if kernel != "row" and m >= BLOCKED_MIN_TOKENS:
-            cost = min(cost, self._kernel_seconds(nnz, m, d, f, itemsize, kernel, union_fraction))
+            cost = min(cost, self._kernel_seconds(nnz, m, d, f, itemsize, kernel, union_fraction, transposed))
         return cost < self.margin * self.dense_cost(m, d, f, itemsize)
 
-    def _kernel_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, kernel: str, union_fraction):
+    def _kernel_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, kernel: str, union_fraction, transposed: bool):
         """The blocked ``kernel``'s cost: :meth:`union_cost` for "blocked_union", else
         :meth:`blocked_cost` (Python floats)."""
         if kernel == "blocked_union":
-            return self._union_seconds(nnz, m, d, f, itemsize, union_fraction)
+            return self._union_seconds(nnz, m, d, f, itemsize, union_fraction, transposed)
         return self._blocked_seconds(nnz, m, d, f, itemsize)
 
     def blocked_preferred(
@@ -530,7 +543,7 @@ class DenseCrossover:
         if kernel == "row" or m < BLOCKED_MIN_TOKENS:
             return False
         nnz = active_fraction * m * f
-        blocked = self._kernel_seconds(nnz, m, d, f, itemsize, kernel, union_fraction)
+        blocked = self._kernel_seconds(nnz, m, d, f, itemsize, kernel, union_fraction, transposed)
         return blocked < self._row_seconds(nnz, 0.0, d, f, itemsize, transposed)
 
     def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int, transposed: bool = False) -> jax.Array:
@@ -703,7 +716,7 @@ def sparse_ffn(
             row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
             if kernel == "blocked_union":  # the union measured on a sample of g's blocks where g exists
                 union = union_fraction if g is None else sampled_block_union(g, rows=sample_rows)
-                blocked_cost = rule.union_cost(nnz, m, d, f, x.dtype.itemsize, union)
+                blocked_cost = rule.union_cost(nnz, m, d, f, x.dtype.itemsize, union, transposed)
             else:
                 blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
             any_sparse = use_sparse | (blocked_cost < rule.margin * rule.dense_cost(m, d, f, x.dtype.itemsize))
