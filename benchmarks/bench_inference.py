@@ -26,6 +26,7 @@ Variants timed per configuration:
   (``measured_union_fraction``, cuda.block_union_fraction of the gate activations): what a
   calibrated SparseFFN layer runs (where the rule predicts dense, XLA's dense FFN with no
   device check);
+- layer_pret: as layer, with the up weight given pre-transposed (a layer that stores it);
 - gather (M <= 64 only, shared by every kernel's row): jax_twell.ops.xla.gather_ffn, the
   decode path reading only the active neurons' weights, w_up as stored and pre-transposed;
 - decode kernels: benchmarks/bench_decode.py (its own clock).
@@ -118,12 +119,16 @@ def main():
             auto_op = lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, kernel=kernel)
         return dict(sparse=sparse_op, pret=pret_op, auto=auto_op)
 
-    def layer_op(kernel, fraction, union):
+    def layer_op(kernel, fraction, union, pret=False):
         # The trace-time choice of a layer whose active fraction and union are known
         # (SparseFFN's active_fraction and union_fraction): dense is XLA's FFN itself.
-        return lambda x, wg, wu, wd: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, kernel=kernel, active_fraction=fraction, union_fraction=union
-        )
+        # With pret, the layer also gives the up weight as [f, d] (five operands).
+        def op(x, wg, wu, wd, wut=None):
+            return cuda.sparse_ffn(
+                x, wg, wu, wd, tile=256, capacity=32, kernel=kernel, active_fraction=fraction, union_fraction=union,
+                w_up_t=wut if pret else None,
+            )
+        return op
 
     rows = []
     for m, d, f, density, pattern in grid(args.quick, [int(v) for v in args.m.split(",")] if args.m else None, args.configs):
@@ -155,9 +160,10 @@ def main():
             ops = dict(
                 kernel_ops(kernel),
                 layer=layer_op(kernel, base["measured_active_fraction"], base["measured_union_fraction"]),
+                layer_pret=layer_op(kernel, base["measured_active_fraction"], base["measured_union_fraction"], pret=True),
             )
             for name, op in ops.items():
-                variants[f"{kernel}/{name}"] = op if name == "pret" else four(op)
+                variants[f"{kernel}/{name}"] = op if name in ("pret", "layer_pret") else four(op)
         # Every variant of this configuration in interleaved rounds (each round times each
         # once), on the call clock and, for decode sizes, the loop clock.
         iters = 50
@@ -178,13 +184,13 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
         for kernel in kernels:
             row = dict(base, kernel=kernel, **dense_times)
-            for name in ("sparse", "pret", "auto", "layer"):
+            for name in ("sparse", "pret", "auto", "layer", "layer_pret"):
                 row[f"{name}_call_ms"] = 1e3 * call[f"{kernel}/{name}"][0]
                 row[f"{name}_call_spread"] = call[f"{kernel}/{name}"][1]
                 if m <= 64:
                     row[f"{name}_loop_ms"] = 1e3 * loop[f"{kernel}/{name}"][0] / iters
                     row[f"{name}_loop_spread"] = loop[f"{kernel}/{name}"][1]
-            for name in ("sparse", "pret", "auto", "layer"):
+            for name in ("sparse", "pret", "auto", "layer", "layer_pret"):
                 row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
             row["clock"] = clock
             if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632:
@@ -217,7 +223,7 @@ def main():
     write_result(result, args.out, "inference")
 
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}")
-    print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'kernel':>7} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'auto ms':>8} {'auto r':>6} {'layer r':>7}")
+    print(f"{'M':>6} {'d':>5} {'f':>6} {'dens':>6} {'pattern':>8} {'kernel':>7} {'act%':>6} {'max':>5} {'clock':>5} {'dense ms':>9} {'sparse ms':>9} {'ratio':>6} {'auto ms':>8} {'auto r':>6} {'layer r':>7} {'lay-t r':>7}")
     for r in rows:
         c = r["clock"]
         if r["kernel"] == "none":
@@ -225,7 +231,7 @@ def main():
         print(
             f"{r['m']:>6} {r['d']:>5} {r['f']:>6} {r['density']:>6.3f} {r['pattern']:>8} {r['kernel']:>7} {100 * r['measured_active_fraction']:>6.2f} "
             f"{r['max_active_per_row']:>5} {c:>5} {r[f'dense_{c}_ms']:>9.4f} {r[f'sparse_{c}_ms']:>9.4f} {r['sparse_ratio']:>6.2f} "
-            f"{r[f'auto_{c}_ms']:>8.4f} {r['auto_ratio']:>6.2f} {r['layer_ratio']:>7.2f}"
+            f"{r[f'auto_{c}_ms']:>8.4f} {r['auto_ratio']:>6.2f} {r['layer_ratio']:>7.2f} {r['layer_pret_ratio']:>7.2f}"
         )
     for r in rows:
         if "gather_ratio" in r and r["kernel"] == (kernels[0] if kernels else "none"):

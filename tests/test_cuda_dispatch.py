@@ -338,6 +338,10 @@ def test_default_rule_matches_the_h200_measurements():
     assert transpose == pytest.approx(2 * 4096 * 11008 * 2 / rule.union_transpose_bandwidth, rel=1e-3)
     assert not rule.sparse_predicted(1024, 4096, 11008, 2, 0.005, False, "blocked_union")
     assert rule.sparse_predicted(1024, 4096, 11008, 2, 0.005, True, "blocked_union")
+    # Below union_min_tokens the union products never win on the rule's costs (forced, they
+    # measured 0.56-1.01x at M=256-512), whatever the density.
+    assert union(0.0001, m2=512) == float("inf") and union(0.005, m2=1024) < float("inf")
+    assert not rule.blocked_preferred(512, 4096, 11008, 2, 0.0001, True, "blocked_union")
     # Heavier use of the union cost than the per-pair one nowhere below 2%: it is the faster kernel.
     for p in (0.0025, 0.005, 0.01, 0.02):
         assert union(p) < float(rule.blocked_cost(int(p * m * f), m, d, f, 2))
@@ -830,7 +834,7 @@ def test_device_branches_of_the_blocked_paths(stand_ins, kernel):
     for m, fraction in [(256, 0.0001), (16384, 0.005), (2048, 0.02)]:
         nnz = fraction * m * 5632
         row = float(rule.row_cost(nnz, 0, 2048, 5632, 2, False))
-        blocked = float(rule.union_cost(nnz, m, 2048, 5632, 2) if kernel == "blocked_union"
+        blocked = float(rule.union_cost(nnz, m, 2048, 5632, 2, None, False) if kernel == "blocked_union"
                         else rule.blocked_cost(nnz, m, 2048, 5632, 2))
         assert rule.blocked_preferred(m, 2048, 5632, 2, fraction, False, kernel) == (blocked < row), (m, fraction)
     assert not rule.blocked_preferred(255, 2048, 5632, 2, 0.005, False, kernel)  # below BLOCKED_MIN_TOKENS

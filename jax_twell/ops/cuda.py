@@ -8,6 +8,7 @@ Attributes are numpy scalars of the declared type (a Python float would arrive a
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -372,6 +373,11 @@ class DenseCrossover:
     # ``transpose_bandwidth``, which the row kernel's older fit keeps): 2 d f itemsize
     # bytes at this rate, ~15 us at d=2048, f=5632 and ~58 us at (4096, 11008).
     union_transpose_bandwidth: float = 3.1e12
+    # Below this many tokens the union products are priced as never winning (a forced rule
+    # still runs them): at M=256-512 the few 64-token blocks leave most of the GPU idle and
+    # the fit above, made from M=1,024 on, underprices them by ~25%; forced, they measured
+    # 0.56-1.01x there (inference_union_refit_check_01f4824.json).
+    union_min_tokens: int = 1024
     # The per-call choice counts the active pairs of about this many rows of g (whole
     # 64-row blocks, evenly spaced; all rows below 2x this many; the blocked_union estimate
     # of the union reads the same rows), and scales up: a full count reads all of g
@@ -463,6 +469,8 @@ class DenseCrossover:
         return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize, union, transposed)
 
     def _union_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, union=None, transposed: bool = True):
+        if m < self.union_min_tokens:
+            return nnz * 0.0 + math.inf  # a float or an array, as nnz
         if union is None:
             p = nnz / float(max(1, m * f))
             union = 1.0 - (1.0 - p) ** _union.TOKENS  # of f, per block (uniform pattern)
