@@ -17,8 +17,9 @@ from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
 
 ROW_MARK, BLOCKED_MARK = 3.0, 5.0  # constant outputs of the stand-ins: which branch ran
-# Rules without fixed costs, so that the small test shapes are not decided dense at trace time.
-NO_FIXED = dict(fixed_overhead=0.0, transpose_bandwidth=float("inf"))
+# Rules without fixed costs (nor the row kernel's small-M rate), so that the small test shapes
+# are not decided dense at trace time.
+NO_FIXED = dict(fixed_overhead=0.0, transpose_bandwidth=float("inf"), row_full_tokens=1)
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "capacity"))
@@ -338,6 +339,15 @@ def test_default_rule_matches_the_h200_measurements():
     assert transpose == pytest.approx(2 * 4096 * 11008 * 2 / rule.union_transpose_bandwidth, rel=1e-3)
     assert not rule.sparse_predicted(1024, 4096, 11008, 2, 0.005, False, "blocked_union")
     assert rule.sparse_predicted(1024, 4096, 11008, 2, 0.005, True, "blocked_union")
+    # The row kernel below row_full_tokens (inference_row_small_m_ebac2a0.json): at (4096,
+    # 11008) with w_up_t, 0.25% active, it measured 0.92x at M=128 and 0.97x at M=256 (dense
+    # now), 1.14x at M=384 and 1.07x at M=512 (still the row kernel).
+    for m2, side in ((128, False), (256, False), (384, True), (512, True)):
+        assert rule.sparse_predicted(m2, 4096, 11008, 2, 0.0025, True, "blocked_union") is side, m2
+    nnz = 0.0025 * 128 * 11008
+    scaled, full = (float(rule.row_cost(nnz, 0, 4096, 11008, 2, True, m2)) for m2 in (128, None))
+    assert scaled - rule.fixed_overhead == pytest.approx(4 * (full - rule.fixed_overhead), rel=1e-5)
+    assert float(rule.row_cost(nnz, 0, 4096, 11008, 2, True, 4096)) == pytest.approx(full)
     # Below union_min_tokens the union products never win on the rule's costs (forced, they
     # measured 0.56-1.01x at M=256-512), whatever the density.
     assert union(0.0001, m2=512) == float("inf") and union(0.005, m2=1024) < float("inf")

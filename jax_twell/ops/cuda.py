@@ -331,6 +331,12 @@ class DenseCrossover:
     """
 
     pair_bandwidth: float = 3.3e12
+    # ... at calls of at least this many tokens; below, the row kernel's grid is too small to
+    # reach that rate and it is scaled by M / row_full_tokens. At (4096, 11008) with w_up_t
+    # given, 0.25-0.5% active, the row kernel measured 0.65-0.92x of dense at M=128, 0.72-0.99x
+    # at M=256 but 1.14x at M=384 and 1.07x at M=512; the unscaled rate had sent M=128-256
+    # there to it (inference_row_small_m_ebac2a0.json, inference_layer_pret_check_ebac2a0.json).
+    row_full_tokens: int = 512
     # Dense up + down at M=16384, d=2048, f=5632: 1.10 ms on the H200 (XLA, bf16 results).
     matmul_rate: float = 6.9e14
     hbm_bandwidth: float = 3.0e12
@@ -478,13 +484,17 @@ class DenseCrossover:
         transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.union_transpose_bandwidth
         return blocks * union * 2.0 * f * d * itemsize / self.union_row_bandwidth + self.union_fixed_overhead + transpose
 
-    def row_cost(self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool) -> jax.Array:
-        """Seconds for the row kernel (the ``sparse`` side of :meth:`use_sparse`)."""
+    def row_cost(
+        self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool, m: int | None = None
+    ) -> jax.Array:
+        """Seconds for the row kernel (the ``sparse`` side of :meth:`use_sparse`); with ``m``
+        (the call's tokens), its pair rate scaled down below :attr:`row_full_tokens`."""
         as_f32 = lambda v: jnp.asarray(v).astype(jnp.float32)
-        return self._row_seconds(as_f32(nnz), as_f32(n_overflow), d, f, itemsize, transposed)
+        return self._row_seconds(as_f32(nnz), as_f32(n_overflow), d, f, itemsize, transposed, m)
 
-    def _row_seconds(self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool):
-        sparse = nnz * (2.0 * d * itemsize / self.pair_bandwidth) + n_overflow * self.overflow_penalty
+    def _row_seconds(self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool, m: int | None = None):
+        rate = self.pair_bandwidth * (1.0 if m is None else min(1.0, m / self.row_full_tokens))
+        sparse = nnz * (2.0 * d * itemsize / rate) + n_overflow * self.overflow_penalty
         return sparse + self.sparse_fixed_cost(d, f, itemsize, transposed)
 
     def dense_cost(self, m: int, d: int, f: int, itemsize: int) -> float:
@@ -525,7 +535,7 @@ class DenseCrossover:
         if self.margin <= 0:
             return False
         nnz = active_fraction * m * f
-        cost = self._row_seconds(nnz, 0.0, d, f, itemsize, transposed)  # Python floats: runs while tracing
+        cost = self._row_seconds(nnz, 0.0, d, f, itemsize, transposed, m)  # Python floats: runs while tracing
         if kernel != "row" and m >= BLOCKED_MIN_TOKENS:
             cost = min(cost, self._kernel_seconds(nnz, m, d, f, itemsize, kernel, union_fraction, transposed))
         return cost < self.margin * self.dense_cost(m, d, f, itemsize)
@@ -552,13 +562,13 @@ class DenseCrossover:
             return False
         nnz = active_fraction * m * f
         blocked = self._kernel_seconds(nnz, m, d, f, itemsize, kernel, union_fraction, transposed)
-        return blocked < self._row_seconds(nnz, 0.0, d, f, itemsize, transposed)
+        return blocked < self._row_seconds(nnz, 0.0, d, f, itemsize, transposed, m)
 
     def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int, transposed: bool = False) -> jax.Array:
         """``[]`` bool on device: True where the fused sparse kernel should run."""
         if self.margin == float("inf"):
             return jnp.bool_(True)
-        sparse = self.row_cost(nnz, n_overflow, d, f, itemsize, transposed)
+        sparse = self.row_cost(nnz, n_overflow, d, f, itemsize, transposed, m)
         return sparse < self.margin * self.dense_cost(m, d, f, itemsize)
 
 
@@ -721,7 +731,7 @@ def sparse_ffn(
         if rule.margin == float("inf"):
             prefer_blocked, any_sparse = True, jnp.bool_(True)
         else:
-            row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed)
+            row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed, m)
             if kernel == "blocked_union":  # the union measured on a sample of g's blocks where g exists
                 union = union_fraction if g is None else sampled_block_union(g, rows=sample_rows)
                 blocked_cost = rule.union_cost(nnz, m, d, f, x.dtype.itemsize, union, transposed)
