@@ -11,9 +11,9 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.lo
 grep -E "registers|spill|error" "$OUT/install.log" | head -20
 python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); print(jt.kernel_status())"
 # Test processes share the GPU (no preallocation); compilation and the references dominate,
-# so run several. The whole GPU suite (~580 tests) took ~18 minutes with 14 workers on one
-# H200 and 16 CPU cores with XLA's GEMM autotuning on (tests/conftest.py now turns it off);
-# GPU_TEST_SECONDS bounds it (default one hour).
+# so run several. The whole GPU suite (~580 tests) takes ~3.5 minutes with 14 workers on one
+# H200 and 16 CPU cores (tests/conftest.py turns XLA's GEMM autotuning off; with it on, ~18
+# minutes); GPU_TEST_SECONDS bounds it (default one hour).
 workers=${GPU_TEST_WORKERS:-$(( $(nproc) < 14 ? $(nproc) : 14 ))}
 timeout -s INT ${GPU_TEST_SECONDS:-3600} python3 -m pytest -q -rf -n $workers -m gpu --durations=10 tests/ ${1:+-k "$1"} 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -25
