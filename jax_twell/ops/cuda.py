@@ -317,10 +317,12 @@ class DenseCrossover:
     sparse branches pack). The rule compares what comes after, in seconds:
 
     - sparse: ``nnz * 2 * d * itemsize / pair_bandwidth`` (the kernel reads one row of
-      Wu^T and one of Wd per pair, mostly from L2) + ``overflow_penalty`` per overflowed
+      Wu^T and one of Wd per pair, mostly from L2; the rate scaled by ``M /
+      row_full_tokens`` below that many tokens) + ``overflow_penalty`` per overflowed
       tile + ``2 * d * f * itemsize / transpose_bandwidth`` when the up weight is
       transposed in the call + ``fixed_overhead``;
-    - dense up + down: ``max(4 * M * d * f / matmul_rate, 2 * d * f * itemsize / hbm_bandwidth)``.
+    - dense up + down: ``max(4 * M * d * f / matmul_rate, 2 * d * f * itemsize / hbm_bandwidth)``;
+    - the blocked kernels: :meth:`blocked_cost` and :meth:`union_cost`.
 
     The kernel runs where the sparse estimate is below ``margin`` times the dense one.
     Where even ``nnz = 0`` can't win (decode-sized M) the choice is made at trace time
@@ -333,7 +335,7 @@ class DenseCrossover:
     pair_bandwidth: float = 3.3e12
     # ... at calls of at least this many tokens; below, the row kernel's grid is too small to
     # reach that rate and it is scaled by M / row_full_tokens. At (4096, 11008) with w_up_t
-    # given, 0.25-0.5% active, the row kernel measured 0.65-0.92x of dense at M=128, 0.72-0.99x
+    # given, 0.25-0.5% active, the row kernel measured 0.65-0.92x of dense at M=128, 0.70-0.97x
     # at M=256 but 1.14x at M=384 and 1.07x at M=512; the unscaled rate had sent M=128-256
     # there to it (inference_row_small_m_ebac2a0.json, inference_layer_pret_check_ebac2a0.json).
     row_full_tokens: int = 512
@@ -372,7 +374,8 @@ class DenseCrossover:
     # the 58 within 7%, the worst 11% (M=8,192 at 0.25%, overpriced toward dense, far
     # from the crossover). The previous fit (5.22e12 B/s, 0.129 ms, no transpose term)
     # came from M >= 4,096 on older kernels and overpriced M=2,048-4,096 by 20-45%.
-    # Crossovers now: ~0.87% at the headline shape (M=16,384), ~0.7% at M=4,096-8,192.
+    # Crossovers now (without / with w_up_t): 0.89% / 0.91% at the headline shape
+    # (M=16,384), 0.79% / 0.82% at M=8,192, 0.60% / 0.67% at M=4,096.
     union_row_bandwidth: float = 5.39e12
     union_fixed_overhead: float = 6.8e-5
     # The up weight's transpose in a call without ``w_up_t`` (a separate fit from
