@@ -68,6 +68,38 @@ def test_the_training_rule_fit_recovers_its_constants():
     np.testing.assert_allclose(fit_train_rule.fit(slower, cuda_train.TrainCrossover()).union_bandwidth, 5e12, rtol=1e-3)
 
 
+def test_the_inference_rule_fit_recovers_its_constants():
+    """benchmarks/fit_inference_rule.py on rows that a known rule generates (the bench's
+    fields: forced call = the rule's union cost + a third of XLA's call, without and with
+    w_up_t) gives that rule back, leaves out the rows it must not read, and refuses rows
+    that cannot be timings."""
+    import dataclasses
+
+    import numpy as np
+    import pytest
+
+    import fit_inference_rule
+    from jax_twell.ops import cuda
+
+    truth = dataclasses.replace(cuda.DenseCrossover(), union_row_bandwidth=4.8e12, union_fixed_overhead=0.1e-3,
+                                union_transpose_bandwidth=2.5e12)
+    rows = []
+    for m, d, f in ((2048, 2048, 5632), (4096, 2048, 5632), (16384, 2048, 5632), (1024, 4096, 11008), (4096, 4096, 11008)):
+        for p in (0.0025, 0.005, 0.01):
+            dense_ms = 1.5e3 * truth.dense_cost(m, d, f, 2)
+            cost = lambda t: 1e3 * float(truth.union_cost(p * m * f, m, d, f, 2, None, t)) + dense_ms / 3
+            rows.append(dict(m=m, d=d, f=f, pattern="uniform", kernel="blocked_union", measured_active_fraction=p,
+                             dense_call_ms=dense_ms, sparse_call_ms=cost(False), pret_call_ms=cost(True)))
+    others = [dict(rows[0], pattern="heavy"), dict(rows[0], kernel="row"), dict(rows[0], m=512)]
+    kept = fit_inference_rule.usable(rows + others, cuda.DenseCrossover())
+    assert kept == rows
+    fitted = fit_inference_rule.fit(kept, cuda.DenseCrossover())
+    for name in fit_inference_rule.FITTED:
+        np.testing.assert_allclose(getattr(fitted, name), getattr(truth, name), rtol=1e-3, err_msg=name)
+    with pytest.raises(ValueError, match="third of the dense call"):
+        fit_inference_rule.fit([dict(rows[0], pret_call_ms=0.0)] + rows[1:], cuda.DenseCrossover())
+
+
 def test_a_slow_first_call_does_not_shrink_the_batch():
     # A function whose first calls after the warm-up are slow (as a command buffer's
     # capture makes them) must still be timed in batches sized by its steady speed.

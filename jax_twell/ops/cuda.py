@@ -365,9 +365,10 @@ class DenseCrossover:
     # 64-token block reads its union's rows of Wu^T and Wd, 1 - (1 - p)^64 of f at a
     # fraction p of active pairs (uniform; heavy-tailed patterns have smaller unions, so
     # the estimate errs toward dense), plus a fixed part (pack, layouts, finish), plus the
-    # up weight's transpose where the call is not given ``w_up_t``. Refit at 2b4db29 by
-    # relative least squares to the after-gate time (the call less a third of the dense
-    # call) of 29 uniform points on the H200, each with and without ``w_up_t``
+    # up weight's transpose where the call is not given ``w_up_t``. Refit at 2b4db29
+    # (benchmarks/fit_inference_rule.py) by relative least squares to the after-gate time
+    # (the call less a third of the dense call) of 29 uniform points on the H200, each
+    # with and without ``w_up_t``
     # (inference_union_sweep_2b4db29.json, inference_acceptance_b6d0b51.json,
     # inference_sample_rows_ab_c12fdb7.json): M=2,048-16,384 at 0.25-2% for d=2048,
     # f=5632, M=1,024-16,384 at 0.5% for (4096, 11008), M=16,384 for (2048, 8192). 56 of
