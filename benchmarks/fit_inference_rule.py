@@ -23,7 +23,7 @@ import json
 
 import numpy as np
 
-from jax_twell.ops import cuda
+from jax_twell.ops import cuda, union_emulation
 
 FITTED = ("union_row_bandwidth", "union_fixed_overhead", "union_transpose_bandwidth")
 ITEMSIZE = 2  # bf16, as the benchmark runs
@@ -58,8 +58,7 @@ def fit(rows: list[dict], base: cuda.DenseCrossover) -> cuda.DenseCrossover:
     target, design = [], []
     for r in rows:
         m, d, f, p = r["m"], r["d"], r["f"], r["measured_active_fraction"]
-        blocks = -(-m // cuda._union.TOKENS)
-        union_bytes = blocks * (1.0 - (1.0 - p) ** cuda._union.TOKENS) * 2.0 * f * d * ITEMSIZE
+        union_bytes = base.union_row_bytes(m, d, f, ITEMSIZE, union_emulation.uniform_union(p))
         for pretransposed in (False, True):
             target.append(after_gate_seconds(r, pretransposed))
             design.append([union_bytes, 1.0, 0.0 if pretransposed else 2.0 * d * f * ITEMSIZE])
@@ -81,7 +80,7 @@ def main():
     args = parser.parse_args()
     base = cuda.DenseCrossover()
     rows = usable(load_rows(args.results), base)
-    if 2 * len(rows) < 2 * len(FITTED):
+    if len(rows) < len(FITTED):  # each row gives two points, with and without w_up_t
         raise SystemExit(f"{len(rows)} usable rows; the fit wants at least {len(FITTED)}")
     rule = fit(rows, base)
     print(", ".join(f"{name} {getattr(rule, name):.4g}" for name in FITTED))

@@ -482,11 +482,15 @@ class DenseCrossover:
         if m < self.union_min_tokens:
             return nnz * 0.0 + math.inf  # a float or an array, as nnz
         if union is None:
-            p = nnz / float(max(1, m * f))
-            union = 1.0 - (1.0 - p) ** _union.TOKENS  # of f, per block (uniform pattern)
-        blocks = -(-m // _union.TOKENS)
+            union = _union.uniform_union(nnz / float(max(1, m * f)))
         transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.union_transpose_bandwidth
-        return blocks * union * 2.0 * f * d * itemsize / self.union_row_bandwidth + self.union_fixed_overhead + transpose
+        rows = self.union_row_bytes(m, d, f, itemsize, union)
+        return rows / self.union_row_bandwidth + self.union_fixed_overhead + transpose
+
+    def union_row_bytes(self, m: int, d: int, f: int, itemsize: int, union):
+        """Bytes of Wu^T and Wd rows the union products read for ``m`` tokens whose
+        64-token blocks' mean union is ``union`` of f (Python float or array)."""
+        return -(-m // _union.TOKENS) * union * 2.0 * f * d * itemsize
 
     def row_cost(
         self, nnz, n_overflow, d: int, f: int, itemsize: int, transposed: bool, m: int | None = None

@@ -156,7 +156,7 @@ class TrainCrossover:
         """The mean 64-token union, as a fraction of f, of the uniform pattern with
         ``active_fraction`` of the pairs active: ``1 - (1 - p)^64`` (Python float or
         array)."""
-        return 1.0 - (1.0 - active_fraction) ** _union.TOKENS
+        return _union.uniform_union(active_fraction)
 
     def union_bytes(self, m: int, d: int, f: int, itemsize: int, union_fraction) -> float:
         """Bytes of table rows the union products read for ``m`` tokens whose 64-token

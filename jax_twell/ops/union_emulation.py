@@ -36,10 +36,18 @@ CHUNK = 32  # union rows per chunk (kChunk)
 COLS = 256  # output columns per consumer warp group (kCols): d must be a multiple
 UP_COLS = _b.UP_COLS
 
-__all__ = ["TOKENS", "CHUNK", "COLS", "UP_NEURONS", "workspace_ints", "up_workspace_ints", "dx_supported",
+__all__ = ["TOKENS", "CHUNK", "COLS", "UP_NEURONS", "uniform_union", "workspace_ints", "up_workspace_ints", "dx_supported",
            "down_supported", "up_supported", "union_layout", "union_dx", "union_up"]
 
 UP_NEURONS = 256  # the up product's union neurons per CTA (kUpNeurons)
+
+
+def uniform_union(active_fraction):
+    """The mean union of active neurons over a block of ``TOKENS`` tokens, as a fraction of
+    f, for the uniform pattern with ``active_fraction`` of the pairs active:
+    ``1 - (1 - p)^TOKENS`` (Python float or array). The union products' rules price their
+    rows by it where no measured union is given."""
+    return 1.0 - (1.0 - active_fraction) ** TOKENS
 
 
 def workspace_ints(m: int, max_entries: int, gated: bool) -> int:
