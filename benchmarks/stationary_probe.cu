@@ -1,0 +1,292 @@
+// stationary_probe: the down product y = h @ Wd with the weight held in shared memory for
+// the whole launch, sliced by output column, and every CTA walking every token's entries.
+//
+// Why: the designs measured so far (ffi/notes/limits.md) move a weight row, or a slab of
+// rows, from L2 into the SMs for each token block, and are bound by that traffic (~8.5 TB/s
+// into shared memory at most). At d = 2048, f = 5632 the down weight is 23 MB: it fits in
+// the SMs' shared memory (132 x 227 KB). A CTA that owns `cols` output columns keeps
+// Wd[:, c0 : c0 + cols] (f x cols x 2 bytes: 180 KB at cols = 16) and computes y[:, c0 :
+// c0 + cols] for every token from the token's entry words (4 bytes per active pair, read
+// by every CTA: ~1.8 MB each from L2). Nothing is accumulated across tokens, so the
+// registers hold one token's columns only; what bounds it is shared memory (one random
+// 2 * cols byte row slice per pair) and the issue of the conversions and FMAs.
+//
+// The run: M tokens, f neurons, d columns, per-token active counts from the library's
+// patterns (uniform: every neuron at p; heavy: log-normal sigma 1 rate per token, clipped to
+// 5%), distinct neurons in ascending order, h in bf16 at the high half of the word and the
+// neuron at the low half (the library's entry word). Variants:
+//   cols16      128 CTAs of 16 columns (d / 16), two threads a token, 8 columns each;
+//   cols8       256 CTAs of 8 columns (two a SM), one thread a token;
+//   cols16_perm cols16 with each token's entries reordered (on the host here) so that the
+//               four tokens of a shared-memory phase tend to hit different 32-byte slots
+//               of a 128-byte line: bounds what a conflict-aware order would buy;
+//   load        only the weight slice's load (the part every variant pays once).
+// Checked: y of 256 tokens (and their every column) against a double-precision host sum.
+//
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/stationary_probe.cu -o stationary_probe
+// Run:   ./stationary_probe [M=16384] [d=2048] [f=5632] [density=0.005] [pattern=uniform|heavy]
+// Prints one line per variant: microseconds per launch (median of 20), pairs, the rate in
+// weight bytes the pairs touch (pairs x d x 2 / time), and the check's worst error.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#define CHECK(x)                                                                             \
+  do {                                                                                       \
+    cudaError_t e_ = (x);                                                                    \
+    if (e_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+namespace {
+
+__device__ __forceinline__ float Lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+__device__ __forceinline__ uint32_t Pack(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Loads Wd[:, c0 : c0 + kCols] into shared memory, row n at n * kCols * 2 bytes.
+template <int kCols>
+__device__ __forceinline__ void LoadSlice(unsigned char* smem, const __nv_bfloat16* wd, int f, int d, int c0) {
+  constexpr int kPieces = kCols / 8;  // 16-byte pieces a row
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  for (int i = threadIdx.x; i < f * kPieces; i += blockDim.x) {
+    const int n = i / kPieces, q = i % kPieces;
+    CpAsync16(base + (n * kPieces + q) * 16, wd + static_cast<int64_t>(n) * d + c0 + q * 8);
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+}
+
+// kCols columns a CTA, kCols / 8 threads a token (8 columns each).
+template <int kCols, bool kCompute>
+__global__ void __launch_bounds__(512) DownKernel(const __nv_bfloat16* __restrict__ wd, const uint32_t* __restrict__ words,
+                                                  const int* __restrict__ row_ptr, __nv_bfloat16* __restrict__ y, int m,
+                                                  int d, int f) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int c0 = blockIdx.x * kCols;
+  LoadSlice<kCols>(smem, wd, f, d, c0);
+  if (!kCompute) return;
+  constexpr int kThreadsPerToken = kCols / 8;
+  const int q = threadIdx.x % kThreadsPerToken;
+  const int tokens_per_pass = blockDim.x / kThreadsPerToken;
+  const unsigned char* my = smem + q * 16;
+  for (int t = threadIdx.x / kThreadsPerToken; t < m; t += tokens_per_pass) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int e0 = __ldg(row_ptr + t), e1 = __ldg(row_ptr + t + 1);
+    int e = e0;
+    for (; e + 4 <= e1; e += 4) {
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) w[j] = __ldg(words + e + j);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 v = *reinterpret_cast<const uint4*>(my + (w[j] & 0xffffu) * (kCols * 2));
+        const float h = Hi(w[j]);
+        acc[0] = fmaf(h, Lo(v.x), acc[0]);
+        acc[1] = fmaf(h, Hi(v.x), acc[1]);
+        acc[2] = fmaf(h, Lo(v.y), acc[2]);
+        acc[3] = fmaf(h, Hi(v.y), acc[3]);
+        acc[4] = fmaf(h, Lo(v.z), acc[4]);
+        acc[5] = fmaf(h, Hi(v.z), acc[5]);
+        acc[6] = fmaf(h, Lo(v.w), acc[6]);
+        acc[7] = fmaf(h, Hi(v.w), acc[7]);
+      }
+    }
+    for (; e < e1; ++e) {
+      const uint32_t w = __ldg(words + e);
+      const uint4 v = *reinterpret_cast<const uint4*>(my + (w & 0xffffu) * (kCols * 2));
+      const float h = Hi(w);
+      acc[0] = fmaf(h, Lo(v.x), acc[0]);
+      acc[1] = fmaf(h, Hi(v.x), acc[1]);
+      acc[2] = fmaf(h, Lo(v.y), acc[2]);
+      acc[3] = fmaf(h, Hi(v.y), acc[3]);
+      acc[4] = fmaf(h, Lo(v.z), acc[4]);
+      acc[5] = fmaf(h, Hi(v.z), acc[5]);
+      acc[6] = fmaf(h, Lo(v.w), acc[6]);
+      acc[7] = fmaf(h, Hi(v.w), acc[7]);
+    }
+    uint4 out;
+    out.x = Pack(acc[0], acc[1]);
+    out.y = Pack(acc[2], acc[3]);
+    out.z = Pack(acc[4], acc[5]);
+    out.w = Pack(acc[6], acc[7]);
+    *reinterpret_cast<uint4*>(y + static_cast<int64_t>(t) * d + c0 + q * 8) = out;
+  }
+}
+
+float Bf16ToFloat(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+uint16_t FloatToBf16(float x) {  // round to nearest even (finite inputs)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int m = argc > 1 ? std::atoi(argv[1]) : 16384;
+  const int d = argc > 2 ? std::atoi(argv[2]) : 2048;
+  const int f = argc > 3 ? std::atoi(argv[3]) : 5632;
+  const double p = argc > 4 ? std::atof(argv[4]) : 0.005;
+  const std::string pattern = argc > 5 ? argv[5] : "uniform";
+  if (f > 65536 || d % 16 != 0) {
+    std::fprintf(stderr, "needs f <= 65536 and d a multiple of 16\n");
+    return 1;
+  }
+
+  std::mt19937_64 rng(1234);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<uint16_t> wd(static_cast<size_t>(f) * d);
+  for (auto& v : wd) v = FloatToBf16(uni(rng) * 0.05f);
+
+  std::vector<int> row_ptr(m + 1, 0);
+  std::vector<uint32_t> words;
+  words.reserve(static_cast<size_t>(m * p * f * 1.3) + 16);
+  std::vector<int> nbuf;
+  for (int t = 0; t < m; ++t) {
+    double rate = p;
+    if (pattern == "heavy") rate = std::min(0.05, std::max(1e-6, p * std::exp(normal(rng) - 0.5)));
+    // the row's count, then distinct neurons in ascending order
+    std::binomial_distribution<int> count_dist(f, rate);
+    const int c = count_dist(rng);
+    nbuf.resize(f);
+    for (int n = 0; n < f; ++n) nbuf[n] = n;
+    for (int i = 0; i < c; ++i) std::swap(nbuf[i], nbuf[i + rng() % (f - i)]);
+    std::sort(nbuf.begin(), nbuf.begin() + c);
+    for (int i = 0; i < c; ++i) {
+      const uint16_t h = FloatToBf16(0.05f + std::fabs(uni(rng)));
+      words.push_back((static_cast<uint32_t>(h) << 16) | static_cast<uint32_t>(nbuf[i]));
+    }
+    row_ptr[t + 1] = static_cast<int>(words.size());
+  }
+  const int64_t pairs = static_cast<int64_t>(words.size());
+
+  // The permuted order: token t sits at position (t % 4) of its shared-memory phase (cols16:
+  // two threads a token, eight threads a phase); step k prefers a neuron with
+  // (n % 4) == (t + k) % 4, so that the phase's four rows fall in different 32-byte slots.
+  std::vector<uint32_t> words_perm(words.size());
+  for (int t = 0; t < m; ++t) {
+    std::vector<uint32_t> bucket[4];
+    for (int e = row_ptr[t]; e < row_ptr[t + 1]; ++e) bucket[words[e] & 3u].push_back(words[e]);
+    int out = row_ptr[t];
+    for (int k = 0; out < row_ptr[t + 1]; ++k) {
+      int b = (t + k) & 3;
+      if (bucket[b].empty()) {
+        b = 0;
+        for (int i = 1; i < 4; ++i)
+          if (bucket[i].size() > bucket[b].size()) b = i;
+      }
+      words_perm[out++] = bucket[b].back();
+      bucket[b].pop_back();
+    }
+  }
+
+  __nv_bfloat16 *d_wd, *d_y;
+  uint32_t *d_words, *d_words_perm;
+  int* d_rp;
+  CHECK(cudaMalloc(&d_wd, wd.size() * 2));
+  CHECK(cudaMalloc(&d_y, static_cast<size_t>(m) * d * 2));
+  CHECK(cudaMalloc(&d_words, words.size() * 4 + 16));
+  CHECK(cudaMalloc(&d_words_perm, words.size() * 4 + 16));
+  CHECK(cudaMalloc(&d_rp, row_ptr.size() * 4));
+  CHECK(cudaMemcpy(d_wd, wd.data(), wd.size() * 2, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_words, words.data(), words.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_words_perm, words_perm.data(), words.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_rp, row_ptr.data(), row_ptr.size() * 4, cudaMemcpyHostToDevice));
+
+  int max_smem = 0;
+  CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  std::printf("M=%d d=%d f=%d p=%.4f %s: %lld pairs (%.1f a token), max shared %d B\n", m, d, f, p, pattern.c_str(),
+              static_cast<long long>(pairs), static_cast<double>(pairs) / m, max_smem);
+
+  struct Variant {
+    const char* name;
+    void (*kernel)(const __nv_bfloat16*, const uint32_t*, const int*, __nv_bfloat16*, int, int, int);
+    int cols;
+    bool perm;
+    bool check;
+  };
+  const Variant variants[] = {
+      {"load", DownKernel<16, false>, 16, false, false},
+      {"cols16", DownKernel<16, true>, 16, false, true},
+      {"cols16_perm", DownKernel<16, true>, 16, true, true},
+      {"cols8", DownKernel<8, true>, 8, false, true},
+  };
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  std::vector<uint16_t> y(static_cast<size_t>(m) * d);
+  for (const Variant& v : variants) {
+    const size_t smem = static_cast<size_t>(f) * v.cols * 2;
+    if (smem > static_cast<size_t>(max_smem)) {
+      std::printf("%-12s skipped: slice of %zu B over the %d B of shared memory\n", v.name, smem, max_smem);
+      continue;
+    }
+    CHECK(cudaFuncSetAttribute(v.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    const uint32_t* w = v.perm ? d_words_perm : d_words;
+    const dim3 grid(d / v.cols);
+    std::vector<float> ms;
+    for (int r = 0; r < 23; ++r) {
+      CHECK(cudaEventRecord(start));
+      v.kernel<<<grid, 512, smem>>>(d_wd, w, d_rp, d_y, m, d, f);
+      CHECK(cudaEventRecord(stop));
+      CHECK(cudaEventSynchronize(stop));
+      CHECK(cudaGetLastError());
+      float t = 0;
+      CHECK(cudaEventElapsedTime(&t, start, stop));
+      if (r >= 3) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double us = ms[ms.size() / 2] * 1e3;
+    double worst = 0;
+    if (v.check) {
+      CHECK(cudaMemcpy(y.data(), d_y, y.size() * 2, cudaMemcpyDeviceToHost));
+      for (int s = 0; s < 256; ++s) {
+        const int t = static_cast<int>((static_cast<int64_t>(s) * 7919) % m);
+        for (int c = 0; c < d; ++c) {
+          double ref = 0, mag = 0;
+          for (int e = row_ptr[t]; e < row_ptr[t + 1]; ++e) {
+            const double h = Bf16ToFloat(static_cast<uint16_t>(words[e] >> 16));
+            const double wv = Bf16ToFloat(wd[static_cast<size_t>(words[e] & 0xffffu) * d + c]);
+            ref += h * wv;
+            mag += std::fabs(h * wv);
+          }
+          const double got = Bf16ToFloat(y[static_cast<size_t>(t) * d + c]);
+          // bf16 rounding of the result (2^-8 relative) plus f32 accumulation
+          const double err = std::fabs(got - ref) / (std::fabs(ref) * 0x1p-8 + mag * 1e-6 + 1e-30);
+          worst = std::max(worst, err);
+        }
+      }
+    }
+    std::printf("%-12s %9.1f us  %6.2f TB/s of touched rows  check %s (worst %.2f of the bound)\n", v.name, us,
+                pairs * static_cast<double>(d) * 2 / (us * 1e-6) / 1e12, v.check ? (worst <= 1.0 ? "ok" : "FAIL") : "-",
+                worst);
+  }
+  return 0;
+}
