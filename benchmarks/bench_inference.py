@@ -89,7 +89,10 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--kernels", default=",".join(cuda.KERNELS), help="comma-separated fused kernels to time")
+    parser.add_argument("--kernels", default=",".join(cuda.KERNELS),
+                        help="comma-separated fused kernels to time; a name with the suffix _nostat (blocked_union_nostat) "
+                             "traces the kernel with cuda.STATIONARY_DOWN off: the union down product instead of the "
+                             "stationary one (the A/B of ffi/twell_stationary.cuh)")
     parser.add_argument("--m", default=None, help="comma-separated token counts: time only these configurations")
     parser.add_argument("--configs", default=None,
                         help="comma-separated M:d:f:density:pattern: time these configurations instead of the grid")
@@ -106,7 +109,19 @@ def main():
 
     dense_op = lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd)
 
+    def without_stationary(op):
+        # STATIONARY_DOWN is read while a call is traced: off for this op's trace only
+        def wrapped(*a):
+            old, cuda.STATIONARY_DOWN = cuda.STATIONARY_DOWN, False
+            try:
+                return op(*a)
+            finally:
+                cuda.STATIONARY_DOWN = old
+        return wrapped
+
     def kernel_ops(kernel):
+        if kernel.endswith("_nostat"):
+            return {n: without_stationary(op) for n, op in kernel_ops(kernel.removesuffix("_nostat")).items()}
         sparse_op = lambda x, wg, wu, wd: cuda.sparse_ffn(
             x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, kernel=kernel
         )
@@ -120,6 +135,8 @@ def main():
         return dict(sparse=sparse_op, pret=pret_op, auto=auto_op)
 
     def layer_op(kernel, fraction, union, pret=False):
+        if kernel.endswith("_nostat"):
+            return without_stationary(layer_op(kernel.removesuffix("_nostat"), fraction, union, pret))
         # The trace-time choice of a layer whose active fraction and union are known
         # (SparseFFN's active_fraction and union_fraction): dense is XLA's FFN itself.
         # With pret, the layer also gives the up weight as [f, d] (five operands).

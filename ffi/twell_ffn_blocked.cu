@@ -28,6 +28,8 @@
 //                 of active neurons instead (twell_union_layout.cuh, twell_union.cuh).
 //                 mma bit 3 (gated): K1 likewise, u = x . Wu^T over the union's rows on
 //                 tensor cores, whole, into row 0 of the partials (Finish sums one range).
+//                 mma bit 4 (gated; before bit 2): K2 with Wd stationary in shared memory,
+//                 16 output columns a CTA, every token walked (twell_stationary.cuh).
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weights 16 blocks x (|Wu| + |Wd|) =
 // 0.74 GB, mostly L2; partials 2 x 59 MB; entries (4 B) re-read per d-range CTA: 0.2 GB.
 // Workspace results (static sizes): seg_start, tok_off, entries [max_entries], partial
@@ -41,6 +43,7 @@
 #include "common.h"
 #include "twell_blocked.cuh"
 #include "twell_ffn.h"
+#include "twell_stationary.cuh"
 #include "twell_union_layout.cuh"
 
 namespace jax_twell {
@@ -51,8 +54,10 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
                   const int16_t* cols, const int32_t* counts, const void* w_act, const void* w_up,
                   const void* w_up_t, const void* w_down, void* y, int32_t* seg_start,
                   int32_t* tok_off, uint32_t* entries, float* partial, int32_t mma_bits) {
-  // bit 0: K1 and K2 on tensor cores; bits 2 and 3 (gated, checked): K2 and K1 as union products
+  // bit 0: K1 and K2 on tensor cores; bits 2 and 3 (gated, checked): K2 and K1 as union
+  // products; bit 4 (gated, checked, before bit 2): K2 with the weight stationary
   const bool mma = (mma_bits & 1) != 0, down_union = kGated && (mma_bits & 4) != 0;
+  const bool down_stationary = kGated && (mma_bits & 16) != 0;
   const bool up_union = kGated && (mma_bits & 8) != 0;
   const auto* x16 = static_cast<const uint16_t*>(x);
   const dim3 segments(s.n_tiles, s.n_blocks);
@@ -82,7 +87,10 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
     status = LaunchStatus("twell_ffn_blocked finish");
     if (status.failure()) return status;
   }
-  if (down_union)  // the partials' workspace is free once Finish has read it
+  if (down_stationary)  // the partials' workspace is free once Finish has read it
+    return LaunchStationaryDown<E>(stream, s, counts, tok_off, seg_start, entries, static_cast<const uint16_t*>(w_down),
+                                   partial, static_cast<uint16_t*>(y));
+  if (down_union)
     return LaunchUnion<E, 1, kWordValues>(stream, s, tok_off, seg_start, entries, nullptr,
                                    static_cast<const uint16_t*>(w_down), nullptr, partial, static_cast<uint16_t*>(y),
                                    "twell_ffn_blocked down as a union product");
@@ -150,6 +158,9 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   const Shapes s{rows, static_cast<int>(d), static_cast<int>(f), tile, static_cast<int>(capacity),
                  static_cast<int>(n_tiles), static_cast<int>(n_blocks), max_entries};
   if (const char* refusal = UnionStepsRefusal(s, kGated, mma)) return Invalid(std::string(name) + refusal);
+  if ((mma & 16) != 0 && !(kGated && StationaryDownSupported(s)))
+    return Invalid(std::string(name) + "the down step with the weight stationary (mma bit 4) needs the gated FFN, d a "
+                   "multiple of 16, f at most 7264 and its workspace within the partials [d/64, max_entries]");
   const void* up = kGated ? w_up.untyped_data() : nullptr;
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   const bool bf16 = dtype == ffi::DataType::BF16;

@@ -43,7 +43,7 @@ def stand_ins(monkeypatch):
             return reference.twell_ffn(x, act, w_act, w_up, w_down)
 
         def blocked(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma=False, down_union=False, up_union=False,
-                    fallback=False):
+                    fallback=False, down_stationary=False):
             y = jnp.full(x.shape, BLOCKED_MARK, x.dtype) if mark else reference.twell_ffn(x, act, w_act, w_up, w_down)
             if fallback:  # the handler's own row-kernel fallback, where the entries overflow the workspace
                 y = jnp.where(cuda.blocked_needed_entries(act) <= max_entries, y, row(x, act, w_act, w_up, w_down))

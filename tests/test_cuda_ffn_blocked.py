@@ -9,6 +9,7 @@ import pytest
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import blocked_emulation as emu
+from jax_twell.ops import stationary_emulation as stat
 from jax_twell.ops import cuda, reference
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import GPU_SPECS, assert_close, fused_tolerance
@@ -117,6 +118,66 @@ def test_blocked_union_down_matches_mma(case, dtype):
         np.testing.assert_array_equal(np.asarray(union[2]), np.asarray(base[2]), what)
         np.testing.assert_array_equal(np.asarray(union[3])[:need], np.asarray(base[3])[:need], what)
         assert_close(union[0], base[0], 2.0**-7, what)
+
+
+# m, d, f, density, pattern, full rows, empty rows: one token to three blocks, the last not
+# a multiple of 16; rows far past capacity, empty rows; f at the slice's limit
+STATIONARY_CASES = [
+    (1, 128, 260, 0.05, "uniform", 0, 0),
+    (77, 128, 300, 0.05, "heavy", 3, 5),
+    (1100, 512, 700, 0.02, "heavy", 4, 10),
+    (3000, 768, 1408, 0.01, "uniform", 2, 3),
+    (2100, 256, 7264, 0.005, "heavy", 2, 40),
+    (64, 192, 256, 0.5, "dense", 0, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", STATIONARY_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_blocked_stationary_down_matches_emulation(case, dtype):
+    """The down step with the weight stationary (``blocked_ffn(down_stationary=True)``): the
+    layout and entries equal the union path's bit for bit, y equals the NumPy model of its
+    walk (stationary_emulation.down) bit for bit, and the union product's y to the f32
+    summation order."""
+    m, d, f, density, pattern, full, empty = case
+    x, inp = _inputs(m, d, f, density, pattern, dtype, m + d + 7, full=full, empty=empty)
+    for tile, capacity in [(256, 32), (64, 4), (32, 1)]:
+        act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=tile, capacity=capacity)
+        max_entries = emu.needed_entries(np.asarray(act.counts), capacity, tile, f) + 5
+        while not cuda.stationary_down_supported(m, d, f, max_entries):  # the walk's workspace in the partials
+            max_entries *= 2
+        run = lambda stationary: cuda.blocked_ffn(
+            x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T, max_entries=max_entries, workspace=True,
+            mma=True, up_union=True, down_union=True, down_stationary=stationary)
+        base, got = run(False), run(True)
+        what = f"{case} tile={tile} cap={capacity}"
+        need = int(base[1][-1])
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(base[1]), what)
+        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(base[2]), what)
+        entries = np.asarray(got[3])
+        np.testing.assert_array_equal(entries[:need], np.asarray(base[3])[:need], what)
+        want = stat.down(entries, got[1], got[2], act.counts, inp.w_down, capacity=capacity, tile=tile, f=f, dtype=dtype)
+        np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint16), want.view(np.uint16), what)
+        assert_close(got[0], base[0], 2.0**-7, what)
+
+
+@pytest.mark.parametrize("m", [77, 3000])
+def test_blocked_stationary_down_over_budget(m):
+    """Past the entry budget the stationary step writes NaN (workspace form), and the op
+    (with its fallback, the row kernel) is exact."""
+    d, f = 256, 700
+    x, inp = _inputs(m, d, f, 0.02, "heavy", jnp.bfloat16, m + 11, full=3, empty=2)
+    act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=256, capacity=8)
+    need = emu.needed_entries(np.asarray(act.counts), 8, 256, f)
+    max_entries = need // 2
+    assert cuda.stationary_down_supported(m, d, f, max_entries)
+    kw = dict(w_up_t=inp.w_up.T, max_entries=max_entries, mma=True, up_union=True, down_union=True,
+              down_stationary=True)
+    ws = cuda.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, workspace=True, **kw)
+    assert np.isnan(np.asarray(ws[0], np.float32)).all()
+    y = cuda.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, **kw)
+    want = reference.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down)
+    assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"m={m}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])

@@ -17,6 +17,7 @@ import numpy as np
 from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import blocked_emulation as _blocked
+from jax_twell.ops import stationary_emulation as _stat
 from jax_twell.ops import union_emulation as _union
 from jax_twell.ops import xla
 from jax_twell.ops.common import RuleSlot
@@ -31,6 +32,7 @@ __all__ = [
     "twell_ffn",
     "union_up_supported",
     "union_down_supported",
+    "stationary_down_supported",
     "sparse_ffn",
     "DenseCrossover",
     "supports",
@@ -38,6 +40,7 @@ __all__ = [
     "dense_crossover",
     "set_dense_crossover",
     "KERNELS",
+    "STATIONARY_DOWN",
     "blocked_supported",
     "check_blocked_supported",
     "blocked_max_entries",
@@ -55,6 +58,12 @@ __all__ = [
 ]
 
 KERNELS = ("row", "blocked", "blocked_mma", "blocked_union")
+
+# "blocked_union" runs its down step with the weight stationary in shared memory
+# (``blocked_ffn(down_stationary=True)``) where :func:`stationary_down_supported` says the
+# shape takes it. Read when a call is traced: set it False before tracing to run the union
+# down product instead (the benchmarks' A/B does).
+STATIONARY_DOWN = True
 
 
 def pack_twell(a: jax.Array, *, tile: int, capacity: int) -> TwELL:
@@ -146,6 +155,7 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
         return blocked_ffn(
             x, act, w_act, w_up, w_down, w_up_t=w_up_t, max_entries=max_entries, mma=kernel != "blocked",
             down_union=kernel == "blocked_union", up_union=kernel == "blocked_union",
+            down_stationary=kernel == "blocked_union" and STATIONARY_DOWN,
         )
     return _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t)
 
@@ -225,6 +235,15 @@ def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
     return _union.down_supported(m, d, f, max_entries)
 
 
+def stationary_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
+    """Whether the blocked kernel can run its down step with the weight stationary in shared
+    memory (``blocked_ffn(down_stationary=True)``; ffi/twell_stationary.cuh): gated, d a
+    multiple of 16, f at most 7,264 (16 columns of Wd, ``f x 32`` bytes, in one CTA's shared
+    memory) and the walk's workspace within the partials. Elsewhere the union product (or the
+    per-entry step) runs."""
+    return _stat.supported(m, d, f, max_entries)
+
+
 def _union_runs(gated: bool, m: int, d: int, f: int, tile: int, capacity: int) -> bool:
     """Whether "blocked_union" runs both of its union steps for this call at the default
     entry budget (gated, d a multiple of 256, the layouts within the workspace)."""
@@ -235,15 +254,18 @@ def _union_runs(gated: bool, m: int, d: int, f: int, tile: int, capacity: int) -
 
 
 def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, mma: bool = False,
-                  down_union: bool = False, up_union: bool = False, fallback: bool = False):
+                  down_union: bool = False, up_union: bool = False, fallback: bool = False,
+                  down_stationary: bool = False):
     """The blocked handler: ``(y, seg_start, tok_off, entries[, partial])``. ``fallback``:
     where the call's entries overflow ``max_entries`` (read on the device), the handler's
     last launch, the row kernel, writes y exactly; without it y is NaN there."""
     m, d = int(np.prod(x.shape[:-1])), x.shape[-1]
     down_union = down_union and w_up is not None and _union.down_supported(m, d, act.f, max_entries)
     up_union = up_union and w_up is not None and _union.up_supported(m, d, act.f, max_entries)
-    # the handler's bits: 0 tensor cores, 2 down and 3 up as union products
-    mma = int(bool(mma)) | int(down_union) << 2 | int(up_union) << 3
+    down_stationary = down_stationary and w_up is not None and _stat.supported(m, d, act.f, max_entries)
+    down_union = down_union and not down_stationary
+    # the handler's bits: 0 tensor cores, 2 down and 3 up as union products, 4 down stationary
+    mma = int(bool(mma)) | int(down_union) << 2 | int(up_union) << 3 | int(down_stationary) << 4
     n_blocks = -(-m // _blocked.BLOCK_TOKENS)
     workspace = [
         jax.ShapeDtypeStruct((n_blocks * act.n_tiles + 1,), jnp.int32),
@@ -264,7 +286,7 @@ def _blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, max_entries: int, 
 
 def blocked_ffn(
     x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, max_entries: int | None = None, workspace: bool = False,
-    mma: bool = False, down_union: bool = False, up_union: bool = False,
+    mma: bool = False, down_union: bool = False, up_union: bool = False, down_stationary: bool = False,
 ):
     """Fused up + down over token blocks (``jax_twell_ffn_blocked[_gated]``).
 
@@ -290,7 +312,11 @@ def blocked_ffn(
     least 320; elsewhere ignored)
     runs the up step likewise: u = x . Wu^T[j] for every entry from a dense product of the
     block's x with the union's rows of Wu^T (f32 sums over d in another order, so h may
-    differ from the per-entry step's by its last bit).
+    differ from the per-entry step's by its last bit). ``down_stationary=True`` (gated,
+    where :func:`stationary_down_supported`; elsewhere ignored, and taking precedence over
+    ``down_union``) runs the down step with 16 columns of Wd held in each CTA's shared memory
+    while it walks every token's h entries (ffi/twell_stationary.cuh; y in the order
+    jax_twell/ops/stationary_emulation.py models).
     """
     if jnp.dtype(x.dtype) == jnp.float32:
         if workspace:
@@ -301,11 +327,12 @@ def blocked_ffn(
     m = int(np.prod(x.shape[:-1]))
     if max_entries is None:
         max_entries = blocked_max_entries(m, act.f, act.tile, act.capacity)
+    args = (x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union, up_union)
     if workspace:
-        return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union, up_union)
+        return _blocked_call(*args, down_stationary=down_stationary)
     if m == 0:
         return jnp.zeros(x.shape, x.dtype)
-    return _blocked_call(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma, down_union, up_union, fallback=True)[0]
+    return _blocked_call(*args, fallback=True, down_stationary=down_stationary)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -759,7 +786,8 @@ def sparse_ffn(
             # entries overflow its workspace (on the device, inside the handler).
             mma, union = kernel != "blocked", kernel == "blocked_union"
             run_blocked = lambda a: _blocked_call(
-                x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma, union, union, fallback=True
+                x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma, union, union, fallback=True,
+                down_stationary=union and STATIONARY_DOWN,
             )[0]
             if isinstance(prefer_blocked, bool):
                 return run_blocked(act) if prefer_blocked else row_kernel(act)

@@ -1,0 +1,307 @@
+// The down step with the weight stationary in shared memory (mma bit 4 of the gated blocked
+// handler): y = h @ Wd where each CTA owns 16 output columns, keeps Wd[:, c0 : c0 + 16]
+// (f x 32 bytes) in shared memory for the whole launch, and walks every token's h entries.
+// The weight crosses L2 once (|Wd|) instead of once per token block's union; what bounds
+// the step is one random 32-byte row read from shared memory per (token, neuron) pair.
+// ffi/notes/limits.md ("A fourth family") has the probe runs behind the design.
+//
+// The walk needs the entries in a layout of its own, built from the blocked layout's h
+// entries (after Finish) by five small launches, all in the partials' workspace:
+//   S1 StatKeys     grid (chunk of 1024 tokens): per token c = its entries (the stored
+//                   count, or the tile width for an overflowed tile, summed over tiles),
+//                   key = ceil(c / 4); per chunk a histogram of keys and each token's rank
+//                   among the chunk's tokens of its key (stable: token order).
+//   S2 StatScan     one CTA: exclusive prefix over (key descending, chunk ascending).
+//   S3 StatOrder    grid (chunk): rank of each token = its key's offset + its rank in the
+//                   chunk; order[rank] = token; the key of each group's first token.
+//   S4 StatGroups   one CTA: goff = exclusive prefix of 64 x (the group's first key) over
+//                   groups of 16 consecutive ranks (the tokens sorted by count,
+//                   descending, so a group's rows have about the same length).
+//   S5 StatScatter  a thread per token: its h words to its group's block of the walk layout,
+//                   (h bits << 16 | neuron), step j of the group's token i at word
+//                   goff[g] + 64 (j / 4) + 4 i + j % 4, zero words to the group's length.
+//                   Step order: the entries taken round by round over the four residues
+//                   of the neuron mod 4, starting at residue i % 4 (the q-th entry of residue
+//                   r goes to step sum_r' min(c_r', q + [(r' - i) % 4 < (r - i) % 4])), so the
+//                   four tokens of a shared-memory phase tend to read four different
+//                   32-byte slots of a 128-byte line.
+//   S6 StatDown     grid (d / 16), 1,024 threads: a warp per group, two threads per token
+//                   (8 columns each), four steps per 128-bit load of the layout, f32 FMAs
+//                   in step order; y rounded once. Deterministic; no atomics in any output.
+// jax_twell/ops/stationary_emulation.py models S1-S6 (order, layout and arithmetic).
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+#include "elements.cuh"
+#include "twell_blocked.cuh"
+
+namespace jax_twell {
+namespace {
+
+constexpr int kStatCols = 16;      // output columns a CTA owns
+constexpr int kStatThreads = 1024;  // S6: 32 warps, one group of 16 tokens each at a time
+constexpr int kStatGroup = 16;      // tokens a warp walks together
+constexpr int kStatChunk = 1024;    // tokens a CTA of S1 and S3
+constexpr int kStatKeys = 2048;     // keys ceil(c / 4) < kStatKeys: c <= f <= kStatMaxF
+constexpr int kStatSmemLimit = 232448;
+constexpr int kStatMaxF = kStatSmemLimit / (2 * kStatCols);  // 7,264 neurons
+
+// Offsets (in 32-bit words) of the walk's workspace, carved from the partials.
+struct StatLayout {
+  int64_t hist, info, order, goff, glay, glay_words, total;
+};
+
+__host__ __device__ inline StatLayout StatLayoutOf(int64_t rows, int f, int64_t max_entries) {
+  const int64_t chunks = (rows + kStatChunk - 1) / kStatChunk;
+  const int64_t groups = (rows + kStatGroup - 1) / kStatGroup;
+  StatLayout l;
+  l.hist = 0;
+  l.info = l.hist + chunks * kStatKeys;
+  l.order = l.info + rows;
+  l.goff = l.order + groups * kStatGroup;
+  l.glay = (l.goff + groups + 1 + 3) / 4 * 4;  // 16-byte aligned
+  // sum over groups of 64 x the first key <= 16 (f + 3) + sum over tokens of (c + 3)
+  l.glay_words = (max_entries + 3 * rows + 16 * (static_cast<int64_t>(f) + 3) + 3) / 4 * 4;
+  l.total = l.glay + l.glay_words;
+  return l;
+}
+
+// The handler's test (mma bit 4): the gated FFN, bf16 or f16, d a multiple of 16, the
+// slice within shared memory, neurons within 16 bits, the workspace within the partials.
+inline bool StationaryDownSupported(const Shapes& s) {
+  return s.d % kStatCols == 0 && s.f <= kStatMaxF &&
+         StatLayoutOf(s.rows, s.f, s.max_entries).total <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
+}
+
+__device__ __forceinline__ int Reserved(const Shapes& s, const int32_t* counts, int64_t t, int k) {
+  const int c = counts[t * s.n_tiles + k];
+  return c > s.capacity ? TileWidth(s, k) : c;
+}
+
+// S1.
+__global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __restrict__ counts,
+                                                             const int32_t* __restrict__ seg_start,
+                                                             int32_t* __restrict__ ws, Shapes s) {
+  __shared__ int count[kStatKeys];
+  if (OverBudget(s, seg_start)) return;
+  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
+  const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
+  for (int k = threadIdx.x; k < kStatKeys; k += blockDim.x) count[k] = 0;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatChunk + threadIdx.x;
+  const bool valid = t < s.rows;
+  int c = 0;
+  if (valid)
+    for (int k = 0; k < s.n_tiles; ++k) c += Reserved(s, counts, t, k);
+  const int key = (c + 3) / 4;
+  __syncthreads();
+  // ranks among the chunk's tokens of the same key, in token order: warp by warp
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned valid_lanes = __ballot_sync(kFullMask, valid);
+  int rank = 0;
+  for (int w = 0; w < kStatChunk / 32; ++w) {
+    if (warp == w && valid) {
+      const unsigned peers = __match_any_sync(valid_lanes, key);
+      rank = count[key] + __popc(peers & ((1u << lane) - 1u));
+      __syncwarp(valid_lanes);
+      if (lane == __ffs(peers) - 1) count[key] += __popc(peers);
+    }
+    __syncthreads();
+  }
+  if (valid) ws[l.info + t] = key << 16 | rank;
+  for (int k = threadIdx.x; k < kStatKeys; k += blockDim.x) ws[l.hist + k * chunks + blockIdx.x] = count[k];
+}
+
+// S2. In place over hist [key, chunk]: the prefix in (key descending, chunk ascending) order.
+__global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict__ seg_start, int32_t* __restrict__ ws,
+                                                       Shapes s) {
+  __shared__ int scratch[32];
+  __shared__ int total;
+  if (OverBudget(s, seg_start)) return;
+  const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
+  const int64_t n = chunks * kStatKeys;
+  // position p of the order is hist[(kStatKeys - 1 - p / chunks) * chunks + p % chunks]
+  auto at = [&](int64_t p) { return (kStatKeys - 1 - p / chunks) * chunks + p % chunks; };
+  const int64_t per = (n + blockDim.x - 1) / blockDim.x;
+  const int64_t p0 = threadIdx.x * per, p1 = p0 + per < n ? p0 + per : n;
+  int sum = 0;
+  for (int64_t p = p0; p < p1; ++p) sum += ws[at(p)];
+  int run = BlockExclusiveScan(sum, scratch, &total);
+  for (int64_t p = p0; p < p1; ++p) {
+    const int v = ws[at(p)];
+    ws[at(p)] = run;
+    run += v;
+  }
+}
+
+// S3. info[t] becomes the token's rank; goff[g] the key of group g's first token.
+__global__ void __launch_bounds__(kStatChunk) StatOrderKernel(const int32_t* __restrict__ seg_start,
+                                                              int32_t* __restrict__ ws, Shapes s) {
+  if (OverBudget(s, seg_start)) return;
+  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
+  const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatChunk + threadIdx.x;
+  if (t >= s.rows) return;
+  const int info = ws[l.info + t];
+  const int key = info >> 16;
+  const int rank = ws[l.hist + key * chunks + blockIdx.x] + (info & 0xffff);
+  ws[l.order + rank] = static_cast<int32_t>(t);
+  ws[l.info + t] = rank;
+  if (rank % kStatGroup == 0) ws[l.goff + rank / kStatGroup] = key;
+}
+
+// S4. goff over groups; the last group's missing tokens marked -1 in order.
+__global__ void __launch_bounds__(1024) StatGroupsKernel(const int32_t* __restrict__ seg_start,
+                                                         int32_t* __restrict__ ws, Shapes s) {
+  __shared__ int scratch[32];
+  __shared__ int total;
+  if (OverBudget(s, seg_start)) return;
+  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
+  const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
+  int carry = 0;
+  for (int64_t g0 = 0; g0 < groups; g0 += blockDim.x) {
+    const int64_t g = g0 + threadIdx.x;
+    const int words = g < groups ? 4 * kStatGroup * ws[l.goff + g] : 0;
+    const int off = BlockExclusiveScan(words, scratch, &total);
+    if (g < groups) ws[l.goff + g] = carry + off;
+    carry += total;
+  }
+  if (threadIdx.x == 0) ws[l.goff + groups] = carry;
+  for (int64_t r = s.rows + threadIdx.x; r < groups * kStatGroup; r += blockDim.x) ws[l.order + r] = -1;
+}
+
+// S5. A thread per token; entries in the blocked layout's order (tiles ascending, then as
+// stored), neurons k * tile + column.
+__global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restrict__ tok_off,
+                                                         const int32_t* __restrict__ seg_start,
+                                                         const uint32_t* __restrict__ entries,
+                                                         int32_t* __restrict__ ws, Shapes s) {
+  if (OverBudget(s, seg_start)) return;
+  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= s.rows) return;
+  const int rank = ws[l.info + t];
+  const int g = rank / kStatGroup, i = rank % kStatGroup;
+  const int64_t base = ws[l.goff + g];
+  const int steps = (ws[l.goff + g + 1] - static_cast<int>(base)) / kStatGroup;
+  const int64_t b = t / kBlockTokens;
+  const int tl = static_cast<int>(t % kBlockTokens);
+  uint32_t* glay = reinterpret_cast<uint32_t*>(ws + l.glay);
+  int cr[4] = {0, 0, 0, 0};
+  for (int k = 0; k < s.n_tiles; ++k) {
+    const int64_t seg = b * s.n_tiles + k;
+    const int32_t* off = tok_off + seg * (kBlockTokens + 1) + tl;
+    const int64_t e0 = seg_start[seg] + off[0], e1 = seg_start[seg] + off[1];
+    for (int64_t e = e0; e < e1; ++e) ++cr[entries[e] & 3u];  // tile a multiple of 32: n % 4 = column % 4
+  }
+  int seen[4] = {0, 0, 0, 0};
+  int c = 0;
+  for (int k = 0; k < s.n_tiles; ++k) {
+    const int64_t seg = b * s.n_tiles + k;
+    const int32_t* off = tok_off + seg * (kBlockTokens + 1) + tl;
+    const int64_t e0 = seg_start[seg] + off[0], e1 = seg_start[seg] + off[1];
+    for (int64_t e = e0; e < e1; ++e, ++c) {
+      const uint32_t word = entries[e];
+      const int r = static_cast<int>(word & 3u);
+      const int q = seen[r]++;
+      const int dr = (r - i) & 3;
+      int j = 0;
+#pragma unroll
+      for (int r2 = 0; r2 < 4; ++r2) {
+        const int cap = q + (((r2 - i) & 3) < dr ? 1 : 0);
+        j += cr[r2] < cap ? cr[r2] : cap;
+      }
+      const uint32_t n = static_cast<uint32_t>(k * s.tile) + (word & kColumnMask);
+      glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = (word & 0xffff0000u) | n;
+    }
+  }
+  for (int j = c; j < steps; ++j) glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = 0u;
+}
+
+// S6.
+template <typename E>
+__global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t* __restrict__ w_down,
+                                                                 const int32_t* __restrict__ seg_start,
+                                                                 const int32_t* __restrict__ ws,
+                                                                 uint16_t* __restrict__ y, Shapes s) {
+  extern __shared__ __align__(128) unsigned char stat_smem[];
+  const int c0 = blockIdx.x * kStatCols;
+  const int lane = threadIdx.x % 32, q = lane % 2, i = lane / 2;
+  const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
+  if (OverBudget(s, seg_start)) {  // the fallback (or the caller's NaN check) takes over
+    for (int64_t t = threadIdx.x / 2; t < s.rows; t += blockDim.x / 2)
+      for (int k = 0; k < 8; ++k) y[t * s.d + c0 + 8 * q + k] = static_cast<uint16_t>(E::FromFloat(__int_as_float(0x7fc00000)));
+    return;
+  }
+  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
+  {  // Wd[:, c0 : c0 + 16] to shared memory, row n at n * 32 bytes
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stat_smem));
+    for (int p = threadIdx.x; p < 2 * s.f; p += blockDim.x) {
+      const int n = p / 2, h = p % 2;
+      const uint16_t* src = w_down + static_cast<int64_t>(n) * s.d + c0 + 8 * h;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + p * 16), "l"(src) : "memory");
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    __syncthreads();
+  }
+  const unsigned char* my = stat_smem + q * 16;
+  const int32_t* goff = ws + l.goff;
+  const int32_t* order = ws + l.order;
+  const uint32_t* glay = reinterpret_cast<const uint32_t*>(ws + l.glay);
+  for (int64_t g = threadIdx.x / 32; g < groups; g += blockDim.x / 32) {
+    const int w0 = goff[g], w1 = goff[g + 1];
+    const uint4* src = reinterpret_cast<const uint4*>(glay + w0) + i;
+    const int blocks = (w1 - w0) / (4 * kStatGroup);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    uint4 cur = blocks > 0 ? __ldg(src) : make_uint4(0u, 0u, 0u, 0u);
+    for (int blk = 0; blk < blocks; ++blk) {
+      const uint4 nxt = blk + 1 < blocks ? __ldg(src + kStatGroup * (blk + 1)) : make_uint4(0u, 0u, 0u, 0u);
+      const uint32_t words[4] = {cur.x, cur.y, cur.z, cur.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint4 v = *reinterpret_cast<const uint4*>(my + (words[k] & 0xffffu) * (2 * kStatCols));
+        const float h = E::ToFloat(words[k] >> 16);
+        const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          acc[2 * p] = fmaf(h, E::ToFloat(wv[p] & 0xffffu), acc[2 * p]);
+          acc[2 * p + 1] = fmaf(h, E::ToFloat(wv[p] >> 16), acc[2 * p + 1]);
+        }
+      }
+      cur = nxt;
+    }
+    const int t = order[g * kStatGroup + i];
+    if (t >= 0) {
+      uint4 out;
+      out.x = E::FromFloat(acc[0]) | E::FromFloat(acc[1]) << 16;
+      out.y = E::FromFloat(acc[2]) | E::FromFloat(acc[3]) << 16;
+      out.z = E::FromFloat(acc[4]) | E::FromFloat(acc[5]) << 16;
+      out.w = E::FromFloat(acc[6]) | E::FromFloat(acc[7]) << 16;
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(t) * s.d + c0 + 8 * q) = out;
+    }
+  }
+}
+
+template <typename E>
+ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int32_t* counts, const int32_t* tok_off,
+                                const int32_t* seg_start, const uint32_t* entries, const uint16_t* w_down,
+                                float* partial, uint16_t* y) {
+  int32_t* ws = reinterpret_cast<int32_t*>(partial);
+  const unsigned chunks = static_cast<unsigned>((s.rows + kStatChunk - 1) / kStatChunk);
+  StatKeysKernel<<<chunks, kStatChunk, 0, stream>>>(counts, seg_start, ws, s);
+  StatScanKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
+  StatOrderKernel<<<chunks, kStatChunk, 0, stream>>>(seg_start, ws, s);
+  StatGroupsKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
+  StatScatterKernel<<<static_cast<unsigned>((s.rows + 255) / 256), 256, 0, stream>>>(tok_off, seg_start, entries, ws,
+                                                                                     s);
+  ffi::Error status = LaunchStatus("twell_ffn_blocked stationary layout");
+  if (status.failure()) return status;
+  const int smem = s.f * 2 * kStatCols;
+  cudaFuncSetAttribute(StatDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  StatDownKernel<E><<<static_cast<unsigned>(s.d / kStatCols), kStatThreads, smem, stream>>>(w_down, seg_start, ws, y, s);
+  return LaunchStatus("twell_ffn_blocked stationary down");
+}
+
+}  // namespace
+}  // namespace jax_twell

@@ -1,0 +1,122 @@
+"""NumPy model of the down step with the weight stationary in shared memory
+(ffi/twell_stationary.cuh, mma bit 4 of the gated blocked handler; ffi/notes/limits.md,
+"A fourth family").
+
+The step reads the blocked layout's h entries (after the up step and Finish) and computes
+``y[t] = sum_j h[t, j] Wd[j]`` with each CTA owning 16 output columns of every token. Its
+walk order is what this module models, so that a GPU test can require the kernel's y bit
+for bit:
+
+- per token ``c``, its reserved entries (the stored count per tile, or the tile's width
+  where the tile overflowed), and ``key = ceil(c / 4)``;
+- the tokens' ranks: a stable sort by key, descending (ties in token order); rank ``r``
+  puts the token at place ``i = r % 16`` of group ``r // 16`` (a warp walks a group);
+- the token's entries in the layout's order (tiles ascending, then as stored), each with
+  its neuron ``n = tile_index * tile + column``; the ``q``-th entry of residue ``n % 4 = r``
+  becomes step ``sum over r' of min(c_r', q + [(r' - i) % 4 < (r - i) % 4])``, with ``c_r'``
+  the token's entries of residue ``r'`` (rounds over the four residues, starting at
+  ``i % 4``);
+- per output column, f32 ``acc = fma(h, w, acc)`` over the steps in order, from 0, then one
+  rounding to the element type. A product of two bf16 (or two f16) values is exact in f32,
+  so the model's ``acc + h * w`` in float32 is the kernel's FMA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import blocked_emulation as _blocked
+
+COLS = 16  # output columns a CTA owns
+GROUP = 16  # tokens a warp walks together
+CHUNK = 1024  # tokens a CTA of the sort's passes
+KEYS = 2048  # sort keys ceil(c / 4) < KEYS
+SMEM_LIMIT = 232448  # bytes of shared memory a CTA may have (H100/H200)
+MAX_F = SMEM_LIMIT // (2 * COLS)  # the 16-column slice of Wd within shared memory: 7,264
+UP_COLS = _blocked.UP_COLS
+
+
+def workspace_words(m: int, f: int, max_entries: int) -> int:
+    """32-bit words of the step's workspace (``StatLayoutOf(...).total``): key histograms,
+    ranks, the token order, group offsets and the walk layout, whose size is bounded by
+    ``max_entries + 3 m + 16 (f + 3)`` (a group's length is its first, longest row)."""
+    chunks = -(-m // CHUNK)
+    groups = -(-m // GROUP)
+    goff = chunks * KEYS + m + groups * GROUP
+    glay = (goff + groups + 1 + 3) // 4 * 4
+    return glay + (max_entries + 3 * m + 16 * (f + 3) + 3) // 4 * 4
+
+
+def supported(m: int, d: int, f: int, max_entries: int) -> bool:
+    """The handler's test (``StationaryDownSupported``): d a multiple of 16, f at most
+    :data:`MAX_F` (the slice in shared memory), and the workspace within the partials
+    ``[d / 64, max_entries]`` f32 that the step reuses after Finish."""
+    return d % COLS == 0 and 0 < f <= MAX_F and workspace_words(m, f, max_entries) <= (d // UP_COLS) * max_entries
+
+
+def ranks(reserved_per_token: np.ndarray) -> np.ndarray:
+    """``[M]`` each token's rank: stable sort by ``ceil(c / 4)``, descending."""
+    key = (np.asarray(reserved_per_token, np.int64) + 3) // 4
+    order = np.argsort(-key, kind="stable")
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.size)
+    return rank
+
+
+def steps(neurons: np.ndarray, place: int) -> np.ndarray:
+    """Step of each of a token's entries (given in the layout's order) for the token at
+    ``place`` of its group: rounds over the residues mod 4, starting at ``place % 4``."""
+    r = np.asarray(neurons, np.int64) % 4
+    c = np.bincount(r, minlength=4)
+    q = np.zeros(r.size, np.int64)
+    seen = np.zeros(4, np.int64)
+    for e, re in enumerate(r):
+        q[e] = seen[re]
+        seen[re] += 1
+    delta = (np.arange(4) - place) % 4
+    out = np.zeros(r.size, np.int64)
+    for r2 in range(4):
+        cap = q + (delta[r2] < delta[r]).astype(np.int64)
+        out += np.minimum(c[r2], cap)
+    return out
+
+
+def token_entries(seg_start, tok_off, counts, *, capacity: int, tile: int, f: int):
+    """Per token, the indices of its entries in the layout's order (tiles ascending, then
+    as stored) and their neurons: ``(index [E], token [E], neuron [E])`` sorted by token,
+    then walk order."""
+    index, tok, tk, slot, over = _blocked._entry_table(
+        np.asarray(seg_start), np.asarray(tok_off), np.asarray(counts), capacity, tile, f
+    )
+    del slot, over
+    walk = np.lexsort((index, tok))
+    return index[walk], tok[walk], tk[walk]
+
+
+def down(entries, seg_start, tok_off, counts, w_down, *, capacity: int, tile: int, f: int, dtype) -> np.ndarray:
+    """``y [M, d]`` (in ``dtype``) of the stationary down step from the blocked workspace's
+    h entries (``entries``: uint32 words, h bits << 16 | flags, token bits and column)."""
+    dt = _blocked._np_dtype(dtype)
+    counts = np.asarray(counts)
+    m = counts.shape[0]
+    words = np.asarray(entries).astype(np.uint32)
+    wd = np.asarray(w_down).astype(np.float32)
+    d = wd.shape[1]
+    index, tok, tk = token_entries(seg_start, tok_off, counts, capacity=capacity, tile=tile, f=f)
+    w = words[index]
+    neuron = tk * tile + (w & _blocked.COLUMN_MASK).astype(np.int64)
+    h = _blocked._from_bits((w >> 16).astype(np.uint16), dt)
+    per_token = np.bincount(tok, minlength=m)
+    rank = ranks(per_token)
+    first = np.concatenate([[0], np.cumsum(per_token)])
+    step = np.zeros(index.size, np.int64)
+    for t in range(m):
+        a, b = first[t], first[t + 1]
+        if b > a:
+            step[a:b] = steps(neuron[a:b], int(rank[t] % GROUP))
+    acc = np.zeros((m, d), np.float32)
+    for s in range(int(step.max(initial=-1)) + 1):
+        at = step == s
+        # products of two element-type values are exact in f32: this add is the FMA
+        acc[tok[at]] = (acc[tok[at]] + h[at, None] * wd[neuron[at]]).astype(np.float32)
+    return acc.astype(dt)

@@ -1,0 +1,115 @@
+"""The NumPy model of the down step with the weight stationary (stationary_emulation,
+ffi/twell_stationary.cuh): its walk order and its y, on CPU."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_twell.ops import blocked_emulation as emu
+from jax_twell.ops import stationary_emulation as stat
+
+
+def _workspace(rng, m, f, tile, capacity, density, full=0, empty=0):
+    """Counts, the blocked layout, and entry words with random h (bf16) and columns."""
+    n_tiles = -(-f // tile)
+    width = np.minimum(tile, f - tile * np.arange(n_tiles))
+    counts = rng.binomial(width[None, :].repeat(m, 0), density).astype(np.int32)
+    counts[:full] = width  # rows past capacity in every tile
+    counts[full:full + empty] = 0
+    seg_start, tok_off = emu.layout(counts, capacity, tile, f)
+    index, tok, tk, slot, over = emu._entry_table(seg_start, tok_off, counts, capacity, tile, f)
+    words = np.zeros(int(seg_start[-1]) + 3, np.uint32)
+    # stored entries: distinct columns per (token, tile); overflowed tiles: every column
+    cols = np.where(over, slot, 0)
+    for t, k in {(int(a), int(b)) for a, b, o in zip(tok, tk, over) if not o}:
+        sel = (tok == t) & (tk == k)
+        cols[sel] = np.sort(rng.choice(width[k], sel.sum(), replace=False))
+    h = rng.uniform(-2, 2, index.size).astype(ml_dtypes.bfloat16)
+    words[index] = (h.view(np.uint16).astype(np.uint32) << 16) | np.where(over, emu.RECOMPUTE_FLAG, 0).astype(
+        np.uint32) | emu.token_bits(tok % emu.BLOCK_TOKENS) | cols.astype(np.uint32)
+    return counts, seg_start, tok_off, words
+
+
+@pytest.mark.parametrize("m,f,tile,capacity,density,full,empty", [
+    (1, 260, 256, 32, 0.05, 0, 0),
+    (37, 300, 64, 4, 0.05, 2, 3),
+    (1100, 700, 256, 8, 0.01, 3, 10),
+])
+def test_down_matches_the_exact_sum(m, f, tile, capacity, density, full, empty):
+    rng = np.random.default_rng(m + f)
+    d = 48
+    counts, seg_start, tok_off, words = _workspace(rng, m, f, tile, capacity, density, full, empty)
+    wd = rng.uniform(-1, 1, (f, d)).astype(ml_dtypes.bfloat16)
+    y = stat.down(words, seg_start, tok_off, counts, wd, capacity=capacity, tile=tile, f=f, dtype=ml_dtypes.bfloat16)
+    index, tok, tk = stat.token_entries(seg_start, tok_off, counts, capacity=capacity, tile=tile, f=f)
+    hdense = np.zeros((m, f))
+    w = words[index]
+    hdense[tok, tk * tile + (w & emu.COLUMN_MASK)] = (w >> 16).astype(np.uint16).view(ml_dtypes.bfloat16).astype(
+        np.float64)
+    want = hdense @ wd.astype(np.float64)
+    mag = np.abs(hdense) @ np.abs(wd.astype(np.float64))
+    err = np.abs(y.astype(np.float64) - want)
+    assert (err <= np.abs(want) * 2.0**-8 + mag * 2.0**-20 + 1e-30).all()
+    assert (y[full:full + empty] == 0).all()  # empty rows
+    assert not full or np.abs(y[:full].astype(np.float64)).sum() > 0  # the overflowed rows contribute
+
+
+def test_steps_are_a_permutation_in_rounds_over_residues():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = np.sort(rng.choice(5632, rng.integers(0, 60), replace=False))
+        place = int(rng.integers(0, 16))
+        s = stat.steps(n, place)
+        assert sorted(s.tolist()) == list(range(n.size))
+        order = n[np.argsort(s)]
+        # walking the steps: each residue's entries keep their order, and while every residue
+        # has entries left, step j reads residue (place + j) % 4
+        for r in range(4):
+            np.testing.assert_array_equal(order[order % 4 == r], n[n % 4 == r])
+        full_rounds = np.bincount(n % 4, minlength=4).min()
+        j = np.arange(4 * full_rounds)
+        np.testing.assert_array_equal(order[: 4 * full_rounds] % 4, (place + j) % 4)
+
+
+def test_steps_spread_a_phase_over_slots():
+    """The reason for the order: four tokens at places 0-3 of a group, at the same step, read
+    rows of four different residues more often than in neuron order."""
+    rng = np.random.default_rng(1)
+    spread, plain = [], []
+    for _ in range(300):
+        rows = [np.sort(rng.choice(5632, 28, replace=False)) for _ in range(4)]
+        ordered = [n[np.argsort(stat.steps(n, i))] for i, n in enumerate(rows)]
+        spread.append(np.mean([len({int(o[j] % 4) for o in ordered}) == 4 for j in range(28)]))
+        plain.append(np.mean([len({int(n[j] % 4) for n in rows}) == 4 for j in range(28)]))
+    assert np.mean(spread) > 2 * np.mean(plain)
+
+
+def test_ranks_sort_by_length_descending_and_stably():
+    rng = np.random.default_rng(2)
+    c = rng.integers(0, 400, 5000)
+    rank = stat.ranks(c)
+    order = np.empty_like(rank)
+    order[rank] = np.arange(c.size)
+    key = (c[order] + 3) // 4
+    assert (np.diff(key) <= 0).all()
+    same = np.diff(key) == 0
+    assert (np.diff(order)[same] > 0).all()  # ties in token order
+
+
+def test_layout_bound_holds():
+    """The walk layout (64 words x the first key of each group of 16 ranks) fits the
+    workspace's bound, max_entries + 3 M + 16 (f + 3), on lopsided rows."""
+    rng = np.random.default_rng(3)
+    for m, f in [(1, 7264), (17, 300), (5000, 5632)]:
+        c = np.minimum(rng.pareto(0.8, m).astype(np.int64) * 7, f)
+        key = np.sort((c + 3) // 4)[::-1]
+        words = 64 * key[::stat.GROUP].sum()
+        assert words <= c.sum() + 3 * m + 16 * (f + 3)
+
+
+def test_supported():
+    assert stat.supported(16384, 2048, 5632, 600_000)
+    assert not stat.supported(16384, 2048, stat.MAX_F + 1, 600_000)  # slice past shared memory
+    assert not stat.supported(16384, 2056, 5632, 600_000)  # d not a multiple of 16
+    assert not stat.supported(16384, 64, 5632, 600_000)  # one row of partials cannot hold it
+    assert stat.MAX_F == 7264
