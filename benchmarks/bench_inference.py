@@ -210,7 +210,7 @@ def main():
             for name in ("sparse", "pret", "auto", "layer", "layer_pret"):
                 row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
             row["clock"] = clock
-            if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632:
+            if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632 and kernel in cuda.KERNELS:
                 gate = jax.jit(lambda x, w: jt.formats.relu_matmul(x, w))
                 gate_pack = jax.jit(lambda x, w: jt.gate_twell(x, w, implementation="cuda"))
                 transpose = jax.jit(lambda w: w.T + 0)

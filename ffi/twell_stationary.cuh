@@ -252,7 +252,9 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
   for (int64_t g = threadIdx.x / 32; g < groups; g += blockDim.x / 32) {
     const int w0 = goff[g], w1 = goff[g + 1];
     const uint4* src = reinterpret_cast<const uint4*>(glay + w0) + i;
-    const int blocks = (w1 - w0) / (4 * kStatGroup);
+    // the last group's places past the last token hold no words (nothing was written there)
+    const int t = order[g * kStatGroup + i];
+    const int blocks = t >= 0 ? (w1 - w0) / (4 * kStatGroup) : 0;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     uint4 cur = blocks > 0 ? __ldg(src) : make_uint4(0u, 0u, 0u, 0u);
     for (int blk = 0; blk < blocks; ++blk) {
@@ -271,7 +273,6 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
       }
       cur = nxt;
     }
-    const int t = order[g * kStatGroup + i];
     if (t >= 0) {
       uint4 out;
       out.x = E::FromFloat(acc[0]) | E::FromFloat(acc[1]) << 16;
