@@ -10,14 +10,16 @@
 //   S1 StatKeys     grid (chunk of 1024 tokens): per token c = its entries (the stored
 //                   count, or the tile width for an overflowed tile, summed over tiles),
 //                   key = ceil(c / 4); per chunk a histogram of keys and each token's rank
-//                   among the chunk's tokens of its key (stable: token order).
-//   S2 StatScan     one CTA: exclusive prefix over (key descending, chunk ascending).
+//                   among the chunk's tokens of its key (stable: token order; match_any in
+//                   a warp, a prefix over the warps' counts per key across them).
+//   S2 StatScan     one CTA: exclusive prefix over (key descending, chunk ascending), 8,192
+//                   values at a time through shared memory.
 //   S3 StatOrder    grid (chunk): rank of each token = its key's offset + its rank in the
 //                   chunk; order[rank] = token; the key of each group's first token.
 //   S4 StatGroups   one CTA: goff = exclusive prefix of 64 x (the group's first key) over
 //                   groups of 16 consecutive ranks (the tokens sorted by count,
 //                   descending, so a group's rows have about the same length).
-//   S5 StatScatter  a thread per token: its h words to its group's block of the walk layout,
+//   S5 StatScatter  a warp per token, a lane per tile: its h words to its group's block of the walk layout,
 //                   (h bits << 16 | neuron), step j of the group's token i at word
 //                   goff[g] + 64 (j / 4) + 4 i + j % 4, zero words to the group's length.
 //                   Step order: the entries taken round by round over the four residues
@@ -44,9 +46,11 @@ constexpr int kStatCols = 16;      // output columns a CTA owns
 constexpr int kStatThreads = 1024;  // S6: 32 warps, one group of 16 tokens each at a time
 constexpr int kStatGroup = 16;      // tokens a warp walks together
 constexpr int kStatChunk = 1024;    // tokens a CTA of S1 and S3
-constexpr int kStatKeys = 2048;     // keys ceil(c / 4) < kStatKeys: c <= f <= kStatMaxF
+constexpr int kStatKeys = 2048;     // sort keys ceil(c / 4) < kStatKeys: c <= f <= kStatMaxF
+constexpr int kStatScanTile = 8192;  // S2's values staged in shared memory at a time
 constexpr int kStatSmemLimit = 232448;
 constexpr int kStatMaxF = kStatSmemLimit / (2 * kStatCols);  // 7,264 neurons
+constexpr int kStatKeysSmem = kStatChunk / 32 * kStatKeys * 2;  // S1's per-warp counts (16-bit)
 
 // Offsets (in 32-bit words) of the walk's workspace, carved from the partials.
 struct StatLayout {
@@ -62,7 +66,8 @@ __host__ __device__ inline StatLayout StatLayoutOf(int64_t rows, int f, int64_t 
   l.order = l.info + rows;
   l.goff = l.order + groups * kStatGroup;
   l.glay = (l.goff + groups + 1 + 3) / 4 * 4;  // 16-byte aligned
-  // sum over groups of 64 x the first key <= 16 (f + 3) + sum over tokens of (c + 3)
+  // sum over groups of 64 x the first (longest) row's key <= 16 (f + 3) + sum over tokens of
+  // (c + 3): each later group's key is at most every key of the group before it
   l.glay_words = (max_entries + 3 * rows + 16 * (static_cast<int64_t>(f) + 3) + 3) / 4 * 4;
   l.total = l.glay + l.glay_words;
   return l;
@@ -80,42 +85,56 @@ __device__ __forceinline__ int Reserved(const Shapes& s, const int32_t* counts, 
   return c > s.capacity ? TileWidth(s, k) : c;
 }
 
-// S1.
+// S1. Ranks within the chunk among tokens of the same key, in token order: within a warp
+// by match_any, across warps by a prefix over the warps' counts per key (16-bit counts in
+// dynamic shared memory, kStatKeysSmem bytes).
 __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __restrict__ counts,
                                                              const int32_t* __restrict__ seg_start,
                                                              int32_t* __restrict__ ws, Shapes s) {
-  __shared__ int count[kStatKeys];
+  extern __shared__ __align__(16) uint16_t wcount[];  // [warp][key]
   if (OverBudget(s, seg_start)) return;
   const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
   const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
-  for (int k = threadIdx.x; k < kStatKeys; k += blockDim.x) count[k] = 0;
+  const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
+  for (int i = threadIdx.x; i < kStatKeysSmem / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(wcount)[i] = 0u;
+  // group lengths start at 0 (S3 takes their maximum): this chunk's share of the groups
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * (kStatChunk / kStatGroup) + threadIdx.x;
+       g < groups && g < static_cast<int64_t>(blockIdx.x + 1) * (kStatChunk / kStatGroup); g += blockDim.x)
+    ws[l.goff + g] = 0;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatChunk + threadIdx.x;
   const bool valid = t < s.rows;
   int c = 0;
   if (valid)
     for (int k = 0; k < s.n_tiles; ++k) c += Reserved(s, counts, t, k);
-  const int key = (c + 3) / 4;
-  __syncthreads();
-  // ranks among the chunk's tokens of the same key, in token order: warp by warp
+  const int key = (c + 3) / 4;  // < kStatKeys: c <= f <= kStatMaxF
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned valid_lanes = __ballot_sync(kFullMask, valid);
-  int rank = 0;
-  for (int w = 0; w < kStatChunk / 32; ++w) {
-    if (warp == w && valid) {
-      const unsigned peers = __match_any_sync(valid_lanes, key);
-      rank = count[key] + __popc(peers & ((1u << lane) - 1u));
-      __syncwarp(valid_lanes);
-      if (lane == __ffs(peers) - 1) count[key] += __popc(peers);
-    }
-    __syncthreads();
+  __syncthreads();
+  int wrank = 0;
+  if (valid) {
+    const unsigned peers = __match_any_sync(valid_lanes, key);
+    wrank = __popc(peers & ((1u << lane) - 1u));
+    if (lane == __ffs(peers) - 1) wcount[warp * kStatKeys + key] = static_cast<uint16_t>(__popc(peers));
   }
-  if (valid) ws[l.info + t] = key << 16 | rank;
-  for (int k = threadIdx.x; k < kStatKeys; k += blockDim.x) ws[l.hist + k * chunks + blockIdx.x] = count[k];
+  __syncthreads();
+  for (int k = threadIdx.x; k < kStatKeys; k += blockDim.x) {  // per key: prefix over the warps, the total
+    int run = 0;
+    for (int w = 0; w < kStatChunk / 32; ++w) {
+      const int v = wcount[w * kStatKeys + k];
+      wcount[w * kStatKeys + k] = static_cast<uint16_t>(run);
+      run += v;
+    }
+    ws[l.hist + static_cast<int64_t>(k) * chunks + blockIdx.x] = run;
+  }
+  __syncthreads();
+  if (valid) ws[l.info + t] = key << 10 | (wcount[warp * kStatKeys + key] + wrank);
 }
 
-// S2. In place over hist [key, chunk]: the prefix in (key descending, chunk ascending) order.
+// S2. In place over hist [key, chunk]: the exclusive prefix in (key descending, chunk
+// ascending) order, kStatScanTile values at a time through shared memory.
 __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict__ seg_start, int32_t* __restrict__ ws,
                                                        Shapes s) {
+  __shared__ int vals[kStatScanTile];
   __shared__ int scratch[32];
   __shared__ int total;
   if (OverBudget(s, seg_start)) return;
@@ -123,19 +142,30 @@ __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict
   const int64_t n = chunks * kStatKeys;
   // position p of the order is hist[(kStatKeys - 1 - p / chunks) * chunks + p % chunks]
   auto at = [&](int64_t p) { return (kStatKeys - 1 - p / chunks) * chunks + p % chunks; };
-  const int64_t per = (n + blockDim.x - 1) / blockDim.x;
-  const int64_t p0 = threadIdx.x * per, p1 = p0 + per < n ? p0 + per : n;
-  int sum = 0;
-  for (int64_t p = p0; p < p1; ++p) sum += ws[at(p)];
-  int run = BlockExclusiveScan(sum, scratch, &total);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int v = ws[at(p)];
-    ws[at(p)] = run;
-    run += v;
+  constexpr int kPer = kStatScanTile / 1024;
+  int carry = 0;
+  for (int64_t p0 = 0; p0 < n; p0 += kStatScanTile) {
+    for (int i = threadIdx.x; i < kStatScanTile; i += blockDim.x) vals[i] = p0 + i < n ? ws[at(p0 + i)] : 0;
+    __syncthreads();
+    int sum = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) sum += vals[threadIdx.x * kPer + j];
+    int run = carry + BlockExclusiveScan(sum, scratch, &total);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int v = vals[threadIdx.x * kPer + j];
+      vals[threadIdx.x * kPer + j] = run;
+      run += v;
+    }
+    carry += total;
+    __syncthreads();
+    for (int i = threadIdx.x; i < kStatScanTile && p0 + i < n; i += blockDim.x) ws[at(p0 + i)] = vals[i];
+    __syncthreads();
   }
 }
 
-// S3. info[t] becomes the token's rank; goff[g] the key of group g's first token.
+// S3. info[t] becomes the token's rank; goff[g] the longest row's key of group g (a
+// maximum, the same whatever the atomics' order: the first token's key).
 __global__ void __launch_bounds__(kStatChunk) StatOrderKernel(const int32_t* __restrict__ seg_start,
                                                               int32_t* __restrict__ ws, Shapes s) {
   if (OverBudget(s, seg_start)) return;
@@ -144,14 +174,15 @@ __global__ void __launch_bounds__(kStatChunk) StatOrderKernel(const int32_t* __r
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatChunk + threadIdx.x;
   if (t >= s.rows) return;
   const int info = ws[l.info + t];
-  const int key = info >> 16;
-  const int rank = ws[l.hist + key * chunks + blockIdx.x] + (info & 0xffff);
+  const int key = info >> 10;
+  const int rank = ws[l.hist + key * chunks + blockIdx.x] + (info & 1023);
   ws[l.order + rank] = static_cast<int32_t>(t);
   ws[l.info + t] = rank;
-  if (rank % kStatGroup == 0) ws[l.goff + rank / kStatGroup] = key;
+  atomicMax(ws + l.goff + rank / kStatGroup, key);
 }
 
-// S4. goff over groups; the last group's missing tokens marked -1 in order.
+// S4. goff over groups (64 words per ceil(c / 4) of the group's longest row); the last
+// group's missing tokens marked -1 in order.
 __global__ void __launch_bounds__(1024) StatGroupsKernel(const int32_t* __restrict__ seg_start,
                                                          int32_t* __restrict__ ws, Shapes s) {
   __shared__ int scratch[32];
@@ -171,16 +202,29 @@ __global__ void __launch_bounds__(1024) StatGroupsKernel(const int32_t* __restri
   for (int64_t r = s.rows + threadIdx.x; r < groups * kStatGroup; r += blockDim.x) ws[l.order + r] = -1;
 }
 
-// S5. A thread per token; entries in the blocked layout's order (tiles ascending, then as
-// stored), neurons k * tile + column.
+// Exclusive prefix over the warp's lanes of v, and the warp's total.
+__device__ __forceinline__ int WarpExclusive(int v, int lane, int* total) {
+  int inc = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int other = __shfl_up_sync(kFullMask, inc, o);
+    if (lane >= o) inc += other;
+  }
+  *total = __shfl_sync(kFullMask, inc, 31);
+  return inc - v;
+}
+
+// S5. A warp per token, a lane per tile (32 tiles at a time): entries in the blocked
+// layout's order (tiles ascending, then as stored), neurons k * tile + column.
 __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restrict__ tok_off,
                                                          const int32_t* __restrict__ seg_start,
                                                          const uint32_t* __restrict__ entries,
                                                          int32_t* __restrict__ ws, Shapes s) {
   if (OverBudget(s, seg_start)) return;
   const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= s.rows) return;
+  const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (t >= s.rows) return;  // whole warps
   const int rank = ws[l.info + t];
   const int g = rank / kStatGroup, i = rank % kStatGroup;
   const int64_t base = ws[l.goff + g];
@@ -188,23 +232,64 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
   const int64_t b = t / kBlockTokens;
   const int tl = static_cast<int>(t % kBlockTokens);
   uint32_t* glay = reinterpret_cast<uint32_t*>(ws + l.glay);
+  auto range = [&](int k, int64_t* e0, int64_t* e1) {
+    const int64_t seg = b * s.n_tiles + k;
+    const int32_t* off = tok_off + seg * (kBlockTokens + 1) + tl;
+    *e0 = seg_start[seg] + off[0];
+    *e1 = seg_start[seg] + off[1];
+  };
+  // pass 1: the token's entries per residue (tile a multiple of 32: n % 4 = column % 4)
   int cr[4] = {0, 0, 0, 0};
-  for (int k = 0; k < s.n_tiles; ++k) {
-    const int64_t seg = b * s.n_tiles + k;
-    const int32_t* off = tok_off + seg * (kBlockTokens + 1) + tl;
-    const int64_t e0 = seg_start[seg] + off[0], e1 = seg_start[seg] + off[1];
-    for (int64_t e = e0; e < e1; ++e) ++cr[entries[e] & 3u];  // tile a multiple of 32: n % 4 = column % 4
+  for (int kb = 0; kb < s.n_tiles; kb += 32) {
+    int lc[4] = {0, 0, 0, 0};
+    if (kb + lane < s.n_tiles) {
+      int64_t e0, e1;
+      range(kb + lane, &e0, &e1);
+      for (int64_t e = e0; e < e1; ++e) {
+        const int r = static_cast<int>(entries[e] & 3u);
+        lc[0] += r == 0;
+        lc[1] += r == 1;
+        lc[2] += r == 2;
+        lc[3] += r == 3;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      int tot;
+      WarpExclusive(lc[r], lane, &tot);
+      cr[r] += tot;
+    }
   }
-  int seen[4] = {0, 0, 0, 0};
-  int c = 0;
-  for (int k = 0; k < s.n_tiles; ++k) {
-    const int64_t seg = b * s.n_tiles + k;
-    const int32_t* off = tok_off + seg * (kBlockTokens + 1) + tl;
-    const int64_t e0 = seg_start[seg] + off[0], e1 = seg_start[seg] + off[1];
-    for (int64_t e = e0; e < e1; ++e, ++c) {
+  // pass 2: each entry's step, from the entries of its residue before it
+  int carry[4] = {0, 0, 0, 0};
+  for (int kb = 0; kb < s.n_tiles; kb += 32) {
+    int64_t e0 = 0, e1 = 0;
+    int lc[4] = {0, 0, 0, 0};
+    const int k = kb + lane;
+    if (k < s.n_tiles) {
+      range(k, &e0, &e1);
+      for (int64_t e = e0; e < e1; ++e) {
+        const int r = static_cast<int>(entries[e] & 3u);
+        lc[0] += r == 0;
+        lc[1] += r == 1;
+        lc[2] += r == 2;
+        lc[3] += r == 3;
+      }
+    }
+    int seen[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      int tot;
+      seen[r] = carry[r] + WarpExclusive(lc[r], lane, &tot);
+      carry[r] += tot;
+    }
+    for (int64_t e = e0; e < e1; ++e) {
       const uint32_t word = entries[e];
       const int r = static_cast<int>(word & 3u);
-      const int q = seen[r]++;
+      int q = 0;
+#pragma unroll
+      for (int r2 = 0; r2 < 4; ++r2)
+        if (r2 == r) q = seen[r2]++;
       const int dr = (r - i) & 3;
       int j = 0;
 #pragma unroll
@@ -216,7 +301,8 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
       glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = (word & 0xffff0000u) | n;
     }
   }
-  for (int j = c; j < steps; ++j) glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = 0u;
+  const int c = cr[0] + cr[1] + cr[2] + cr[3];
+  for (int j = c + lane; j < steps; j += 32) glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = 0u;
 }
 
 // S6.
@@ -290,12 +376,12 @@ ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int3
                                 float* partial, uint16_t* y) {
   int32_t* ws = reinterpret_cast<int32_t*>(partial);
   const unsigned chunks = static_cast<unsigned>((s.rows + kStatChunk - 1) / kStatChunk);
-  StatKeysKernel<<<chunks, kStatChunk, 0, stream>>>(counts, seg_start, ws, s);
+  cudaFuncSetAttribute(StatKeysKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStatKeysSmem);
+  StatKeysKernel<<<chunks, kStatChunk, kStatKeysSmem, stream>>>(counts, seg_start, ws, s);
   StatScanKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
   StatOrderKernel<<<chunks, kStatChunk, 0, stream>>>(seg_start, ws, s);
   StatGroupsKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
-  StatScatterKernel<<<static_cast<unsigned>((s.rows + 255) / 256), 256, 0, stream>>>(tok_off, seg_start, entries, ws,
-                                                                                     s);
+  StatScatterKernel<<<static_cast<unsigned>((s.rows + 7) / 8), 256, 0, stream>>>(tok_off, seg_start, entries, ws, s);
   ffi::Error status = LaunchStatus("twell_ffn_blocked stationary layout");
   if (status.failure()) return status;
   const int smem = s.f * 2 * kStatCols;
