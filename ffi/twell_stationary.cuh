@@ -124,28 +124,27 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
       wcount[w * kStatKeys + k] = static_cast<uint16_t>(run);
       run += v;
     }
-    ws[l.hist + static_cast<int64_t>(k) * chunks + blockIdx.x] = run;
+    ws[l.hist + static_cast<int64_t>(kStatKeys - 1 - k) * chunks + blockIdx.x] = run;  // in S2's order
   }
   __syncthreads();
   if (valid) ws[l.info + t] = key << 10 | (wcount[warp * kStatKeys + key] + wrank);
 }
 
-// S2. In place over hist [key, chunk]: the exclusive prefix in (key descending, chunk
-// ascending) order, kStatScanTile values at a time through shared memory.
+// S2. In place over hist, stored by S1 in the order of the prefix (key descending, chunk
+// ascending): the exclusive prefix, kStatScanTile values at a time through shared memory.
 __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict__ seg_start, int32_t* __restrict__ ws,
                                                        Shapes s) {
   __shared__ int vals[kStatScanTile];
   __shared__ int scratch[32];
   __shared__ int total;
   if (OverBudget(s, seg_start)) return;
-  const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
-  const int64_t n = chunks * kStatKeys;
-  // position p of the order is hist[(kStatKeys - 1 - p / chunks) * chunks + p % chunks]
-  auto at = [&](int64_t p) { return (kStatKeys - 1 - p / chunks) * chunks + p % chunks; };
+  const int64_t n = (s.rows + kStatChunk - 1) / kStatChunk * kStatKeys;
   constexpr int kPer = kStatScanTile / 1024;
   int carry = 0;
   for (int64_t p0 = 0; p0 < n; p0 += kStatScanTile) {
-    for (int i = threadIdx.x; i < kStatScanTile; i += blockDim.x) vals[i] = p0 + i < n ? ws[at(p0 + i)] : 0;
+    int32_t* h = ws + p0;  // hist starts the workspace
+    const int len = n - p0 < kStatScanTile ? static_cast<int>(n - p0) : kStatScanTile;
+    for (int i = threadIdx.x; i < kStatScanTile; i += blockDim.x) vals[i] = i < len ? h[i] : 0;
     __syncthreads();
     int sum = 0;
 #pragma unroll
@@ -159,7 +158,7 @@ __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict
     }
     carry += total;
     __syncthreads();
-    for (int i = threadIdx.x; i < kStatScanTile && p0 + i < n; i += blockDim.x) ws[at(p0 + i)] = vals[i];
+    for (int i = threadIdx.x; i < len; i += blockDim.x) h[i] = vals[i];
     __syncthreads();
   }
 }
@@ -175,7 +174,7 @@ __global__ void __launch_bounds__(kStatChunk) StatOrderKernel(const int32_t* __r
   if (t >= s.rows) return;
   const int info = ws[l.info + t];
   const int key = info >> 10;
-  const int rank = ws[l.hist + key * chunks + blockIdx.x] + (info & 1023);
+  const int rank = ws[l.hist + static_cast<int64_t>(kStatKeys - 1 - key) * chunks + blockIdx.x] + (info & 1023);
   ws[l.order + rank] = static_cast<int32_t>(t);
   ws[l.info + t] = rank;
   atomicMax(ws + l.goff + rank / kStatGroup, key);
@@ -238,13 +237,18 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
     *e0 = seg_start[seg] + off[0];
     *e1 = seg_start[seg] + off[1];
   };
-  // pass 1: the token's entries per residue (tile a multiple of 32: n % 4 = column % 4)
+  // pass 1: the token's entries per residue (tile a multiple of 32: n % 4 = column % 4);
+  // with at most 32 tiles pass 2 reuses the lane's range and counts
   int cr[4] = {0, 0, 0, 0};
+  int64_t keep0 = 0, keep1 = 0;
+  int keep[4] = {0, 0, 0, 0};
   for (int kb = 0; kb < s.n_tiles; kb += 32) {
     int lc[4] = {0, 0, 0, 0};
     if (kb + lane < s.n_tiles) {
       int64_t e0, e1;
       range(kb + lane, &e0, &e1);
+      keep0 = e0;
+      keep1 = e1;
       for (int64_t e = e0; e < e1; ++e) {
         const int r = static_cast<int>(entries[e] & 3u);
         lc[0] += r == 0;
@@ -258,6 +262,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
       int tot;
       WarpExclusive(lc[r], lane, &tot);
       cr[r] += tot;
+      keep[r] = lc[r];
     }
   }
   // pass 2: each entry's step, from the entries of its residue before it
@@ -266,7 +271,12 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
     int64_t e0 = 0, e1 = 0;
     int lc[4] = {0, 0, 0, 0};
     const int k = kb + lane;
-    if (k < s.n_tiles) {
+    if (s.n_tiles <= 32) {
+      e0 = keep0;
+      e1 = keep1;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) lc[r] = keep[r];
+    } else if (k < s.n_tiles) {
       range(k, &e0, &e1);
       for (int64_t e = e0; e < e1; ++e) {
         const int r = static_cast<int>(entries[e] & 3u);
