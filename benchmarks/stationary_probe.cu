@@ -46,14 +46,7 @@
 #include <string>
 #include <vector>
 
-#define CHECK(x)                                                                             \
-  do {                                                                                       \
-    cudaError_t e_ = (x);                                                                    \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+#include "probe_barrier.cuh"
 
 namespace {
 
@@ -65,8 +58,28 @@ __device__ __forceinline__ uint32_t Pack(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-__device__ __forceinline__ void CpAsync16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+using probe::CpAsync16;
+
+// acc[0..7] += h * the eight bf16 of v
+__device__ __forceinline__ void Apply8(float (&acc)[8], float h, const uint4& v) {
+  acc[0] = fmaf(h, Lo(v.x), acc[0]);
+  acc[1] = fmaf(h, Hi(v.x), acc[1]);
+  acc[2] = fmaf(h, Lo(v.y), acc[2]);
+  acc[3] = fmaf(h, Hi(v.y), acc[3]);
+  acc[4] = fmaf(h, Lo(v.z), acc[4]);
+  acc[5] = fmaf(h, Hi(v.z), acc[5]);
+  acc[6] = fmaf(h, Lo(v.w), acc[6]);
+  acc[7] = fmaf(h, Hi(v.w), acc[7]);
+}
+
+// Eight accumulators rounded to bf16, as one 16-byte store.
+__device__ __forceinline__ void Store8(__nv_bfloat16* dst, const float (&acc)[8]) {
+  uint4 out;
+  out.x = Pack(acc[0], acc[1]);
+  out.y = Pack(acc[2], acc[3]);
+  out.z = Pack(acc[4], acc[5]);
+  out.w = Pack(acc[6], acc[7]);
+  *reinterpret_cast<uint4*>(dst) = out;
 }
 
 // Loads Wd[:, c0 : c0 + kCols] into shared memory, row n at n * kCols * 2 bytes.
@@ -107,35 +120,16 @@ __global__ void __launch_bounds__(512) DownKernel(const __nv_bfloat16* __restric
       for (int j = 0; j < 4; ++j) {
         const uint4 v = *reinterpret_cast<const uint4*>(my + (w[j] & 0xffffu) * (kCols * 2));
         const float h = Hi(w[j]);
-        acc[0] = fmaf(h, Lo(v.x), acc[0]);
-        acc[1] = fmaf(h, Hi(v.x), acc[1]);
-        acc[2] = fmaf(h, Lo(v.y), acc[2]);
-        acc[3] = fmaf(h, Hi(v.y), acc[3]);
-        acc[4] = fmaf(h, Lo(v.z), acc[4]);
-        acc[5] = fmaf(h, Hi(v.z), acc[5]);
-        acc[6] = fmaf(h, Lo(v.w), acc[6]);
-        acc[7] = fmaf(h, Hi(v.w), acc[7]);
+        Apply8(acc, h, v);
       }
     }
     for (; e < e1; ++e) {
       const uint32_t w = __ldg(words + e);
       const uint4 v = *reinterpret_cast<const uint4*>(my + (w & 0xffffu) * (kCols * 2));
       const float h = Hi(w);
-      acc[0] = fmaf(h, Lo(v.x), acc[0]);
-      acc[1] = fmaf(h, Hi(v.x), acc[1]);
-      acc[2] = fmaf(h, Lo(v.y), acc[2]);
-      acc[3] = fmaf(h, Hi(v.y), acc[3]);
-      acc[4] = fmaf(h, Lo(v.z), acc[4]);
-      acc[5] = fmaf(h, Hi(v.z), acc[5]);
-      acc[6] = fmaf(h, Lo(v.w), acc[6]);
-      acc[7] = fmaf(h, Hi(v.w), acc[7]);
+      Apply8(acc, h, v);
     }
-    uint4 out;
-    out.x = Pack(acc[0], acc[1]);
-    out.y = Pack(acc[2], acc[3]);
-    out.z = Pack(acc[4], acc[5]);
-    out.w = Pack(acc[6], acc[7]);
-    *reinterpret_cast<uint4*>(y + static_cast<int64_t>(t) * d + c0 + q * 8) = out;
+    Store8(y + static_cast<int64_t>(t) * d + c0 + q * 8, acc);
   }
 }
 
@@ -175,24 +169,12 @@ __global__ void __launch_bounds__(1024) DownKernel2(const __nv_bfloat16* __restr
         // a zero word (past the row's end) reads row 0 and adds 0 * w
         const uint4 v = *reinterpret_cast<const uint4*>(my + (cur[j] & 0xffffu) * (kCols * 2));
         const float h = Hi(cur[j]);
-        acc[0] = fmaf(h, Lo(v.x), acc[0]);
-        acc[1] = fmaf(h, Hi(v.x), acc[1]);
-        acc[2] = fmaf(h, Lo(v.y), acc[2]);
-        acc[3] = fmaf(h, Hi(v.y), acc[3]);
-        acc[4] = fmaf(h, Lo(v.z), acc[4]);
-        acc[5] = fmaf(h, Hi(v.z), acc[5]);
-        acc[6] = fmaf(h, Lo(v.w), acc[6]);
-        acc[7] = fmaf(h, Hi(v.w), acc[7]);
+        Apply8(acc, h, v);
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) cur[j] = nxt[j];
     }
-    uint4 out;
-    out.x = Pack(acc[0], acc[1]);
-    out.y = Pack(acc[2], acc[3]);
-    out.z = Pack(acc[4], acc[5]);
-    out.w = Pack(acc[6], acc[7]);
-    *reinterpret_cast<uint4*>(y + static_cast<int64_t>(t) * d + c0 + q * 8) = out;
+    Store8(y + static_cast<int64_t>(t) * d + c0 + q * 8, acc);
     t = t_n;
     e0 = n0;
     e1 = n1;
@@ -228,25 +210,13 @@ __global__ void __launch_bounds__(1024) DownKernel3(const __nv_bfloat16* __restr
       for (int k = 0; k < 4; ++k) {
         const uint4 v = *reinterpret_cast<const uint4*>(my + (ws[k] & 0xffffu) * (kCols * 2));
         const float h = Hi(ws[k]);
-        acc[0] = fmaf(h, Lo(v.x), acc[0]);
-        acc[1] = fmaf(h, Hi(v.x), acc[1]);
-        acc[2] = fmaf(h, Lo(v.y), acc[2]);
-        acc[3] = fmaf(h, Hi(v.y), acc[3]);
-        acc[4] = fmaf(h, Lo(v.z), acc[4]);
-        acc[5] = fmaf(h, Hi(v.z), acc[5]);
-        acc[6] = fmaf(h, Lo(v.w), acc[6]);
-        acc[7] = fmaf(h, Hi(v.w), acc[7]);
+        Apply8(acc, h, v);
       }
       cur = nxt;
     }
     if (16 * g + i < m) {
       const int t = __ldg(order + 16 * g + i);
-      uint4 out;
-      out.x = Pack(acc[0], acc[1]);
-      out.y = Pack(acc[2], acc[3]);
-      out.z = Pack(acc[4], acc[5]);
-      out.w = Pack(acc[6], acc[7]);
-      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(t) * d + c0 + q * 8) = out;
+      Store8(y + static_cast<int64_t>(t) * d + c0 + q * 8, acc);
     }
   }
 }
