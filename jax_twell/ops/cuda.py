@@ -135,7 +135,9 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
     the row kernel), "blocked_mma" (the same with the up and down steps on tensor cores;
     measured no faster, ffi/notes/twell_ffn_blocked.md) or "blocked_union" (as
     "blocked_mma", with the up and down steps dense products over each 64-token block's
-    union of active neurons where the shape allows, ffi/twell_union.cuh).
+    union of active neurons where the shape allows, ffi/twell_union.cuh; the down step with
+    the weight stationary in shared memory instead where :func:`stationary_down_supported`
+    and :data:`STATIONARY_DOWN`, ffi/twell_stationary.cuh).
 
     Gated (``w_up`` given): ``y = (act * (x @ w_up)) @ w_down``; non-gated: ``y = act @ w_down``.
     Overflowed tiles are recomputed exactly inside the kernel from ``(x, w_act[, w_up])``.
@@ -501,7 +503,11 @@ class DenseCrossover:
         blocks' mean union as a fraction of f where measured (:func:`sampled_block_union`);
         None: the uniform pattern's at the density ``nnz / (M f)``, ``1 - (1 - p)^64``, which
         a trained model's skewed neuron rates stay well below (about half at ~0.6% active;
-        ffi/notes/twell_ffn_blocked.md)."""
+        ffi/notes/twell_ffn_blocked.md). Fitted with the down step as a union product too;
+        where the down step runs with the weight stationary (:data:`STATIONARY_DOWN`, f up
+        to 7,264) the call is faster than this prices it (1.11x forced at 1% where the rule
+        runs dense: ffi/notes/twell_stationary.md), so the rule errs to the dense side
+        there until it is refit."""
         union = None if union is None else jnp.asarray(union).astype(jnp.float32)
         return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize, union, transposed)
 
