@@ -203,14 +203,21 @@ __global__ void __launch_bounds__(1024) StatGroupsKernel(const int32_t* __restri
 
 // Exclusive prefix over the warp's lanes of v, and the warp's total.
 __device__ __forceinline__ int WarpExclusive(int v, int lane, int* total) {
-  int inc = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int other = __shfl_up_sync(kFullMask, inc, o);
-    if (lane >= o) inc += other;
-  }
+  const int inc = WarpInclusiveSum(v, lane);
   *total = __shfl_sync(kFullMask, inc, 31);
   return inc - v;
+}
+
+// Adds to lc[r] the entries of [e0, e1) whose column is r mod 4 (the tile a multiple of 32,
+// so the neuron's residue too).
+__device__ __forceinline__ void CountResidues(const uint32_t* entries, int64_t e0, int64_t e1, int (&lc)[4]) {
+  for (int64_t e = e0; e < e1; ++e) {
+    const int r = static_cast<int>(entries[e] & 3u);
+    lc[0] += r == 0;
+    lc[1] += r == 1;
+    lc[2] += r == 2;
+    lc[3] += r == 3;
+  }
 }
 
 // S5. A warp per token, a lane per tile (32 tiles at a time): entries in the blocked
@@ -249,13 +256,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
       range(kb + lane, &e0, &e1);
       keep0 = e0;
       keep1 = e1;
-      for (int64_t e = e0; e < e1; ++e) {
-        const int r = static_cast<int>(entries[e] & 3u);
-        lc[0] += r == 0;
-        lc[1] += r == 1;
-        lc[2] += r == 2;
-        lc[3] += r == 3;
-      }
+      CountResidues(entries, e0, e1, lc);
     }
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -278,13 +279,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
       for (int r = 0; r < 4; ++r) lc[r] = keep[r];
     } else if (k < s.n_tiles) {
       range(k, &e0, &e1);
-      for (int64_t e = e0; e < e1; ++e) {
-        const int r = static_cast<int>(entries[e] & 3u);
-        lc[0] += r == 0;
-        lc[1] += r == 1;
-        lc[2] += r == 2;
-        lc[3] += r == 3;
-      }
+      CountResidues(entries, e0, e1, lc);
     }
     int seen[4];
 #pragma unroll
