@@ -1,18 +1,25 @@
-"""Fits the inference rule's union-product constants (``jax_twell.ops.cuda.DenseCrossover``:
-``union_row_bandwidth``, ``union_fixed_overhead``, ``union_transpose_bandwidth``) to
-``bench_inference.py`` results, and shows how the refit decides each point.
+"""Fits the inference rule's "blocked_union" constants (``jax_twell.ops.cuda.DenseCrossover``)
+to ``bench_inference.py`` results, and shows how the refit decides each point.
 
-The rule prices the "blocked_union" kernels after the shared gate matmul as the union rows
-of Wu^T and Wd that each 64-token block reads (``1 - (1 - p)^64`` of f at ``p`` active,
-the uniform pattern's union), plus a fixed part, plus the up weight's transpose where the
-call is not given ``w_up_t``: linear in the three constants' inverses. Each uniform row of
-the results gives two points: the forced kernels without ``w_up_t`` (``sparse_call_ms``)
-and with it (``pret_call_ms``), each less a third of XLA's dense call (the gate matmul, one
-of its three). Relative least squares: every point weighs the same whatever its time.
-Rows below ``union_min_tokens`` are left out (the rule does not price union products
-there).
+Two models, each linear in its constants' inverses, fitted by relative least squares to
+the after-gate time of uniform rows (the forced call less a third of XLA's dense call, the
+gate matmul, one of its three), each row giving two points: without ``w_up_t``
+(``sparse_call_ms``) and with it (``pret_call_ms``). Rows below ``union_min_tokens`` are
+left out (the rule does not price union products there).
 
-Usage: python benchmarks/fit_inference_rule.py benchmarks/results/inference_*.json
+- ``--model stationary`` (default): the down step with the weight stationary in shared
+  memory (``cuda.STATIONARY_DOWN``, the shapes ``DenseCrossover.stationary_runs`` takes):
+  the up product's union rows of Wu^T, the active pairs times the waves of 16-column CTAs,
+  the tokens, a fixed part and the up weight's transpose (``STATIONARY``). Reads the rows of
+  kernel "blocked_union" whose shape takes the stationary step, from results measured
+  since it is the default (59e8f0d).
+- ``--model union``: both steps as union products: the union rows of Wu^T and Wd read per
+  64-token block (``1 - (1 - p)^64`` of f at ``p`` active, the uniform pattern's union), a
+  fixed part and the transpose (``UNION``). Reads the rows of "blocked_union_nostat", those
+  of "blocked_union" whose shape the stationary step does not take, and, with
+  ``--before-stationary``, every "blocked_union" row (results measured before 59e8f0d).
+
+Usage: python benchmarks/fit_inference_rule.py [--model stationary|union] benchmarks/results/inference_*.json
 """
 
 from __future__ import annotations
@@ -25,7 +32,11 @@ import numpy as np
 
 from jax_twell.ops import cuda, union_emulation
 
-FITTED = ("union_row_bandwidth", "union_fixed_overhead", "union_transpose_bandwidth")
+UNION = ("union_row_bandwidth", "union_fixed_overhead", "union_transpose_bandwidth")
+STATIONARY = ("stationary_up_bandwidth", "stationary_pair_seconds", "stationary_token_seconds",
+              "stationary_fixed_overhead", "stationary_transpose_bandwidth")
+RATES = {"union_row_bandwidth", "union_transpose_bandwidth", "stationary_up_bandwidth",
+         "stationary_transpose_bandwidth"}  # fitted as seconds per byte, stored as their inverse
 ITEMSIZE = 2  # bf16, as the benchmark runs
 
 
@@ -41,10 +52,21 @@ def load_rows(paths: list[str]) -> list[dict]:
     return rows
 
 
-def usable(rows: list[dict], base: cuda.DenseCrossover) -> list[dict]:
-    """The rows the fit reads: the union kernels forced, uniform rows, enough tokens."""
-    return [r for r in rows if r.get("kernel") == "blocked_union" and r["pattern"] == "uniform"
-            and "pret_call_ms" in r and r["m"] >= base.union_min_tokens]
+def usable(rows: list[dict], base: cuda.DenseCrossover, model: str, before_stationary: bool = False) -> list[dict]:
+    """The rows ``model`` reads (module docstring): uniform, enough tokens, forced timings."""
+    out = []
+    for r in rows:
+        if r["pattern"] != "uniform" or "pret_call_ms" not in r or r["m"] < base.union_min_tokens:
+            continue
+        stationary_shape = base.stationary_runs(r["m"], r["d"], r["f"])
+        if model == "stationary":
+            keep = r.get("kernel") == "blocked_union" and stationary_shape and not before_stationary
+        else:
+            keep = r.get("kernel") == "blocked_union_nostat" or (
+                r.get("kernel") == "blocked_union" and (before_stationary or not stationary_shape))
+        if keep:
+            out.append(r)
+    return out
 
 
 def after_gate_seconds(r: dict, pretransposed: bool) -> float:
@@ -53,48 +75,67 @@ def after_gate_seconds(r: dict, pretransposed: bool) -> float:
     return 1e-3 * (call - r["dense_call_ms"] / 3.0)
 
 
-def fit(rows: list[dict], base: cuda.DenseCrossover) -> cuda.DenseCrossover:
-    """``base`` with the constants of :data:`FITTED` fitted to ``rows`` (:func:`usable` ones)."""
+def features(r: dict, base: cuda.DenseCrossover, model: str, pretransposed: bool) -> list[float]:
+    """The row's terms, one per constant of ``model`` (in the order of UNION / STATIONARY)."""
+    m, d, f, p = r["m"], r["d"], r["f"], r["measured_active_fraction"]
+    union_bytes = base.union_row_bytes(m, d, f, ITEMSIZE, union_emulation.uniform_union(p))
+    transpose = 0.0 if pretransposed else 2.0 * d * f * ITEMSIZE
+    if model == "union":
+        return [union_bytes, 1.0, transpose]
+    waves = -(-d // (16 * base.stationary_sms))
+    return [0.5 * union_bytes, p * m * f * waves, float(m), 1.0, transpose]
+
+
+def fit(rows: list[dict], base: cuda.DenseCrossover, model: str = "stationary") -> cuda.DenseCrossover:
+    """``base`` with the constants of ``model`` fitted to ``rows`` (:func:`usable` ones)."""
+    names = STATIONARY if model == "stationary" else UNION
     target, design = [], []
     for r in rows:
-        m, d, f, p = r["m"], r["d"], r["f"], r["measured_active_fraction"]
-        union_bytes = base.union_row_bytes(m, d, f, ITEMSIZE, union_emulation.uniform_union(p))
         for pretransposed in (False, True):
             target.append(after_gate_seconds(r, pretransposed))
-            design.append([union_bytes, 1.0, 0.0 if pretransposed else 2.0 * d * f * ITEMSIZE])
+            design.append(features(r, base, model, pretransposed))
     y, a = np.asarray(target), np.asarray(design)
     if (y <= 0).any():
         raise ValueError("a forced call measured below a third of the dense call: not a usable point")
     w = 1.0 / y
     coef, *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
     if (coef <= 0).any():
-        raise ValueError(f"the fit is not physical ({dict(zip(FITTED, coef))}): more points needed")
-    per_byte, fixed, per_transposed_byte = (float(c) for c in coef)
-    return dataclasses.replace(base, union_row_bandwidth=1.0 / per_byte, union_fixed_overhead=fixed,
-                               union_transpose_bandwidth=1.0 / per_transposed_byte)
+        raise ValueError(f"the fit is not physical ({dict(zip(names, coef))}): more points needed")
+    values = {n: (1.0 / float(c) if n in RATES else float(c)) for n, c in zip(names, coef)}
+    return dataclasses.replace(base, **values)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", help="bench_inference.py JSONs (--kernels blocked_union)")
+    parser.add_argument("results", nargs="+", help="bench_inference.py JSONs (--kernels blocked_union[,blocked_union_nostat])")
+    parser.add_argument("--model", choices=("stationary", "union"), default="stationary")
+    parser.add_argument("--before-stationary", action="store_true",
+                        help="the results were measured before the stationary down step (59e8f0d): "
+                             "their blocked_union rows ran union products")
     args = parser.parse_args()
     base = cuda.DenseCrossover()
-    rows = usable(load_rows(args.results), base)
-    if len(rows) < len(FITTED):  # each row gives two points, with and without w_up_t
-        raise SystemExit(f"{len(rows)} usable rows; the fit wants at least {len(FITTED)}")
-    rule = fit(rows, base)
-    print(", ".join(f"{name} {getattr(rule, name):.4g}" for name in FITTED))
+    names = STATIONARY if args.model == "stationary" else UNION
+    rows = usable(load_rows(args.results), base, args.model, args.before_stationary)
+    if 2 * len(rows) < len(names):  # each row gives two points, with and without w_up_t
+        raise SystemExit(f"{len(rows)} usable rows; the {args.model} fit wants at least {len(names)} points")
+    rule = fit(rows, base, args.model)
+    print(", ".join(f"{name} {getattr(rule, name):.4g}" for name in names))
     print(f"{'M':>6} {'d':>5} {'f':>6} {'active':>7} {'w_up_t':>6} {'measured ms':>11} {'model ms':>8} {'error':>6} "
           f"{'kernels':>7} {'rule':>6}")
-    for r in rows:
-        m, d, f, p = r["m"], r["d"], r["f"], r["measured_active_fraction"]
-        for pretransposed in (False, True):
-            measured = 1e3 * after_gate_seconds(r, pretransposed)
-            model = 1e3 * float(rule.union_cost(p * m * f, m, d, f, ITEMSIZE, None, pretransposed))
-            sparse = rule.sparse_predicted(m, d, f, ITEMSIZE, p, pretransposed, "blocked_union")
-            ratio = r["pret_ratio"] if pretransposed else r["sparse_ratio"]
-            print(f"{m:>6} {d:>5} {f:>6} {100 * p:>6.2f}% {'yes' if pretransposed else 'no':>6} {measured:>11.4f} "
-                  f"{model:>8.4f} {100 * (model / measured - 1):>+5.1f}% {ratio:>6.2f}x {'sparse' if sparse else 'dense':>6}")
+    old = cuda.STATIONARY_DOWN
+    cuda.STATIONARY_DOWN = args.model == "stationary"  # which of the rule's two prices union_cost gives
+    try:
+        for r in rows:
+            m, d, f, p = r["m"], r["d"], r["f"], r["measured_active_fraction"]
+            for pretransposed in (False, True):
+                measured = 1e3 * after_gate_seconds(r, pretransposed)
+                model = 1e3 * float(rule.union_cost(p * m * f, m, d, f, ITEMSIZE, None, pretransposed))
+                sparse = rule.sparse_predicted(m, d, f, ITEMSIZE, p, pretransposed, "blocked_union")
+                ratio = r["pret_ratio"] if pretransposed else r["sparse_ratio"]
+                print(f"{m:>6} {d:>5} {f:>6} {100 * p:>6.2f}% {'yes' if pretransposed else 'no':>6} {measured:>11.4f} "
+                      f"{model:>8.4f} {100 * (model / measured - 1):>+5.1f}% {ratio:>6.2f}x {'sparse' if sparse else 'dense':>6}")
+    finally:
+        cuda.STATIONARY_DOWN = old
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """The benchmarks' helpers: the training benchmark's memory count (benchmarks/bench_training.py,
 residual_bytes: what jax.vjp keeps for the backward, the operands themselves left out once
-each), its rule fit, and the interleaved timer's batch size (benchmarks/common.py)."""
+each), its rule fit, the inference rule's fit, and the interleaved timer's batch size (benchmarks/common.py)."""
 
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_training  # noqa: E402
@@ -68,36 +69,52 @@ def test_the_training_rule_fit_recovers_its_constants():
     np.testing.assert_allclose(fit_train_rule.fit(slower, cuda_train.TrainCrossover()).union_bandwidth, 5e12, rtol=1e-3)
 
 
-def test_the_inference_rule_fit_recovers_its_constants():
+@pytest.mark.parametrize("model", ["union", "stationary"])
+def test_the_inference_rule_fit_recovers_its_constants(model, monkeypatch):
     """benchmarks/fit_inference_rule.py on rows that a known rule generates (the bench's
     fields: forced call = the rule's union cost + a third of XLA's call, without and with
-    w_up_t) gives that rule back, leaves out the rows it must not read, and refuses rows
-    that cannot be timings."""
+    w_up_t) gives that rule back for each of its two models, leaves out the rows the model
+    must not read, and refuses rows that cannot be timings."""
     import dataclasses
 
     import numpy as np
-    import pytest
 
     import fit_inference_rule
     from jax_twell.ops import cuda
 
-    truth = dataclasses.replace(cuda.DenseCrossover(), union_row_bandwidth=4.8e12, union_fixed_overhead=0.1e-3,
-                                union_transpose_bandwidth=2.5e12)
+    truth = dataclasses.replace(
+        cuda.DenseCrossover(), union_row_bandwidth=4.8e12, union_fixed_overhead=0.1e-3, union_transpose_bandwidth=2.5e12,
+        stationary_up_bandwidth=5e12, stationary_pair_seconds=4e-10, stationary_token_seconds=5e-9,
+        stationary_fixed_overhead=0.12e-3, stationary_transpose_bandwidth=2e12)
+    shapes = [(2048, 2048, 5632), (4096, 2048, 5632), (16384, 2048, 5632), (16384, 1024, 2816), (4096, 4096, 5632)]
+    if model == "union":  # f past the stationary step's limit too
+        shapes += [(1024, 4096, 11008), (4096, 4096, 11008)]
+    kernel = "blocked_union_nostat" if model == "union" else "blocked_union"
+    monkeypatch.setattr(cuda, "STATIONARY_DOWN", model == "stationary")
     rows = []
-    for m, d, f in ((2048, 2048, 5632), (4096, 2048, 5632), (16384, 2048, 5632), (1024, 4096, 11008), (4096, 4096, 11008)):
+    for m, d, f in shapes:
         for p in (0.0025, 0.005, 0.01):
             dense_ms = 1.5e3 * truth.dense_cost(m, d, f, 2)
             cost = lambda t: 1e3 * float(truth.union_cost(p * m * f, m, d, f, 2, None, t)) + dense_ms / 3
-            rows.append(dict(m=m, d=d, f=f, pattern="uniform", kernel="blocked_union", measured_active_fraction=p,
+            rows.append(dict(m=m, d=d, f=f, pattern="uniform", kernel=kernel, measured_active_fraction=p,
                              dense_call_ms=dense_ms, sparse_call_ms=cost(False), pret_call_ms=cost(True)))
-    others = [dict(rows[0], pattern="heavy"), dict(rows[0], kernel="row"), dict(rows[0], m=512)]
-    kept = fit_inference_rule.usable(rows + others, cuda.DenseCrossover())
+    monkeypatch.undo()
+    # rows the model must not read: another pattern, kernel or size; the other down step
+    other = "blocked_union" if model == "union" else "blocked_union_nostat"
+    others = [dict(rows[0], pattern="heavy"), dict(rows[0], kernel="row"), dict(rows[0], m=512),
+              dict(rows[0], kernel=other)]
+    base = cuda.DenseCrossover()
+    kept = fit_inference_rule.usable(rows + others, base, model)
     assert kept == rows
-    fitted = fit_inference_rule.fit(kept, cuda.DenseCrossover())
-    for name in fit_inference_rule.FITTED:
+    if model == "stationary":  # measured before the stationary step existed: union rows
+        assert fit_inference_rule.usable(rows, base, model, before_stationary=True) == []
+        assert fit_inference_rule.usable([dict(r, kernel="blocked_union") for r in rows], base, "union",
+                                         before_stationary=True) == [dict(r, kernel="blocked_union") for r in rows]
+    fitted = fit_inference_rule.fit(kept, base, model)
+    for name in fit_inference_rule.UNION if model == "union" else fit_inference_rule.STATIONARY:
         np.testing.assert_allclose(getattr(fitted, name), getattr(truth, name), rtol=1e-3, err_msg=name)
     with pytest.raises(ValueError, match="third of the dense call"):
-        fit_inference_rule.fit([dict(rows[0], pret_call_ms=0.0)] + rows[1:], cuda.DenseCrossover())
+        fit_inference_rule.fit([dict(rows[0], pret_call_ms=0.0)] + rows[1:], base, model)
 
 
 def test_a_slow_first_call_does_not_shrink_the_batch():

@@ -13,6 +13,7 @@ import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import blocked_emulation as bemu
 from jax_twell.ops import cuda, reference, xla
+from jax_twell.ops import union_emulation as _union
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
 
@@ -294,7 +295,7 @@ def test_blocked_counts_agree_with_the_emulation():
     assert int(cuda.gate_counts(g, tile=256, capacity=8)[2]) == bemu.needed_entries(counts, 8, 256, 700)
 
 
-def test_default_rule_matches_the_h200_measurements():
+def test_default_rule_matches_the_h200_measurements(monkeypatch):
     # ffi/notes/twell_ffn.md and twell_ffn_blocked.md: at M=16384, d=2048, f=5632 dense up +
     # down takes 1.10 ms, the row kernel 1.14 ms at 0.5% (461K pairs); after the gate matmul
     # the blocked kernel's path (tensor-core steps, version 4.1) takes ~1.38 ms at 0.5% and
@@ -313,6 +314,15 @@ def test_default_rule_matches_the_h200_measurements():
     for d2, f2 in ((2048, 8192), (4096, 11008)):
         assert float(rule.blocked_cost(int(0.005 * m * f2), m, d2, f2, 2)) > rule.margin * rule.dense_cost(m, d2, f2, 2)
     assert not rule.sparse_can_win(64, d, f, 2)  # decode: dense, decided at trace time
+    _union_rule_with_union_down(rule, monkeypatch)
+    _union_rule_with_stationary_down(rule)
+
+
+def _union_rule_with_union_down(rule, monkeypatch):
+    """The "blocked_union" price with both steps as union products (cuda.STATIONARY_DOWN
+    off, or f past the stationary step's 7,264)."""
+    monkeypatch.setattr(cuda, "STATIONARY_DOWN", False)
+    m, d, f = 16384, 2048, 5632
     # With both steps as union products, refit at 2b4db29 (inference_union_sweep_2b4db29.json
     # and the acceptance run at b6d0b51): after the gate matmul, with w_up_t, 0.67 ms at 0.5%
     # and 1.61 ms at 2%, (2048, 8192) 1.01 ms and (4096, 11008) 2.47 ms at 0.5%. Forced,
@@ -348,6 +358,35 @@ def test_default_rule_matches_the_h200_measurements():
     scaled, full = (float(rule.row_cost(nnz, 0, 4096, 11008, 2, True, m2)) for m2 in (128, None))
     assert scaled - rule.fixed_overhead == pytest.approx(4 * (full - rule.fixed_overhead), rel=1e-5)
     assert float(rule.row_cost(nnz, 0, 4096, 11008, 2, True, 4096)) == pytest.approx(full)
+    monkeypatch.undo()
+
+
+def _union_rule_with_stationary_down(rule):
+    """The "blocked_union" price where its down step runs with the weight stationary (the
+    default where f <= 7,264), refit at fc4b868 (inference_stationary_sweep_fc4b868.json).
+    Forced, at M=16,384 the kernels measured 1.44x at 0.5%, 1.13-1.15x at 1%, 1.02-1.04x at
+    1.27% (margin 0.95: dense); at M=4,096 1.15-1.18x at 0.5%, 1.04x / 1.07x at 0.75%
+    without / with w_up_t; at M=2,048 0.97x / 1.04x at 0.5%; (1024, 2816) 0.79x at 1%."""
+    m, d, f = 16384, 2048, 5632
+    assert rule.stationary_runs(m, d, f) and not rule.stationary_runs(m, d, 8192)
+    union = lambda p, d2=d, f2=f, m2=m, t=True: float(rule.union_cost(int(p * m2 * f2), m2, d2, f2, 2, None, t))
+    # after the gate, with w_up_t: measured 0.58 ms at 0.5%, 0.91 ms at 1% (fit within 7%)
+    assert 0.55e-3 < union(0.005) < 0.61e-3 and 0.88e-3 < union(0.01) < 0.97e-3
+    for p in (0.0025, 0.005, 0.0075, 0.01):
+        assert rule.sparse_predicted(m, d, f, 2, p, True, "blocked_union") and rule.sparse_predicted(
+            m, d, f, 2, p, False, "blocked_union")
+    for p in (0.0125, 0.015):
+        assert not rule.sparse_predicted(m, d, f, 2, p, True, "blocked_union")
+    assert rule.sparse_predicted(4096, d, f, 2, 0.005, False, "blocked_union")
+    assert rule.sparse_predicted(4096, d, f, 2, 0.0075, True, "blocked_union")
+    assert not rule.sparse_predicted(4096, d, f, 2, 0.0075, False, "blocked_union")
+    assert not rule.sparse_predicted(2048, d, f, 2, 0.005, False, "blocked_union")
+    assert not rule.sparse_predicted(m, 1024, 2816, 2, 0.01, True, "blocked_union")
+    # the down step's pairs cost per wave of 16-column CTAs, one per SM
+    waves = lambda d2: union(0.005, d2) - 0.5 * rule.union_row_bytes(m, d2, f, 2, _union.uniform_union(0.005)) / \
+        rule.stationary_up_bandwidth
+    assert waves(2048) == pytest.approx(waves(1024), rel=1e-4)
+    assert waves(4096) - waves(2048) == pytest.approx(int(0.005 * m * f) * rule.stationary_pair_seconds, rel=1e-4)
     # Below union_min_tokens the union products never win on the rule's costs (forced, they
     # measured 0.56-1.01x at M=256-512), whatever the density.
     assert union(0.0001, m2=512) == float("inf") and union(0.005, m2=1024) < float("inf")
@@ -781,7 +820,8 @@ def test_block_union_fraction_and_known_union():
     at trace time: at 1% active the uniform formula's union (47% of f) runs the benchmark
     shape dense, while a skewed layer's smaller union (30% here; the skewed pattern's is
     ~17% at 0.5% against the uniform ~27%, inference_quick_f40be9b_command_buffers.json)
-    prices the union kernels below dense (the rule's constants as refit at 6dbecd9)."""
+    prices the union kernels below dense (the rule's constants as refit at 6dbecd9); with
+    the down step stationary (refit at fc4b868) the same holds at 1.5% (uniform union 62%)."""
     m, f = 200, 384
     inp = synthetic_ffn_inputs(jax.random.key(5), m, 64, f, density=0.02, pattern="skewed")
     g = relu_matmul(inp.x, inp.w_gate)
@@ -792,7 +832,7 @@ def test_block_union_fraction_and_known_union():
     assert float(cuda.block_union_fraction(g[:10])) == pytest.approx(mask[:10].any(axis=0).mean(), rel=1e-6)
     assert float(cuda.block_union_fraction(g[:0])) == 0.0
     rule = cuda.DenseCrossover()
-    shape = (16384, 2048, 5632, 2, 0.01, True, "blocked_union")
+    shape = (16384, 2048, 5632, 2, 0.015, True, "blocked_union")
     assert not rule.sparse_predicted(*shape)
     assert rule.sparse_predicted(*shape, 0.3)
     assert not rule.sparse_predicted(*shape[:-1], "blocked_mma", 0.3)  # only the union kernels read unions

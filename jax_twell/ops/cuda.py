@@ -417,6 +417,23 @@ class DenseCrossover:
     # the fit above, made from M=1,024 on, underprices them by ~25%; forced, they measured
     # 0.56-1.01x there (inference_union_refit_check_01f4824.json).
     union_min_tokens: int = 1024
+    # "blocked_union" with its down step on the weight stationary in shared memory
+    # (:data:`STATIONARY_DOWN`, where :meth:`stationary_runs`): after the gate matmul, the
+    # up product's union rows of Wu^T (half of :meth:`union_row_bytes`) at
+    # ``stationary_up_bandwidth``, plus ``stationary_pair_seconds`` per active pair and wave
+    # of ``stationary_sms`` CTAs (each CTA owns 16 output columns and walks every pair:
+    # d / 16 CTAs, one a SM), plus ``stationary_token_seconds`` per token (the walk's
+    # layout, Finish), a fixed part, and the up weight's transpose where the call is not
+    # given ``w_up_t``. Fitted by relative least squares (benchmarks/fit_inference_rule.py)
+    # to the after-gate time of 26 uniform points on the H200, each with and without
+    # ``w_up_t`` (inference_stationary_sweep_fc4b868.json: M=2,048-16,384 at 0.25-1.5% for
+    # d=2048, f=5632; M=16,384 at 0.5% and 1% for (1024, 2816)): all 52 within 7%.
+    stationary_up_bandwidth: float = 5.84e12
+    stationary_pair_seconds: float = 3.15e-10
+    stationary_token_seconds: float = 3.69e-9
+    stationary_fixed_overhead: float = 9.07e-5
+    stationary_transpose_bandwidth: float = 2.72e12
+    stationary_sms: int = 132
     # The per-call choice counts the active pairs of about this many rows of g (whole
     # 64-row blocks, evenly spaced; all rows below 2x this many; the blocked_union estimate
     # of the union reads the same rows), and scales up: a full count reads all of g
@@ -505,19 +522,29 @@ class DenseCrossover:
         a trained model's skewed neuron rates stay well below (about half at ~0.6% active;
         ffi/notes/twell_ffn_blocked.md). Fitted with the down step as a union product too;
         where the down step runs with the weight stationary (:data:`STATIONARY_DOWN`, f up
-        to 7,264) the call is faster than this prices it (1.11x forced at 1% where the rule
-        runs dense: ffi/notes/twell_stationary.md), so the rule errs to the dense side
-        there until it is refit."""
+        to 7,264: :meth:`stationary_runs`) the up step's union rows are priced with the
+        ``stationary_*`` constants and the down step per active pair instead."""
         union = None if union is None else jnp.asarray(union).astype(jnp.float32)
         return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize, union, transposed)
+
+    def stationary_runs(self, m: int, d: int, f: int) -> bool:
+        """Static: whether "blocked_union" runs its down step with the weight stationary
+        (:data:`STATIONARY_DOWN` on and :func:`stationary_down_supported` at the default
+        tile and capacity): the shapes its cost uses the ``stationary_*`` constants for."""
+        return STATIONARY_DOWN and _stat.supported(m, d, f, blocked_max_entries(m, f, 256, 32))
 
     def _union_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, union=None, transposed: bool = True):
         if m < self.union_min_tokens:
             return nnz * 0.0 + math.inf  # a float or an array, as nnz
         if union is None:
             union = _union.uniform_union(nnz / float(max(1, m * f)))
-        transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.union_transpose_bandwidth
         rows = self.union_row_bytes(m, d, f, itemsize, union)
+        if self.stationary_runs(m, d, f):
+            waves = -(-d // (_stat.COLS * self.stationary_sms))
+            transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.stationary_transpose_bandwidth
+            return (0.5 * rows / self.stationary_up_bandwidth + nnz * waves * self.stationary_pair_seconds
+                    + m * self.stationary_token_seconds + self.stationary_fixed_overhead + transpose)
+        transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.union_transpose_bandwidth
         return rows / self.union_row_bandwidth + self.union_fixed_overhead + transpose
 
     def union_row_bytes(self, m: int, d: int, f: int, itemsize: int, union):
