@@ -23,24 +23,18 @@
 //                   (h bits << 16 | neuron), step j of the group's token i at word
 //                   goff[g] + 64 (j / 4) + 4 i + j % 4, zero words to the group's length.
 //                   Step order: the entries taken round by round over the four residues
-//                   of the neuron mod 4, starting at residue (i / 2) % 4 (the q-th entry of
-//                   residue r goes to step sum_r' min(c_r', q + [(r' - s) % 4 < (r - s) % 4]),
-//                   s = (i / 2) % 4), so the four even (and the four odd) places of eight in
-//                   a shared-memory phase tend to read four different 16-byte slot pairs
-//                   of a 128-byte line. S4 zeroes the words of the last group's places past
-//                   the last token.
-//   S6 StatDown     grid (d / 16), 1,024 threads: a warp per group, on tensor cores: one
-//                   m16n8k16 product per two steps of eight tokens (A: their Wd rows by
-//                   ldmatrix.trans, B: their h on two diagonals), f32 accumulation in step
-//                   order, two steps per instruction; y rounded once. Deterministic; no
-//                   atomics in any output.
+//                   of the neuron mod 4, starting at residue i % 4 (the q-th entry of residue
+//                   r goes to step sum_r' min(c_r', q + [(r' - i) % 4 < (r - i) % 4])), so the
+//                   four tokens of a shared-memory phase tend to read four different
+//                   32-byte slots of a 128-byte line.
+//   S6 StatDown     grid (d / 16), 1,024 threads: a warp per group, two threads per token
+//                   (8 columns each), four steps per 128-bit load of the layout, f32 FMAs
+//                   in step order; y rounded once. Deterministic; no atomics in any output.
 // jax_twell/ops/stationary_emulation.py models S1-S6 (order, layout and arithmetic).
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
-#include "async_mma.cuh"
 #include "common.h"
 #include "elements.cuh"
 #include "twell_blocked.cuh"
@@ -205,18 +199,6 @@ __global__ void __launch_bounds__(1024) StatGroupsKernel(const int32_t* __restri
   }
   if (threadIdx.x == 0) ws[l.goff + groups] = carry;
   for (int64_t r = s.rows + threadIdx.x; r < groups * kStatGroup; r += blockDim.x) ws[l.order + r] = -1;
-  // ... and their words zero (h = 0, neuron 0: S6 walks every place of a group)
-  const int filled = static_cast<int>(s.rows - (groups - 1) * kStatGroup);
-  if (filled < kStatGroup) {
-    __syncthreads();
-    const int base = ws[l.goff + groups - 1];
-    const int steps = (carry - base) / kStatGroup, places = kStatGroup - filled;
-    uint32_t* glay = reinterpret_cast<uint32_t*>(ws + l.glay);
-    for (int w = threadIdx.x; w < places * steps; w += blockDim.x) {
-      const int i = filled + w % places, j = w / places;
-      glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = 0u;
-    }
-  }
 }
 
 // Exclusive prefix over the warp's lanes of v, and the warp's total.
@@ -250,7 +232,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
   const int lane = threadIdx.x % 32;
   if (t >= s.rows) return;  // whole warps
   const int rank = ws[l.info + t];
-  const int g = rank / kStatGroup, i = rank % kStatGroup, start = i / 2;  // S6 reads places 2k and 2k + 1 apart
+  const int g = rank / kStatGroup, i = rank % kStatGroup;
   const int64_t base = ws[l.goff + g];
   const int steps = (ws[l.goff + g + 1] - static_cast<int>(base)) / kStatGroup;
   const int64_t b = t / kBlockTokens;
@@ -313,11 +295,11 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
 #pragma unroll
       for (int r2 = 0; r2 < 4; ++r2)
         if (r2 == r) q = seen[r2]++;
-      const int dr = (r - start) & 3;
+      const int dr = (r - i) & 3;
       int j = 0;
 #pragma unroll
       for (int r2 = 0; r2 < 4; ++r2) {
-        const int cap = q + (((r2 - start) & 3) < dr ? 1 : 0);
+        const int cap = q + (((r2 - i) & 3) < dr ? 1 : 0);
         j += cr[r2] < cap ? cr[r2] : cap;
       }
       const uint32_t n = static_cast<uint32_t>(k * s.tile) + (word & kColumnMask);
@@ -328,47 +310,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
   for (int j = c + lane; j < steps; j += 32) glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = 0u;
 }
 
-#ifndef JAX_TWELL_STAT_PREFETCH
-#define JAX_TWELL_STAT_PREFETCH 2
-#endif
-#ifndef JAX_TWELL_STAT_STAGGER
-#define JAX_TWELL_STAT_STAGGER 1
-#endif
-constexpr int kStatPrefetch = JAX_TWELL_STAT_PREFETCH;  // S6: layout blocks to L1 this far past the next
-constexpr bool kStatStagger = JAX_TWELL_STAT_STAGGER;   // S6: each CTA starts at its own group
-
-// S6's gather and product: not volatile (the slice is read-only after the copy's barrier),
-// so the compiler may issue a block's four gathers ahead of its products.
-__device__ __forceinline__ void StatLdMatrix(uint32_t (&r)[4], uint32_t addr) {
-  asm("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-      : "r"(addr));
-}
-template <typename E>
-__device__ __forceinline__ void StatMma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<E, Bf16>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-// S6. A warp per group of 16 tokens, on tensor cores: one m16n8k16 product takes two steps
-// of eight tokens (16 pairs) into 16 columns. A (16 x 16, output columns x (step, token)):
-// Wd's rows of the eight tokens' neurons at the two steps, gathered by ldmatrix.trans from
-// the slice (row n at n * 32 bytes); B (16 x 8): the tokens' h on the two diagonals
-// (B[k, t] = h of token t at step k / 8 where k % 8 == t, else 0); D (16 x 8) accumulates
-// the eight tokens' 16 columns. Rows 0-7 of A take the half (t % 2) of token t's row and
-// rows 8-15 the other, so an ldmatrix phase (eight rows of one 8 x 8 matrix) reads the even
-// tokens' rows at even 16-byte slots and the odd tokens' at odd ones: with S5's rotation
-// over n mod 4 starting at (place / 2) % 4, the four even (and the four odd) tokens of a
-// step tend to read four different slots (conflict-free) of a 128-byte line.
+// S6.
 template <typename E>
 __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t* __restrict__ w_down,
                                                                  const int32_t* __restrict__ seg_start,
@@ -376,12 +318,11 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
                                                                  uint16_t* __restrict__ y, Shapes s) {
   extern __shared__ __align__(128) unsigned char stat_smem[];
   const int c0 = blockIdx.x * kStatCols;
-  const int lane = threadIdx.x % 32;
+  const int lane = threadIdx.x % 32, q = lane % 2, i = lane / 2;
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
   if (OverBudget(s, seg_start)) {  // the fallback (or the caller's NaN check) takes over
     for (int64_t t = threadIdx.x / 2; t < s.rows; t += blockDim.x / 2)
-      for (int k = 0; k < 8; ++k)
-        y[t * s.d + c0 + 8 * (threadIdx.x % 2) + k] = static_cast<uint16_t>(E::FromFloat(__int_as_float(0x7fc00000)));
+      for (int k = 0; k < 8; ++k) y[t * s.d + c0 + 8 * q + k] = static_cast<uint16_t>(E::FromFloat(__int_as_float(0x7fc00000)));
     return;
   }
   const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
@@ -395,74 +336,41 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
     asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
   }
-  // The lane's part: the ldmatrix row of matrix j = lane / 8 (token r = lane % 8 of the
-  // eight; step 2 p + j / 2 of the block's pair p; half (r % 2) ^ (j % 2)), and B's column
-  // g = lane / 4, nonzero on the lanes with lane % 4 == g / 2 (element g % 2 of the pair).
-  const int r = lane % 8, g = lane / 4, j = lane / 8;
-  const uint32_t slice = static_cast<uint32_t>(__cvta_generic_to_shared(stat_smem)) + 16u * ((r % 2) ^ (j % 2));
-  const bool hi = lane >= 16;  // step 1 (3) of the pair
-  const uint32_t sel = lane % 4 != g / 2 ? 0x4444u : (g % 2 ? 0x3244u : 0x4432u);
+  const unsigned char* my = stat_smem + q * 16;
   const int32_t* goff = ws + l.goff;
   const int32_t* order = ws + l.order;
-  const uint4* glay = reinterpret_cast<const uint4*>(ws + l.glay);
-  const int q2 = 2 * (lane % 4);  // D's tokens (columns of the product): q2 and q2 + 1
-  // Every CTA walks every group; each starts at its own place in the walk so that the
-  // CTAs' reads of a layout line from L2 are spread in time rather than all at once.
-  const int64_t first = kStatStagger ? (groups * blockIdx.x) / gridDim.x : 0;
-  for (int64_t k = threadIdx.x / 32; k < groups; k += blockDim.x / 32) {
-    const int64_t grp = first + k < groups ? first + k : first + k - groups;
-    const int w0 = goff[grp], w1 = goff[grp + 1];
-    const int blocks = (w1 - w0) / (4 * kStatGroup);
-    const uint4* src = glay + w0 / 4;
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    // token r's four steps (the rows) and token g's (the diagonal's h), of tokens 0-7 and
-    // 8-15; the next block's loaded while this one is multiplied
-    uint4 nu[2], nv[2];
-#pragma unroll
-    for (int half8 = 0; half8 < 2; ++half8) {
-      nu[half8] = blocks > 0 ? __ldg(src + 8 * half8 + r) : make_uint4(0u, 0u, 0u, 0u);
-      nv[half8] = blocks > 0 ? __ldg(src + 8 * half8 + g) : make_uint4(0u, 0u, 0u, 0u);
-    }
+  const uint32_t* glay = reinterpret_cast<const uint32_t*>(ws + l.glay);
+  for (int64_t g = threadIdx.x / 32; g < groups; g += blockDim.x / 32) {
+    const int w0 = goff[g], w1 = goff[g + 1];
+    const uint4* src = reinterpret_cast<const uint4*>(glay + w0) + i;
+    // the last group's places past the last token hold no words (nothing was written there)
+    const int t = order[g * kStatGroup + i];
+    const int blocks = t >= 0 ? (w1 - w0) / (4 * kStatGroup) : 0;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    uint4 cur = blocks > 0 ? __ldg(src) : make_uint4(0u, 0u, 0u, 0u);
     for (int blk = 0; blk < blocks; ++blk) {
-      const uint4 cu[2] = {nu[0], nu[1]}, cv[2] = {nv[0], nv[1]};
-      if (kStatPrefetch > 0 && blk + 1 + kStatPrefetch < blocks)  // to L1: the block after the next ones
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(src + kStatGroup * (blk + 1 + kStatPrefetch) + lane % 16));
-      if (blk + 1 < blocks) {
-        const uint4* b = src + kStatGroup * (blk + 1);
+      const uint4 nxt = blk + 1 < blocks ? __ldg(src + kStatGroup * (blk + 1)) : make_uint4(0u, 0u, 0u, 0u);
+      const uint32_t words[4] = {cur.x, cur.y, cur.z, cur.w};
 #pragma unroll
-        for (int half8 = 0; half8 < 2; ++half8) {
-          nu[half8] = __ldg(b + 8 * half8 + r);
-          nv[half8] = __ldg(b + 8 * half8 + g);
+      for (int k = 0; k < 4; ++k) {
+        const uint4 v = *reinterpret_cast<const uint4*>(my + (words[k] & 0xffffu) * (2 * kStatCols));
+        const float h = E::ToFloat(words[k] >> 16);
+        const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          acc[2 * p] = fmaf(h, E::ToFloat(wv[p] & 0xffffu), acc[2 * p]);
+          acc[2 * p + 1] = fmaf(h, E::ToFloat(wv[p] >> 16), acc[2 * p + 1]);
         }
       }
-#pragma unroll
-      for (int half8 = 0; half8 < 2; ++half8) {  // tokens 0-7, then 8-15
-        const uint4 u = cu[half8], v = cv[half8];
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {  // steps 0-1, then 2-3
-          const uint32_t wa = p == 0 ? (hi ? u.y : u.x) : (hi ? u.w : u.z);
-          uint32_t a[4];
-          StatLdMatrix(a, slice + (wa & 0xffffu) * (2 * kStatCols));
-          const uint32_t b0 = __byte_perm(p == 0 ? v.x : v.z, 0u, sel);
-          const uint32_t b1 = __byte_perm(p == 0 ? v.y : v.w, 0u, sel);
-          StatMma<E>(acc[half8], a, b0, b1);
-        }
-      }
+      cur = nxt;
     }
-    // D: rows g and g + 8 (output column g of the token's half, then of the other half),
-    // columns q2 (even: half 0 first) and q2 + 1 (odd: half 1 first)
-#pragma unroll
-    for (int half8 = 0; half8 < 2; ++half8) {
-      const int64_t rank = grp * kStatGroup + 8 * half8 + q2;
-      const int t0 = order[rank], t1 = order[rank + 1];
-      if (t0 >= 0) {
-        y[static_cast<int64_t>(t0) * s.d + c0 + g] = static_cast<uint16_t>(E::FromFloat(acc[half8][0]));
-        y[static_cast<int64_t>(t0) * s.d + c0 + 8 + g] = static_cast<uint16_t>(E::FromFloat(acc[half8][2]));
-      }
-      if (t1 >= 0) {
-        y[static_cast<int64_t>(t1) * s.d + c0 + 8 + g] = static_cast<uint16_t>(E::FromFloat(acc[half8][1]));
-        y[static_cast<int64_t>(t1) * s.d + c0 + g] = static_cast<uint16_t>(E::FromFloat(acc[half8][3]));
-      }
+    if (t >= 0) {
+      uint4 out;
+      out.x = E::FromFloat(acc[0]) | E::FromFloat(acc[1]) << 16;
+      out.y = E::FromFloat(acc[2]) | E::FromFloat(acc[3]) << 16;
+      out.z = E::FromFloat(acc[4]) | E::FromFloat(acc[5]) << 16;
+      out.w = E::FromFloat(acc[6]) | E::FromFloat(acc[7]) << 16;
+      *reinterpret_cast<uint4*>(y + static_cast<int64_t>(t) * s.d + c0 + 8 * q) = out;
     }
   }
 }

@@ -63,27 +63,24 @@ def test_steps_are_a_permutation_in_rounds_over_residues():
         assert sorted(s.tolist()) == list(range(n.size))
         order = n[np.argsort(s)]
         # walking the steps: each residue's entries keep their order, and while every residue
-        # has entries left, step j reads residue (place // 2 + j) % 4
+        # has entries left, step j reads residue (place + j) % 4
         for r in range(4):
             np.testing.assert_array_equal(order[order % 4 == r], n[n % 4 == r])
         full_rounds = np.bincount(n % 4, minlength=4).min()
         j = np.arange(4 * full_rounds)
-        np.testing.assert_array_equal(order[: 4 * full_rounds] % 4, (place // 2 + j) % 4)
+        np.testing.assert_array_equal(order[: 4 * full_rounds] % 4, (place + j) % 4)
 
 
 def test_steps_spread_a_phase_over_slots():
-    """The reason for the order: the kernel's shared-memory phase reads the rows of eight
-    places of a group, the even places' at even 16-byte slots (2 (n % 4)) and the odd ones'
-    at odd slots; at the same step the four even places 0, 2, 4, 6 (and the four odd ones)
-    read rows of four different residues more often than in neuron order."""
+    """The reason for the order: four tokens at places 0-3 of a group, at the same step, read
+    rows of four different residues more often than in neuron order."""
     rng = np.random.default_rng(1)
     spread, plain = [], []
     for _ in range(300):
-        rows = [np.sort(rng.choice(5632, 28, replace=False)) for _ in range(8)]
+        rows = [np.sort(rng.choice(5632, 28, replace=False)) for _ in range(4)]
         ordered = [n[np.argsort(stat.steps(n, i))] for i, n in enumerate(rows)]
-        for parity in (0, 1):
-            spread.append(np.mean([len({int(o[j] % 4) for o in ordered[parity::2]}) == 4 for j in range(28)]))
-            plain.append(np.mean([len({int(n[j] % 4) for n in rows[parity::2]}) == 4 for j in range(28)]))
+        spread.append(np.mean([len({int(o[j] % 4) for o in ordered}) == 4 for j in range(28)]))
+        plain.append(np.mean([len({int(n[j] % 4) for n in rows}) == 4 for j in range(28)]))
     assert np.mean(spread) > 2 * np.mean(plain)
 
 

@@ -13,22 +13,16 @@ for bit:
   puts the token at place ``i = r % 16`` of group ``r // 16`` (a warp walks a group);
 - the token's entries in the layout's order (tiles ascending, then as stored), each with
   its neuron ``n = tile_index * tile + column``; the ``q``-th entry of residue ``n % 4 = r``
-  becomes step ``sum over r' of min(c_r', q + [(r' - s) % 4 < (r - s) % 4])``, with
-  ``s = (i // 2) % 4`` and ``c_r'`` the token's entries of residue ``r'`` (rounds over the
-  four residues, starting at ``s``: the kernel's shared-memory phase holds the eight places
-  of one half of a group, the even ones at even 16-byte slots and the odd ones at odd);
-- per output column, the steps taken two at a time (``2 k`` and ``2 k + 1``: one
-  tensor-core product), the accumulator and the pair's two products added and rounded once
-  to f32, from 0, then one rounding to the element type. A product of two bf16 (or two f16)
-  values is exact in f32. The tensor core's own rounding of that sum is not specified to
-  the bit (it may truncate where this model rounds to nearest), so the kernel's y agrees
-  with this model to within ~one f32 unit per product pair before the final rounding:
-  :func:`down_tolerance`.
+  becomes step ``sum over r' of min(c_r', q + [(r' - i) % 4 < (r - i) % 4])``, with ``c_r'``
+  the token's entries of residue ``r'`` (rounds over the four residues, starting at
+  ``i % 4``);
+- per output column, f32 ``acc = fma(h, w, acc)`` over the steps in order, from 0, then one
+  rounding to the element type. A product of two bf16 (or two f16) values is exact in f32,
+  so the model's ``acc + h * w`` in float32 is the kernel's FMA.
 """
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from . import blocked_emulation as _blocked
@@ -71,8 +65,7 @@ def ranks(reserved_per_token: np.ndarray) -> np.ndarray:
 
 def steps(neurons: np.ndarray, place: int) -> np.ndarray:
     """Step of each of a token's entries (given in the layout's order) for the token at
-    ``place`` of its group: rounds over the residues mod 4, starting at ``(place // 2) % 4``."""
-    start = (place // 2) % 4
+    ``place`` of its group: rounds over the residues mod 4, starting at ``place % 4``."""
     r = np.asarray(neurons, np.int64) % 4
     c = np.bincount(r, minlength=4)
     q = np.zeros(r.size, np.int64)
@@ -80,7 +73,7 @@ def steps(neurons: np.ndarray, place: int) -> np.ndarray:
     for e, re in enumerate(r):
         q[e] = seen[re]
         seen[re] += 1
-    delta = (np.arange(4) - start) % 4
+    delta = (np.arange(4) - place) % 4
     out = np.zeros(r.size, np.int64)
     for r2 in range(4):
         cap = q + (delta[r2] < delta[r]).astype(np.int64)
@@ -122,30 +115,8 @@ def down(entries, seg_start, tok_off, counts, w_down, *, capacity: int, tile: in
         if b > a:
             step[a:b] = steps(neuron[a:b], int(rank[t] % GROUP))
     acc = np.zeros((m, d), np.float32)
-    for s in range(0, int(step.max(initial=-1)) + 1, 2):  # one tensor-core product: steps s, s + 1
-        pair = np.zeros((m, d), np.float64)
-        for at in (step == s, step == s + 1):  # each token has at most one entry per step
-            pair[tok[at]] += h[at, None].astype(np.float64) * wd[neuron[at]].astype(np.float64)
-        acc = (acc.astype(np.float64) + pair).astype(np.float32)
+    for s in range(int(step.max(initial=-1)) + 1):
+        at = step == s
+        # products of two element-type values are exact in f32: this add is the FMA
+        acc[tok[at]] = (acc[tok[at]] + h[at, None] * wd[neuron[at]]).astype(np.float32)
     return acc.astype(dt)
-
-
-def down_tolerance(words, seg_start, tok_off, counts, w_down, want, *, capacity: int, tile: int, f: int) -> np.ndarray:
-    """``[M, d]`` float64 bound on ``|y_kernel - down(...)|``: one unit of the element type at
-    ``|want|`` (the final rounding) plus, per product pair of the token's walk, 2^-23 of the
-    sum of ``|h w|`` (the tensor core's rounding of each accumulation, at most an f32 unit)."""
-    counts = np.asarray(counts)
-    m = counts.shape[0]
-    words = np.asarray(words).astype(np.uint32)
-    wd = np.abs(np.asarray(w_down).astype(np.float64))
-    dt = np.asarray(want).dtype
-    index, tok, tk = token_entries(seg_start, tok_off, counts, capacity=capacity, tile=tile, f=f)
-    w = words[index]
-    neuron = tk * tile + (w & _blocked.COLUMN_MASK).astype(np.int64)
-    h = np.abs(_blocked._from_bits((w >> 16).astype(np.uint16), dt).astype(np.float64))
-    mag = np.zeros((m, wd.shape[1]))
-    np.add.at(mag, tok, h[:, None] * wd[neuron])
-    pairs = (np.bincount(tok, minlength=m) + 1) // 2
-    fi = ml_dtypes.finfo(dt)
-    unit = np.abs(np.asarray(want).astype(np.float64)) * float(fi.eps) + float(fi.smallest_subnormal)
-    return unit + mag * pairs[:, None] * 2.0**-23
