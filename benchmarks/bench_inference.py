@@ -210,6 +210,9 @@ def main():
             for name in ("sparse", "pret", "auto", "layer", "layer_pret"):
                 row[f"{name}_ratio"] = row[f"dense_{clock}_ms"] / row[f"{name}_{clock}_ms"]
             row["clock"] = clock
+            if kernel.removesuffix("_nostat") == "blocked_union":  # which down step the forced calls ran
+                for name, pret in (("down_stationary", False), ("down_stationary_pret", True)):
+                    row[name] = not kernel.endswith("_nostat") and ALWAYS_SPARSE.down_stationary(m, d, f, 2, None, pret)
             if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632 and kernel in cuda.KERNELS:
                 gate = jax.jit(lambda x, w: jt.formats.relu_matmul(x, w))
                 gate_pack = jax.jit(lambda x, w: jt.gate_twell(x, w, implementation="cuda"))

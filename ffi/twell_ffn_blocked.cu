@@ -29,7 +29,8 @@
 //                 mma bit 3 (gated): K1 likewise, u = x . Wu^T over the union's rows on
 //                 tensor cores, whole, into row 0 of the partials (Finish sums one range).
 //                 mma bit 4 (gated; before bit 2): K2 with Wd stationary in shared memory,
-//                 16 output columns a CTA, every token walked (twell_stationary.cuh).
+//                 16 output columns a CTA (8 where f > 7,264), every token walked
+//                 (twell_stationary.cuh).
 // Traffic at M=16384, d=2048, f=5632, 0.5% active: weights 16 blocks x (|Wu| + |Wd|) =
 // 0.74 GB, mostly L2; partials 2 x 59 MB; entries (4 B) re-read per d-range CTA: 0.2 GB.
 // Workspace results (static sizes): seg_start, tok_off, entries [max_entries], partial
@@ -160,7 +161,8 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   if (const char* refusal = UnionStepsRefusal(s, kGated, mma)) return Invalid(std::string(name) + refusal);
   if ((mma & 16) != 0 && !(kGated && StationaryDownSupported(s)))
     return Invalid(std::string(name) + "the down step with the weight stationary (mma bit 4) needs the gated FFN, d a "
-                   "multiple of 16, f at most 7264 and its workspace within the partials [d/64, max_entries]");
+                   "multiple of 16 (of 8 where f > 7264), f at most 14524 and its workspace within the partials "
+                   "[d/64, max_entries]");
   const void* up = kGated ? w_up.untyped_data() : nullptr;
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   const bool bf16 = dtype == ffi::DataType::BF16;

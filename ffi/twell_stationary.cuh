@@ -1,6 +1,7 @@
 // The down step with the weight stationary in shared memory (mma bit 4 of the gated blocked
-// handler): y = h @ Wd where each CTA owns 16 output columns, keeps Wd[:, c0 : c0 + 16]
-// (f x 32 bytes) in shared memory for the whole launch, and walks every token's h entries.
+// handler): y = h @ Wd where each CTA owns 16 output columns (8 where f > 7,264), keeps
+// Wd[:, c0 : c0 + 16] (f x 32 bytes; f x 16 with 8) in shared memory for the whole launch,
+// and walks every token's h entries.
 // The weight crosses L2 once (|Wd|) instead of once per token block's union; what bounds
 // the step is one random 32-byte row read from shared memory per (token, neuron) pair.
 // ffi/notes/limits.md ("A fourth family") has the probe runs behind the design.
@@ -9,9 +10,9 @@
 // entries (after Finish) by five small launches, all in the partials' workspace:
 //   S1 StatKeys     grid (chunk of 1024 tokens): per token c = its entries (the stored
 //                   count, or the tile width for an overflowed tile, summed over tiles),
-//                   key = ceil(c / 4); per chunk a histogram of keys and each token's rank
-//                   among the chunk's tokens of its key (stable: token order; match_any in
-//                   a warp, a prefix over the warps' counts per key across them).
+//                   key = ceil(c / 4) (0 .. ceil(f / 4)); per chunk a histogram of keys and
+//                   each token's rank among the chunk's tokens of its key (stable: token
+//                   order; match_any in a warp, a prefix over the warps' counts per key).
 //   S2 StatScan     one CTA: exclusive prefix over (key descending, chunk ascending), 8,192
 //                   values at a time through shared memory.
 //   S3 StatOrder    grid (chunk): rank of each token = its key's offset + its rank in the
@@ -22,13 +23,15 @@
 //   S5 StatScatter  a warp per token, a lane per tile: its h words to its group's block of the walk layout,
 //                   (h bits << 16 | neuron), step j of the group's token i at word
 //                   goff[g] + 64 (j / 4) + 4 i + j % 4, zero words to the group's length.
-//                   Step order: the entries taken round by round over the four residues
-//                   of the neuron mod 4, starting at residue i % 4 (the q-th entry of residue
-//                   r goes to step sum_r' min(c_r', q + [(r' - i) % 4 < (r - i) % 4])), so the
-//                   four tokens of a shared-memory phase tend to read four different
-//                   32-byte slots of a 128-byte line.
-//   S6 StatDown     grid (d / 16), 1,024 threads: a warp per group, two threads per token
-//                   (8 columns each), four steps per 128-bit load of the layout, f32 FMAs
+//                   Step order: the entries taken round by round over R residues of the
+//                   neuron (R = 4 with 16 columns, 8 with 8), starting at residue i % R (the
+//                   q-th entry of residue r goes to step
+//                   sum_r' min(c_r', q + [(r' - i) % R < (r - i) % R])), so the tokens of a
+//                   shared-memory phase (four with 32-byte rows, eight with 16-byte rows)
+//                   tend to read different slots of a 128-byte line.
+//   S6 StatDown     grid (d / 16 or d / 8), 1,024 threads: a warp per group and two threads
+//                   a token (16 columns) or half a warp per group and a thread a token (8),
+//                   8 columns a thread, four steps per 128-bit load of the layout, f32 FMAs
 //                   in step order; y rounded once. Deterministic; no atomics in any output.
 // jax_twell/ops/stationary_emulation.py models S1-S6 (order, layout and arithmetic).
 #pragma once
@@ -42,15 +45,25 @@
 namespace jax_twell {
 namespace {
 
-constexpr int kStatCols = 16;      // output columns a CTA owns
-constexpr int kStatThreads = 1024;  // S6: 32 warps, one group of 16 tokens each at a time
-constexpr int kStatGroup = 16;      // tokens a warp walks together
+constexpr int kStatThreads = 1024;  // S6: 32 warps
+constexpr int kStatGroup = 16;      // tokens walked together (a warp's 16 x 2 threads, or half a warp)
 constexpr int kStatChunk = 1024;    // tokens a CTA of S1 and S3
-constexpr int kStatKeys = 2048;     // sort keys ceil(c / 4) < kStatKeys: c <= f <= kStatMaxF
 constexpr int kStatScanTile = 8192;  // S2's values staged in shared memory at a time
 constexpr int kStatSmemLimit = 232448;
-constexpr int kStatMaxF = kStatSmemLimit / (2 * kStatCols);  // 7,264 neurons
-constexpr int kStatKeysSmem = kStatChunk / 32 * kStatKeys * 2;  // S1's per-warp counts (16-bit)
+// Output columns a CTA owns: 16 (two threads a token) where the slice f x 32 bytes fits,
+// else 8 (a thread a token, f x 16 bytes).
+constexpr int kStatMaxF16 = kStatSmemLimit / (2 * 16);  // 7,264 neurons
+// S1's per-warp counts (16-bit) for keys 0..ceil(f / 4): 64 bytes a key; the slice of 8
+// columns alone would allow 14,528
+constexpr int kStatMaxF = 4 * (kStatSmemLimit / (2 * kStatChunk / 32) - 1);  // 14,524 neurons
+
+__host__ __device__ constexpr int StatCols(int f) { return f <= kStatMaxF16 ? 16 : 8; }
+// Sort keys ceil(c / 4) for c <= f entries a token: 0 .. ceil(f / 4).
+__host__ __device__ constexpr int StatKeys(int f) { return (f + 3) / 4 + 1; }
+__host__ __device__ constexpr int StatKeysSmem(int f) { return kStatChunk / 32 * StatKeys(f) * 2; }
+// Residue classes of S5's rotation: a shared-memory phase of S6 reads the rows of four
+// tokens (16 columns: 32-byte rows, n mod 4 picks the slot) or eight (8: 16-byte rows, n mod 8).
+__host__ __device__ constexpr int StatClasses(int f) { return StatCols(f) == 16 ? 4 : 8; }
 
 // Offsets (in 32-bit words) of the walk's workspace, carved from the partials.
 struct StatLayout {
@@ -62,7 +75,7 @@ __host__ __device__ inline StatLayout StatLayoutOf(int64_t rows, int f, int64_t 
   const int64_t groups = (rows + kStatGroup - 1) / kStatGroup;
   StatLayout l;
   l.hist = 0;
-  l.info = l.hist + chunks * kStatKeys;
+  l.info = l.hist + chunks * StatKeys(f);
   l.order = l.info + rows;
   l.goff = l.order + groups * kStatGroup;
   l.glay = (l.goff + groups + 1 + 3) / 4 * 4;  // 16-byte aligned
@@ -73,10 +86,11 @@ __host__ __device__ inline StatLayout StatLayoutOf(int64_t rows, int f, int64_t 
   return l;
 }
 
-// The handler's test (mma bit 4): the gated FFN, bf16 or f16, d a multiple of 16, the
-// slice within shared memory, neurons within 16 bits, the workspace within the partials.
+// The handler's test (mma bit 4): the gated FFN, bf16 or f16, d a multiple of the columns
+// a CTA owns, the slice within shared memory, neurons within 16 bits, the workspace within
+// the partials.
 inline bool StationaryDownSupported(const Shapes& s) {
-  return s.d % kStatCols == 0 && s.f <= kStatMaxF &&
+  return s.f <= kStatMaxF && s.d % StatCols(s.f) == 0 &&
          StatLayoutOf(s.rows, s.f, s.max_entries).total <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
 }
 
@@ -87,7 +101,7 @@ __device__ __forceinline__ int Reserved(const Shapes& s, const int32_t* counts, 
 
 // S1. Ranks within the chunk among tokens of the same key, in token order: within a warp
 // by match_any, across warps by a prefix over the warps' counts per key (16-bit counts in
-// dynamic shared memory, kStatKeysSmem bytes).
+// dynamic shared memory, StatKeysSmem(f) bytes).
 __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __restrict__ counts,
                                                              const int32_t* __restrict__ seg_start,
                                                              int32_t* __restrict__ ws, Shapes s) {
@@ -96,7 +110,8 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
   const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
   const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
-  for (int i = threadIdx.x; i < kStatKeysSmem / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(wcount)[i] = 0u;
+  const int keys = StatKeys(s.f);
+  for (int i = threadIdx.x; i < StatKeysSmem(s.f) / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(wcount)[i] = 0u;
   // group lengths start at 0 (S3 takes their maximum): this chunk's share of the groups
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * (kStatChunk / kStatGroup) + threadIdx.x;
        g < groups && g < static_cast<int64_t>(blockIdx.x + 1) * (kStatChunk / kStatGroup); g += blockDim.x)
@@ -106,7 +121,7 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
   int c = 0;
   if (valid)
     for (int k = 0; k < s.n_tiles; ++k) c += Reserved(s, counts, t, k);
-  const int key = (c + 3) / 4;  // < kStatKeys: c <= f <= kStatMaxF
+  const int key = (c + 3) / 4;  // < keys: c <= f
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned valid_lanes = __ballot_sync(kFullMask, valid);
   __syncthreads();
@@ -114,20 +129,20 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
   if (valid) {
     const unsigned peers = __match_any_sync(valid_lanes, key);
     wrank = __popc(peers & ((1u << lane) - 1u));
-    if (lane == __ffs(peers) - 1) wcount[warp * kStatKeys + key] = static_cast<uint16_t>(__popc(peers));
+    if (lane == __ffs(peers) - 1) wcount[warp * keys + key] = static_cast<uint16_t>(__popc(peers));
   }
   __syncthreads();
-  for (int k = threadIdx.x; k < kStatKeys; k += blockDim.x) {  // per key: prefix over the warps, the total
+  for (int k = threadIdx.x; k < keys; k += blockDim.x) {  // per key: prefix over the warps, the total
     int run = 0;
     for (int w = 0; w < kStatChunk / 32; ++w) {
-      const int v = wcount[w * kStatKeys + k];
-      wcount[w * kStatKeys + k] = static_cast<uint16_t>(run);
+      const int v = wcount[w * keys + k];
+      wcount[w * keys + k] = static_cast<uint16_t>(run);
       run += v;
     }
-    ws[l.hist + static_cast<int64_t>(kStatKeys - 1 - k) * chunks + blockIdx.x] = run;  // in S2's order
+    ws[l.hist + static_cast<int64_t>(keys - 1 - k) * chunks + blockIdx.x] = run;  // in S2's order
   }
   __syncthreads();
-  if (valid) ws[l.info + t] = key << 10 | (wcount[warp * kStatKeys + key] + wrank);
+  if (valid) ws[l.info + t] = key << 10 | (wcount[warp * keys + key] + wrank);
 }
 
 // S2. In place over hist, stored by S1 in the order of the prefix (key descending, chunk
@@ -138,7 +153,7 @@ __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict
   __shared__ int scratch[32];
   __shared__ int total;
   if (OverBudget(s, seg_start)) return;
-  const int64_t n = (s.rows + kStatChunk - 1) / kStatChunk * kStatKeys;
+  const int64_t n = (s.rows + kStatChunk - 1) / kStatChunk * StatKeys(s.f);
   constexpr int kPer = kStatScanTile / 1024;
   int carry = 0;
   for (int64_t p0 = 0; p0 < n; p0 += kStatScanTile) {
@@ -174,7 +189,7 @@ __global__ void __launch_bounds__(kStatChunk) StatOrderKernel(const int32_t* __r
   if (t >= s.rows) return;
   const int info = ws[l.info + t];
   const int key = info >> 10;
-  const int rank = ws[l.hist + static_cast<int64_t>(kStatKeys - 1 - key) * chunks + blockIdx.x] + (info & 1023);
+  const int rank = ws[l.hist + static_cast<int64_t>(StatKeys(s.f) - 1 - key) * chunks + blockIdx.x] + (info & 1023);
   ws[l.order + rank] = static_cast<int32_t>(t);
   ws[l.info + t] = rank;
   atomicMax(ws + l.goff + rank / kStatGroup, key);
@@ -208,20 +223,21 @@ __device__ __forceinline__ int WarpExclusive(int v, int lane, int* total) {
   return inc - v;
 }
 
-// Adds to lc[r] the entries of [e0, e1) whose column is r mod 4 (the tile a multiple of 32,
+// Adds to lc[r] the entries of [e0, e1) whose column is r mod R (the tile a multiple of 32,
 // so the neuron's residue too).
-__device__ __forceinline__ void CountResidues(const uint32_t* entries, int64_t e0, int64_t e1, int (&lc)[4]) {
+template <int R>
+__device__ __forceinline__ void CountResidues(const uint32_t* entries, int64_t e0, int64_t e1, int (&lc)[R]) {
   for (int64_t e = e0; e < e1; ++e) {
-    const int r = static_cast<int>(entries[e] & 3u);
-    lc[0] += r == 0;
-    lc[1] += r == 1;
-    lc[2] += r == 2;
-    lc[3] += r == 3;
+    const int r = static_cast<int>(entries[e] & (R - 1u));
+#pragma unroll
+    for (int c = 0; c < R; ++c) lc[c] += r == c;
   }
 }
 
 // S5. A warp per token, a lane per tile (32 tiles at a time): entries in the blocked
-// layout's order (tiles ascending, then as stored), neurons k * tile + column.
+// layout's order (tiles ascending, then as stored), neurons k * tile + column; R residue
+// classes (StatClasses).
+template <int R>
 __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restrict__ tok_off,
                                                          const int32_t* __restrict__ seg_start,
                                                          const uint32_t* __restrict__ entries,
@@ -244,13 +260,13 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
     *e0 = seg_start[seg] + off[0];
     *e1 = seg_start[seg] + off[1];
   };
-  // pass 1: the token's entries per residue (tile a multiple of 32: n % 4 = column % 4);
+  // pass 1: the token's entries per residue (tile a multiple of 32: n % R = column % R);
   // with at most 32 tiles pass 2 reuses the lane's range and counts
-  int cr[4] = {0, 0, 0, 0};
+  int cr[R] = {};
   int64_t keep0 = 0, keep1 = 0;
-  int keep[4] = {0, 0, 0, 0};
+  int keep[R] = {};
   for (int kb = 0; kb < s.n_tiles; kb += 32) {
-    int lc[4] = {0, 0, 0, 0};
+    int lc[R] = {};
     if (kb + lane < s.n_tiles) {
       int64_t e0, e1;
       range(kb + lane, &e0, &e1);
@@ -259,7 +275,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
       CountResidues(entries, e0, e1, lc);
     }
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < R; ++r) {
       int tot;
       WarpExclusive(lc[r], lane, &tot);
       cr[r] += tot;
@@ -267,69 +283,76 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
     }
   }
   // pass 2: each entry's step, from the entries of its residue before it
-  int carry[4] = {0, 0, 0, 0};
+  int carry[R] = {};
   for (int kb = 0; kb < s.n_tiles; kb += 32) {
     int64_t e0 = 0, e1 = 0;
-    int lc[4] = {0, 0, 0, 0};
+    int lc[R] = {};
     const int k = kb + lane;
     if (s.n_tiles <= 32) {
       e0 = keep0;
       e1 = keep1;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) lc[r] = keep[r];
+      for (int r = 0; r < R; ++r) lc[r] = keep[r];
     } else if (k < s.n_tiles) {
       range(k, &e0, &e1);
       CountResidues(entries, e0, e1, lc);
     }
-    int seen[4];
+    int seen[R];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < R; ++r) {
       int tot;
       seen[r] = carry[r] + WarpExclusive(lc[r], lane, &tot);
       carry[r] += tot;
     }
     for (int64_t e = e0; e < e1; ++e) {
       const uint32_t word = entries[e];
-      const int r = static_cast<int>(word & 3u);
+      const int r = static_cast<int>(word & (R - 1u));
       int q = 0;
 #pragma unroll
-      for (int r2 = 0; r2 < 4; ++r2)
+      for (int r2 = 0; r2 < R; ++r2)
         if (r2 == r) q = seen[r2]++;
-      const int dr = (r - i) & 3;
+      const int dr = (r - i) & (R - 1);
       int j = 0;
 #pragma unroll
-      for (int r2 = 0; r2 < 4; ++r2) {
-        const int cap = q + (((r2 - i) & 3) < dr ? 1 : 0);
+      for (int r2 = 0; r2 < R; ++r2) {
+        const int cap = q + (((r2 - i) & (R - 1)) < dr ? 1 : 0);
         j += cr[r2] < cap ? cr[r2] : cap;
       }
       const uint32_t n = static_cast<uint32_t>(k * s.tile) + (word & kColumnMask);
       glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = (word & 0xffff0000u) | n;
     }
   }
-  const int c = cr[0] + cr[1] + cr[2] + cr[3];
+  int c = 0;
+#pragma unroll
+  for (int r = 0; r < R; ++r) c += cr[r];
   for (int j = c + lane; j < steps; j += 32) glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = 0u;
 }
 
-// S6.
-template <typename E>
+// S6. kCols output columns a CTA: 16 (two threads a token, a warp a group) or 8 (a thread
+// a token, half a warp a group).
+template <typename E, int kCols>
 __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t* __restrict__ w_down,
                                                                  const int32_t* __restrict__ seg_start,
                                                                  const int32_t* __restrict__ ws,
                                                                  uint16_t* __restrict__ y, Shapes s) {
+  constexpr int kTpt = kCols / 8;                           // threads a token, 8 columns each
+  constexpr int kGroupsPerWarp = 32 / (kTpt * kStatGroup);  // 1 or 2
   extern __shared__ __align__(128) unsigned char stat_smem[];
-  const int c0 = blockIdx.x * kStatCols;
-  const int lane = threadIdx.x % 32, q = lane % 2, i = lane / 2;
+  const int c0 = blockIdx.x * kCols;
+  const int lane = threadIdx.x % 32, q = lane % kTpt, i = (lane / kTpt) % kStatGroup;
+  const int gw = lane / (kTpt * kStatGroup);
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
   if (OverBudget(s, seg_start)) {  // the fallback (or the caller's NaN check) takes over
-    for (int64_t t = threadIdx.x / 2; t < s.rows; t += blockDim.x / 2)
-      for (int k = 0; k < 8; ++k) y[t * s.d + c0 + 8 * q + k] = static_cast<uint16_t>(E::FromFloat(__int_as_float(0x7fc00000)));
+    for (int64_t t = threadIdx.x / kTpt; t < s.rows; t += blockDim.x / kTpt)
+      for (int k = 0; k < 8; ++k)
+        y[t * s.d + c0 + 8 * (threadIdx.x % kTpt) + k] = static_cast<uint16_t>(E::FromFloat(__int_as_float(0x7fc00000)));
     return;
   }
   const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
-  {  // Wd[:, c0 : c0 + 16] to shared memory, row n at n * 32 bytes
+  {  // Wd[:, c0 : c0 + kCols] to shared memory, row n at n * 2 kCols bytes
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stat_smem));
-    for (int p = threadIdx.x; p < 2 * s.f; p += blockDim.x) {
-      const int n = p / 2, h = p % 2;
+    for (int p = threadIdx.x; p < kTpt * s.f; p += blockDim.x) {
+      const int n = p / kTpt, h = p % kTpt;
       const uint16_t* src = w_down + static_cast<int64_t>(n) * s.d + c0 + 8 * h;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + p * 16), "l"(src) : "memory");
     }
@@ -340,11 +363,13 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
   const int32_t* goff = ws + l.goff;
   const int32_t* order = ws + l.order;
   const uint32_t* glay = reinterpret_cast<const uint32_t*>(ws + l.glay);
-  for (int64_t g = threadIdx.x / 32; g < groups; g += blockDim.x / 32) {
-    const int w0 = goff[g], w1 = goff[g + 1];
+  for (int64_t g0 = threadIdx.x / 32 * kGroupsPerWarp; g0 < groups; g0 += blockDim.x / 32 * kGroupsPerWarp) {
+    const int64_t g = g0 + gw;
+    const bool real = g < groups;
+    const int w0 = real ? goff[g] : 0, w1 = real ? goff[g + 1] : 0;
     const uint4* src = reinterpret_cast<const uint4*>(glay + w0) + i;
     // the last group's places past the last token hold no words (nothing was written there)
-    const int t = order[g * kStatGroup + i];
+    const int t = real ? order[g * kStatGroup + i] : -1;
     const int blocks = t >= 0 ? (w1 - w0) / (4 * kStatGroup) : 0;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     uint4 cur = blocks > 0 ? __ldg(src) : make_uint4(0u, 0u, 0u, 0u);
@@ -353,7 +378,7 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
       const uint32_t words[4] = {cur.x, cur.y, cur.z, cur.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const uint4 v = *reinterpret_cast<const uint4*>(my + (words[k] & 0xffffu) * (2 * kStatCols));
+        const uint4 v = *reinterpret_cast<const uint4*>(my + (words[k] & 0xffffu) * (2 * kCols));
         const float h = E::ToFloat(words[k] >> 16);
         const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -381,17 +406,24 @@ ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int3
                                 float* partial, uint16_t* y) {
   int32_t* ws = reinterpret_cast<int32_t*>(partial);
   const unsigned chunks = static_cast<unsigned>((s.rows + kStatChunk - 1) / kStatChunk);
-  cudaFuncSetAttribute(StatKeysKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kStatKeysSmem);
-  StatKeysKernel<<<chunks, kStatChunk, kStatKeysSmem, stream>>>(counts, seg_start, ws, s);
+  const int keys_smem = StatKeysSmem(s.f);
+  cudaFuncSetAttribute(StatKeysKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, keys_smem);
+  StatKeysKernel<<<chunks, kStatChunk, keys_smem, stream>>>(counts, seg_start, ws, s);
   StatScanKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
   StatOrderKernel<<<chunks, kStatChunk, 0, stream>>>(seg_start, ws, s);
   StatGroupsKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
-  StatScatterKernel<<<static_cast<unsigned>((s.rows + 7) / 8), 256, 0, stream>>>(tok_off, seg_start, entries, ws, s);
+  const unsigned scatter_blocks = static_cast<unsigned>((s.rows + 7) / 8);
+  if (StatClasses(s.f) == 4)
+    StatScatterKernel<4><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, ws, s);
+  else
+    StatScatterKernel<8><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, ws, s);
   ffi::Error status = LaunchStatus("twell_ffn_blocked stationary layout");
   if (status.failure()) return status;
-  const int smem = s.f * 2 * kStatCols;
-  cudaFuncSetAttribute(StatDownKernel<E>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  StatDownKernel<E><<<static_cast<unsigned>(s.d / kStatCols), kStatThreads, smem, stream>>>(w_down, seg_start, ws, y, s);
+  const int cols = StatCols(s.f);
+  const int smem = s.f * 2 * cols;
+  auto down = cols == 16 ? StatDownKernel<E, 16> : StatDownKernel<E, 8>;
+  cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  down<<<static_cast<unsigned>(s.d / cols), kStatThreads, smem, stream>>>(w_down, seg_start, ws, y, s);
   return LaunchStatus("twell_ffn_blocked stationary down");
 }
 

@@ -70,51 +70,57 @@ def test_the_training_rule_fit_recovers_its_constants():
 
 
 @pytest.mark.parametrize("model", ["union", "stationary"])
-def test_the_inference_rule_fit_recovers_its_constants(model, monkeypatch):
+def test_the_inference_rule_fit_recovers_its_constants(model):
     """benchmarks/fit_inference_rule.py on rows that a known rule generates (the bench's
-    fields: forced call = the rule's union cost + a third of XLA's call, without and with
-    w_up_t) gives that rule back for each of its two models, leaves out the rows the model
-    must not read, and refuses rows that cannot be timings."""
+    fields: forced call = the model's price + a third of XLA's call, without and with
+    w_up_t, the down step each ran recorded) gives that rule back for each of its two
+    models, leaves out the points the model must not read, and refuses rows that cannot be
+    timings."""
     import dataclasses
 
     import numpy as np
 
     import fit_inference_rule
-    from jax_twell.ops import cuda
+    from jax_twell.ops import cuda, union_emulation
 
     truth = dataclasses.replace(
         cuda.DenseCrossover(), union_row_bandwidth=4.8e12, union_fixed_overhead=0.1e-3, union_transpose_bandwidth=2.5e12,
-        stationary_up_bandwidth=5e12, stationary_pair_seconds=4e-10, stationary_token_seconds=5e-9,
-        stationary_fixed_overhead=0.12e-3, stationary_transpose_bandwidth=2e12)
-    shapes = [(2048, 2048, 5632), (4096, 2048, 5632), (16384, 2048, 5632), (16384, 1024, 2816), (4096, 4096, 5632)]
-    if model == "union":  # f past the stationary step's limit too
-        shapes += [(1024, 4096, 11008), (4096, 4096, 11008)]
-    kernel = "blocked_union_nostat" if model == "union" else "blocked_union"
-    monkeypatch.setattr(cuda, "STATIONARY_DOWN", model == "stationary")
+        stationary_up_bandwidth=5e12, stationary_pair_seconds=4e-10, stationary_pair_seconds_8=3e-10,
+        stationary_token_seconds=5e-9, stationary_fixed_overhead=0.12e-3, stationary_transpose_bandwidth=2e12)
+    price = truth._stationary_seconds if model == "stationary" else truth._union_model_seconds
+    shapes = [(2048, 2048, 5632), (4096, 2048, 5632), (16384, 2048, 5632), (16384, 1024, 2816), (4096, 4096, 5632),
+              (16384, 2048, 8192), (4096, 4096, 11008)]  # the last two: 8 columns a CTA
+    ran = model == "stationary"
     rows = []
     for m, d, f in shapes:
         for p in (0.0025, 0.005, 0.01):
             dense_ms = 1.5e3 * truth.dense_cost(m, d, f, 2)
-            cost = lambda t: 1e3 * float(truth.union_cost(p * m * f, m, d, f, 2, None, t)) + dense_ms / 3
-            rows.append(dict(m=m, d=d, f=f, pattern="uniform", kernel=kernel, measured_active_fraction=p,
-                             dense_call_ms=dense_ms, sparse_call_ms=cost(False), pret_call_ms=cost(True)))
-    monkeypatch.undo()
-    # rows the model must not read: another pattern, kernel or size; the other down step
-    other = "blocked_union" if model == "union" else "blocked_union_nostat"
+            cost = lambda t: 1e3 * float(price(p * m * f, m, d, f, 2, union_emulation.uniform_union(p), t)) + dense_ms / 3
+            rows.append(dict(m=m, d=d, f=f, pattern="uniform", kernel="blocked_union", measured_active_fraction=p,
+                             dense_call_ms=dense_ms, sparse_call_ms=cost(False), pret_call_ms=cost(True),
+                             down_stationary=ran, down_stationary_pret=ran))
+    # points the model must not read: another pattern, kernel or size; the other down step
     others = [dict(rows[0], pattern="heavy"), dict(rows[0], kernel="row"), dict(rows[0], m=512),
-              dict(rows[0], kernel=other)]
+              dict(rows[0], down_stationary=not ran, down_stationary_pret=not ran)]
     base = cuda.DenseCrossover()
-    kept = fit_inference_rule.usable(rows + others, base, model)
-    assert kept == rows
-    if model == "stationary":  # measured before the stationary step existed: union rows
-        assert fit_inference_rule.usable(rows, base, model, before_stationary=True) == []
-        assert fit_inference_rule.usable([dict(r, kernel="blocked_union") for r in rows], base, "union",
-                                         before_stationary=True) == [dict(r, kernel="blocked_union") for r in rows]
-    fitted = fit_inference_rule.fit(kept, base, model)
+    points = fit_inference_rule.usable(rows + others, base, model)
+    assert points == [(r, t) for r in rows for t in (False, True)]
+    # without the record: "blocked_union" ran the stationary step where the shape takes it,
+    # except in results measured before it existed; "blocked_union_nostat" never
+    bare = {k: v for k, v in rows[0].items() if not k.startswith("down_stationary")}
+    assert fit_inference_rule.ran_stationary(bare, base, False)
+    assert not fit_inference_rule.ran_stationary(bare, base, False, before_stationary=True)
+    assert not fit_inference_rule.ran_stationary(dict(bare, kernel="blocked_union_nostat"), base, True)
+    fitted = fit_inference_rule.fit(points, base, model)
     for name in fit_inference_rule.UNION if model == "union" else fit_inference_rule.STATIONARY:
         np.testing.assert_allclose(getattr(fitted, name), getattr(truth, name), rtol=1e-3, err_msg=name)
+    if model == "stationary":  # no 8-column point: that constant keeps its value
+        sixteen = [(r, t) for r, t in points if r["f"] <= 7264]
+        kept = fit_inference_rule.fit(sixteen, base, model)
+        assert kept.stationary_pair_seconds_8 == base.stationary_pair_seconds_8
+        np.testing.assert_allclose(kept.stationary_pair_seconds, truth.stationary_pair_seconds, rtol=1e-3)
     with pytest.raises(ValueError, match="third of the dense call"):
-        fit_inference_rule.fit([dict(rows[0], pret_call_ms=0.0)] + rows[1:], base, model)
+        fit_inference_rule.fit([(dict(rows[0], pret_call_ms=0.0), True)] + points[1:], base, model)
 
 
 def test_a_slow_first_call_does_not_shrink_the_batch():

@@ -2,6 +2,7 @@
 stand-ins for the kernels: the counts it decides on, which branch each rule takes, and
 that every branch computes the FFN. The kernels themselves are tested on the GPU."""
 
+import dataclasses
 import functools
 
 import jax
@@ -363,15 +364,22 @@ def _union_rule_with_union_down(rule, monkeypatch):
 
 def _union_rule_with_stationary_down(rule):
     """The "blocked_union" price where its down step runs with the weight stationary (the
-    default where f <= 7,264), refit at fc4b868 (inference_stationary_sweep_fc4b868.json).
-    Forced, at M=16,384 the kernels measured 1.44x at 0.5%, 1.13-1.15x at 1%, 1.02-1.04x at
-    1.27% (margin 0.95: dense); at M=4,096 1.15-1.18x at 0.5%, 1.04x / 1.07x at 0.75%
-    without / with w_up_t; at M=2,048 0.97x / 1.04x at 0.5%; (1024, 2816) 0.79x at 1%."""
+    default where f <= 14,524 and it is priced below the union product), refit at fc4b868
+    and with the 8-column walk (inference_stationary_sweep_fc4b868.json,
+    inference_stationary8_ab_c8wip.json). Forced, at M=16,384 the kernels measured 1.44x at
+    0.5%, 1.13-1.15x at 1%, 1.02-1.04x at 1.27% (margin 0.95: dense); at M=4,096 1.15-1.18x
+    at 0.5%, 1.04x / 1.07x at 0.75% without / with w_up_t; at M=2,048 0.97x / 1.04x at 0.5%;
+    (1024, 2816) 0.79x at 1%; (2048, 8192) 1.36x (union down 1.32x) and (4096, 11008) 1.45x
+    (1.38x) at 0.5%."""
     m, d, f = 16384, 2048, 5632
-    assert rule.stationary_runs(m, d, f) and not rule.stationary_runs(m, d, 8192)
+    assert rule.stationary_runs(m, d, f) and rule.stationary_runs(m, d, 8192) and not rule.stationary_runs(m, d, 16384)
+    for shape in ((m, d, f), (m, d, 8192), (m, 4096, 11008)):
+        assert rule.down_stationary(*shape, 2) and rule.down_stationary(*shape, 2, 0.005, False)
     union = lambda p, d2=d, f2=f, m2=m, t=True: float(rule.union_cost(int(p * m2 * f2), m2, d2, f2, 2, None, t))
     # after the gate, with w_up_t: measured 0.58 ms at 0.5%, 0.91 ms at 1% (fit within 7%)
     assert 0.55e-3 < union(0.005) < 0.61e-3 and 0.88e-3 < union(0.01) < 0.97e-3
+    # (2048, 8192) 0.93 ms, (4096, 11008) 2.23 ms at 0.5% with w_up_t
+    assert 0.87e-3 < union(0.005, 2048, 8192) < 0.99e-3 and 2.1e-3 < union(0.005, 4096, 11008) < 2.4e-3
     for p in (0.0025, 0.005, 0.0075, 0.01):
         assert rule.sparse_predicted(m, d, f, 2, p, True, "blocked_union") and rule.sparse_predicted(
             m, d, f, 2, p, False, "blocked_union")
@@ -382,18 +390,19 @@ def _union_rule_with_stationary_down(rule):
     assert not rule.sparse_predicted(4096, d, f, 2, 0.0075, False, "blocked_union")
     assert not rule.sparse_predicted(2048, d, f, 2, 0.005, False, "blocked_union")
     assert not rule.sparse_predicted(m, 1024, 2816, 2, 0.01, True, "blocked_union")
-    # the down step's pairs cost per wave of 16-column CTAs, one per SM
-    waves = lambda d2: union(0.005, d2) - 0.5 * rule.union_row_bytes(m, d2, f, 2, _union.uniform_union(0.005)) / \
-        rule.stationary_up_bandwidth
-    assert waves(2048) == pytest.approx(waves(1024), rel=1e-4)
-    assert waves(4096) - waves(2048) == pytest.approx(int(0.005 * m * f) * rule.stationary_pair_seconds, rel=1e-4)
-    # Below union_min_tokens the union products never win on the rule's costs (forced, they
-    # measured 0.56-1.01x at M=256-512), whatever the density.
-    assert union(0.0001, m2=512) == float("inf") and union(0.005, m2=1024) < float("inf")
-    assert not rule.blocked_preferred(512, 4096, 11008, 2, 0.0001, True, "blocked_union")
-    # Heavier use of the union cost than the per-pair one nowhere below 2%: it is the faster kernel.
-    for p in (0.0025, 0.005, 0.01, 0.02):
-        assert union(p) < float(rule.blocked_cost(int(p * m * f), m, d, f, 2))
+    # the walk's pairs cost per wave of CTAs, one a SM: 16 columns a CTA up to f = 7,264,
+    # 8 above (a constant of its own)
+    p, u = 0.005, _union.uniform_union(0.005)
+    walk = lambda d2, f2: rule._stationary_seconds(p * m * f2, m, d2, f2, 2, u, True) - 0.5 * rule.union_row_bytes(
+        m, d2, f2, 2, u) / rule.stationary_up_bandwidth
+    assert walk(2048, f) == pytest.approx(walk(1024, f), rel=1e-4)
+    assert walk(4096, f) - walk(2048, f) == pytest.approx(p * m * f * rule.stationary_pair_seconds, rel=1e-4)
+    assert walk(2048, 8192) - walk(1024, 8192) == pytest.approx(p * m * 8192 * rule.stationary_pair_seconds_8, rel=1e-4)
+    # where the union product is priced lower, "blocked_union" keeps it for the down step
+    cheap_union = dataclasses.replace(rule, union_row_bandwidth=1e15)
+    assert cheap_union.stationary_runs(m, d, f) and not cheap_union.down_stationary(m, d, f, 2)
+    assert float(cheap_union.union_cost(p * m * f, m, d, f, 2, u)) == pytest.approx(
+        cheap_union._union_model_seconds(p * m * f, m, d, f, 2, u, True))
 
 
 @pytest.mark.parametrize("f", [700, 704], ids=["f700", "f704"])

@@ -121,7 +121,7 @@ def test_blocked_union_down_matches_mma(case, dtype):
 
 
 # m, d, f, density, pattern, full rows, empty rows: one token to three blocks, the last not
-# a multiple of 16; rows far past capacity, empty rows; f at the slice's limit
+# a multiple of 16; rows far past capacity, empty rows; f at the slice's limits
 STATIONARY_CASES = [
     (1, 128, 260, 0.05, "uniform", 0, 0),
     (77, 128, 300, 0.05, "heavy", 3, 5),
@@ -129,6 +129,9 @@ STATIONARY_CASES = [
     (3000, 768, 1408, 0.01, "uniform", 2, 3),
     (2100, 256, 7264, 0.005, "heavy", 2, 40),
     (64, 192, 256, 0.5, "dense", 0, 0),
+    # 8 columns a CTA past f = 7,264 (eight residue classes); f at the sort's limit
+    (1500, 192, 7265, 0.005, "heavy", 3, 20),
+    (300, 128, 14524, 0.003, "uniform", 2, 7),
 ]
 
 

@@ -34,6 +34,7 @@ def _workspace(rng, m, f, tile, capacity, density, full=0, empty=0):
     (1, 260, 256, 32, 0.05, 0, 0),
     (37, 300, 64, 4, 0.05, 2, 3),
     (1100, 700, 256, 8, 0.01, 3, 10),
+    (50, 7300, 256, 8, 0.01, 1, 2),  # 8 columns a CTA, eight residue classes
 ])
 def test_down_matches_the_exact_sum(m, f, tile, capacity, density, full, empty):
     rng = np.random.default_rng(m + f)
@@ -109,7 +110,25 @@ def test_layout_bound_holds():
 
 def test_supported():
     assert stat.supported(16384, 2048, 5632, 600_000)
-    assert not stat.supported(16384, 2048, stat.MAX_F + 1, 600_000)  # slice past shared memory
+    assert stat.supported(16384, 4096, 11008, 1_200_000)  # 8 columns a CTA past 7,264
+    assert not stat.supported(16384, 2048, stat.MAX_F + 1, 600_000)  # slice or sort counts past shared memory
     assert not stat.supported(16384, 2056, 5632, 600_000)  # d not a multiple of 16
+    assert stat.supported(4096, 2056, 8000, 600_000)  # ... of 8 where the CTA owns 8 columns
     assert not stat.supported(16384, 64, 5632, 600_000)  # one row of partials cannot hold it
-    assert stat.MAX_F == 7264
+    assert stat.MAX_F16 == 7264 and stat.MAX_F == 14524
+    assert (stat.cols(7264), stat.cols(7265), stat.classes(7264), stat.classes(7265)) == (16, 8, 4, 8)
+    # the sort's per-warp counts at the largest f fill shared memory exactly
+    assert stat.keys(stat.MAX_F) * 2 * stat.CHUNK // 32 == stat.SMEM_LIMIT
+
+
+def test_steps_with_eight_classes_rotate_over_residues_mod_8():
+    rng = np.random.default_rng(4)
+    for _ in range(100):
+        n = np.sort(rng.choice(11008, rng.integers(0, 90), replace=False))
+        place = int(rng.integers(0, 16))
+        s = stat.steps(n, place, 8)
+        assert sorted(s.tolist()) == list(range(n.size))
+        order = n[np.argsort(s)]
+        full_rounds = np.bincount(n % 8, minlength=8).min()
+        j = np.arange(8 * full_rounds)
+        np.testing.assert_array_equal(order[: 8 * full_rounds] % 8, (place + j) % 8)

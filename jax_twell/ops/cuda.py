@@ -136,8 +136,9 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
     measured no faster, ffi/notes/twell_ffn_blocked.md) or "blocked_union" (as
     "blocked_mma", with the up and down steps dense products over each 64-token block's
     union of active neurons where the shape allows, ffi/twell_union.cuh; the down step with
-    the weight stationary in shared memory instead where :func:`stationary_down_supported`
-    and :data:`STATIONARY_DOWN`, ffi/twell_stationary.cuh).
+    the weight stationary in shared memory instead where :func:`stationary_down_supported`,
+    :data:`STATIONARY_DOWN` and the rule's :meth:`DenseCrossover.down_stationary`,
+    ffi/twell_stationary.cuh).
 
     Gated (``w_up`` given): ``y = (act * (x @ w_up)) @ w_down``; non-gated: ``y = act @ w_down``.
     Overflowed tiles are recomputed exactly inside the kernel from ``(x, w_act[, w_up])``.
@@ -157,7 +158,8 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: str = 
         return blocked_ffn(
             x, act, w_act, w_up, w_down, w_up_t=w_up_t, max_entries=max_entries, mma=kernel != "blocked",
             down_union=kernel == "blocked_union", up_union=kernel == "blocked_union",
-            down_stationary=kernel == "blocked_union" and STATIONARY_DOWN,
+            down_stationary=kernel == "blocked_union" and _crossover.get().down_stationary(
+                int(np.prod(x.shape[:-1])), x.shape[-1], act.f, x.dtype.itemsize, None, w_up_t is not None),
         )
     return _twell_ffn_call(x, act, w_act, w_up, w_down, w_up_t)
 
@@ -239,10 +241,10 @@ def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
 
 def stationary_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
     """Whether the blocked kernel can run its down step with the weight stationary in shared
-    memory (``blocked_ffn(down_stationary=True)``; ffi/twell_stationary.cuh): gated, d a
-    multiple of 16, f at most 7,264 (16 columns of Wd, ``f x 32`` bytes, in one CTA's shared
-    memory) and the walk's workspace within the partials. Elsewhere the union product (or the
-    per-entry step) runs."""
+    memory (``blocked_ffn(down_stationary=True)``; ffi/twell_stationary.cuh): gated, f at most
+    14,524 (16 columns of Wd a CTA, ``f x 32`` bytes of its shared memory, up to f = 7,264; 8
+    columns, ``f x 16`` bytes, above), d a multiple of those columns, and the walk's workspace
+    within the partials. Elsewhere the union product (or the per-entry step) runs."""
     return _stat.supported(m, d, f, max_entries)
 
 
@@ -421,19 +423,24 @@ class DenseCrossover:
     # (:data:`STATIONARY_DOWN`, where :meth:`stationary_runs`): after the gate matmul, the
     # up product's union rows of Wu^T (half of :meth:`union_row_bytes`) at
     # ``stationary_up_bandwidth``, plus ``stationary_pair_seconds`` per active pair and wave
-    # of ``stationary_sms`` CTAs (each CTA owns 16 output columns and walks every pair:
-    # d / 16 CTAs, one a SM), plus ``stationary_token_seconds`` per token (the walk's
+    # of ``stationary_sms`` CTAs (each CTA owns 16 output columns, 8 where f > 7,264, and
+    # walks every pair: d / 16 or d / 8 CTAs, one a SM), plus ``stationary_token_seconds`` per token (the walk's
     # layout, Finish), a fixed part, and the up weight's transpose where the call is not
     # given ``w_up_t``. Fitted by relative least squares (benchmarks/fit_inference_rule.py)
     # to the after-gate time of 26 uniform points on the H200, each with and without
     # ``w_up_t`` (inference_stationary_sweep_fc4b868.json: M=2,048-16,384 at 0.25-1.5% for
     # d=2048, f=5632; M=16,384 at 0.5% and 1% for (1024, 2816)): all 52 within 7%.
-    stationary_up_bandwidth: float = 5.84e12
-    stationary_pair_seconds: float = 3.15e-10
-    stationary_token_seconds: float = 3.69e-9
-    stationary_fixed_overhead: float = 9.07e-5
-    stationary_transpose_bandwidth: float = 2.72e12
+    stationary_up_bandwidth: float = 5.73e12
+    stationary_pair_seconds: float = 3.05e-10
+    stationary_pair_seconds_8: float = 2.53e-10  # ... a wave of 8-column CTAs (f > 7,264)
+    stationary_token_seconds: float = 3.57e-9
+    stationary_fixed_overhead: float = 9.10e-5
+    stationary_transpose_bandwidth: float = 2.59e12
     stationary_sms: int = 132
+    # Where both down steps take the shape, "blocked_union" runs the stationary one where
+    # its price is below the union product's (:meth:`down_stationary`), at the layer's
+    # active fraction when known, else at this one.
+    stationary_reference_fraction: float = 0.005
     # The per-call choice counts the active pairs of about this many rows of g (whole
     # 64-row blocks, evenly spaced; all rows below 2x this many; the blocked_union estimate
     # of the union reads the same rows), and scales up: a full count reads all of g
@@ -512,7 +519,8 @@ class DenseCrossover:
         return weights + nnz * (2.0 * d / self.blocked_pair_rate) + self.blocked_fixed_overhead
 
     def union_cost(
-        self, nnz, m: int, d: int, f: int, itemsize: int, union=None, transposed: bool = True
+        self, nnz, m: int, d: int, f: int, itemsize: int, union=None, transposed: bool = True,
+        active_fraction: float | None = None,
     ) -> jax.Array:
         """Seconds for the blocked kernel with union products ("blocked_union"): the union
         rows of Wu^T and Wd read per 64-token block, plus a fixed part, plus the up weight's
@@ -522,30 +530,59 @@ class DenseCrossover:
         a trained model's skewed neuron rates stay well below (about half at ~0.6% active;
         ffi/notes/twell_ffn_blocked.md). Fitted with the down step as a union product too;
         where the down step runs with the weight stationary (:data:`STATIONARY_DOWN`, f up
-        to 7,264: :meth:`stationary_runs`) the up step's union rows are priced with the
+        to 14,524, where :meth:`down_stationary` picks it at ``active_fraction``, the layer's
+        known fraction or None) the up step's union rows are priced with the
         ``stationary_*`` constants and the down step per active pair instead."""
         union = None if union is None else jnp.asarray(union).astype(jnp.float32)
-        return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize, union, transposed)
+        return self._union_seconds(jnp.asarray(nnz).astype(jnp.float32), m, d, f, itemsize, union, transposed,
+                                   active_fraction)
 
     def stationary_runs(self, m: int, d: int, f: int) -> bool:
-        """Static: whether "blocked_union" runs its down step with the weight stationary
+        """Static: whether "blocked_union" can run its down step with the weight stationary
         (:data:`STATIONARY_DOWN` on and :func:`stationary_down_supported` at the default
-        tile and capacity): the shapes its cost uses the ``stationary_*`` constants for."""
+        tile and capacity); :meth:`down_stationary` says whether it does."""
         return STATIONARY_DOWN and _stat.supported(m, d, f, blocked_max_entries(m, f, 256, 32))
 
-    def _union_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, union=None, transposed: bool = True):
+    def down_stationary(self, m: int, d: int, f: int, itemsize: int, active_fraction: float | None = None,
+                        transposed: bool = True) -> bool:
+        """Static: True where "blocked_union" runs its down step with the weight stationary:
+        where it can (:meth:`stationary_runs`) and its price is below the union product's at
+        ``active_fraction`` (uniform rows; None: ``stationary_reference_fraction``). At
+        (4096, 11008) the stationary step measured 5% faster at M=16,384 and 3% slower at
+        M=4,096 (inference_stationary8_ab_c8wip.json)."""
+        if not self.stationary_runs(m, d, f):
+            return False
+        p = self.stationary_reference_fraction if active_fraction is None else active_fraction
+        nnz, union = p * m * f, _union.uniform_union(p)
+        return (self._stationary_seconds(nnz, m, d, f, itemsize, union, transposed)
+                <= self._union_model_seconds(nnz, m, d, f, itemsize, union, transposed))
+
+    def _union_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, union=None, transposed: bool = True,
+                       active_fraction: float | None = None):
         if m < self.union_min_tokens:
             return nnz * 0.0 + math.inf  # a float or an array, as nnz
         if union is None:
             union = _union.uniform_union(nnz / float(max(1, m * f)))
-        rows = self.union_row_bytes(m, d, f, itemsize, union)
-        if self.stationary_runs(m, d, f):
-            waves = -(-d // (_stat.COLS * self.stationary_sms))
-            transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.stationary_transpose_bandwidth
-            return (0.5 * rows / self.stationary_up_bandwidth + nnz * waves * self.stationary_pair_seconds
-                    + m * self.stationary_token_seconds + self.stationary_fixed_overhead + transpose)
+        if self.down_stationary(m, d, f, itemsize, active_fraction, transposed):
+            return self._stationary_seconds(nnz, m, d, f, itemsize, union, transposed)
+        return self._union_model_seconds(nnz, m, d, f, itemsize, union, transposed)
+
+    def _union_model_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, union, transposed: bool):
+        """Both steps as union products: the union rows of Wu^T and Wd, fixed, transpose."""
         transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.union_transpose_bandwidth
-        return rows / self.union_row_bandwidth + self.union_fixed_overhead + transpose
+        return self.union_row_bytes(m, d, f, itemsize, union) / self.union_row_bandwidth + \
+            self.union_fixed_overhead + transpose
+
+    def _stationary_seconds(self, nnz, m: int, d: int, f: int, itemsize: int, union, transposed: bool):
+        """The up step's union rows of Wu^T, the stationary walk's pairs per wave of CTAs,
+        tokens, fixed, transpose."""
+        cols = _stat.cols(f)
+        waves = -(-d // (cols * self.stationary_sms))
+        per_pair = self.stationary_pair_seconds if cols == 16 else self.stationary_pair_seconds_8
+        transpose = 0.0 if transposed else 2.0 * d * f * itemsize / self.stationary_transpose_bandwidth
+        return (0.5 * self.union_row_bytes(m, d, f, itemsize, union) / self.stationary_up_bandwidth
+                + nnz * waves * per_pair + m * self.stationary_token_seconds + self.stationary_fixed_overhead
+                + transpose)
 
     def union_row_bytes(self, m: int, d: int, f: int, itemsize: int, union):
         """Bytes of Wu^T and Wd rows the union products read for ``m`` tokens whose
@@ -612,7 +649,8 @@ class DenseCrossover:
         """The blocked ``kernel``'s cost: :meth:`union_cost` for "blocked_union", else
         :meth:`blocked_cost` (Python floats)."""
         if kernel == "blocked_union":
-            return self._union_seconds(nnz, m, d, f, itemsize, union_fraction, transposed)
+            p = nnz / float(max(1, m * f))
+            return self._union_seconds(nnz, m, d, f, itemsize, union_fraction, transposed, p)
         return self._blocked_seconds(nnz, m, d, f, itemsize)
 
     def blocked_preferred(
@@ -802,7 +840,7 @@ def sparse_ffn(
             row_cost = rule.row_cost(nnz, n_over, d, f, x.dtype.itemsize, transposed, m)
             if kernel == "blocked_union":  # the union measured on a sample of g's blocks where g exists
                 union = union_fraction if g is None else sampled_block_union(g, rows=sample_rows)
-                blocked_cost = rule.union_cost(nnz, m, d, f, x.dtype.itemsize, union, transposed)
+                blocked_cost = rule.union_cost(nnz, m, d, f, x.dtype.itemsize, union, transposed, active_fraction)
             else:
                 blocked_cost = rule.blocked_cost(nnz, m, d, f, x.dtype.itemsize)
             any_sparse = use_sparse | (blocked_cost < rule.margin * rule.dense_cost(m, d, f, x.dtype.itemsize))
@@ -820,7 +858,8 @@ def sparse_ffn(
             mma, union = kernel != "blocked", kernel == "blocked_union"
             run_blocked = lambda a: _blocked_call(
                 x, a, w_act, w_up if gated else None, w_down, w_up_t, max_entries, mma, union, union, fallback=True,
-                down_stationary=union and STATIONARY_DOWN,
+                down_stationary=union and rule.down_stationary(
+                    m, d, f, x.dtype.itemsize, active_fraction, transposed),
             )[0]
             if isinstance(prefer_blocked, bool):
                 return run_blocked(act) if prefer_blocked else row_kernel(act)

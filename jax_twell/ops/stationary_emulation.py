@@ -3,9 +3,9 @@
 "A fourth family").
 
 The step reads the blocked layout's h entries (after the up step and Finish) and computes
-``y[t] = sum_j h[t, j] Wd[j]`` with each CTA owning 16 output columns of every token. Its
-walk order is what this module models, so that a GPU test can require the kernel's y bit
-for bit:
+``y[t] = sum_j h[t, j] Wd[j]`` with each CTA owning 16 output columns of every token (8
+where f > 7,264: :func:`cols`). Its walk order is what this module models, so that a GPU
+test can require the kernel's y bit for bit:
 
 - per token ``c``, its reserved entries (the stored count per tile, or the tile's width
   where the tile overflowed), and ``key = ceil(c / 4)``;
@@ -13,9 +13,9 @@ for bit:
   puts the token at place ``i = r % 16`` of group ``r // 16`` (a warp walks a group);
 - the token's entries in the layout's order (tiles ascending, then as stored), each with
   its neuron ``n = tile_index * tile + column``; the ``q``-th entry of residue ``n % 4 = r``
-  becomes step ``sum over r' of min(c_r', q + [(r' - i) % 4 < (r - i) % 4])``, with ``c_r'``
-  the token's entries of residue ``r'`` (rounds over the four residues, starting at
-  ``i % 4``);
+  becomes step ``sum over r' of min(c_r', q + [(r' - i) % R < (r - i) % R])``, with ``c_r'``
+  the token's entries of residue ``r'`` (rounds over the ``R`` residues, starting at
+  ``i % R``; ``R`` = :func:`classes`, the neurons' residue is taken mod ``R``);
 - per output column, f32 ``acc = fma(h, w, acc)`` over the steps in order, from 0, then one
   rounding to the element type. A product of two bf16 (or two f16) values is exact in f32,
   so the model's ``acc + h * w`` in float32 is the kernel's FMA.
@@ -27,13 +27,30 @@ import numpy as np
 
 from . import blocked_emulation as _blocked
 
-COLS = 16  # output columns a CTA owns
-GROUP = 16  # tokens a warp walks together
+GROUP = 16  # tokens walked together
 CHUNK = 1024  # tokens a CTA of the sort's passes
-KEYS = 2048  # sort keys ceil(c / 4) < KEYS
 SMEM_LIMIT = 232448  # bytes of shared memory a CTA may have (H100/H200)
-MAX_F = SMEM_LIMIT // (2 * COLS)  # the 16-column slice of Wd within shared memory: 7,264
+MAX_F16 = SMEM_LIMIT // (2 * 16)  # the 16-column slice of Wd within shared memory: 7,264
+# the sort's per-warp key counts (16-bit, 32 warps, keys 0..ceil(f/4)) within shared memory
+# (the 8-column slice alone would allow 14,528)
+MAX_F = 4 * (SMEM_LIMIT // (2 * CHUNK // 32) - 1)  # 14,524
 UP_COLS = _blocked.UP_COLS
+
+
+def cols(f: int) -> int:
+    """Output columns a CTA owns: 16 where the slice (f x 32 bytes) fits, else 8."""
+    return 16 if f <= MAX_F16 else 8
+
+
+def classes(f: int) -> int:
+    """Residue classes of the walk's step order: a shared-memory phase reads four tokens'
+    32-byte rows (16 columns: n mod 4 picks the slot) or eight tokens' 16-byte rows (n mod 8)."""
+    return 4 if cols(f) == 16 else 8
+
+
+def keys(f: int) -> int:
+    """Sort keys ``ceil(c / 4)`` for at most f entries a token: ``0 .. ceil(f / 4)``."""
+    return (f + 3) // 4 + 1
 
 
 def workspace_words(m: int, f: int, max_entries: int) -> int:
@@ -42,16 +59,16 @@ def workspace_words(m: int, f: int, max_entries: int) -> int:
     ``max_entries + 3 m + 16 (f + 3)`` (a group's length is its first, longest row)."""
     chunks = -(-m // CHUNK)
     groups = -(-m // GROUP)
-    goff = chunks * KEYS + m + groups * GROUP
+    goff = chunks * keys(f) + m + groups * GROUP
     glay = (goff + groups + 1 + 3) // 4 * 4
     return glay + (max_entries + 3 * m + 16 * (f + 3) + 3) // 4 * 4
 
 
 def supported(m: int, d: int, f: int, max_entries: int) -> bool:
-    """The handler's test (``StationaryDownSupported``): d a multiple of 16, f at most
-    :data:`MAX_F` (the slice in shared memory), and the workspace within the partials
-    ``[d / 64, max_entries]`` f32 that the step reuses after Finish."""
-    return d % COLS == 0 and 0 < f <= MAX_F and workspace_words(m, f, max_entries) <= (d // UP_COLS) * max_entries
+    """The handler's test (``StationaryDownSupported``): f at most :data:`MAX_F` (the slice
+    and the sort's counts in shared memory), d a multiple of :func:`cols`, and the workspace
+    within the partials ``[d / 64, max_entries]`` f32 that the step reuses after Finish."""
+    return 0 < f <= MAX_F and d % cols(f) == 0 and workspace_words(m, f, max_entries) <= (d // UP_COLS) * max_entries
 
 
 def ranks(reserved_per_token: np.ndarray) -> np.ndarray:
@@ -63,19 +80,20 @@ def ranks(reserved_per_token: np.ndarray) -> np.ndarray:
     return rank
 
 
-def steps(neurons: np.ndarray, place: int) -> np.ndarray:
+def steps(neurons: np.ndarray, place: int, classes: int = 4) -> np.ndarray:
     """Step of each of a token's entries (given in the layout's order) for the token at
-    ``place`` of its group: rounds over the residues mod 4, starting at ``place % 4``."""
-    r = np.asarray(neurons, np.int64) % 4
-    c = np.bincount(r, minlength=4)
+    ``place`` of its group: rounds over the residues mod ``classes``, starting at
+    ``place % classes``."""
+    r = np.asarray(neurons, np.int64) % classes
+    c = np.bincount(r, minlength=classes)
     q = np.zeros(r.size, np.int64)
-    seen = np.zeros(4, np.int64)
+    seen = np.zeros(classes, np.int64)
     for e, re in enumerate(r):
         q[e] = seen[re]
         seen[re] += 1
-    delta = (np.arange(4) - place) % 4
+    delta = (np.arange(classes) - place) % classes
     out = np.zeros(r.size, np.int64)
-    for r2 in range(4):
+    for r2 in range(classes):
         cap = q + (delta[r2] < delta[r]).astype(np.int64)
         out += np.minimum(c[r2], cap)
     return out
@@ -113,7 +131,7 @@ def down(entries, seg_start, tok_off, counts, w_down, *, capacity: int, tile: in
     for t in range(m):
         a, b = first[t], first[t + 1]
         if b > a:
-            step[a:b] = steps(neuron[a:b], int(rank[t] % GROUP))
+            step[a:b] = steps(neuron[a:b], int(rank[t] % GROUP), classes(f))
     acc = np.zeros((m, d), np.float32)
     for s in range(int(step.max(initial=-1)) + 1):
         at = step == s
