@@ -114,7 +114,8 @@ def fit(points: list[tuple], base: cuda.DenseCrossover, model: str = "stationary
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="+", help="bench_inference.py JSONs (--kernels blocked_union[,blocked_union_nostat])")
+    parser.add_argument("results", nargs="+",
+                        help="bench_inference.py JSONs (--kernels blocked_union[,blocked_union_nostat])")
     parser.add_argument("--model", choices=("stationary", "union"), default="stationary")
     parser.add_argument("--before-stationary", action="store_true",
                         help="the results were measured before the stationary down step (59e8f0d): "
@@ -136,8 +137,9 @@ def main():
         model = 1e3 * float(price(p * m * f, m, d, f, ITEMSIZE, union_emulation.uniform_union(p), pretransposed))
         sparse = rule.sparse_predicted(m, d, f, ITEMSIZE, p, pretransposed, "blocked_union")
         ratio = r["pret_ratio"] if pretransposed else r["sparse_ratio"]
+        side = "sparse" if sparse else "dense"
         print(f"{m:>6} {d:>5} {f:>6} {100 * p:>6.2f}% {'yes' if pretransposed else 'no':>6} {measured:>11.4f} "
-              f"{model:>8.4f} {100 * (model / measured - 1):>+5.1f}% {ratio:>6.2f}x {'sparse' if sparse else 'dense':>6}")
+              f"{model:>8.4f} {100 * (model / measured - 1):>+5.1f}% {ratio:>6.2f}x {side:>6}")
 
 
 if __name__ == "__main__":

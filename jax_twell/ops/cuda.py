@@ -424,12 +424,15 @@ class DenseCrossover:
     # up product's union rows of Wu^T (half of :meth:`union_row_bytes`) at
     # ``stationary_up_bandwidth``, plus ``stationary_pair_seconds`` per active pair and wave
     # of ``stationary_sms`` CTAs (each CTA owns 16 output columns, 8 where f > 7,264, and
-    # walks every pair: d / 16 or d / 8 CTAs, one a SM), plus ``stationary_token_seconds`` per token (the walk's
-    # layout, Finish), a fixed part, and the up weight's transpose where the call is not
-    # given ``w_up_t``. Fitted by relative least squares (benchmarks/fit_inference_rule.py)
-    # to the after-gate time of 26 uniform points on the H200, each with and without
-    # ``w_up_t`` (inference_stationary_sweep_fc4b868.json: M=2,048-16,384 at 0.25-1.5% for
-    # d=2048, f=5632; M=16,384 at 0.5% and 1% for (1024, 2816)): all 52 within 7%.
+    # walks every pair: d / 16 or d / 8 CTAs, one a SM; ``stationary_pair_seconds_8`` for
+    # the 8-column walk), plus ``stationary_token_seconds`` per token (the walk's layout,
+    # Finish), a fixed part, and the up weight's transpose where the call is not given
+    # ``w_up_t``. Fitted by relative least squares (benchmarks/fit_inference_rule.py) to the
+    # after-gate time of 31 uniform rows on the H200, each with and without ``w_up_t``
+    # (inference_stationary_sweep_fc4b868.json: M=2,048-16,384 at 0.25-1.5% for d=2048,
+    # f=5632, M=16,384 at 0.5% and 1% for (1024, 2816); inference_stationary8_ab_c8wip.json:
+    # (2048, 8192) at 0.5% and 1%, (4096, 11008) at M=4,096 and 16,384): 62 points, all
+    # within 9.2%.
     stationary_up_bandwidth: float = 5.73e12
     stationary_pair_seconds: float = 3.05e-10
     stationary_pair_seconds_8: float = 2.53e-10  # ... a wave of 8-column CTAs (f > 7,264)
@@ -548,8 +551,9 @@ class DenseCrossover:
         """Static: True where "blocked_union" runs its down step with the weight stationary:
         where it can (:meth:`stationary_runs`) and its price is below the union product's at
         ``active_fraction`` (uniform rows; None: ``stationary_reference_fraction``). At
-        (4096, 11008) the stationary step measured 5% faster at M=16,384 and 3% slower at
-        M=4,096 (inference_stationary8_ab_c8wip.json)."""
+        (4096, 11008) the stationary step measured 5% faster at M=16,384 and 3-5% slower at
+        M=4,096, where its price is 6-9% low and it is still picked
+        (inference_stationary8_ab_c8wip.json, inference_stationary_final_dccf4a3.json)."""
         if not self.stationary_runs(m, d, f):
             return False
         p = self.stationary_reference_fraction if active_fraction is None else active_fraction
