@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "probe_barrier.cuh"
+#include "probe_rows.h"
 
 namespace {
 
@@ -58,7 +59,9 @@ __device__ __forceinline__ uint32_t Pack(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+using probe::Bf16ToFloat;
 using probe::CpAsync16;
+using probe::FloatToBf16;
 
 // acc[0..7] += h * the eight bf16 of v
 __device__ __forceinline__ void Apply8(float (&acc)[8], float h, const uint4& v) {
@@ -221,19 +224,6 @@ __global__ void __launch_bounds__(1024) DownKernel3(const __nv_bfloat16* __restr
   }
 }
 
-float Bf16ToFloat(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-
-uint16_t FloatToBf16(float x) {  // round to nearest even (finite inputs)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -249,29 +239,16 @@ int main(int argc, char** argv) {
 
   std::mt19937_64 rng(1234);
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
-  std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<uint16_t> wd(static_cast<size_t>(f) * d);
   for (auto& v : wd) v = FloatToBf16(uni(rng) * 0.05f);
 
-  std::vector<int> row_ptr(m + 1, 0);
-  std::vector<uint32_t> words;
-  words.reserve(static_cast<size_t>(m * p * f * 1.3) + 16);
-  std::vector<int> nbuf;
-  for (int t = 0; t < m; ++t) {
-    double rate = p;
-    if (pattern == "heavy") rate = std::min(0.05, std::max(1e-6, p * std::exp(normal(rng) - 0.5)));
-    // the row's count, then distinct neurons in ascending order
-    std::binomial_distribution<int> count_dist(f, rate);
-    const int c = count_dist(rng);
-    nbuf.resize(f);
-    for (int n = 0; n < f; ++n) nbuf[n] = n;
-    for (int i = 0; i < c; ++i) std::swap(nbuf[i], nbuf[i + rng() % (f - i)]);
-    std::sort(nbuf.begin(), nbuf.begin() + c);
-    for (int i = 0; i < c; ++i) {
-      const uint16_t h = FloatToBf16(0.05f + std::fabs(uni(rng)));
-      words.push_back((static_cast<uint32_t>(h) << 16) | static_cast<uint32_t>(nbuf[i]));
-    }
-    row_ptr[t + 1] = static_cast<int>(words.size());
+  // the rows, then each entry's word: h (bf16, high half) and the neuron (low half)
+  const probe::ActiveRows rows = probe::DrawRows(m, f, p, pattern, rng);
+  const std::vector<int>& row_ptr = rows.row_ptr;
+  std::vector<uint32_t> words(rows.neurons.size());
+  for (size_t e = 0; e < words.size(); ++e) {
+    const uint16_t h = FloatToBf16(0.05f + std::fabs(uni(rng)));
+    words[e] = (static_cast<uint32_t>(h) << 16) | static_cast<uint32_t>(rows.neurons[e]);
   }
   const int64_t pairs = static_cast<int64_t>(words.size());
 

@@ -1,0 +1,323 @@
+// up_stationary_probe: the up product's partial dot products with the weight held in shared
+// memory for the whole launch (ffi/notes/limits.md, "Next: the up product stationary too").
+//
+// The up step computes u[t, n] = x[t] . Wu[:, n] for the active (token, neuron) pairs only.
+// The library's blocked handler already sums per-entry partial dot products over d / 64
+// column ranges of x (the partials [d / 64, max_entries], summed by Finish), so a CTA can
+// own a range of K neurons and a range of 64 of x's columns, keep Wu^T[n0 : n0 + K,
+// 64 r : 64 r + 64] (K x 128 bytes) for the launch, and walk every group of 16 tokens: a
+// tensor-core product of the group's x (16 x 64, loaded once) by the union of its tokens'
+// active neurons in the range (B rows gathered from shared memory by ldmatrix, eight
+// neurons a chunk), of which it stores the products of the active pairs as partials.
+//
+// What bounds it: shared memory. A chunk's two ldmatrix.x4 read eight union rows (128 bytes
+// each) in eight phases of eight 16-byte pieces; a row's pieces are stored XOR-swizzled by
+// n mod 8, so a phase is conflict-free where its eight neurons differ mod 8. Variants:
+//   plain    the union in ascending order, eight at a time (random residues: ~2.5 rows a
+//            bank group at worst per phase);
+//   residue  the union dealt by residue mod 8 (chunk k takes the k-th neuron of each
+//            residue class; zero rows pad the classes that run out): conflict-free, with
+//            ~1.3x the chunks at 0.5% (the largest class sets the count);
+//   load     only the weight slice's load and the walk's bookkeeping, no product.
+// The host builds the layouts (the library would build them on the device, like the union
+// products' layout). Checked: the partials of a sample of entries against a double sum.
+//
+// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/up_stationary_probe.cu -o up_stationary_probe
+// Run:   ./up_stationary_probe [M=16384] [d=2048] [f=5632] [density=0.005] [pattern=uniform|heavy] [K=1536]
+// Prints one line per variant: microseconds per launch (median of 20), pairs, chunks a
+// CTA walks (the largest), and the check's worst relative error.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "probe_barrier.cuh"
+#include "probe_rows.h"
+
+namespace {
+
+constexpr int kCols = 64;        // x columns (and Wu^T row elements) a CTA owns
+constexpr int kRowBytes = 128;   // one neuron's 64 bf16
+constexpr int kGroup = 16;       // tokens of a product (its M)
+constexpr int kThreads = 1024;   // 32 warps, a group each at a time
+constexpr int kScratch = kGroup * 8;  // floats of a warp's 16 x 8 product tile
+
+struct Layout {
+  const int* chunk_off;    // [groups * ranges + 1] first chunk of (group, range)
+  const uint16_t* chunks;  // [chunks * 8] local neuron of each slot (K + slot: a zero row)
+  const int* pair_off;     // [chunks + 1] first pair of each chunk
+  const uint32_t* pairs;   // token in group << 3 | slot
+  const int* pair_entry;   // the pair's entry (index into the partials' row)
+};
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// grid (ranges x d / 64): CTA (j, r) owns neurons [j K, j K + K) and x columns [64 r, 64 r + 64).
+template <bool kCompute>
+__global__ void __launch_bounds__(kThreads, 1) UpKernel(const __nv_bfloat16* __restrict__ x,
+                                                       const __nv_bfloat16* __restrict__ wut, Layout lay,
+                                                       float* __restrict__ partial, int m, int d, int f, int k_range,
+                                                       int ranges, int64_t entries) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int j = blockIdx.x % ranges, r = blockIdx.x / ranges;
+  const int n0 = j * k_range, c0 = r * kCols;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint32_t slab = probe::Smem(smem);
+  // the slice, 16-byte piece q of row n at piece q ^ (n % 8); rows past f and the eight
+  // padding rows (K .. K + 7) zero
+  for (int i = threadIdx.x; i < (k_range + 8) * 8; i += blockDim.x) {
+    const int n = i / 8, q = i % 8;
+    const uint32_t dst = slab + n * kRowBytes + ((q ^ (n & 7)) * 16);
+    if (n < k_range && n0 + n < f)
+      probe::CpAsync16(dst, wut + static_cast<int64_t>(n0 + n) * d + c0 + q * 8);
+    else
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst), "r"(0u));
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+  float* scratch = reinterpret_cast<float*>(smem + (k_range + 8) * kRowBytes) + warp * kScratch;
+  const int g4 = lane / 4, q4 = lane % 4;
+  const int groups = (m + kGroup - 1) / kGroup;
+  for (int g = warp; g < groups; g += kThreads / 32) {
+    const int ch0 = lay.chunk_off[g * ranges + j], ch1 = lay.chunk_off[g * ranges + j + 1];
+    if (ch0 == ch1) continue;
+    // A: the group's x[:, c0 : c0 + 64], four k-steps of the m16n8k16 row-major fragment
+    uint32_t a[4][4];
+    const int t0 = g * kGroup + g4, t1 = t0 + 8;
+    const uint32_t* x0 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t0) * d + c0);
+    const uint32_t* x1 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t1) * d + c0);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      a[ks][0] = t0 < m ? __ldg(x0 + 8 * ks + q4) : 0u;
+      a[ks][1] = t1 < m ? __ldg(x1 + 8 * ks + q4) : 0u;
+      a[ks][2] = t0 < m ? __ldg(x0 + 8 * ks + 4 + q4) : 0u;
+      a[ks][3] = t1 < m ? __ldg(x1 + 8 * ks + 4 + q4) : 0u;
+    }
+    for (int c = ch0; c < ch1; ++c) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      if (kCompute) {
+        // lane L gives row L % 8 of matrix L / 8: the slot's neuron, 16-byte piece (L / 8)
+        // of the half h (pieces 0-3: columns 0-31, 4-7: 32-63)
+        const int nl = lay.chunks[c * 8 + lane % 8];
+        const uint32_t row = slab + nl * kRowBytes;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t b[4];
+          LdMatrixX4(b, row + (((4 * h + lane / 8) ^ (nl & 7)) * 16));
+          Mma(acc, a[2 * h], b[0], b[1]);
+          Mma(acc, a[2 * h + 1], b[2], b[3]);
+        }
+      }
+      // D (16 tokens x 8 slots) to the warp's scratch, then the active pairs' partials
+      scratch[g4 * 8 + 2 * q4] = acc[0];
+      scratch[g4 * 8 + 2 * q4 + 1] = acc[1];
+      scratch[(g4 + 8) * 8 + 2 * q4] = acc[2];
+      scratch[(g4 + 8) * 8 + 2 * q4 + 1] = acc[3];
+      __syncwarp();
+      const int p1 = lay.pair_off[c + 1];
+      for (int p = lay.pair_off[c] + lane; p < p1; p += 32) {
+        const uint32_t w = lay.pairs[p];
+        partial[static_cast<int64_t>(r) * entries + lay.pair_entry[p]] = scratch[(w >> 3) * 8 + (w & 7)];
+      }
+      __syncwarp();
+    }
+  }
+}
+
+struct HostLayout {
+  std::vector<int> chunk_off, pair_off, pair_entry;
+  std::vector<uint16_t> chunks;
+  std::vector<uint32_t> pairs;
+};
+
+// Per (group, range): the union of the group's neurons in the range, in chunks of eight;
+// `residue`: chunk k holds the k-th neuron of each residue class mod 8 (slot = residue).
+HostLayout BuildLayout(const probe::ActiveRows& rows, int m, int k_range, int ranges, bool residue) {
+  HostLayout h;
+  const int groups = (m + kGroup - 1) / kGroup;
+  h.chunk_off.push_back(0);
+  h.pair_off.push_back(0);
+  std::vector<std::vector<std::pair<int, int>>> at;  // per local neuron: (token in group, entry)
+  at.resize(k_range);
+  std::vector<int> used;
+  for (int g = 0; g < groups; ++g) {
+    for (int j = 0; j < ranges; ++j) {
+      const int n0 = j * k_range;
+      used.clear();
+      for (int i = 0; i < kGroup && g * kGroup + i < m; ++i) {
+        const int t = g * kGroup + i;
+        const int* b = rows.neurons.data() + rows.row_ptr[t];
+        const int* e = rows.neurons.data() + rows.row_ptr[t + 1];
+        for (const int* p = std::lower_bound(b, e, n0); p != e && *p < n0 + k_range; ++p) {
+          const int nl = *p - n0;
+          if (at[nl].empty()) used.push_back(nl);
+          at[nl].push_back({i, static_cast<int>(p - rows.neurons.data())});
+        }
+      }
+      std::sort(used.begin(), used.end());
+      std::vector<std::vector<int>> slots;  // chunks, 8 local neurons each (-1: padding)
+      if (residue) {
+        std::vector<int> cls[8];
+        for (int nl : used) cls[nl & 7].push_back(nl);
+        size_t n_chunks = 0;
+        for (auto& c : cls) n_chunks = std::max(n_chunks, c.size());
+        for (size_t k = 0; k < n_chunks; ++k) {
+          std::vector<int> s(8, -1);
+          for (int q = 0; q < 8; ++q)
+            if (k < cls[q].size()) s[q] = cls[q][k];
+          slots.push_back(s);
+        }
+      } else {
+        for (size_t k = 0; k < used.size(); k += 8) {
+          std::vector<int> s(8, -1);
+          for (size_t q = 0; q < 8 && k + q < used.size(); ++q) s[q] = used[k + q];
+          slots.push_back(s);
+        }
+      }
+      for (const auto& s : slots) {
+        for (int q = 0; q < 8; ++q) {
+          h.chunks.push_back(static_cast<uint16_t>(s[q] >= 0 ? s[q] : k_range + q));
+          if (s[q] < 0) continue;
+          for (const auto& te : at[s[q]]) {
+            h.pairs.push_back(static_cast<uint32_t>(te.first) << 3 | static_cast<uint32_t>(q));
+            h.pair_entry.push_back(te.second);
+          }
+        }
+        h.pair_off.push_back(static_cast<int>(h.pairs.size()));
+      }
+      h.chunk_off.push_back(static_cast<int>(h.chunk_off.back() + slots.size()));
+      for (int nl : used) at[nl].clear();
+    }
+  }
+  return h;
+}
+
+template <typename T>
+T* Upload(const std::vector<T>& v) {
+  T* p;
+  CHECK(cudaMalloc(&p, std::max<size_t>(v.size(), 1) * sizeof(T)));
+  if (!v.empty()) CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int m = argc > 1 ? std::atoi(argv[1]) : 16384;
+  const int d = argc > 2 ? std::atoi(argv[2]) : 2048;
+  const int f = argc > 3 ? std::atoi(argv[3]) : 5632;
+  const double p = argc > 4 ? std::atof(argv[4]) : 0.005;
+  const std::string pattern = argc > 5 ? argv[5] : "uniform";
+  const int k_range = argc > 6 ? std::atoi(argv[6]) : 1536;
+  const int ranges = (f + k_range - 1) / k_range;
+  const int smem = (k_range + 8) * kRowBytes + kThreads / 32 * kScratch * 4;
+  int max_smem = 0;
+  CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  if (d % kCols != 0 || k_range > 65536 - 8 || smem > max_smem) {
+    std::fprintf(stderr, "needs d a multiple of 64 and (K + 8) x 128 + 16 KB <= %d bytes of shared memory\n", max_smem);
+    return 1;
+  }
+  std::mt19937_64 rng(4321);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  std::vector<uint16_t> x(static_cast<size_t>(m) * d), wut(static_cast<size_t>(f) * d);
+  for (auto& v : x) v = probe::FloatToBf16(uni(rng));
+  for (auto& v : wut) v = probe::FloatToBf16(uni(rng) * 0.05f);
+  const probe::ActiveRows rows = probe::DrawRows(m, f, p, pattern, rng);
+  const int64_t entries = static_cast<int64_t>(rows.neurons.size());
+  std::printf("M=%d d=%d f=%d p=%.4f %s K=%d: %lld pairs (%.1f a token), %d x %d CTAs, %d B shared\n", m, d, f, p,
+              pattern.c_str(), k_range, static_cast<long long>(entries), static_cast<double>(entries) / m, ranges,
+              d / kCols, smem);
+
+  __nv_bfloat16* d_x = reinterpret_cast<__nv_bfloat16*>(Upload(x));
+  __nv_bfloat16* d_wut = reinterpret_cast<__nv_bfloat16*>(Upload(wut));
+  float* d_partial;
+  CHECK(cudaMalloc(&d_partial, static_cast<size_t>(d / kCols) * entries * 4 + 4));
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  CHECK(cudaFuncSetAttribute(UpKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(UpKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+
+  const char* names[] = {"plain", "residue", "load"};
+  for (int v = 0; v < 3; ++v) {
+    const HostLayout h = BuildLayout(rows, m, k_range, ranges, v != 0);
+    int worst = 0;  // chunks of the busiest range
+    const int groups = (m + kGroup - 1) / kGroup;
+    for (int j = 0; j < ranges; ++j) {
+      int n = 0;
+      for (int g = 0; g < groups; ++g) n += h.chunk_off[g * ranges + j + 1] - h.chunk_off[g * ranges + j];
+      worst = std::max(worst, n);
+    }
+    Layout lay{Upload(h.chunk_off), Upload(h.chunks), Upload(h.pair_off), Upload(h.pairs), Upload(h.pair_entry)};
+    CHECK(cudaMemset(d_partial, 0xff, static_cast<size_t>(d / kCols) * entries * 4));
+    auto launch = [&] {
+      if (v == 2)
+        UpKernel<false><<<ranges * (d / kCols), kThreads, smem>>>(d_x, d_wut, lay, d_partial, m, d, f, k_range, ranges,
+                                                                  entries);
+      else
+        UpKernel<true><<<ranges * (d / kCols), kThreads, smem>>>(d_x, d_wut, lay, d_partial, m, d, f, k_range, ranges,
+                                                                 entries);
+    };
+    launch();
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    std::vector<float> times;
+    for (int i = 0; i < 20; ++i) {
+      CHECK(cudaEventRecord(start));
+      launch();
+      CHECK(cudaEventRecord(stop));
+      CHECK(cudaEventSynchronize(stop));
+      float t;
+      CHECK(cudaEventElapsedTime(&t, start, stop));
+      times.push_back(1e3f * t);
+    }
+    std::sort(times.begin(), times.end());
+    double err = 0.0;
+    if (v != 2) {  // a sample of entries, every column range: against a double sum
+      std::vector<float> part(static_cast<size_t>(d / kCols) * entries);
+      CHECK(cudaMemcpy(part.data(), d_partial, part.size() * 4, cudaMemcpyDeviceToHost));
+      for (int t = 0; t < m; t += std::max(1, m / 256)) {
+        for (int e = rows.row_ptr[t]; e < rows.row_ptr[t + 1]; ++e) {
+          const int n = rows.neurons[e];
+          for (int r = 0; r < d / kCols; ++r) {
+            double want = 0.0, mag = 0.0;
+            for (int c = r * kCols; c < (r + 1) * kCols; ++c) {
+              const double pr = static_cast<double>(probe::Bf16ToFloat(x[static_cast<size_t>(t) * d + c])) *
+                                probe::Bf16ToFloat(wut[static_cast<size_t>(n) * d + c]);
+              want += pr;
+              mag += std::fabs(pr);
+            }
+            const double got = part[static_cast<size_t>(r) * entries + e];
+            err = std::max(err, std::fabs(got - want) / (mag + 1e-30));
+          }
+        }
+      }
+    }
+    std::printf("%-8s %9.1f us  pairs %lld  chunks (busiest range) %d  worst error / sum|x w| %.2e\n", names[v],
+                times[times.size() / 2], static_cast<long long>(entries), worst, err);
+    CHECK(cudaFree(const_cast<int*>(lay.chunk_off)));
+    CHECK(cudaFree(const_cast<uint16_t*>(lay.chunks)));
+    CHECK(cudaFree(const_cast<int*>(lay.pair_off)));
+    CHECK(cudaFree(const_cast<uint32_t*>(lay.pairs)));
+    CHECK(cudaFree(const_cast<int*>(lay.pair_entry)));
+  }
+  return 0;
+}
