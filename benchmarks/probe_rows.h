@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -25,6 +26,19 @@ inline uint16_t FloatToBf16(float x) {  // round to nearest even (finite inputs)
   uint32_t u;
   std::memcpy(&u, &x, 4);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The probes' leading arguments: [M=16384] [d=2048] [f=5632] [density=0.005] [pattern=uniform|heavy].
+struct Shape {
+  int m, d, f;
+  double p;
+  std::string pattern;
+};
+
+inline Shape ParseShape(int argc, char** argv) {
+  return Shape{argc > 1 ? std::atoi(argv[1]) : 16384, argc > 2 ? std::atoi(argv[2]) : 2048,
+               argc > 3 ? std::atoi(argv[3]) : 5632, argc > 4 ? std::atof(argv[4]) : 0.005,
+               argc > 5 ? argv[5] : "uniform"};
 }
 
 // Rows of m tokens over f neurons: row_ptr [m + 1] into neurons (ascending within a row).

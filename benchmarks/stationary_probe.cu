@@ -227,11 +227,7 @@ __global__ void __launch_bounds__(1024) DownKernel3(const __nv_bfloat16* __restr
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int m = argc > 1 ? std::atoi(argv[1]) : 16384;
-  const int d = argc > 2 ? std::atoi(argv[2]) : 2048;
-  const int f = argc > 3 ? std::atoi(argv[3]) : 5632;
-  const double p = argc > 4 ? std::atof(argv[4]) : 0.005;
-  const std::string pattern = argc > 5 ? argv[5] : "uniform";
+  const auto [m, d, f, p, pattern] = probe::ParseShape(argc, argv);
   if (f > 65536 || d % 16 != 0) {
     std::fprintf(stderr, "needs f <= 65536 and d a multiple of 16\n");
     return 1;

@@ -221,11 +221,10 @@ T* Upload(const std::vector<T>& v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int m = argc > 1 ? std::atoi(argv[1]) : 16384;
-  const int d = argc > 2 ? std::atoi(argv[2]) : 2048;
-  const int f = argc > 3 ? std::atoi(argv[3]) : 5632;
-  const double p = argc > 4 ? std::atof(argv[4]) : 0.005;
-  const std::string pattern = argc > 5 ? argv[5] : "uniform";
+  const probe::Shape shape = probe::ParseShape(argc, argv);
+  const int m = shape.m, d = shape.d, f = shape.f;
+  const double p = shape.p;
+  const std::string& pattern = shape.pattern;
   const int k_range = argc > 6 ? std::atoi(argv[6]) : 1536;
   const int ranges = (f + k_range - 1) / k_range;
   const int smem = (k_range + 8) * kRowBytes + kThreads / 32 * kScratch * 4;
