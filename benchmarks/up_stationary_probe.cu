@@ -19,6 +19,14 @@
 //            residue class; zero rows pad the classes that run out): conflict-free, with
 //            ~1.3x the chunks at 0.5% (the largest class sets the count);
 //   load     only the weight slice's load and the walk's bookkeeping, no product.
+// Measured (up_stationary_probe_2f201b8.txt): all three bound by that bookkeeping (each
+// chunk waited on dependent loads of its pair lists and scattered partials in entry order).
+//   v2_plain, v2_residue: UpKernel2, the same products with a chunk record of 32 bytes (its
+//            eight neurons and a 128-bit mask of the group's active (token, slot) pairs),
+//            32 records at a time staged in the warp's shared memory by one coalesced load;
+//            each thread stores the partials of its own accumulators where the mask has
+//            them, in the mask's bit order (the partials come out in pair order, coalesced;
+//            the library's Finish would read them through an index).
 // The host builds the layouts (the library would build them on the device, like the union
 // products' layout). Checked: the partials of a sample of entries against a double sum.
 //
@@ -47,6 +55,14 @@ constexpr int kRowBytes = 128;   // one neuron's 64 bf16
 constexpr int kGroup = 16;       // tokens of a product (its M)
 constexpr int kThreads = 1024;   // 32 warps, a group each at a time
 constexpr int kScratch = kGroup * 8;  // floats of a warp's 16 x 8 product tile
+
+// v2: per chunk 8 words, the slots' local neurons (two a word, slot 2i low) then the mask
+// (bit 8 t + s: token t of the group at slot s; word w holds tokens 4w .. 4w + 3).
+struct Layout2 {
+  const int* chunk_off;   // [groups * ranges + 1]
+  const uint4* records;   // [chunks * 2]
+  const int* pair_base;   // [groups * ranges] first pair (in the output's order) of (group, range)
+};
 
 struct Layout {
   const int* chunk_off;    // [groups * ranges + 1] first chunk of (group, range)
@@ -142,10 +158,96 @@ __global__ void __launch_bounds__(kThreads, 1) UpKernel(const __nv_bfloat16* __r
   }
 }
 
+constexpr int kStageBytes = 32 * 32;  // a warp's staged records: 32 chunks x 32 bytes
+
+template <bool kCompute>
+__global__ void __launch_bounds__(kThreads, 1) UpKernel2(const __nv_bfloat16* __restrict__ x,
+                                                        const __nv_bfloat16* __restrict__ wut, Layout2 lay,
+                                                        float* __restrict__ partial, int m, int d, int f, int k_range,
+                                                        int ranges, int64_t pairs) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int j = blockIdx.x % ranges, r = blockIdx.x / ranges;
+  const int n0 = j * k_range, c0 = r * kCols;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint32_t slab = probe::Smem(smem);
+  for (int i = threadIdx.x; i < (k_range + 8) * 8; i += blockDim.x) {
+    const int n = i / 8, q = i % 8;
+    const uint32_t dst = slab + n * kRowBytes + ((q ^ (n & 7)) * 16);
+    if (n < k_range && n0 + n < f)
+      probe::CpAsync16(dst, wut + static_cast<int64_t>(n0 + n) * d + c0 + q * 8);
+    else
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst), "r"(0u));
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+  unsigned char* stage = smem + (k_range + 8) * kRowBytes + warp * kStageBytes;
+  const int g4 = lane / 4, q4 = lane % 4;
+  const int groups = (m + kGroup - 1) / kGroup;
+  float* out = partial + static_cast<int64_t>(r) * pairs;
+  // this thread's outputs: token g4 at slots 2 q4, 2 q4 + 1 (mask word g4 / 4), token g4 + 8
+  // (word 2 + g4 / 4); bit positions within the word
+  const int pos = (g4 % 4) * 8 + 2 * q4;
+  const uint32_t below = (1u << pos) - 1u;
+  for (int g = warp; g < groups; g += kThreads / 32) {
+    const int ch0 = lay.chunk_off[g * ranges + j], ch1 = lay.chunk_off[g * ranges + j + 1];
+    if (ch0 == ch1) continue;
+    int run = lay.pair_base[g * ranges + j];
+    uint32_t a[4][4];
+    const int t0 = g * kGroup + g4, t1 = t0 + 8;
+    const uint32_t* x0 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t0) * d + c0);
+    const uint32_t* x1 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t1) * d + c0);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      a[ks][0] = t0 < m ? __ldg(x0 + 8 * ks + q4) : 0u;
+      a[ks][1] = t1 < m ? __ldg(x1 + 8 * ks + q4) : 0u;
+      a[ks][2] = t0 < m ? __ldg(x0 + 8 * ks + 4 + q4) : 0u;
+      a[ks][3] = t1 < m ? __ldg(x1 + 8 * ks + 4 + q4) : 0u;
+    }
+    for (int b0 = ch0; b0 < ch1; b0 += 32) {
+      const int nb = min(32, ch1 - b0);
+      __syncwarp();
+      if (lane < nb) {
+        const uint4 lo = __ldg(lay.records + 2 * (b0 + lane)), hi = __ldg(lay.records + 2 * (b0 + lane) + 1);
+        *reinterpret_cast<uint4*>(stage + lane * 32) = lo;
+        *reinterpret_cast<uint4*>(stage + lane * 32 + 16) = hi;
+      }
+      __syncwarp();
+      for (int cl = 0; cl < nb; ++cl) {
+        const int nl = *reinterpret_cast<const uint16_t*>(stage + cl * 32 + 2 * (lane % 8));
+        const uint4 mask = *reinterpret_cast<const uint4*>(stage + cl * 32 + 16);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if (kCompute) {
+          const uint32_t row = slab + nl * kRowBytes;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint32_t b[4];
+            LdMatrixX4(b, row + (((4 * h + lane / 8) ^ (nl & 7)) * 16));
+            Mma(acc, a[2 * h], b[0], b[1]);
+            Mma(acc, a[2 * h + 1], b[2], b[3]);
+          }
+        }
+        const int p0 = __popc(mask.x), p1 = p0 + __popc(mask.y), p2 = p1 + __popc(mask.z);
+        const uint32_t wa = g4 < 4 ? mask.x : mask.y, wb = g4 < 4 ? mask.z : mask.w;
+        const int ba = run + (g4 < 4 ? 0 : p0) + __popc(wa & below);
+        const int bb = run + (g4 < 4 ? p1 : p2) + __popc(wb & below);
+        if ((wa >> pos) & 1u) out[ba] = acc[0];
+        if ((wa >> (pos + 1)) & 1u) out[ba + ((wa >> pos) & 1u)] = acc[1];
+        if ((wb >> pos) & 1u) out[bb] = acc[2];
+        if ((wb >> (pos + 1)) & 1u) out[bb + ((wb >> pos) & 1u)] = acc[3];
+        run = run + p2 + __popc(mask.w);
+      }
+    }
+  }
+}
+
 struct HostLayout {
   std::vector<int> chunk_off, pair_off, pair_entry;
   std::vector<uint16_t> chunks;
   std::vector<uint32_t> pairs;
+  // v2: the chunk records, each (group, range)'s first pair, and the entry of each pair in
+  // the mask order
+  std::vector<uint32_t> records;
+  std::vector<int> pair_base, pair2_entry;
 };
 
 // Per (group, range): the union of the group's neurons in the range, in chunks of eight;
@@ -192,16 +294,28 @@ HostLayout BuildLayout(const probe::ActiveRows& rows, int m, int k_range, int ra
           slots.push_back(s);
         }
       }
+      h.pair_base.push_back(static_cast<int>(h.pair2_entry.size()));
       for (const auto& s : slots) {
+        int bit_entry[kGroup * 8];
+        std::fill(bit_entry, bit_entry + kGroup * 8, -1);
+        uint32_t rec[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int q = 0; q < 8; ++q) {
-          h.chunks.push_back(static_cast<uint16_t>(s[q] >= 0 ? s[q] : k_range + q));
+          const uint16_t nl = static_cast<uint16_t>(s[q] >= 0 ? s[q] : k_range + q);
+          h.chunks.push_back(nl);
+          rec[q / 2] |= static_cast<uint32_t>(nl) << (16 * (q % 2));
           if (s[q] < 0) continue;
           for (const auto& te : at[s[q]]) {
             h.pairs.push_back(static_cast<uint32_t>(te.first) << 3 | static_cast<uint32_t>(q));
             h.pair_entry.push_back(te.second);
+            const int bit = te.first * 8 + q;
+            rec[4 + bit / 32] |= 1u << (bit % 32);
+            bit_entry[bit] = te.second;
           }
         }
         h.pair_off.push_back(static_cast<int>(h.pairs.size()));
+        h.records.insert(h.records.end(), rec, rec + 8);
+        for (int bit = 0; bit < kGroup * 8; ++bit)
+          if (bit_entry[bit] >= 0) h.pair2_entry.push_back(bit_entry[bit]);
       }
       h.chunk_off.push_back(static_cast<int>(h.chunk_off.back() + slots.size()));
       for (int nl : used) at[nl].clear();
@@ -227,11 +341,11 @@ int main(int argc, char** argv) {
   const std::string& pattern = shape.pattern;
   const int k_range = argc > 6 ? std::atoi(argv[6]) : 1536;
   const int ranges = (f + k_range - 1) / k_range;
-  const int smem = (k_range + 8) * kRowBytes + kThreads / 32 * kScratch * 4;
+  const int smem = (k_range + 8) * kRowBytes + kThreads / 32 * kStageBytes;  // v2's staging > v1's scratch
   int max_smem = 0;
   CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
   if (d % kCols != 0 || k_range > 65536 - 8 || smem > max_smem) {
-    std::fprintf(stderr, "needs d a multiple of 64 and (K + 8) x 128 + 16 KB <= %d bytes of shared memory\n", max_smem);
+    std::fprintf(stderr, "needs d a multiple of 64 and (K + 8) x 128 + 32 KB <= %d bytes of shared memory\n", max_smem);
     return 1;
   }
   std::mt19937_64 rng(4321);
@@ -254,10 +368,13 @@ int main(int argc, char** argv) {
   CHECK(cudaEventCreate(&stop));
   CHECK(cudaFuncSetAttribute(UpKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   CHECK(cudaFuncSetAttribute(UpKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(UpKernel2<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(UpKernel2<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
 
-  const char* names[] = {"plain", "residue", "load"};
-  for (int v = 0; v < 3; ++v) {
-    const HostLayout h = BuildLayout(rows, m, k_range, ranges, v != 0);
+  const char* names[] = {"plain", "residue", "load", "v2_plain", "v2_residue", "v2_load"};
+  for (int v = 0; v < 6; ++v) {
+    const bool v2 = v >= 3, compute = v % 3 != 2;
+    const HostLayout h = BuildLayout(rows, m, k_range, ranges, v % 3 != 0);
     int worst = 0;  // chunks of the busiest range
     const int groups = (m + kGroup - 1) / kGroup;
     for (int j = 0; j < ranges; ++j) {
@@ -266,14 +383,18 @@ int main(int argc, char** argv) {
       worst = std::max(worst, n);
     }
     Layout lay{Upload(h.chunk_off), Upload(h.chunks), Upload(h.pair_off), Upload(h.pairs), Upload(h.pair_entry)};
+    Layout2 lay2{lay.chunk_off, reinterpret_cast<const uint4*>(Upload(h.records)), Upload(h.pair_base)};
     CHECK(cudaMemset(d_partial, 0xff, static_cast<size_t>(d / kCols) * entries * 4));
+    const unsigned grid = ranges * (d / kCols);
     auto launch = [&] {
-      if (v == 2)
-        UpKernel<false><<<ranges * (d / kCols), kThreads, smem>>>(d_x, d_wut, lay, d_partial, m, d, f, k_range, ranges,
-                                                                  entries);
+      if (v2 && compute)
+        UpKernel2<true><<<grid, kThreads, smem>>>(d_x, d_wut, lay2, d_partial, m, d, f, k_range, ranges, entries);
+      else if (v2)
+        UpKernel2<false><<<grid, kThreads, smem>>>(d_x, d_wut, lay2, d_partial, m, d, f, k_range, ranges, entries);
+      else if (compute)
+        UpKernel<true><<<grid, kThreads, smem>>>(d_x, d_wut, lay, d_partial, m, d, f, k_range, ranges, entries);
       else
-        UpKernel<true><<<ranges * (d / kCols), kThreads, smem>>>(d_x, d_wut, lay, d_partial, m, d, f, k_range, ranges,
-                                                                 entries);
+        UpKernel<false><<<grid, kThreads, smem>>>(d_x, d_wut, lay, d_partial, m, d, f, k_range, ranges, entries);
     };
     launch();
     CHECK(cudaGetLastError());
@@ -290,9 +411,13 @@ int main(int argc, char** argv) {
     }
     std::sort(times.begin(), times.end());
     double err = 0.0;
-    if (v != 2) {  // a sample of entries, every column range: against a double sum
+    if (compute) {  // a sample of entries, every column range: against a double sum
       std::vector<float> part(static_cast<size_t>(d / kCols) * entries);
       CHECK(cudaMemcpy(part.data(), d_partial, part.size() * 4, cudaMemcpyDeviceToHost));
+      std::vector<int> slot_of(entries);  // where each entry's partial is: entry order (v1), pair order (v2)
+      for (int64_t e = 0; e < entries; ++e) slot_of[e] = static_cast<int>(e);
+      if (v2)
+        for (size_t q = 0; q < h.pair2_entry.size(); ++q) slot_of[h.pair2_entry[q]] = static_cast<int>(q);
       for (int t = 0; t < m; t += std::max(1, m / 256)) {
         for (int e = rows.row_ptr[t]; e < rows.row_ptr[t + 1]; ++e) {
           const int n = rows.neurons[e];
@@ -304,7 +429,7 @@ int main(int argc, char** argv) {
               want += pr;
               mag += std::fabs(pr);
             }
-            const double got = part[static_cast<size_t>(r) * entries + e];
+            const double got = part[static_cast<size_t>(r) * entries + slot_of[e]];
             err = std::max(err, std::fabs(got - want) / (mag + 1e-30));
           }
         }
@@ -317,6 +442,8 @@ int main(int argc, char** argv) {
     CHECK(cudaFree(const_cast<int*>(lay.pair_off)));
     CHECK(cudaFree(const_cast<uint32_t*>(lay.pairs)));
     CHECK(cudaFree(const_cast<int*>(lay.pair_entry)));
+    CHECK(cudaFree(const_cast<uint4*>(lay2.records)));
+    CHECK(cudaFree(const_cast<int*>(lay2.pair_base)));
   }
   return 0;
 }
