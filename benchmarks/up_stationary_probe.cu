@@ -31,7 +31,8 @@
 // products' layout). Checked: the partials of a sample of entries against a double sum.
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/up_stationary_probe.cu -o up_stationary_probe
-// Run:   ./up_stationary_probe [M=16384] [d=2048] [f=5632] [density=0.005] [pattern=uniform|heavy] [K=1536]
+// Run:   ./up_stationary_probe [M=16384] [d=2048] [f=5632] [density=0.005] [pattern=uniform|heavy] [K=1536] [host]
+//        ("host": only UpKernel2's output indexing replayed on the CPU against the layout)
 // Prints one line per variant: microseconds per launch (median of 20), pairs, chunks a
 // CTA walks (the largest), and the check's worst relative error.
 #include <cuda_bf16.h>
@@ -324,6 +325,49 @@ HostLayout BuildLayout(const probe::ActiveRows& rows, int m, int k_range, int ra
   return h;
 }
 
+// UpKernel2's output indexing replayed on the host (no GPU): every thread's four outputs of
+// every chunk land, through the mask and the running count, on the partial of the entry
+// whose (token, slot) they hold, and every pair is written once. Returns the mismatches.
+int64_t CheckIndexing(const HostLayout& h, const probe::ActiveRows& rows, int m, int k_range, int ranges) {
+  const int groups = (m + kGroup - 1) / kGroup;
+  std::vector<int> written(h.pair2_entry.size(), 0);
+  int64_t bad = 0;
+  for (int g = 0; g < groups; ++g) {
+    for (int j = 0; j < ranges; ++j) {
+      int run = h.pair_base[g * ranges + j];
+      for (int c = h.chunk_off[g * ranges + j]; c < h.chunk_off[g * ranges + j + 1]; ++c) {
+        const uint32_t* rec = h.records.data() + 8 * c;
+        const uint32_t mx = rec[4], my = rec[5], mz = rec[6], mw = rec[7];
+        const int p0 = __builtin_popcount(mx), p1 = p0 + __builtin_popcount(my), p2 = p1 + __builtin_popcount(mz);
+        for (int lane = 0; lane < 32; ++lane) {
+          const int g4 = lane / 4, q4 = lane % 4, pos = (g4 % 4) * 8 + 2 * q4;
+          const uint32_t below = (1u << pos) - 1u;
+          const uint32_t wa = g4 < 4 ? mx : my, wb = g4 < 4 ? mz : mw;
+          const int ba = run + (g4 < 4 ? 0 : p0) + __builtin_popcount(wa & below);
+          const int bb = run + (g4 < 4 ? p1 : p2) + __builtin_popcount(wb & below);
+          const int idx[4] = {ba, ba + static_cast<int>((wa >> pos) & 1u), bb, bb + static_cast<int>((wb >> pos) & 1u)};
+          const bool on[4] = {((wa >> pos) & 1u) != 0, ((wa >> (pos + 1)) & 1u) != 0, ((wb >> pos) & 1u) != 0,
+                              ((wb >> (pos + 1)) & 1u) != 0};
+          const int tok[4] = {g4, g4, g4 + 8, g4 + 8}, slot[4] = {2 * q4, 2 * q4 + 1, 2 * q4, 2 * q4 + 1};
+          for (int k = 0; k < 4; ++k) {
+            if (!on[k]) continue;
+            const int t = g * kGroup + tok[k];
+            const int nl = static_cast<int>((rec[slot[k] / 2] >> (16 * (slot[k] % 2))) & 0xffffu);
+            const int e = h.pair2_entry[idx[k]];
+            ++written[idx[k]];
+            const bool own = t < m && e >= rows.row_ptr[t] && e < rows.row_ptr[t + 1] && nl < k_range &&
+                             rows.neurons[e] == j * k_range + nl;
+            bad += !own;
+          }
+        }
+        run += p2 + __builtin_popcount(mw);
+      }
+    }
+  }
+  for (int w : written) bad += w != 1;
+  return bad;
+}
+
 template <typename T>
 T* Upload(const std::vector<T>& v) {
   T* p;
@@ -341,6 +385,18 @@ int main(int argc, char** argv) {
   const std::string& pattern = shape.pattern;
   const int k_range = argc > 6 ? std::atoi(argv[6]) : 1536;
   const int ranges = (f + k_range - 1) / k_range;
+  if (argc > 7 && std::string(argv[7]) == "host") {  // the indexing check alone, no GPU
+    std::mt19937_64 rng(4321);
+    const probe::ActiveRows rows = probe::DrawRows(m, f, p, pattern, rng);
+    for (int residue = 0; residue < 2; ++residue) {
+      const HostLayout h = BuildLayout(rows, m, k_range, ranges, residue != 0);
+      const int64_t bad = CheckIndexing(h, rows, m, k_range, ranges);
+      std::printf("%s: %zu pairs of %zu entries laid out, %lld indexing mismatches\n", residue ? "residue" : "plain",
+                  h.pair2_entry.size(), rows.neurons.size(), static_cast<long long>(bad));
+      if (bad != 0 || h.pair2_entry.size() != rows.neurons.size()) return 1;
+    }
+    return 0;
+  }
   const int smem = (k_range + 8) * kRowBytes + kThreads / 32 * kStageBytes;  // v2's staging > v1's scratch
   int max_smem = 0;
   CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
