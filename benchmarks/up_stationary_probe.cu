@@ -21,7 +21,7 @@
 //   load     only the weight slice's load and the walk's bookkeeping, no product.
 // Measured (up_stationary_probe_2f201b8.txt): all three bound by that bookkeeping (each
 // chunk waited on dependent loads of its pair lists and scattered partials in entry order).
-//   v2_plain, v2_residue: UpKernel2, the same products with a chunk record of 32 bytes (its
+//   v2_plain, v2_residue: UpKernel<2>, the same products with a chunk record of 32 bytes (its
 //            eight neurons and a 128-bit mask of the group's active (token, slot) pairs),
 //            32 records at a time staged in the warp's shared memory by one coalesced load;
 //            each thread stores the partials of its own accumulators where the mask has
@@ -32,7 +32,7 @@
 //
 // Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/up_stationary_probe.cu -o up_stationary_probe
 // Run:   ./up_stationary_probe [M=16384] [d=2048] [f=5632] [density=0.005] [pattern=uniform|heavy] [K=1536] [host]
-//        ("host": only UpKernel2's output indexing replayed on the CPU against the layout)
+//        ("host": only UpKernel<2>'s output indexing replayed on the CPU against the layout)
 // Prints one line per variant: microseconds per launch (median of 20), pairs, chunks a
 // CTA walks (the largest), and the check's worst relative error.
 #include <cuda_bf16.h>
@@ -87,19 +87,10 @@ __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// grid (ranges x d / 64): CTA (j, r) owns neurons [j K, j K + K) and x columns [64 r, 64 r + 64).
-template <bool kCompute>
-__global__ void __launch_bounds__(kThreads, 1) UpKernel(const __nv_bfloat16* __restrict__ x,
-                                                       const __nv_bfloat16* __restrict__ wut, Layout lay,
-                                                       float* __restrict__ partial, int m, int d, int f, int k_range,
-                                                       int ranges, int64_t entries) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int j = blockIdx.x % ranges, r = blockIdx.x / ranges;
-  const int n0 = j * k_range, c0 = r * kCols;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t slab = probe::Smem(smem);
-  // the slice, 16-byte piece q of row n at piece q ^ (n % 8); rows past f and the eight
-  // padding rows (K .. K + 7) zero
+// The CTA's slice of Wu^T to shared memory: 16-byte piece q of row n at piece q ^ (n % 8);
+// rows past f and the eight padding rows (K .. K + 7) zero.
+__device__ __forceinline__ void LoadSlab(uint32_t slab, const __nv_bfloat16* wut, int d, int f, int k_range, int n0,
+                                         int c0) {
   for (int i = threadIdx.x; i < (k_range + 8) * 8; i += blockDim.x) {
     const int n = i / 8, q = i % 8;
     const uint32_t dst = slab + n * kRowBytes + ((q ^ (n & 7)) * 16);
@@ -110,39 +101,73 @@ __global__ void __launch_bounds__(kThreads, 1) UpKernel(const __nv_bfloat16* __r
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
+}
+
+// acc += the group's x (A) times the chunk's eight neurons' rows: lane L gives row L % 8 of
+// matrix L / 8, its slot's neuron nl, 16-byte piece (L / 8) of the half h (pieces 0-3:
+// columns 0-31, 4-7: 32-63).
+__device__ __forceinline__ void ChunkProduct(float (&acc)[4], const uint32_t (&a)[4][4], uint32_t slab, int nl,
+                                             int lane) {
+  const uint32_t row = slab + nl * kRowBytes;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t b[4];
+    LdMatrixX4(b, row + (((4 * h + lane / 8) ^ (nl & 7)) * 16));
+    Mma(acc, a[2 * h], b[0], b[1]);
+    Mma(acc, a[2 * h + 1], b[2], b[3]);
+  }
+}
+
+// CTA (j, r) of the grid (ranges x d / 64): neurons [j K, j K + K), x columns [64 r,
+// 64 r + 64); its slice loaded.
+struct Cta {
+  int j, r, c0, lane, warp;
+  uint32_t slab;
+};
+
+__device__ __forceinline__ Cta Start(unsigned char* smem, const __nv_bfloat16* wut, int d, int f, int k_range,
+                                     int ranges) {
+  Cta c{static_cast<int>(blockIdx.x) % ranges, static_cast<int>(blockIdx.x) / ranges, 0,
+        static_cast<int>(threadIdx.x) % 32, static_cast<int>(threadIdx.x) / 32, probe::Smem(smem)};
+  c.c0 = c.r * kCols;
+  LoadSlab(c.slab, wut, d, f, k_range, c.j * k_range, c.c0);
+  return c;
+}
+
+// A: group g's x[:, c0 : c0 + 64], four k-steps of the m16n8k16 row-major fragment (rows
+// past m zero).
+__device__ __forceinline__ void LoadA(uint32_t (&a)[4][4], const __nv_bfloat16* x, int m, int d, int g, int c0, int g4,
+                                      int q4) {
+  const int t0 = g * kGroup + g4, t1 = t0 + 8;
+  const uint32_t* x0 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t0) * d + c0);
+  const uint32_t* x1 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t1) * d + c0);
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    a[ks][0] = t0 < m ? __ldg(x0 + 8 * ks + q4) : 0u;
+    a[ks][1] = t1 < m ? __ldg(x1 + 8 * ks + q4) : 0u;
+    a[ks][2] = t0 < m ? __ldg(x0 + 8 * ks + 4 + q4) : 0u;
+    a[ks][3] = t1 < m ? __ldg(x1 + 8 * ks + 4 + q4) : 0u;
+  }
+}
+
+// v1: chunk lists and pair lists read per chunk, partials scattered in entry order.
+template <bool kCompute>
+__device__ __forceinline__ void WalkV1(const Cta& cta, unsigned char* smem, const __nv_bfloat16* __restrict__ x,
+                                       const Layout& lay, float* __restrict__ partial, int m, int d, int k_range,
+                                       int ranges, int64_t entries) {
+  const int j = cta.j, r = cta.r, c0 = cta.c0, lane = cta.lane, warp = cta.warp;
+  const uint32_t slab = cta.slab;
   float* scratch = reinterpret_cast<float*>(smem + (k_range + 8) * kRowBytes) + warp * kScratch;
   const int g4 = lane / 4, q4 = lane % 4;
   const int groups = (m + kGroup - 1) / kGroup;
   for (int g = warp; g < groups; g += kThreads / 32) {
     const int ch0 = lay.chunk_off[g * ranges + j], ch1 = lay.chunk_off[g * ranges + j + 1];
     if (ch0 == ch1) continue;
-    // A: the group's x[:, c0 : c0 + 64], four k-steps of the m16n8k16 row-major fragment
     uint32_t a[4][4];
-    const int t0 = g * kGroup + g4, t1 = t0 + 8;
-    const uint32_t* x0 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t0) * d + c0);
-    const uint32_t* x1 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t1) * d + c0);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      a[ks][0] = t0 < m ? __ldg(x0 + 8 * ks + q4) : 0u;
-      a[ks][1] = t1 < m ? __ldg(x1 + 8 * ks + q4) : 0u;
-      a[ks][2] = t0 < m ? __ldg(x0 + 8 * ks + 4 + q4) : 0u;
-      a[ks][3] = t1 < m ? __ldg(x1 + 8 * ks + 4 + q4) : 0u;
-    }
+    LoadA(a, x, m, d, g, c0, g4, q4);
     for (int c = ch0; c < ch1; ++c) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      if (kCompute) {
-        // lane L gives row L % 8 of matrix L / 8: the slot's neuron, 16-byte piece (L / 8)
-        // of the half h (pieces 0-3: columns 0-31, 4-7: 32-63)
-        const int nl = lay.chunks[c * 8 + lane % 8];
-        const uint32_t row = slab + nl * kRowBytes;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t b[4];
-          LdMatrixX4(b, row + (((4 * h + lane / 8) ^ (nl & 7)) * 16));
-          Mma(acc, a[2 * h], b[0], b[1]);
-          Mma(acc, a[2 * h + 1], b[2], b[3]);
-        }
-      }
+      if (kCompute) ChunkProduct(acc, a, slab, lay.chunks[c * 8 + lane % 8], lane);
       // D (16 tokens x 8 slots) to the warp's scratch, then the active pairs' partials
       scratch[g4 * 8 + 2 * q4] = acc[0];
       scratch[g4 * 8 + 2 * q4 + 1] = acc[1];
@@ -161,49 +186,26 @@ __global__ void __launch_bounds__(kThreads, 1) UpKernel(const __nv_bfloat16* __r
 
 constexpr int kStageBytes = 32 * 32;  // a warp's staged records: 32 chunks x 32 bytes
 
+// v2: 32-byte chunk records staged per warp, partials in mask order.
 template <bool kCompute>
-__global__ void __launch_bounds__(kThreads, 1) UpKernel2(const __nv_bfloat16* __restrict__ x,
-                                                        const __nv_bfloat16* __restrict__ wut, Layout2 lay,
-                                                        float* __restrict__ partial, int m, int d, int f, int k_range,
-                                                        int ranges, int64_t pairs) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  const int j = blockIdx.x % ranges, r = blockIdx.x / ranges;
-  const int n0 = j * k_range, c0 = r * kCols;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t slab = probe::Smem(smem);
-  for (int i = threadIdx.x; i < (k_range + 8) * 8; i += blockDim.x) {
-    const int n = i / 8, q = i % 8;
-    const uint32_t dst = slab + n * kRowBytes + ((q ^ (n & 7)) * 16);
-    if (n < k_range && n0 + n < f)
-      probe::CpAsync16(dst, wut + static_cast<int64_t>(n0 + n) * d + c0 + q * 8);
-    else
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(dst), "r"(0u));
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
-  unsigned char* stage = smem + (k_range + 8) * kRowBytes + warp * kStageBytes;
+__device__ __forceinline__ void WalkV2(const Cta& cta, unsigned char* smem, const __nv_bfloat16* __restrict__ x,
+                                       const Layout2& lay, float* __restrict__ partial, int m, int d, int k_range,
+                                       int ranges, int64_t pairs) {
+  const int j = cta.j, c0 = cta.c0, lane = cta.lane;
+  unsigned char* stage = smem + (k_range + 8) * kRowBytes + cta.warp * kStageBytes;
   const int g4 = lane / 4, q4 = lane % 4;
   const int groups = (m + kGroup - 1) / kGroup;
-  float* out = partial + static_cast<int64_t>(r) * pairs;
+  float* out = partial + static_cast<int64_t>(cta.r) * pairs;
   // this thread's outputs: token g4 at slots 2 q4, 2 q4 + 1 (mask word g4 / 4), token g4 + 8
   // (word 2 + g4 / 4); bit positions within the word
   const int pos = (g4 % 4) * 8 + 2 * q4;
   const uint32_t below = (1u << pos) - 1u;
-  for (int g = warp; g < groups; g += kThreads / 32) {
+  for (int g = cta.warp; g < groups; g += kThreads / 32) {
     const int ch0 = lay.chunk_off[g * ranges + j], ch1 = lay.chunk_off[g * ranges + j + 1];
     if (ch0 == ch1) continue;
     int run = lay.pair_base[g * ranges + j];
     uint32_t a[4][4];
-    const int t0 = g * kGroup + g4, t1 = t0 + 8;
-    const uint32_t* x0 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t0) * d + c0);
-    const uint32_t* x1 = reinterpret_cast<const uint32_t*>(x + static_cast<int64_t>(t1) * d + c0);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      a[ks][0] = t0 < m ? __ldg(x0 + 8 * ks + q4) : 0u;
-      a[ks][1] = t1 < m ? __ldg(x1 + 8 * ks + q4) : 0u;
-      a[ks][2] = t0 < m ? __ldg(x0 + 8 * ks + 4 + q4) : 0u;
-      a[ks][3] = t1 < m ? __ldg(x1 + 8 * ks + 4 + q4) : 0u;
-    }
+    LoadA(a, x, m, d, g, c0, g4, q4);
     for (int b0 = ch0; b0 < ch1; b0 += 32) {
       const int nb = min(32, ch1 - b0);
       __syncwarp();
@@ -217,16 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) UpKernel2(const __nv_bfloat16* __
         const int nl = *reinterpret_cast<const uint16_t*>(stage + cl * 32 + 2 * (lane % 8));
         const uint4 mask = *reinterpret_cast<const uint4*>(stage + cl * 32 + 16);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if (kCompute) {
-          const uint32_t row = slab + nl * kRowBytes;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            uint32_t b[4];
-            LdMatrixX4(b, row + (((4 * h + lane / 8) ^ (nl & 7)) * 16));
-            Mma(acc, a[2 * h], b[0], b[1]);
-            Mma(acc, a[2 * h + 1], b[2], b[3]);
-          }
-        }
+        if (kCompute) ChunkProduct(acc, a, cta.slab, nl, lane);
         const int p0 = __popc(mask.x), p1 = p0 + __popc(mask.y), p2 = p1 + __popc(mask.z);
         const uint32_t wa = g4 < 4 ? mask.x : mask.y, wb = g4 < 4 ? mask.z : mask.w;
         const int ba = run + (g4 < 4 ? 0 : p0) + __popc(wa & below);
@@ -239,6 +232,20 @@ __global__ void __launch_bounds__(kThreads, 1) UpKernel2(const __nv_bfloat16* __
       }
     }
   }
+}
+
+// grid (ranges x d / 64): CTA (j, r) owns neurons [j K, j K + K) and x columns [64 r, 64 r + 64).
+template <int kVersion, bool kCompute>
+__global__ void __launch_bounds__(kThreads, 1) UpKernel(const __nv_bfloat16* __restrict__ x,
+                                                       const __nv_bfloat16* __restrict__ wut, Layout lay, Layout2 lay2,
+                                                       float* __restrict__ partial, int m, int d, int f, int k_range,
+                                                       int ranges, int64_t entries) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const Cta cta = Start(smem, wut, d, f, k_range, ranges);
+  if constexpr (kVersion == 1)
+    WalkV1<kCompute>(cta, smem, x, lay, partial, m, d, k_range, ranges, entries);
+  else
+    WalkV2<kCompute>(cta, smem, x, lay2, partial, m, d, k_range, ranges, entries);
 }
 
 struct HostLayout {
@@ -325,7 +332,7 @@ HostLayout BuildLayout(const probe::ActiveRows& rows, int m, int k_range, int ra
   return h;
 }
 
-// UpKernel2's output indexing replayed on the host (no GPU): every thread's four outputs of
+// UpKernel<2>'s output indexing replayed on the host (no GPU): every thread's four outputs of
 // every chunk land, through the mask and the running count, on the partial of the entry
 // whose (token, slot) they hold, and every pair is written once. Returns the mismatches.
 int64_t CheckIndexing(const HostLayout& h, const probe::ActiveRows& rows, int m, int k_range, int ranges) {
@@ -422,10 +429,10 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
-  CHECK(cudaFuncSetAttribute(UpKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CHECK(cudaFuncSetAttribute(UpKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CHECK(cudaFuncSetAttribute(UpKernel2<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  CHECK(cudaFuncSetAttribute(UpKernel2<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(UpKernel<1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(UpKernel<1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(UpKernel<2, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CHECK(cudaFuncSetAttribute(UpKernel<2, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
 
   const char* names[] = {"plain", "residue", "load", "v2_plain", "v2_residue", "v2_load"};
   for (int v = 0; v < 6; ++v) {
@@ -443,14 +450,9 @@ int main(int argc, char** argv) {
     CHECK(cudaMemset(d_partial, 0xff, static_cast<size_t>(d / kCols) * entries * 4));
     const unsigned grid = ranges * (d / kCols);
     auto launch = [&] {
-      if (v2 && compute)
-        UpKernel2<true><<<grid, kThreads, smem>>>(d_x, d_wut, lay2, d_partial, m, d, f, k_range, ranges, entries);
-      else if (v2)
-        UpKernel2<false><<<grid, kThreads, smem>>>(d_x, d_wut, lay2, d_partial, m, d, f, k_range, ranges, entries);
-      else if (compute)
-        UpKernel<true><<<grid, kThreads, smem>>>(d_x, d_wut, lay, d_partial, m, d, f, k_range, ranges, entries);
-      else
-        UpKernel<false><<<grid, kThreads, smem>>>(d_x, d_wut, lay, d_partial, m, d, f, k_range, ranges, entries);
+      auto kernel = v2 ? (compute ? UpKernel<2, true> : UpKernel<2, false>)
+                       : (compute ? UpKernel<1, true> : UpKernel<1, false>);
+      kernel<<<grid, kThreads, smem>>>(d_x, d_wut, lay, lay2, d_partial, m, d, f, k_range, ranges, entries);
     };
     launch();
     CHECK(cudaGetLastError());
