@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CHECK(x)                                                                              \
   do {                                                                                        \
@@ -19,6 +20,17 @@
   } while (0)
 
 namespace probe {
+
+// A device copy of v, with pad zero elements after it (for loads that read ahead).
+template <typename T>
+T* Upload(const std::vector<T>& v, size_t pad = 0) {
+  T* p;
+  const size_t n = v.size() + pad;
+  CHECK(cudaMalloc(&p, (n > 0 ? n : 1) * sizeof(T)));
+  if (!v.empty()) CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  if (pad > 0) CHECK(cudaMemset(p + v.size(), 0, pad * sizeof(T)));
+  return p;
+}
 
 __device__ __forceinline__ uint32_t Smem(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 // An mbarrier at shared address `bar` expecting `count` arrivals a phase.

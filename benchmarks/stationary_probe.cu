@@ -268,18 +268,12 @@ int main(int argc, char** argv) {
     }
   }
 
-  __nv_bfloat16 *d_wd, *d_y;
-  uint32_t *d_words, *d_words_perm;
-  int* d_rp;
-  CHECK(cudaMalloc(&d_wd, wd.size() * 2));
+  __nv_bfloat16* d_wd = reinterpret_cast<__nv_bfloat16*>(probe::Upload(wd));
+  __nv_bfloat16* d_y;
   CHECK(cudaMalloc(&d_y, static_cast<size_t>(m) * d * 2));
-  CHECK(cudaMalloc(&d_words, words.size() * 4 + 16));
-  CHECK(cudaMalloc(&d_words_perm, words.size() * 4 + 16));
-  CHECK(cudaMalloc(&d_rp, row_ptr.size() * 4));
-  CHECK(cudaMemcpy(d_wd, wd.data(), wd.size() * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_words, words.data(), words.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_words_perm, words_perm.data(), words.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_rp, row_ptr.data(), row_ptr.size() * 4, cudaMemcpyHostToDevice));
+  uint32_t* d_words = probe::Upload(words, 4);
+  uint32_t* d_words_perm = probe::Upload(words_perm, 4);
+  int* d_rp = probe::Upload(row_ptr);
 
   int max_smem = 0;
   CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
@@ -293,11 +287,8 @@ int main(int argc, char** argv) {
   std::stable_sort(sorted.begin(), sorted.end(), [&](int a, int b) {
     return row_ptr[a + 1] - row_ptr[a] > row_ptr[b + 1] - row_ptr[b];
   });
-  int *d_ident, *d_sorted;
-  CHECK(cudaMalloc(&d_ident, m * 4));
-  CHECK(cudaMalloc(&d_sorted, m * 4));
-  CHECK(cudaMemcpy(d_ident, ident.data(), m * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_sorted, sorted.data(), m * 4, cudaMemcpyHostToDevice));
+  int* d_ident = probe::Upload(ident);
+  int* d_sorted = probe::Upload(sorted);
 
   // group layouts for DownKernel3: plain (each row's words in ascending order) and
   // conflict-aware (step j of the group's token i prefers a neuron with n % 4 == (i + j) % 4,
@@ -332,14 +323,9 @@ int main(int argc, char** argv) {
       }
     }
   }
-  uint32_t *d_glay, *d_glay_perm;
-  int* d_goff;
-  CHECK(cudaMalloc(&d_glay, glay.size() * 4 + 16));
-  CHECK(cudaMalloc(&d_glay_perm, glay.size() * 4 + 16));
-  CHECK(cudaMalloc(&d_goff, goff.size() * 4));
-  CHECK(cudaMemcpy(d_glay, glay.data(), glay.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_glay_perm, glay_perm.data(), glay.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(d_goff, goff.data(), goff.size() * 4, cudaMemcpyHostToDevice));
+  uint32_t* d_glay = probe::Upload(glay, 4);
+  uint32_t* d_glay_perm = probe::Upload(glay_perm, 4);
+  int* d_goff = probe::Upload(goff);
   std::printf("group layout: %d words for %lld pairs (%.1f%% padding)\n", goff[groups], static_cast<long long>(pairs),
               100.0 * (goff[groups] - pairs) / std::max<int64_t>(pairs, 1));
 

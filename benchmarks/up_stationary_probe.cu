@@ -375,14 +375,6 @@ int64_t CheckIndexing(const HostLayout& h, const probe::ActiveRows& rows, int m,
   return bad;
 }
 
-template <typename T>
-T* Upload(const std::vector<T>& v) {
-  T* p;
-  CHECK(cudaMalloc(&p, std::max<size_t>(v.size(), 1) * sizeof(T)));
-  if (!v.empty()) CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -422,8 +414,8 @@ int main(int argc, char** argv) {
               pattern.c_str(), k_range, static_cast<long long>(entries), static_cast<double>(entries) / m, ranges,
               d / kCols, smem);
 
-  __nv_bfloat16* d_x = reinterpret_cast<__nv_bfloat16*>(Upload(x));
-  __nv_bfloat16* d_wut = reinterpret_cast<__nv_bfloat16*>(Upload(wut));
+  __nv_bfloat16* d_x = reinterpret_cast<__nv_bfloat16*>(probe::Upload(x));
+  __nv_bfloat16* d_wut = reinterpret_cast<__nv_bfloat16*>(probe::Upload(wut));
   float* d_partial;
   CHECK(cudaMalloc(&d_partial, static_cast<size_t>(d / kCols) * entries * 4 + 4));
   cudaEvent_t start, stop;
@@ -445,8 +437,8 @@ int main(int argc, char** argv) {
       for (int g = 0; g < groups; ++g) n += h.chunk_off[g * ranges + j + 1] - h.chunk_off[g * ranges + j];
       worst = std::max(worst, n);
     }
-    Layout lay{Upload(h.chunk_off), Upload(h.chunks), Upload(h.pair_off), Upload(h.pairs), Upload(h.pair_entry)};
-    Layout2 lay2{lay.chunk_off, reinterpret_cast<const uint4*>(Upload(h.records)), Upload(h.pair_base)};
+    Layout lay{probe::Upload(h.chunk_off), probe::Upload(h.chunks), probe::Upload(h.pair_off), probe::Upload(h.pairs), probe::Upload(h.pair_entry)};
+    Layout2 lay2{lay.chunk_off, reinterpret_cast<const uint4*>(probe::Upload(h.records)), probe::Upload(h.pair_base)};
     CHECK(cudaMemset(d_partial, 0xff, static_cast<size_t>(d / kCols) * entries * 4));
     const unsigned grid = ranges * (d / kCols);
     auto launch = [&] {
