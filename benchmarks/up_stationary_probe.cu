@@ -27,6 +27,10 @@
 //            each thread stores the partials of its own accumulators where the mask has
 //            them, in the mask's bit order (the partials come out in pair order, coalesced;
 //            the library's Finish would read them through an index).
+// Measured (up_stationary_probe_v2_bc6395b.txt): v2_plain 358 us, v2_residue 404, v2_load 264
+// (the union up product: 246 us). v2_load is issue-bound (~75 warp instructions a chunk, paid
+// by each of the 32 column-range CTAs), v2_plain L1-bound (ldmatrix conflicts): dropped
+// (ffi/notes/limits.md).
 // The host builds the layouts (the library would build them on the device, like the union
 // products' layout). Checked: the partials of a sample of entries against a double sum.
 //
