@@ -90,7 +90,7 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
   }
   if (down_stationary)  // the partials' workspace is free once Finish has read it
     return LaunchStationaryDown<E>(stream, s, counts, tok_off, seg_start, entries, static_cast<const uint16_t*>(w_down),
-                                   partial, static_cast<uint16_t*>(y));
+                                   partial, static_cast<uint16_t*>(y), "twell_ffn_blocked");
   if (down_union)
     return LaunchUnion<E, 1, kWordValues>(stream, s, tok_off, seg_start, entries, nullptr,
                                    static_cast<const uint16_t*>(w_down), nullptr, partial, static_cast<uint16_t*>(y),
@@ -159,10 +159,7 @@ ffi::Error BlockedImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   const Shapes s{rows, static_cast<int>(d), static_cast<int>(f), tile, static_cast<int>(capacity),
                  static_cast<int>(n_tiles), static_cast<int>(n_blocks), max_entries};
   if (const char* refusal = UnionStepsRefusal(s, kGated, mma)) return Invalid(std::string(name) + refusal);
-  if ((mma & 16) != 0 && !(kGated && StationaryDownSupported(s)))
-    return Invalid(std::string(name) + "the down step with the weight stationary (mma bit 4) needs the gated FFN, d a "
-                   "multiple of 16 (of 8 where f > 7264), f at most 14524 and its workspace within the partials "
-                   "[d/64, max_entries]");
+  if (const char* refusal = StationaryDownRefusal(s, kGated, mma)) return Invalid(std::string(name) + refusal);
   const void* up = kGated ? w_up.untyped_data() : nullptr;
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   const bool bf16 = dtype == ffi::DataType::BF16;

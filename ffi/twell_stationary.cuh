@@ -37,6 +37,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common.h"
 #include "elements.cuh"
@@ -92,6 +93,14 @@ __host__ __device__ inline StatLayout StatLayoutOf(int64_t rows, int f, int64_t 
 inline bool StationaryDownSupported(const Shapes& s) {
   return s.f <= kStatMaxF && s.d % StatCols(s.f) == 0 &&
          StatLayoutOf(s.rows, s.f, s.max_entries).total <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
+}
+
+// Why a handler's mma bit 4 (the down step with the weight stationary) can't run here, or
+// nullptr where it can (the inference handler and the training forward).
+inline const char* StationaryDownRefusal(const Shapes& s, bool gated, int32_t mma) {
+  if ((mma & 16) == 0 || (gated && StationaryDownSupported(s))) return nullptr;
+  return "the down step with the weight stationary (mma bit 4) needs the gated FFN, d a multiple of 16 (of 8 where "
+         "f > 7264), f at most 14524 and its workspace within the partials [d/64, max_entries]";
 }
 
 __device__ __forceinline__ int Reserved(const Shapes& s, const int32_t* counts, int64_t t, int k) {
@@ -403,7 +412,7 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
 template <typename E>
 ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int32_t* counts, const int32_t* tok_off,
                                 const int32_t* seg_start, const uint32_t* entries, const uint16_t* w_down,
-                                float* partial, uint16_t* y) {
+                                float* partial, uint16_t* y, const std::string& who) {
   int32_t* ws = reinterpret_cast<int32_t*>(partial);
   const unsigned chunks = static_cast<unsigned>((s.rows + kStatChunk - 1) / kStatChunk);
   const int keys_smem = StatKeysSmem(s.f);
@@ -417,14 +426,14 @@ ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int3
     StatScatterKernel<4><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, ws, s);
   else
     StatScatterKernel<8><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, ws, s);
-  ffi::Error status = LaunchStatus("twell_ffn_blocked stationary layout");
+  ffi::Error status = LaunchStatus((who + " stationary layout").c_str());
   if (status.failure()) return status;
   const int cols = StatCols(s.f);
   const int smem = s.f * 2 * cols;
   auto down = cols == 16 ? StatDownKernel<E, 16> : StatDownKernel<E, 8>;
   cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   down<<<static_cast<unsigned>(s.d / cols), kStatThreads, smem, stream>>>(w_down, seg_start, ws, y, s);
-  return LaunchStatus("twell_ffn_blocked stationary down");
+  return LaunchStatus((who + " stationary down").c_str());
 }
 
 }  // namespace

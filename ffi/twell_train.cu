@@ -12,6 +12,7 @@
 //   Recompute (train)   grid (tile, block): overflowed tiles, exact g (entry) and u (`up`).
 //   K1 Up + TrainFinish gated: u = bf16(sum of d/64 partial dots) -> `up`; h -> h_words.
 //   K2 Down             y from h_words (gated) or entries (non-gated, h = g).
+//                       mma bit 2: a union product; bit 4: Wd stationary (twell_stationary.cuh).
 //   ByColumn            grid (tile, block): entries with g != 0 of each (block, tile)
 //                       segment sorted stably by (column, token) -> col_off, by_col.
 // Residuals: entries, up, col_off, by_col, seg_start, tok_off (~10 B per entry), plus x.
@@ -42,6 +43,7 @@
 
 #include "common.h"
 #include "twell_blocked.cuh"
+#include "twell_stationary.cuh"
 #include "twell_union_layout.cuh"
 
 namespace jax_twell {
@@ -672,8 +674,10 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
                          const uint16_t* w_up_t, const uint16_t* w_down, uint16_t* y, int32_t* seg_start,
                          int32_t* tok_off, uint32_t* entries, uint16_t* up, uint32_t* h_words, float* partial,
                          int32_t* col_off, uint32_t* by_col, int32_t mma_bits) {
-  // bits 2 and 3, the down and up steps as union products: gated only (checked)
+  // bits 2 and 3, the down and up steps as union products, and bit 4, the down step with
+  // the weight stationary (before bit 2): gated only (checked)
   const bool mma = (mma_bits & 1) != 0, down_union = (mma_bits & 4) != 0, up_union = (mma_bits & 8) != 0;
+  const bool down_stationary = (mma_bits & 16) != 0;
   const dim3 segments(s.n_tiles, s.n_blocks);
   TwellBlockedLayoutKernel<<<segments, kThreads, 0, stream>>>(counts, tok_off, s);
   TwellBlockedSegScanKernel<<<1, 1024, 0, stream>>>(tok_off, seg_start, s.n_blocks * s.n_tiles);
@@ -697,7 +701,12 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
     if (status.failure()) return status;
     h_source = h_words;
   }
-  if (kGated && down_union) {
+  if (kGated && down_stationary) {
+    // The walk's layout goes into the partials' workspace too, free once TrainFinish has read it.
+    status = LaunchStationaryDown<E>(stream, s, counts, tok_off, seg_start, h_source, w_down, partial, y,
+                                     "twell_train forward");
+    if (status.failure()) return status;
+  } else if (kGated && down_union) {
     // The dh partials' workspace [d/64, max_entries] f32 is free once TrainFinish has read it.
     status = LaunchUnion<E, 1, kWordValues>(stream, s, tok_off, seg_start, h_source, nullptr, w_down, nullptr, partial, y,
                                      "twell_train forward down as a union product");
@@ -846,6 +855,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   const uint16_t* wu = kGated ? u16(w_up.untyped_data()) : nullptr;
   const uint16_t* wut = kGated ? u16(w_up_t.untyped_data()) : nullptr;
   if (const char* refusal = UnionStepsRefusal(s, kGated, mma)) return Invalid(std::string(name) + refusal);
+  if (const char* refusal = StationaryDownRefusal(s, kGated, mma)) return Invalid(std::string(name) + refusal);
   auto* launch = dt == ffi::DataType::BF16 ? LaunchForward<Bf16, kGated> : LaunchForward<F16, kGated>;
   return launch(stream, s, u16(x.untyped_data()), u16(values.untyped_data()), cols.typed_data(),
                 counts.typed_data(), u16(w_act.untyped_data()), wu, wut, u16(w_down.untyped_data()),

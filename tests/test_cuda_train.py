@@ -3,6 +3,7 @@
 adversarial set, determinism, and the op's branches (sparse, dense rule, over budget)."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -188,6 +189,52 @@ def test_down_union_matches_down_step(case, dtype):
     assert_close(y1, y0, 2.0**-7, f"y {case}")
 
 
+STATIONARY_CASES = UNION_CASES + [
+    (300, 256, 7300, 0.01, "heavy", 2, 3),  # f past 7,264: eight columns of Wd a CTA
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", STATIONARY_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_down_stationary_matches_emulation(case, dtype):
+    """The gated forward's down step with the weight stationary
+    (``train_forward(down_stationary=True)``, with the union up step): the residuals and h
+    words equal the union-down forward's bit for bit, y equals the NumPy model of the walk
+    (stationary_emulation.down over the h words) bit for bit and the union product's y to
+    the f32 summation order."""
+    from jax_twell.ops import stationary_emulation as stat
+
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + d + 17, dtype=dtype)
+    act = pack_twell_reference(relu_matmul(x, wg), tile=256, capacity=32)
+    budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
+    while not cuda_train.stationary_down_supported(m, d, f, budget):  # the walk's workspace in the partials
+        budget *= 2
+    kw = dict(max_entries=budget, mma=True, up_union=True)
+    y0, res0, h0 = cuda_train.train_forward(x, act, wg, wu, wd, down_union=True, **kw)
+    y1, res1, h1 = cuda_train.train_forward(x, act, wg, wu, wd, down_union=True, down_stationary=True, **kw)
+    need = int(res0.seg_start[-1])  # entries past it are unwritten in both
+    for name in ("seg_start", "tok_off", "col_off"):
+        np.testing.assert_array_equal(_bits(getattr(res1, name)), _bits(getattr(res0, name)), name)
+    for name, a, b in [("entries", res1.entries, res0.entries), ("up", res1.up, res0.up), ("h words", h1, h0)]:
+        np.testing.assert_array_equal(_bits(a)[:need], _bits(b)[:need], name)
+    want = stat.down(h1, res1.seg_start, res1.tok_off, act.counts, wd, capacity=32, tile=256, f=f, dtype=dtype)
+    np.testing.assert_array_equal(_bits(y1), want.view(np.uint16), f"y {case}")
+    assert_close(y1, y0, 2.0**-7, f"y {case}")
+
+
+def test_down_stationary_refused_where_unsupported():
+    """Asked for where it cannot run (the non-gated FFN, f past 14,524), the stationary step
+    is not requested from the handler: the call runs the other down step, exactly."""
+    x, wg, wu, wd, dy = make_case(200, 256, 300, 0.05, "heavy", False, key=5)
+    act = pack_twell_reference(relu_matmul(x, wu), tile=256, capacity=32)
+    budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
+    y0 = cuda_train.train_forward(x, act, wu, None, wd, max_entries=budget, mma=True)[0]
+    y1 = cuda_train.train_forward(x, act, wu, None, wd, max_entries=budget, mma=True, down_stationary=True)[0]
+    np.testing.assert_array_equal(_bits(y1), _bits(y0))
+    assert not cuda_train.stationary_down_supported(64, 2048, 14528, 10**6)
+
+
 UP_UNION_CASES = [
     (1, 512, 260, 0.05, "uniform", 0, 0),
     (77, 384, 300, 0.05, "heavy", 3, 5),
@@ -272,12 +319,16 @@ def test_dh_union_matches_dh_step(case, gated, dtype):
         assert_close(clip(union[i]), clip(step[i]), 2.0**-7, f"{case} result {i}")
 
 
-def test_train_gradients_with_union_dx_match_dense():
-    """ffn_with_aux(dx_union=True, down_union=True, up_union=True, dh_union=True) through jit
-    and grad: the dense formula's gradients."""
+@pytest.mark.parametrize("stationary", [False, True], ids=["union_down", "stationary_down"])
+def test_train_gradients_with_union_dx_match_dense(stationary):
+    """ffn_with_aux(dx_union=True, down_union=True, up_union=True, dh_union=True, and the
+    down step stationary or not) through jit and grad: the dense formula's gradients."""
     x, wg, wu, wd, dy = make_case(3000, 512, 1408, 0.01, "heavy", True, full=2, empty=3, key=23)
     fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_union=True,
-                                                    down_union=True, up_union=True, dh_union=True)[:2])
+                                                    down_union=True, up_union=True, dh_union=True,
+                                                    down_stationary=stationary)[:2])
+    bits = [int(b) for b in re.findall(r"mma = (\d+) : i32", fn.lower(x, wg, wu, wd).as_text())]
+    assert bits and any((b & 16) != 0 for b in bits) == stationary, bits  # the forward's bit 4
     (y, l1), grads = grads_of(fn, x, wg, wu, wd, dy)
     with jax.default_matmul_precision("highest"):
         (y_d, l1_d), g_d = grads_of(dense_ffn, x, wg, wu, wd, dy)

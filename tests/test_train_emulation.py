@@ -168,7 +168,8 @@ def _emulated_pack(g, *, tile, capacity):
     return pack_twell_reference(g, tile=tile, capacity=capacity)
 
 
-def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, down_union=False, up_union=False):
+def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, down_union=False, up_union=False,
+                      down_stationary=False):
     gated = w_up is not None
     shapes = cuda_train.residual_shapes(x.shape[0], act.n_tiles, act.tile, max_entries, gated)
     out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), shapes, jax.ShapeDtypeStruct((max_entries,), jnp.uint32))
@@ -477,10 +478,12 @@ def test_backward_union_steps_follow_their_defaults(emulated_kernels, monkeypatc
                     (True, True), (True, True), (True, False), (False, False)]
 
 
-@pytest.mark.parametrize("option", ["up_union", "down_union"])
+@pytest.mark.parametrize("option", ["up_union", "down_union", "down_stationary"])
 def test_union_steps_reach_the_forward_call(emulated_kernels, monkeypatch, option):
-    """``ffn_with_aux`` asks the forward call for the up or down step as a union product
-    when told (default ``UP_UNION_DEFAULT`` / ``DOWN_UNION_DEFAULT``), never without ``mma``."""
+    """``ffn_with_aux`` asks the forward call for the up or down step as a union product, or
+    the down step with the weight stationary, when told (default ``UP_UNION_DEFAULT`` /
+    ``DOWN_UNION_DEFAULT``; ``DOWN_STATIONARY_DEFAULT`` where the inference rule prices it
+    below the union product), never without ``mma``."""
     seen = []
 
     def forward(*args, **kwargs):
@@ -490,6 +493,8 @@ def test_union_steps_reach_the_forward_call(emulated_kernels, monkeypatch, optio
     monkeypatch.setattr(cuda_train, "_forward_call", forward)
     x, wg, wu, wd, dy = make_case(300, 384, 520, 0.03, "heavy", True, key=17)
     default = getattr(cuda_train, option.upper() + "_DEFAULT")
+    if option == "down_stationary":
+        default = default and cuda.dense_crossover().down_stationary(300, 384, 520, 2)
     cases = (({}, default), ({option: True}, True), ({option: False}, False), ({option: True, "mma": False}, False))
     for kw, expected in cases:
         seen.clear()

@@ -23,6 +23,7 @@ import numpy as np
 from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import blocked_emulation as _blocked
+from jax_twell.ops import stationary_emulation as _stat
 from jax_twell.ops import union_emulation as _union
 from jax_twell.ops import cuda, reference, xla
 from jax_twell.ops.common import RuleSlot
@@ -267,6 +268,15 @@ def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
     return _union.down_supported(m, d, f, max_entries)
 
 
+def stationary_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
+    """Whether the gated forward's down step can run with the weight stationary
+    (``train_forward(down_stationary=True)``): f at most 14,524, d a multiple of the 16 (8
+    where f > 7,264) columns of Wd a CTA holds, and the walk's workspace within the partials
+    ``[d / 64, max_entries]`` f32 (the handler's test, as the inference step's:
+    :func:`jax_twell.ops.cuda.stationary_down_supported`)."""
+    return _stat.supported(m, d, f, max_entries)
+
+
 def union_up_supported(m: int, d: int, f: int, max_entries: int) -> bool:
     """Whether the gated forward's up step can run as a union product
     (``train_forward(up_union=True)``): f at most 65536 and its layout (~4 words per entry)
@@ -276,7 +286,7 @@ def union_up_supported(m: int, d: int, f: int, max_entries: int) -> bool:
 
 
 def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_t=None, mma: bool = False,
-                  down_union: bool = False, up_union: bool = False):
+                  down_union: bool = False, up_union: bool = False, down_stationary: bool = False):
     """One ``jax_twell_train_fwd[_gated]`` call: ``(y, Residuals, h_source)``.
 
     x ``[M, d]`` bf16/f16; act: TwELL of ``relu(x @ w_act)`` (tile <= 256); w_up None for
@@ -290,15 +300,22 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     (gated, where :func:`union_up_supported` allows): u of every entry from a dense product
     of each 64-token block's x with its union's rows of Wu^T (f32 sums over d in another
     order: the up residual and h may differ from the per-entry step's in their last bit;
-    :data:`UP_UNION_DEFAULT`).
+    :data:`UP_UNION_DEFAULT`). ``down_stationary`` (gated, where
+    :func:`stationary_down_supported` allows; taking precedence over ``down_union``): y by
+    the inference down step that holds 16 (or 8) columns of Wd in each CTA's shared memory
+    while it walks every token's h words (ffi/twell_stationary.cuh; y in the order
+    jax_twell/ops/stationary_emulation.py models). Residuals and h words are the same in
+    every down step.
     """
     m, d = x.shape
     e, tile = max_entries, act.tile
     f = w_down.shape[0]
     down_union = bool(down_union) and w_up is not None and union_down_supported(m, d, f, e)
     up_union = bool(up_union) and w_up is not None and union_up_supported(m, d, f, e)
-    # the handler's bits: 0 tensor-core steps, 2 down and 3 up as union products
-    mma = int(bool(mma)) | int(down_union) << 2 | int(up_union) << 3
+    down_stationary = bool(down_stationary) and w_up is not None and stationary_down_supported(m, d, f, e)
+    down_union = down_union and not down_stationary
+    # the handler's bits: 0 tensor-core steps, 2 down and 3 up as union products, 4 down stationary
+    mma = int(bool(mma)) | int(down_union) << 2 | int(up_union) << 3 | int(down_stationary) << 4
     r = residual_shapes(m, act.n_tiles, tile, e, w_up is not None)
     layout = [r.seg_start, r.tok_off, r.entries]
     by_column = [r.col_off, r.by_col]
@@ -327,6 +344,10 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
 # faster per step at 0.25% active, -0.08 / +0.02 ms (uniform / heavy) at 0.5%
 # (training_eb8bc79_union_down.json).
 DOWN_UNION_DEFAULT = True
+# The forward's down step with the weight stationary (ffn_with_aux), where the inference
+# rule prices it below the union product (DenseCrossover.down_stationary): the same kernel
+# as the inference call's down step.
+DOWN_STATIONARY_DEFAULT = True
 # The forward's up step as a union product by default (ffn_with_aux): measured 0.05-0.07 ms
 # faster per step at 0.5% active, 0.005-0.06 ms at 0.25% (training_725c27c_union_up.json).
 UP_UNION_DEFAULT = True
@@ -453,6 +474,7 @@ class _Config:
     down_union: bool = False
     up_union: bool = False
     dh_union: bool = False
+    down_stationary: bool = False
 
 
 def _mesh_axes(*arrays) -> frozenset:
@@ -506,7 +528,7 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
     def sparse(_):
         y, res, h_source = _forward_call(
             x, act, w_act, w_up if gated else None, w_down, max_entries=cfg.max_entries, mma=cfg.mma,
-            down_union=cfg.down_union, up_union=cfg.up_union,
+            down_union=cfg.down_union, up_union=cfg.up_union, down_stationary=cfg.down_stationary,
         )
         l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
         return _as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
@@ -560,6 +582,7 @@ def ffn_with_aux(
     crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
     dx_mma: bool | None = None, dx_union: bool | None = None, down_union: bool | None = None,
     up_union: bool | None = None, dh_union: bool | None = None, union_fraction: float | None = None,
+    down_stationary: bool | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -582,7 +605,11 @@ def ffn_with_aux(
     (default: :data:`DOWN_UNION_DEFAULT`, on, with ``mma``) does the same for the forward's down step
     and ``up_union`` (default: :data:`UP_UNION_DEFAULT`, with ``mma``) for its up step
     (:func:`train_forward`); ``dh_union`` (default: :data:`DH_UNION_DEFAULT`, with ``mma``)
-    for the backward's dh step (:func:`train_backward`).
+    for the backward's dh step (:func:`train_backward`). ``down_stationary`` (gated, with
+    ``mma``; default: :data:`DOWN_STATIONARY_DEFAULT` where
+    :meth:`jax_twell.ops.cuda.DenseCrossover.down_stationary` prices it below the union
+    product at ``active_fraction``) runs the forward's down step with the weight stationary
+    in shared memory instead (:func:`train_forward`).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
     steps): the choice is made at trace time instead (:meth:`TrainCrossover.prefers_sparse`
@@ -617,6 +644,10 @@ def ffn_with_aux(
     down_union = bool(mma) and bool(DOWN_UNION_DEFAULT if down_union is None else down_union)
     up_union = bool(mma) and bool(UP_UNION_DEFAULT if up_union is None else up_union)
     dh_union = bool(mma) and bool(DH_UNION_DEFAULT if dh_union is None else dh_union)
+    if down_stationary is None:
+        down_stationary = DOWN_STATIONARY_DEFAULT and cuda.dense_crossover().down_stationary(
+            m, d, f, x.dtype.itemsize, active_fraction)
+    down_stationary = bool(mma) and w_gate is not None and bool(down_stationary)
     cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union, down_union,
-                  up_union, dh_union)
+                  up_union, dh_union, down_stationary)
     return _train_ffn(x, w_gate, w_up, w_down, cfg)
