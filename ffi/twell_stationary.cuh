@@ -87,12 +87,26 @@ __host__ __device__ inline StatLayout StatLayoutOf(int64_t rows, int f, int64_t 
   return l;
 }
 
+// The walk over a table of rows_per_entry x f rows (rows_per_entry words per entry: the
+// training backward's dx reads row n of Wg^T and row f + n of Wu^T for entry n): the
+// layout's sizes as for f' = rows_per_entry x f neurons and as many times the entries.
+__host__ __device__ inline StatLayout StatLayoutFor(const Shapes& s, int rows_per_entry) {
+  return StatLayoutOf(s.rows, rows_per_entry * s.f, rows_per_entry * s.max_entries);
+}
+
+// The walk's test for rows_per_entry words an entry: the table's rows within the slice
+// and the sort's keys, d a multiple of the columns a CTA owns, the workspace within
+// `workspace_words`.
+inline bool StationaryWalkSupported(const Shapes& s, int rows_per_entry, int64_t workspace_words) {
+  const int fv = rows_per_entry * s.f;
+  return fv <= kStatMaxF && s.d % StatCols(fv) == 0 && StatLayoutFor(s, rows_per_entry).total <= workspace_words;
+}
+
 // The handler's test (mma bit 4): the gated FFN, bf16 or f16, d a multiple of the columns
 // a CTA owns, the slice within shared memory, neurons within 16 bits, the workspace within
 // the partials.
 inline bool StationaryDownSupported(const Shapes& s) {
-  return s.f <= kStatMaxF && s.d % StatCols(s.f) == 0 &&
-         StatLayoutOf(s.rows, s.f, s.max_entries).total <= static_cast<int64_t>(s.d / kUpCols) * s.max_entries;
+  return StationaryWalkSupported(s, 1, static_cast<int64_t>(s.d / kUpCols) * s.max_entries);
 }
 
 // Why a handler's mma bit 4 (the down step with the weight stationary) can't run here, or
@@ -103,34 +117,42 @@ inline const char* StationaryDownRefusal(const Shapes& s, bool gated, int32_t mm
          "f > 7264), f at most 14524 and its workspace within the partials [d/64, max_entries]";
 }
 
-__device__ __forceinline__ int Reserved(const Shapes& s, const int32_t* counts, int64_t t, int k) {
-  const int c = counts[t * s.n_tiles + k];
-  return c > s.capacity ? TileWidth(s, k) : c;
+// A token's reserved entries over all tiles (the stored counts, or the tile widths where a
+// tile overflowed), from the blocked layout's per-segment offsets.
+__device__ __forceinline__ int TokenEntries(const Shapes& s, const int32_t* tok_off, int64_t t) {
+  const int64_t b = t / kBlockTokens;
+  const int tl = static_cast<int>(t % kBlockTokens);
+  int c = 0;
+  for (int k = 0; k < s.n_tiles; ++k) {
+    const int32_t* off = tok_off + (b * s.n_tiles + k) * (kBlockTokens + 1) + tl;
+    c += off[1] - off[0];
+  }
+  return c;
 }
 
 // S1. Ranks within the chunk among tokens of the same key, in token order: within a warp
 // by match_any, across warps by a prefix over the warps' counts per key (16-bit counts in
-// dynamic shared memory, StatKeysSmem(f) bytes).
-__global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __restrict__ counts,
+// dynamic shared memory, StatKeysSmem(kRows f) bytes). kRows: words an entry (S5).
+template <int kRows>
+__global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __restrict__ tok_off,
                                                              const int32_t* __restrict__ seg_start,
                                                              int32_t* __restrict__ ws, Shapes s) {
   extern __shared__ __align__(16) uint16_t wcount[];  // [warp][key]
   if (OverBudget(s, seg_start)) return;
-  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
+  const StatLayout l = StatLayoutFor(s, kRows);
   const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
-  const int keys = StatKeys(s.f);
-  for (int i = threadIdx.x; i < StatKeysSmem(s.f) / 4; i += blockDim.x) reinterpret_cast<uint32_t*>(wcount)[i] = 0u;
+  const int keys = StatKeys(kRows * s.f);
+  for (int i = threadIdx.x; i < StatKeysSmem(kRows * s.f) / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(wcount)[i] = 0u;
   // group lengths start at 0 (S3 takes their maximum): this chunk's share of the groups
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * (kStatChunk / kStatGroup) + threadIdx.x;
        g < groups && g < static_cast<int64_t>(blockIdx.x + 1) * (kStatChunk / kStatGroup); g += blockDim.x)
     ws[l.goff + g] = 0;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatChunk + threadIdx.x;
   const bool valid = t < s.rows;
-  int c = 0;
-  if (valid)
-    for (int k = 0; k < s.n_tiles; ++k) c += Reserved(s, counts, t, k);
-  const int key = (c + 3) / 4;  // < keys: c <= f
+  const int c = valid ? kRows * TokenEntries(s, tok_off, t) : 0;
+  const int key = (c + 3) / 4;  // < keys: c <= kRows f
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned valid_lanes = __ballot_sync(kFullMask, valid);
   __syncthreads();
@@ -156,13 +178,14 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
 
 // S2. In place over hist, stored by S1 in the order of the prefix (key descending, chunk
 // ascending): the exclusive prefix, kStatScanTile values at a time through shared memory.
+template <int kRows>
 __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict__ seg_start, int32_t* __restrict__ ws,
                                                        Shapes s) {
   __shared__ int vals[kStatScanTile];
   __shared__ int scratch[32];
   __shared__ int total;
   if (OverBudget(s, seg_start)) return;
-  const int64_t n = (s.rows + kStatChunk - 1) / kStatChunk * StatKeys(s.f);
+  const int64_t n = (s.rows + kStatChunk - 1) / kStatChunk * StatKeys(kRows * s.f);
   constexpr int kPer = kStatScanTile / 1024;
   int carry = 0;
   for (int64_t p0 = 0; p0 < n; p0 += kStatScanTile) {
@@ -189,16 +212,18 @@ __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict
 
 // S3. info[t] becomes the token's rank; goff[g] the longest row's key of group g (a
 // maximum, the same whatever the atomics' order: the first token's key).
+template <int kRows>
 __global__ void __launch_bounds__(kStatChunk) StatOrderKernel(const int32_t* __restrict__ seg_start,
                                                               int32_t* __restrict__ ws, Shapes s) {
   if (OverBudget(s, seg_start)) return;
-  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
+  const StatLayout l = StatLayoutFor(s, kRows);
   const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatChunk + threadIdx.x;
   if (t >= s.rows) return;
   const int info = ws[l.info + t];
   const int key = info >> 10;
-  const int rank = ws[l.hist + static_cast<int64_t>(StatKeys(s.f) - 1 - key) * chunks + blockIdx.x] + (info & 1023);
+  const int rank =
+      ws[l.hist + static_cast<int64_t>(StatKeys(kRows * s.f) - 1 - key) * chunks + blockIdx.x] + (info & 1023);
   ws[l.order + rank] = static_cast<int32_t>(t);
   ws[l.info + t] = rank;
   atomicMax(ws + l.goff + rank / kStatGroup, key);
@@ -206,12 +231,13 @@ __global__ void __launch_bounds__(kStatChunk) StatOrderKernel(const int32_t* __r
 
 // S4. goff over groups (64 words per ceil(c / 4) of the group's longest row); the last
 // group's missing tokens marked -1 in order.
+template <int kRows>
 __global__ void __launch_bounds__(1024) StatGroupsKernel(const int32_t* __restrict__ seg_start,
                                                          int32_t* __restrict__ ws, Shapes s) {
   __shared__ int scratch[32];
   __shared__ int total;
   if (OverBudget(s, seg_start)) return;
-  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
+  const StatLayout l = StatLayoutFor(s, kRows);
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
   int carry = 0;
   for (int64_t g0 = 0; g0 < groups; g0 += blockDim.x) {
@@ -232,27 +258,33 @@ __device__ __forceinline__ int WarpExclusive(int v, int lane, int* total) {
   return inc - v;
 }
 
-// Adds to lc[r] the entries of [e0, e1) whose column is r mod R (the tile a multiple of 32,
-// so the neuron's residue too).
-template <int R>
-__device__ __forceinline__ void CountResidues(const uint32_t* entries, int64_t e0, int64_t e1, int (&lc)[R]) {
+// Adds to lc[r] the words of the entries [e0, e1) whose row is r mod R: an entry's words are
+// rows row f + n, row < kRows (the tile a multiple of 32, so n's residue is its column's).
+template <int R, int kRows>
+__device__ __forceinline__ void CountResidues(const uint32_t* entries, int64_t e0, int64_t e1, int f, int (&lc)[R]) {
   for (int64_t e = e0; e < e1; ++e) {
-    const int r = static_cast<int>(entries[e] & (R - 1u));
 #pragma unroll
-    for (int c = 0; c < R; ++c) lc[c] += r == c;
+    for (int row = 0; row < kRows; ++row) {
+      const int r = static_cast<int>((entries[e] + static_cast<uint32_t>(row * f)) & (R - 1u));
+#pragma unroll
+      for (int c = 0; c < R; ++c) lc[c] += r == c;
+    }
   }
 }
 
 // S5. A warp per token, a lane per tile (32 tiles at a time): entries in the blocked
-// layout's order (tiles ascending, then as stored), neurons k * tile + column; R residue
-// classes (StatClasses).
-template <int R>
+// layout's order (tiles ascending, then as stored), neurons n = k * tile + column; R residue
+// classes (StatClasses). kRows words an entry, rows row f + n in row order; their values the
+// entry's high half (h words: kCoef false) or the backward's coefficients coef[1 + row]
+// rounded to the element type (kCoef: dx reads Wact^T row n and Wu^T row n).
+template <typename E, int R, int kRows, bool kCoef>
 __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restrict__ tok_off,
                                                          const int32_t* __restrict__ seg_start,
                                                          const uint32_t* __restrict__ entries,
+                                                         const float* __restrict__ coef,
                                                          int32_t* __restrict__ ws, Shapes s) {
   if (OverBudget(s, seg_start)) return;
-  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
+  const StatLayout l = StatLayoutFor(s, kRows);
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (t >= s.rows) return;  // whole warps
@@ -281,7 +313,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
       range(kb + lane, &e0, &e1);
       keep0 = e0;
       keep1 = e1;
-      CountResidues(entries, e0, e1, lc);
+      CountResidues<R, kRows>(entries, e0, e1, s.f, lc);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -304,7 +336,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
       for (int r = 0; r < R; ++r) lc[r] = keep[r];
     } else if (k < s.n_tiles) {
       range(k, &e0, &e1);
-      CountResidues(entries, e0, e1, lc);
+      CountResidues<R, kRows>(entries, e0, e1, s.f, lc);
     }
     int seen[R];
 #pragma unroll
@@ -315,20 +347,25 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
     }
     for (int64_t e = e0; e < e1; ++e) {
       const uint32_t word = entries[e];
-      const int r = static_cast<int>(word & (R - 1u));
-      int q = 0;
 #pragma unroll
-      for (int r2 = 0; r2 < R; ++r2)
-        if (r2 == r) q = seen[r2]++;
-      const int dr = (r - i) & (R - 1);
-      int j = 0;
+      for (int row = 0; row < kRows; ++row) {
+        const uint32_t n = static_cast<uint32_t>(row * s.f + k * s.tile) + (word & kColumnMask);
+        const int r = static_cast<int>(n & (R - 1u));
+        int q = 0;
 #pragma unroll
-      for (int r2 = 0; r2 < R; ++r2) {
-        const int cap = q + (((r2 - i) & (R - 1)) < dr ? 1 : 0);
-        j += cr[r2] < cap ? cr[r2] : cap;
+        for (int r2 = 0; r2 < R; ++r2)
+          if (r2 == r) q = seen[r2]++;
+        const int dr = (r - i) & (R - 1);
+        int j = 0;
+#pragma unroll
+        for (int r2 = 0; r2 < R; ++r2) {
+          const int cap = q + (((r2 - i) & (R - 1)) < dr ? 1 : 0);
+          j += cr[r2] < cap ? cr[r2] : cap;
+        }
+        const uint32_t value =
+            kCoef ? static_cast<uint32_t>(E::FromFloat(coef[(1 + row) * s.max_entries + e])) << 16 : word & 0xffff0000u;
+        glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = value | n;
       }
-      const uint32_t n = static_cast<uint32_t>(k * s.tile) + (word & kColumnMask);
-      glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = (word & 0xffff0000u) | n;
     }
   }
   int c = 0;
@@ -338,9 +375,11 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
 }
 
 // S6. kCols output columns a CTA: 16 (two threads a token, a warp a group) or 8 (a thread
-// a token, half a warp a group).
-template <typename E, int kCols>
-__global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t* __restrict__ w_down,
+// a token, half a warp a group). The table's kRows f rows: row n of w_a, then (kRows 2) row
+// n - f of w_b, each [f, d].
+template <typename E, int kCols, int kRows>
+__global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t* __restrict__ w_a,
+                                                                 const uint16_t* __restrict__ w_b,
                                                                  const int32_t* __restrict__ seg_start,
                                                                  const int32_t* __restrict__ ws,
                                                                  uint16_t* __restrict__ y, Shapes s) {
@@ -357,12 +396,13 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
         y[t * s.d + c0 + 8 * (threadIdx.x % kTpt) + k] = static_cast<uint16_t>(E::FromFloat(__int_as_float(0x7fc00000)));
     return;
   }
-  const StatLayout l = StatLayoutOf(s.rows, s.f, s.max_entries);
-  {  // Wd[:, c0 : c0 + kCols] to shared memory, row n at n * 2 kCols bytes
+  const StatLayout l = StatLayoutFor(s, kRows);
+  {  // the table's [:, c0 : c0 + kCols] to shared memory, row n at n * 2 kCols bytes
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stat_smem));
-    for (int p = threadIdx.x; p < kTpt * s.f; p += blockDim.x) {
+    for (int p = threadIdx.x; p < kTpt * kRows * s.f; p += blockDim.x) {
       const int n = p / kTpt, h = p % kTpt;
-      const uint16_t* src = w_down + static_cast<int64_t>(n) * s.d + c0 + 8 * h;
+      const uint16_t* src = (kRows == 1 || n < s.f ? w_a + static_cast<int64_t>(n) * s.d
+                                                   : w_b + static_cast<int64_t>(n - s.f) * s.d) + c0 + 8 * h;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + p * 16), "l"(src) : "memory");
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -409,31 +449,43 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
   }
 }
 
-template <typename E>
-ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int32_t* counts, const int32_t* tok_off,
-                                const int32_t* seg_start, const uint32_t* entries, const uint16_t* w_down,
-                                float* partial, uint16_t* y, const std::string& who) {
-  int32_t* ws = reinterpret_cast<int32_t*>(partial);
+// S1-S6 over the table of kRows f rows (w_a, then w_b), the layout in `ws` (at least
+// StatLayoutFor(s, kRows).total words), the walk's sums to `out` [rows, d].
+template <typename E, int kRows, bool kCoef>
+ffi::Error LaunchStationaryWalk(cudaStream_t stream, const Shapes& s, const int32_t* tok_off,
+                                const int32_t* seg_start, const uint32_t* entries, const float* coef,
+                                const uint16_t* w_a, const uint16_t* w_b, int32_t* ws, uint16_t* out,
+                                const std::string& who) {
+  const int fv = kRows * s.f;
   const unsigned chunks = static_cast<unsigned>((s.rows + kStatChunk - 1) / kStatChunk);
-  const int keys_smem = StatKeysSmem(s.f);
-  cudaFuncSetAttribute(StatKeysKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, keys_smem);
-  StatKeysKernel<<<chunks, kStatChunk, keys_smem, stream>>>(counts, seg_start, ws, s);
-  StatScanKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
-  StatOrderKernel<<<chunks, kStatChunk, 0, stream>>>(seg_start, ws, s);
-  StatGroupsKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
+  const int keys_smem = StatKeysSmem(fv);
+  cudaFuncSetAttribute(StatKeysKernel<kRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, keys_smem);
+  StatKeysKernel<kRows><<<chunks, kStatChunk, keys_smem, stream>>>(tok_off, seg_start, ws, s);
+  StatScanKernel<kRows><<<1, 1024, 0, stream>>>(seg_start, ws, s);
+  StatOrderKernel<kRows><<<chunks, kStatChunk, 0, stream>>>(seg_start, ws, s);
+  StatGroupsKernel<kRows><<<1, 1024, 0, stream>>>(seg_start, ws, s);
   const unsigned scatter_blocks = static_cast<unsigned>((s.rows + 7) / 8);
-  if (StatClasses(s.f) == 4)
-    StatScatterKernel<4><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, ws, s);
+  if (StatClasses(fv) == 4)
+    StatScatterKernel<E, 4, kRows, kCoef><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, coef, ws, s);
   else
-    StatScatterKernel<8><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, ws, s);
+    StatScatterKernel<E, 8, kRows, kCoef><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, coef, ws, s);
   ffi::Error status = LaunchStatus((who + " stationary layout").c_str());
   if (status.failure()) return status;
-  const int cols = StatCols(s.f);
-  const int smem = s.f * 2 * cols;
-  auto down = cols == 16 ? StatDownKernel<E, 16> : StatDownKernel<E, 8>;
-  cudaFuncSetAttribute(down, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  down<<<static_cast<unsigned>(s.d / cols), kStatThreads, smem, stream>>>(w_down, seg_start, ws, y, s);
-  return LaunchStatus((who + " stationary down").c_str());
+  const int cols = StatCols(fv);
+  const int smem = fv * 2 * cols;
+  auto walk = cols == 16 ? StatDownKernel<E, 16, kRows> : StatDownKernel<E, 8, kRows>;
+  cudaFuncSetAttribute(walk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  walk<<<static_cast<unsigned>(s.d / cols), kStatThreads, smem, stream>>>(w_a, w_b, seg_start, ws, out, s);
+  return LaunchStatus((who + " stationary walk").c_str());
+}
+
+// The down step: y = h Wd from the h words (after Finish), the layout in the partials.
+template <typename E>
+ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
+                                const uint32_t* h_words, const uint16_t* w_down, float* partial, uint16_t* y,
+                                const std::string& who) {
+  return LaunchStationaryWalk<E, 1, false>(stream, s, tok_off, seg_start, h_words, nullptr, w_down, nullptr,
+                                           reinterpret_cast<int32_t*>(partial), y, who);
 }
 
 }  // namespace

@@ -20,6 +20,8 @@
 // Backward (train_bwd), c = dl1 / M from the device:
 //   K1 Up (dy, Wd)      partial sums of dh = dy[t] . Wd[j], every entry (flagged ones too);
 //                       mma bit 3: dh whole from the union up product instead.
+//                       mma bit 4: dx by the stationary walk (twell_stationary.cuh) over a table of
+//                       Wact^T's rows then Wu^T's, two words an entry (coef[1], coef[2]).
 //   BwdFinish           grid-stride over entries: dh = sum of partials + c sign(h);
 //                       coef[0] = h, coef[1] = dh * u (gate; dh non-gated), coef[2] = dh * g.
 //   Dx                  grid (d/32, block), like K2: 4 lanes per token hold dx[t, 32 cols] in
@@ -703,7 +705,7 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
   }
   if (kGated && down_stationary) {
     // The walk's layout goes into the partials' workspace too, free once TrainFinish has read it.
-    status = LaunchStationaryDown<E>(stream, s, counts, tok_off, seg_start, h_source, w_down, partial, y,
+    status = LaunchStationaryDown<E>(stream, s, tok_off, seg_start, h_source, w_down, partial, y,
                                      "twell_train forward");
     if (status.failure()) return status;
   } else if (kGated && down_union) {
@@ -726,7 +728,7 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                           uint16_t* dx, uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t, float* partial,
                           float* coef, int32_t* union_ws, int32_t mma) {
   const bool steps_mma = (mma & 1) != 0, dx_mma = (mma & 2) != 0, dx_union = (mma & 4) != 0;
-  const bool dh_union = (mma & 8) != 0;
+  const bool dh_union = (mma & 8) != 0, dx_stationary = (mma & 16) != 0;
   ffi::Error status = ffi::Error::Success();
   if (dh_union) {  // dh whole in the partials' row 0, the layout after it
     status = LaunchUnionUp<E, kFiredIndex>(stream, s, tok_off, seg_start, entries, dy, w_down, partial);
@@ -738,7 +740,14 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
       partial, seg_start, entries, up, l1_grad, coef, dh_union ? 1 : s.d / kUpCols, s);
   status = LaunchStatus("twell_train backward dh");
   if (status.failure()) return status;
-  if (dx_union) {
+  if (dx_stationary) {
+    // the walk over Wact^T's rows, then Wu^T's (gated), its layout in the partials (free
+    // once BwdFinish has read them)
+    status = LaunchStationaryWalk<E, kGated ? 2 : 1, true>(stream, s, tok_off, seg_start, entries, coef, w_act_t,
+                                                          w_up_t, reinterpret_cast<int32_t*>(partial), dx,
+                                                          "twell_train backward dx");
+    if (status.failure()) return status;
+  } else if (dx_union) {
     status = LaunchUnion<E, kGated ? 2 : 1, kCoefValues>(stream, s, tok_off, seg_start, entries, coef, w_act_t, w_up_t,
                                                    union_ws, dx, "twell_train backward dx as a union product");
     if (status.failure()) return status;
@@ -904,6 +913,10 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
   if ((mma & 8) != 0 && !UnionUpSupported(s))
     return Invalid(std::string(name) + "the dh step as a union product (mma bit 3) needs f at most 65536 and its "
                    "layout (~4 words per entry: d at least 320) within rows 1.. of the partials [d/64, max_entries]");
+  if ((mma & 16) != 0 && !StationaryWalkSupported(s, kGated ? 2 : 1, s.d / kUpCols * e))
+    return Invalid(std::string(name) + "dx with the weights stationary (mma bit 4) needs (2 gated, 1 not) x f at "
+                   "most 14524, d a multiple of 16 (of 8 where that is past 7264) and its workspace within the "
+                   "partials [d/64, max_entries]");
   int64_t need = GradWorkspaceOf(s, nullptr).ints;  // the weight gradients' lists
   if ((mma & 4) != 0) {
     if (!UnionDxSupported(s, kGated ? 2 : 1))

@@ -189,6 +189,45 @@ def test_down_union_matches_down_step(case, dtype):
     assert_close(y1, y0, 2.0**-7, f"y {case}")
 
 
+DX_STATIONARY_CASES = UNION_CASES + [
+    (300, 256, 3700, 0.01, "heavy", 2, 3),  # gated: 7,400 table rows, eight columns a CTA
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("case", DX_STATIONARY_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
+def test_dx_stationary_matches_emulation(case, gated, dtype):
+    """dx by the stationary walk (``train_backward(dx_stationary=True)``): the weight
+    gradients and coefficients equal the union dx backward's bit for bit; dx equals the
+    NumPy model of the walk (stationary_emulation.dx) bit for bit and the union product's
+    dx to the f32 summation order."""
+    from jax_twell.ops import stationary_emulation as stat
+
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + d + 19,
+                                  dtype=dtype)
+    w_act = wg if gated else wu
+    act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
+    need = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f)
+    budget = need + 5
+    while not cuda_train.stationary_dx_supported(m, d, f, budget, gated):  # the walk's workspace in the partials
+        budget *= 2
+    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget)
+    l1 = jnp.float32(L1 / m)
+    kw = dict(tile=256, workspace=True, mma=True, dx_mma=True, dx_union=True)
+    un = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, **kw)
+    st = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, dx_stationary=True, **kw)
+    for i in range(1, len(un) - 2):  # the weight gradients
+        np.testing.assert_array_equal(_bits(st[i]), _bits(un[i]), f"result {i}")
+    coef = np.asarray(st[-1])
+    np.testing.assert_array_equal(_bits(st[-1][:, :need]), _bits(un[-1][:, :need]), "coefficients")
+    want = stat.dx(res.entries, coef, res.seg_start, res.tok_off, act.counts, w_act.T, wu.T if gated else None,
+                   capacity=32, tile=256, f=f, dtype=dtype)
+    np.testing.assert_array_equal(_bits(st[0]), want.view(np.uint16), f"dx {case} gated={gated}")
+    assert_close(st[0], un[0], 2.0**-7, f"dx {case} gated={gated}")
+
+
 STATIONARY_CASES = UNION_CASES + [
     (300, 256, 7300, 0.01, "heavy", 2, 3),  # f past 7,264: eight columns of Wd a CTA
 ]
@@ -319,16 +358,18 @@ def test_dh_union_matches_dh_step(case, gated, dtype):
         assert_close(clip(union[i]), clip(step[i]), 2.0**-7, f"{case} result {i}")
 
 
-@pytest.mark.parametrize("stationary", [False, True], ids=["union_down", "stationary_down"])
+@pytest.mark.parametrize("stationary", [False, True], ids=["union_steps", "stationary_steps"])
 def test_train_gradients_with_union_dx_match_dense(stationary):
     """ffn_with_aux(dx_union=True, down_union=True, up_union=True, dh_union=True, and the
-    down step stationary or not) through jit and grad: the dense formula's gradients."""
+    forward's down step and dx stationary or not) through jit and grad: the dense formula's
+    gradients."""
     x, wg, wu, wd, dy = make_case(3000, 512, 1408, 0.01, "heavy", True, full=2, empty=3, key=23)
     fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_union=True,
                                                     down_union=True, up_union=True, dh_union=True,
-                                                    down_stationary=stationary)[:2])
-    bits = [int(b) for b in re.findall(r"mma = (\d+) : i32", fn.lower(x, wg, wu, wd).as_text())]
-    assert bits and any((b & 16) != 0 for b in bits) == stationary, bits  # the forward's bit 4
+                                                    down_stationary=stationary, dx_stationary=stationary)[:2])
+    step = jax.jit(lambda *a: grads_of(fn, *a))
+    bits = [int(b) for b in re.findall(r"mma = (\d+) : i32", step.lower(x, wg, wu, wd, dy).as_text())]
+    assert len(bits) == 2 and all(((b & 16) != 0) == stationary for b in bits), bits  # both calls' bit 4
     (y, l1), grads = grads_of(fn, x, wg, wu, wd, dy)
     with jax.default_matmul_precision("highest"):
         (y_d, l1_d), g_d = grads_of(dense_ffn, x, wg, wu, wd, dy)

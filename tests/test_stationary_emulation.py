@@ -97,6 +97,39 @@ def test_ranks_sort_by_length_descending_and_stably():
     assert (np.diff(order)[same] > 0).all()  # ties in token order
 
 
+@pytest.mark.parametrize("m,f,tile,capacity,density,full,empty,gated", [
+    (37, 300, 64, 4, 0.05, 2, 3, True),
+    (1100, 700, 256, 8, 0.01, 3, 10, False),
+    (50, 3700, 256, 8, 0.01, 1, 2, True),  # 2 f past 7,264: 8 columns a CTA, eight residue classes
+])
+def test_dx_matches_the_exact_sum(m, f, tile, capacity, density, full, empty, gated):
+    """The training backward's walk over Wact^T's rows then Wu^T's, two words an entry
+    (one non-gated), with the coefficients rounded to bf16: the exact sum to f32 rounding."""
+    rng = np.random.default_rng(m + f + 1)
+    d = 40
+    counts, seg_start, tok_off, words = _workspace(rng, m, f, tile, capacity, density, full, empty)
+    coef = rng.uniform(-3, 3, (3 if gated else 2, words.size)).astype(np.float32)
+    wa = rng.uniform(-1, 1, (f, d)).astype(ml_dtypes.bfloat16)
+    wu = rng.uniform(-1, 1, (f, d)).astype(ml_dtypes.bfloat16) if gated else None
+    got = stat.dx(words, coef, seg_start, tok_off, counts, wa, wu, capacity=capacity, tile=tile, f=f,
+                  dtype=ml_dtypes.bfloat16)
+    index, tok, tk = stat.token_entries(seg_start, tok_off, counts, capacity=capacity, tile=tile, f=f)
+    n = tk * tile + (words[index] & emu.COLUMN_MASK)
+    want, mag = np.zeros((m, d)), np.zeros((m, d))
+    for r, table in enumerate([wa] + ([wu] if gated else [])):
+        c = coef[1 + r, index].astype(ml_dtypes.bfloat16).astype(np.float64)
+        terms = c[:, None] * table.astype(np.float64)[n]
+        np.add.at(want, tok, terms)
+        np.add.at(mag, tok, np.abs(terms))
+    err = np.abs(got.astype(np.float64) - want)
+    assert (err <= np.abs(want) * 2.0**-8 + mag * 2.0**-20 + 1e-30).all()
+    assert (got[full:full + empty] == 0).all()
+    # a walk of 2 f rows: the columns a CTA owns follow the table's rows, not f
+    assert not stat.walk_supported(16384, 2040, 3632, 600_000, 2)  # 7,264 rows: 16 columns
+    assert stat.walk_supported(16384, 2040, 3633, 600_000, 2)  # 7,266 rows: 8 columns
+    assert not stat.walk_supported(64, 2048, 7263, 10**6, 2) and stat.walk_supported(64, 2048, 7262, 10**6, 2)
+
+
 def test_layout_bound_holds():
     """The walk layout (64 words x the first key of each group of 16 ranks) fits the
     workspace's bound, max_entries + 3 M + 16 (f + 3), on lopsided rows."""

@@ -188,7 +188,7 @@ def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, do
 
 
 def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=False, dx_mma=False, dx_union=False,
-                       dh_union=False):
+                       dh_union=False, dx_stationary=False):
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     grad = lambda w: jax.ShapeDtypeStruct(w.shape, x.dtype)
@@ -476,6 +476,16 @@ def test_backward_union_steps_follow_their_defaults(emulated_kernels, monkeypatc
         seen += _backward_options_seen(monkeypatch, (needs, option), calls, key=key, d=d)
     assert seen == [(True, False), (True, True), (True, False), (False, False),
                     (True, True), (True, True), (True, False), (False, False)]
+
+
+def test_dx_stationary_reaches_the_backward_call(emulated_kernels, monkeypatch):
+    """``ffn_with_aux`` asks the backward call for dx by the stationary walk when told, by
+    default where ``DX_STATIONARY_DEFAULT`` and the inference rule's price of the walk say
+    so, and never without dx on tensor cores."""
+    calls = ({}, dict(dx_stationary=True), dict(dx_stationary=False), dict(dx_mma=False, dx_stationary=True))
+    default = cuda_train.DX_STATIONARY_DEFAULT and cuda.dense_crossover().down_stationary(300, 256, 520, 2)
+    seen = _backward_options_seen(monkeypatch, ("dx_mma", "dx_stationary"), calls, key=18, d=256)
+    assert seen == [(True, default), (True, True), (True, False), (False, False)]
 
 
 @pytest.mark.parametrize("option", ["up_union", "down_union", "down_stationary"])

@@ -348,6 +348,8 @@ DOWN_UNION_DEFAULT = True
 # rule prices it below the union product (DenseCrossover.down_stationary): the same kernel
 # as the inference call's down step.
 DOWN_STATIONARY_DEFAULT = True
+# dx by the stationary walk (ffn_with_aux), where the same price says so.
+DX_STATIONARY_DEFAULT = True
 # The forward's up step as a union product by default (ffn_with_aux): measured 0.05-0.07 ms
 # faster per step at 0.5% active, 0.005-0.06 ms at 0.25% (training_725c27c_union_up.json).
 UP_UNION_DEFAULT = True
@@ -384,9 +386,18 @@ def union_dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) ->
     return _union.dx_supported(m, d, f, max_entries, gated)
 
 
+def stationary_dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) -> bool:
+    """Whether dx can run with the weights stationary (``train_backward(dx_stationary=True)``):
+    the walk's table of Wact^T's rows then (gated) Wu^T's, ``R f`` rows with R = 2 gated and
+    1 not, at most 14,524 rows; d a multiple of the 16 (8 past 7,264 rows) columns a CTA
+    holds; the walk's workspace (``R`` words an entry) within the partials ``[d / 64,
+    max_entries]`` f32. The same test as the handler's."""
+    return _stat.walk_supported(m, d, f, max_entries, 2 if gated else 1)
+
+
 def train_backward(
     x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile: int, workspace: bool = False, mma: bool = False,
-    dx_mma: bool = False, dx_union: bool = False, dh_union: bool = False,
+    dx_mma: bool = False, dx_union: bool = False, dh_union: bool = False, dx_stationary: bool = False,
 ):
     """One ``jax_twell_train_bwd[_gated]`` call: ``(dx, dw_gate, dw_up, dw_down)``.
     ``mma``: the dh step on tensor cores (as in :func:`train_forward`). ``dx_mma``: dx on
@@ -398,7 +409,12 @@ def train_backward(
     :func:`union_dx_supported` allows; elsewhere as ``dx_mma`` says. ``dh_union``: dh as
     the union up product of dy and Wd's rows (every entry with g != 0; dh's f32 sum in
     another order than the per-entry step's), where :func:`union_up_supported` allows;
-    elsewhere the per-entry step (as ``mma`` says).
+    elsewhere the per-entry step (as ``mma`` says). ``dx_stationary`` (where
+    :func:`stationary_dx_supported` allows; taking precedence over ``dx_union``): dx by the
+    walk of the inference down step with the weights stationary in shared memory
+    (ffi/twell_stationary.cuh): each CTA holds 16 (or 8) columns of Wact^T and Wu^T and walks
+    every token's two words an entry, the same rounded coefficients (f32 sums in the order
+    jax_twell/ops/stationary_emulation.py models: :func:`~jax_twell.ops.stationary_emulation.dx`).
 
     ``l1_grad``: ``[]`` f32, the cotangent of the L1 term divided by M. w_gate None: the
     non-gated FFN (dw_gate None). ``workspace=True`` (tests) returns the raw results
@@ -412,7 +428,8 @@ def train_backward(
     w_act_t = (w_gate if gated else w_up).T
     grad_t = jax.ShapeDtypeStruct((f, d), x.dtype)
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype), grad_t, grad_t] + ([grad_t] if gated else [])
-    dx_union = bool(dx_union) and union_dx_supported(m, d, f, e, gated)
+    dx_stationary = bool(dx_stationary) and stationary_dx_supported(m, d, f, e, gated)
+    dx_union = bool(dx_union) and not dx_stationary and union_dx_supported(m, d, f, e, gated)
     dh_union = bool(dh_union) and union_up_supported(m, d, f, e)
     outs += [
         jax.ShapeDtypeStruct((d // _blocked.UP_COLS, e), jnp.float32),
@@ -423,8 +440,10 @@ def train_backward(
     ]
     l1 = jnp.reshape(l1_grad, (1,)).astype(jnp.float32)
     tile_attr = np.int32(tile)
-    # bit 0: dh step on tensor cores, bit 1: dx too, bit 2: dx, bit 3: dh as union products
-    mma_attr = np.int32(int(bool(mma)) | int(bool(dx_mma)) << 1 | int(dx_union) << 2 | int(dh_union) << 3)
+    # bit 0: dh step on tensor cores, bit 1: dx too, bit 2: dx, bit 3: dh as union products,
+    # bit 4: dx with the weights stationary
+    mma_attr = np.int32(int(bool(mma)) | int(bool(dx_mma)) << 1 | int(dx_union) << 2 | int(dh_union) << 3
+                        | int(dx_stationary) << 4)
     if gated:
         call = kernel_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
         out = call(x, dy, w_act_t, w_up.T, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
@@ -475,6 +494,7 @@ class _Config:
     up_union: bool = False
     dh_union: bool = False
     down_stationary: bool = False
+    dx_stationary: bool = False
 
 
 def _mesh_axes(*arrays) -> frozenset:
@@ -557,7 +577,7 @@ def _train_bwd(cfg: _Config, saved, cotangents):
     def sparse(_):
         grads = _backward_call(
             x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=TILE, mma=cfg.mma, dx_mma=cfg.dx_mma,
-            dx_union=cfg.dx_union, dh_union=cfg.dh_union,
+            dx_union=cfg.dx_union, dh_union=cfg.dh_union, dx_stationary=cfg.dx_stationary,
         )
         grads = _as_varying(grads, axes)
         return tuple(reference._sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
@@ -582,7 +602,7 @@ def ffn_with_aux(
     crossover: TrainCrossover | None = None, mma: bool = True, active_fraction: float | None = None,
     dx_mma: bool | None = None, dx_union: bool | None = None, down_union: bool | None = None,
     up_union: bool | None = None, dh_union: bool | None = None, union_fraction: float | None = None,
-    down_stationary: bool | None = None,
+    down_stationary: bool | None = None, dx_stationary: bool | None = None,
 ):
     """Training FFN through the CUDA kernels. x: ``[M, d]``.
 
@@ -609,7 +629,9 @@ def ffn_with_aux(
     ``mma``; default: :data:`DOWN_STATIONARY_DEFAULT` where
     :meth:`jax_twell.ops.cuda.DenseCrossover.down_stationary` prices it below the union
     product at ``active_fraction``) runs the forward's down step with the weight stationary
-    in shared memory instead (:func:`train_forward`).
+    in shared memory instead (:func:`train_forward`); ``dx_stationary`` (with ``dx_mma``;
+    default: :data:`DX_STATIONARY_DEFAULT` where the same price says so) runs the backward's
+    dx by that walk over Wact^T and Wu^T (:func:`train_backward`).
 
     ``active_fraction`` (a Python float, e.g. the layer's fraction measured over recent
     steps): the choice is made at trace time instead (:meth:`TrainCrossover.prefers_sparse`
@@ -644,10 +666,15 @@ def ffn_with_aux(
     down_union = bool(mma) and bool(DOWN_UNION_DEFAULT if down_union is None else down_union)
     up_union = bool(mma) and bool(UP_UNION_DEFAULT if up_union is None else up_union)
     dh_union = bool(mma) and bool(DH_UNION_DEFAULT if dh_union is None else dh_union)
+    # the walk with the weights stationary where the inference rule prices its down step
+    # below the union product's (the dx walk reads twice the words and two tables' unions)
+    walk_pays = cuda.dense_crossover().down_stationary(m, d, f, x.dtype.itemsize, active_fraction)
     if down_stationary is None:
-        down_stationary = DOWN_STATIONARY_DEFAULT and cuda.dense_crossover().down_stationary(
-            m, d, f, x.dtype.itemsize, active_fraction)
+        down_stationary = DOWN_STATIONARY_DEFAULT and walk_pays
+    if dx_stationary is None:
+        dx_stationary = DX_STATIONARY_DEFAULT and walk_pays
     down_stationary = bool(mma) and w_gate is not None and bool(down_stationary)
+    dx_stationary = dx_mma and bool(dx_stationary)
     cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union, down_union,
-                  up_union, dh_union, down_stationary)
+                  up_union, dh_union, down_stationary, dx_stationary)
     return _train_ffn(x, w_gate, w_up, w_down, cfg)

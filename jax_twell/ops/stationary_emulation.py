@@ -64,11 +64,21 @@ def workspace_words(m: int, f: int, max_entries: int) -> int:
     return glay + (max_entries + 3 * m + 16 * (f + 3) + 3) // 4 * 4
 
 
+def walk_supported(m: int, d: int, f: int, max_entries: int, rows: int) -> bool:
+    """The handlers' test (``StationaryWalkSupported``) for a walk of ``rows`` words an
+    entry over a table of ``rows * f`` rows: the table at most :data:`MAX_F` rows (the slice
+    and the sort's counts in shared memory), d a multiple of its :func:`cols`, and the
+    workspace (``rows`` times the entries) within the partials ``[d / 64, max_entries]`` f32
+    that the step reuses."""
+    fv = rows * f
+    return (0 < fv <= MAX_F and d % cols(fv) == 0
+            and workspace_words(m, fv, rows * max_entries) <= (d // UP_COLS) * max_entries)
+
+
 def supported(m: int, d: int, f: int, max_entries: int) -> bool:
-    """The handler's test (``StationaryDownSupported``): f at most :data:`MAX_F` (the slice
-    and the sort's counts in shared memory), d a multiple of :func:`cols`, and the workspace
-    within the partials ``[d / 64, max_entries]`` f32 that the step reuses after Finish."""
-    return 0 < f <= MAX_F and d % cols(f) == 0 and workspace_words(m, f, max_entries) <= (d // UP_COLS) * max_entries
+    """The down step's test (``StationaryDownSupported``): :func:`walk_supported` with one
+    word an entry."""
+    return walk_supported(m, d, f, max_entries, 1)
 
 
 def ranks(reserved_per_token: np.ndarray) -> np.ndarray:
@@ -111,30 +121,56 @@ def token_entries(seg_start, tok_off, counts, *, capacity: int, tile: int, f: in
     return index[walk], tok[walk], tk[walk]
 
 
+def _walk(tok: np.ndarray, neuron: np.ndarray, value: np.ndarray, table: np.ndarray, m: int, dt) -> np.ndarray:
+    """The walk of S1-S6 over words ``(token, neuron, value)`` given per token in its
+    layout order: ``[m, d]`` in ``dt``, each row summed in f32 over the token's steps."""
+    fv = table.shape[0]
+    per_token = np.bincount(tok, minlength=m)
+    rank = ranks(per_token)
+    first = np.concatenate([[0], np.cumsum(per_token)])
+    step = np.zeros(tok.size, np.int64)
+    for t in range(m):
+        a, b = first[t], first[t + 1]
+        if b > a:
+            step[a:b] = steps(neuron[a:b], int(rank[t] % GROUP), classes(fv))
+    acc = np.zeros((m, table.shape[1]), np.float32)
+    for s in range(int(step.max(initial=-1)) + 1):
+        at = step == s
+        # products of two element-type values are exact in f32: this add is the FMA
+        acc[tok[at]] = (acc[tok[at]] + value[at, None] * table[neuron[at]]).astype(np.float32)
+    return acc.astype(dt)
+
+
 def down(entries, seg_start, tok_off, counts, w_down, *, capacity: int, tile: int, f: int, dtype) -> np.ndarray:
     """``y [M, d]`` (in ``dtype``) of the stationary down step from the blocked workspace's
     h entries (``entries``: uint32 words, h bits << 16 | flags, token bits and column)."""
     dt = _blocked._np_dtype(dtype)
     counts = np.asarray(counts)
-    m = counts.shape[0]
     words = np.asarray(entries).astype(np.uint32)
-    wd = np.asarray(w_down).astype(np.float32)
-    d = wd.shape[1]
     index, tok, tk = token_entries(seg_start, tok_off, counts, capacity=capacity, tile=tile, f=f)
     w = words[index]
     neuron = tk * tile + (w & _blocked.COLUMN_MASK).astype(np.int64)
     h = _blocked._from_bits((w >> 16).astype(np.uint16), dt)
-    per_token = np.bincount(tok, minlength=m)
-    rank = ranks(per_token)
-    first = np.concatenate([[0], np.cumsum(per_token)])
-    step = np.zeros(index.size, np.int64)
-    for t in range(m):
-        a, b = first[t], first[t + 1]
-        if b > a:
-            step[a:b] = steps(neuron[a:b], int(rank[t] % GROUP), classes(f))
-    acc = np.zeros((m, d), np.float32)
-    for s in range(int(step.max(initial=-1)) + 1):
-        at = step == s
-        # products of two element-type values are exact in f32: this add is the FMA
-        acc[tok[at]] = (acc[tok[at]] + h[at, None] * wd[neuron[at]]).astype(np.float32)
-    return acc.astype(dt)
+    return _walk(tok, neuron, h, np.asarray(w_down).astype(np.float32), counts.shape[0], dt)
+
+
+def dx(entries, coef, seg_start, tok_off, counts, w_act_t, w_up_t=None, *, capacity: int, tile: int, f: int,
+       dtype) -> np.ndarray:
+    """``dx [M, d]`` (in ``dtype``) of the training backward's stationary walk
+    (``train_backward(dx_stationary=True)``): per entry ``R`` words in row order, row ``r``
+    of neuron ``n`` being table row ``r f + n`` with value ``coef[1 + r]`` rounded to the
+    element type; the table Wact^T's rows, then (gated, ``w_up_t`` given) Wu^T's."""
+    dt = _blocked._np_dtype(dtype)
+    counts = np.asarray(counts)
+    words = np.asarray(entries).astype(np.uint32)
+    coef = np.asarray(coef, np.float32)
+    index, tok, tk = token_entries(seg_start, tok_off, counts, capacity=capacity, tile=tile, f=f)
+    neuron = tk * tile + (words[index] & _blocked.COLUMN_MASK).astype(np.int64)
+    tables = [np.asarray(w_act_t)] + ([] if w_up_t is None else [np.asarray(w_up_t)])
+    rows = len(tables)
+    # words interleaved per entry: (row 0, row 1, ...) in the entry's place
+    r = np.tile(np.arange(rows), index.size)
+    e = np.repeat(index, rows)
+    value = coef[1 + r, e].astype(dt).astype(np.float32)
+    table = np.concatenate([t.astype(np.float32) for t in tables], axis=0)
+    return _walk(np.repeat(tok, rows), np.repeat(neuron, rows) + r * f, value, table, counts.shape[0], dt)
