@@ -24,6 +24,8 @@ clock falls on all alike; ``<variant>_step_spread``: interquartile range / media
 - nst (with --union-down-step): as mma, with the forward's down step a union product where mma
   runs it with the weight stationary (down_stationary=False; the row's ``down_stationary``
   says what mma ran);
+- ndx (with --union-dx-step): as mma, with dx a union product where mma runs it by the
+  stationary walk (dx_stationary=False; the row's ``dx_stationary``);
 - forward only, for dense and cuda.
 Each row also records the measured active fraction and the mean 64-token union of active
 neurons (``measured_union_fraction``, what the union products read). Memory held between
@@ -32,7 +34,7 @@ inputs, each left out once) for dense and cuda, and the compiled forward's
 memory_analysis (output bytes, which hold the residuals).
 
 Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down] [--union-up]
-       [--per-entry-dh] [--union-down-step] [--patterns uniform,skewed] [--tokens 4096,16384]
+       [--per-entry-dh] [--union-down-step] [--union-dx-step] [--patterns uniform,skewed] [--tokens 4096,16384]
        [--out results.json]
 """
 
@@ -65,6 +67,7 @@ OPTIONAL_VARIANTS = (
     ("union_up", "uup", dict(up_union=True), "union up"),
     ("per_entry_dh", "pdh", dict(dh_union=False), "per-entry dh"),
     ("union_down_step", "nst", dict(down_stationary=False), "union down step"),
+    ("union_dx_step", "ndx", dict(dx_stationary=False), "union dx step"),
 )
 
 
@@ -142,6 +145,8 @@ def main():
                         help="also time the tensor-core steps with the backward's dh step per entry (not a union product)")
     parser.add_argument("--union-down-step", action="store_true",
                         help="also time the tensor-core steps with the forward's down step a union product, not stationary")
+    parser.add_argument("--union-dx-step", action="store_true",
+                        help="also time the tensor-core steps with dx a union product, not the stationary walk")
     parser.add_argument("--patterns", default=None,
                         help=f"comma-separated activity patterns of {PATTERNS} (default: skewed only up to 1%%)")
     parser.add_argument("--tokens", default="16384", help="comma-separated token counts M (default 16384)")
@@ -179,6 +184,9 @@ def main():
             m=m, d=d, f=f, density=density, pattern=pattern,
             down_stationary=bool(cuda_train.DOWN_STATIONARY_DEFAULT and cuda.dense_crossover().down_stationary(
                 m, d, f, inp.x.dtype.itemsize)),
+            dx_stationary=bool(cuda_train.DX_STATIONARY_DEFAULT and cuda.dense_crossover().down_stationary(
+                m, d, f, inp.x.dtype.itemsize) and cuda_train.stationary_dx_supported(
+                m, d, f, cuda_train.max_entries_for(m, f, WIDTH), True)),
             measured_active_fraction=float(nnz.mean() / f),
             # the mean union of active neurons over 64-token blocks, as a fraction of f:
             # what the union products read (to fit a rule that sees it)
