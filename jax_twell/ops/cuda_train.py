@@ -111,27 +111,26 @@ class TrainCrossover:
     (``benchmarks/fit_train_rule.py``; ffi/notes/training_kernels.md).
     """
 
-    # Fitted on the H200 (benchmarks/fit_train_rule.py on the three training_fit_241db25
+    # Fitted on the H200 (benchmarks/fit_train_rule.py on the three training_fit_2cb8fdd
     # files: 31 points, M = 4,096, 16,384 and 65,536, 0.25-1.25% active, uniform,
-    # heavy-tailed and skewed rows; d=2048, f=5632; model within 5% of 22 points, within
-    # 12% of all but one, +16% at M=4,096, 0.25% uniform). Fitted after the weight
-    # gradients' split (203f2ea). At M=16,384 the kernels' step after the gate matmul is
-    # ~0.51 ms fixed (with the pack and the transposes), ~1.9 ns per active pair and ~2.3
-    # ns per union row of a 64-token block; the crossover moves with the union: ~0.9%
-    # active for uniform rows, past 1% for a trained layer's skewed ones. At M=65,536 a
-    # pair costs ~2.6 ns (x and dy, 256 MB each, far past L2). On these points the rule
-    # never picks the kernels where they lose (lowest pick 1.03x) and passes up two wins
-    # of 1.05-1.09x. (Before the split, 35 points: ~2.1 ns per pair, ~3.5 ns at M=65,536;
-    # pairs only: a26fd98 ~3.61 ns per pair and ~0.69 ms fixed; 725c27c ~4.58 ns.)
+    # heavy-tailed and skewed rows; d=2048, f=5632; model within 7% of 24 points, within
+    # 12% of all but four, -12 to -17% at three 0.25% points and +16.5% at M=4,096, 0.25%
+    # uniform). Fitted after the forward's down step and the backward's dx moved to the
+    # stationary walk (2cb8fdd): the union term now prices the two union up products
+    # (forward u, backward dh) only, so its bandwidth rose (8.9e12 -> 3.2e13 for the same
+    # five-table bytes) and the per-pair rate fell (the walks' cost follows the pairs). On
+    # these points the rule never picks the kernels where they lose (lowest pick 1.01x)
+    # and passes up one win (1.10x, M=65,536, 1% uniform). (Before, at 241db25: ~1.9 ns
+    # per pair and ~2.3 ns per union row at M=16,384; a26fd98 ~3.61 ns per pair.)
     matmul_rate: float = 8.58e14
     hbm_bandwidth: float = 3.0e12
-    union_bandwidth: float = 8.86e12
+    union_bandwidth: float = 3.156e13
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 3.07e13
+    pair_rate: float = 1.364e13
     grad_stream_bandwidth: float = 7.0e12
-    grad_stream_spill: float = 7.24e8
+    grad_stream_spill: float = 6.735e8
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 0.370e-3
+    fixed_overhead: float = 0.4034e-3
     margin: float = 1.0
     min_tokens: int = 256
 
