@@ -1,15 +1,19 @@
 // The down step with the weight stationary in shared memory (mma bit 4 of the gated blocked
-// handler): y = h @ Wd where each CTA owns 16 output columns (8 where f > 7,264), keeps
-// Wd[:, c0 : c0 + 16] (f x 32 bytes; f x 16 with 8) in shared memory for the whole launch,
-// and walks every token's h entries.
+// handler and of the training forward): y = h @ Wd where each CTA owns 16 output columns (8
+// where f > 7,264), keeps Wd[:, c0 : c0 + 16] (f x 32 bytes; f x 16 with 8) in shared memory
+// for the whole launch, and walks every token's h entries. The same walk gives the training
+// backward's dx (mma bit 4 of jax_twell_train_bwd): a table of kRows f rows (Wact^T's, then
+// Wu^T's), kRows words an entry (row n with coef[1], row f + n with coef[2]); every size
+// below is then that of f' = kRows f neurons and kRows words an entry.
 // The weight crosses L2 once (|Wd|) instead of once per token block's union; what bounds
 // the step is one random 32-byte row read from shared memory per (token, neuron) pair.
 // ffi/notes/limits.md ("A fourth family") has the probe runs behind the design.
 //
 // The walk needs the entries in a layout of its own, built from the blocked layout's h
 // entries (after Finish) by five small launches, all in the partials' workspace:
-//   S1 StatKeys     grid (chunk of 1024 tokens): per token c = its entries (the stored
-//                   count, or the tile width for an overflowed tile, summed over tiles),
+//   S1 StatKeys     grid (chunk of 1024 tokens): per token c = its words (kRows x its
+//                   entries in the blocked layout: the stored count, or the tile width for
+//                   an overflowed tile, summed over tiles; read from tok_off),
 //                   key = ceil(c / 4) (0 .. ceil(f / 4)); per chunk a histogram of keys and
 //                   each token's rank among the chunk's tokens of its key (stable: token
 //                   order; match_any in a warp, a prefix over the warps' counts per key).
@@ -20,8 +24,9 @@
 //   S4 StatGroups   one CTA: goff = exclusive prefix of 64 x (the group's first key) over
 //                   groups of 16 consecutive ranks (the tokens sorted by count,
 //                   descending, so a group's rows have about the same length).
-//   S5 StatScatter  a warp per token, a lane per tile: its h words to its group's block of the walk layout,
-//                   (h bits << 16 | neuron), step j of the group's token i at word
+//   S5 StatScatter  a warp per token, a lane per tile: its words to its group's block of the
+//                   walk layout, (value bits << 16 | table row; the value h, or the coefficient
+//                   rounded to the element type), step j of the group's token i at word
 //                   goff[g] + 64 (j / 4) + 4 i + j % 4, zero words to the group's length.
 //                   Step order: the entries taken round by round over R residues of the
 //                   neuron (R = 4 with 16 columns, 8 with 8), starting at residue i % R (the

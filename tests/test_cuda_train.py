@@ -14,6 +14,7 @@ import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import blocked_emulation as bemu
 from jax_twell.ops import cuda_train, reference
+from jax_twell.ops import stationary_emulation as stat
 from jax_twell.ops import train_emulation as emu
 from specs import GPU_SPECS, assert_close
 from test_train_emulation import GRAD_TOL, L1, dense_ffn, grads_of, make_case
@@ -137,6 +138,16 @@ UNION_CASES = [
 ]
 
 
+def _packed_case(case, gated, dtype, key):
+    """A case's inputs, its activation weight, the TwELL of its gate and the entries it
+    needs: ``(x, wg, wu, wd, dy, w_act, act, need)``."""
+    m, d, f, density, pattern, full, empty = case
+    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=key, dtype=dtype)
+    w_act = wg if gated else wu
+    act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
+    return x, wg, wu, wd, dy, w_act, act, bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("case", UNION_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
@@ -144,12 +155,8 @@ def test_dx_union_matches_tensor_cores(case, gated, dtype):
     """dx as a union product (``train_backward(dx_union=True)``): every other result equals
     the tensor-core backward's bit for bit; dx equals its dx to the summation order (the
     same coefficients rounded to the element type, f32 sums in another order)."""
-    m, d, f, density, pattern, full, empty = case
-    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + d + 9,
-                                  dtype=dtype)
-    w_act = wg if gated else wu
-    act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
-    need = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f)
+    m, d, f = case[:3]
+    x, wg, wu, wd, dy, w_act, act, need = _packed_case(case, gated, dtype, key=m + d + 9)
     budget = need + 5  # a tight budget: the union layout is placed by the entries
     assert cuda_train.union_dx_supported(m, d, f, budget, gated)
     _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget)
@@ -202,14 +209,8 @@ def test_dx_stationary_matches_emulation(case, gated, dtype):
     gradients and coefficients equal the union dx backward's bit for bit; dx equals the
     NumPy model of the walk (stationary_emulation.dx) bit for bit and the union product's
     dx to the f32 summation order."""
-    from jax_twell.ops import stationary_emulation as stat
-
-    m, d, f, density, pattern, full, empty = case
-    x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, gated, full=full, empty=empty, key=m + d + 19,
-                                  dtype=dtype)
-    w_act = wg if gated else wu
-    act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
-    need = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f)
+    m, d, f = case[:3]
+    x, wg, wu, wd, dy, w_act, act, need = _packed_case(case, gated, dtype, key=m + d + 19)
     budget = need + 5
     while not cuda_train.stationary_dx_supported(m, d, f, budget, gated):  # the walk's workspace in the partials
         budget *= 2
@@ -241,8 +242,6 @@ def test_down_stationary_matches_emulation(case, dtype):
     words equal the union-down forward's bit for bit, y equals the NumPy model of the walk
     (stationary_emulation.down over the h words) bit for bit and the union product's y to
     the f32 summation order."""
-    from jax_twell.ops import stationary_emulation as stat
-
     m, d, f, density, pattern, full, empty = case
     x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + d + 17, dtype=dtype)
     act = pack_twell_reference(relu_matmul(x, wg), tile=256, capacity=32)

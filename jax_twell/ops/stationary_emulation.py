@@ -1,6 +1,7 @@
 """NumPy model of the down step with the weight stationary in shared memory
-(ffi/twell_stationary.cuh, mma bit 4 of the gated blocked handler; ffi/notes/limits.md,
-"A fourth family").
+(ffi/twell_stationary.cuh, mma bit 4 of the gated blocked handler and of the training
+forward; ffi/notes/limits.md, "A fourth family"), and of the same walk giving the training
+backward's dx (:func:`dx`: a table of Wact^T's rows then Wu^T's, two words an entry).
 
 The step reads the blocked layout's h entries (after the up step and Finish) and computes
 ``y[t] = sum_j h[t, j] Wd[j]`` with each CTA owning 16 output columns of every token (8
