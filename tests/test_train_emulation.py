@@ -370,6 +370,25 @@ def test_active_fraction_decides_at_trace_time(emulated_kernels, fraction, spars
     np.testing.assert_allclose(l1, l1_ref, rtol=2e-2)
 
 
+def test_crossover_for_prices_the_steps_that_run():
+    """The default rule holds where the stationary walks run (fitted there); where they do
+    not (dx's table of 2 f rows past shared memory, or the walks off), the union steps'
+    constants of the fit before them; a rule the user set is returned as set."""
+    default = cuda_train.TrainCrossover()
+    assert cuda_train.crossover_for(16384, 2048, 5632, 2) == default
+    unions = dataclasses.replace(default, **cuda_train.UNION_STEPS_CONSTANTS)
+    assert cuda_train.crossover_for(16384, 2048, 8192, 2) == unions  # 16,384 table rows
+    assert cuda_train.crossover_for(16384, 2048, 5632, 2, walks=False) == unions
+    # the union steps cost more: the crossover moves down where the walks do not run
+    assert default.prefers_sparse(16384, 2048, 5632, 2, 0.01) and not unions.prefers_sparse(16384, 2048, 5632, 2, 0.01)
+    custom = dataclasses.replace(default, margin=0.9)
+    previous = cuda_train.set_train_crossover(custom)
+    try:
+        assert cuda_train.crossover_for(16384, 2048, 8192, 2) == custom
+    finally:
+        cuda_train.set_train_crossover(previous)
+
+
 def test_active_fraction_is_checked_and_follows_the_rule():
     rule = CROSSES_AT_HALF_PERCENT
     assert rule.prefers_sparse(300, 64, 520, 2, 0.0) and not rule.prefers_sparse(300, 64, 520, 2, 1.0)

@@ -52,7 +52,7 @@ class PathRule:
         (where given; NaN or None: unknown, the uniform pattern's is assumed) each layer's
         mean 64-token union ``union_fraction`` ``[L]``, from the current ``sparse`` ``[L]``.
         Host values (numbers, NumPy or fetched arrays)."""
-        rule = cuda_train.train_crossover()
+        rule = cuda_train.crossover_for(self.m, self.d, self.f, self.itemsize)
         sparse = [bool(v) for v in np.asarray(sparse).reshape(-1)]
         fractions = np.asarray(active_fraction, np.float64).reshape(-1)
         unions = (np.full(len(sparse), np.nan) if union_fraction is None

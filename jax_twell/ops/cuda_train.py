@@ -41,6 +41,7 @@ __all__ = [
     "check_supported",
     "train_crossover",
     "set_train_crossover",
+    "crossover_for",
 ]
 
 # implementation=None keeps "xla" for training until the kernels are measured on a GPU.
@@ -214,6 +215,31 @@ class TrainCrossover:
 
 
 _crossover = RuleSlot(TrainCrossover())
+
+# The constants of the fit before the walks (241db25: the forward's down step and dx as
+# union products, 31 points at d=2048, f=5632). The default rule's fit (2cb8fdd) holds
+# where both walks run; where they do not (f past 7,262, so that dx's table of 2 f rows
+# does not fit; or the walks switched off), the union products they replace run again and
+# ffn_with_aux prices them with these.
+UNION_STEPS_CONSTANTS = dict(union_bandwidth=8.86e12, pair_rate=3.07e13, grad_stream_spill=7.24e8,
+                             fixed_overhead=0.370e-3)
+
+
+def crossover_for(m: int, d: int, f: int, itemsize: int, *, gated: bool = True, width: int = 128,
+                  walks: bool | None = None) -> TrainCrossover:
+    """The rule for training calls of this shape: :func:`train_crossover`, with
+    :data:`UNION_STEPS_CONSTANTS` where it is the default rule and the stationary walks (the
+    forward's down step, gated, and dx) do not run (``walks``; None: as :func:`ffn_with_aux`
+    runs them by default). A rule set by :func:`set_train_crossover` is returned as set."""
+    rule = _crossover.get()
+    if walks is None:
+        pays = cuda.dense_crossover().down_stationary(m, d, f, itemsize)
+        e = max_entries_for(m, f, width)
+        walks = (DX_STATIONARY_DEFAULT and pays and stationary_dx_supported(m, d, f, e, gated)
+                 and (not gated or (DOWN_STATIONARY_DEFAULT and stationary_down_supported(m, d, f, e))))
+    if rule == TrainCrossover() and not walks:
+        return dataclasses.replace(rule, **UNION_STEPS_CONSTANTS)
+    return rule
 
 
 def train_crossover() -> TrainCrossover:
@@ -609,7 +635,8 @@ def ffn_with_aux(
     :func:`jax_twell.ops.reference.ffn_with_aux`, differentiable (custom_vjp) with the
     gradients of the dense formula. Per call, on the device, the sparse kernels run where
     the entries fit ``max_entries_for(M, f, width)`` and ``crossover`` (default
-    :func:`train_crossover`) predicts them faster, and (if ``backup_capacity`` is given) at
+    :func:`crossover_for` this shape: :func:`train_crossover`, priced for the steps that
+    run) predicts them faster, and (if ``backup_capacity`` is given) at
     most ``backup_capacity`` rows exceed ``width`` active neurons; otherwise the call is
     dense (exact; its backward recomputes g and u). f32 inputs and M below the rule's
     ``min_tokens`` run :func:`jax_twell.ops.xla.ffn_with_aux` (pure XLA autodiff).
@@ -646,25 +673,17 @@ def ffn_with_aux(
     rule assumes the uniform pattern's, the largest at that density.
     """
     m, d = x.shape
-    rule = _crossover.get() if crossover is None else crossover
     f = w_up.shape[1]
+    gated = w_gate is not None
     check_supported(d, x.dtype)
     if union_fraction is not None:
         if active_fraction is None:
             raise ValueError("union_fraction is a trace-time measurement: pass it with active_fraction")
         if not 0.0 <= union_fraction <= 1.0:
             raise ValueError(f"union_fraction must be in [0, 1], got {union_fraction}")
-    if m == 0 or jnp.dtype(x.dtype) == jnp.float32 or not rule.sparse_can_win(m, d, f, x.dtype.itemsize):
+    if m == 0 or jnp.dtype(x.dtype) == jnp.float32:
         return xla.ffn_with_aux(x, w_gate, w_up, w_down)
-    if active_fraction is not None:
-        if not rule.prefers_sparse(m, d, f, x.dtype.itemsize, active_fraction, union_fraction):
-            return xla.ffn_with_aux(x, w_gate, w_up, w_down)
-        rule = dataclasses.replace(rule, margin=float("inf"))  # decided: only the entry budget is checked per call
     dx_mma = bool(mma if dx_mma is None else dx_mma)
-    dx_union = dx_mma and bool(DX_UNION_DEFAULT if dx_union is None else dx_union)
-    down_union = bool(mma) and bool(DOWN_UNION_DEFAULT if down_union is None else down_union)
-    up_union = bool(mma) and bool(UP_UNION_DEFAULT if up_union is None else up_union)
-    dh_union = bool(mma) and bool(DH_UNION_DEFAULT if dh_union is None else dh_union)
     # the walk with the weights stationary where the inference rule prices its down step
     # below the union product's (the dx walk reads twice the words and two tables' unions)
     walk_pays = cuda.dense_crossover().down_stationary(m, d, f, x.dtype.itemsize, active_fraction)
@@ -672,8 +691,22 @@ def ffn_with_aux(
         down_stationary = DOWN_STATIONARY_DEFAULT and walk_pays
     if dx_stationary is None:
         dx_stationary = DX_STATIONARY_DEFAULT and walk_pays
-    down_stationary = bool(mma) and w_gate is not None and bool(down_stationary)
+    down_stationary = bool(mma) and gated and bool(down_stationary)
     dx_stationary = dx_mma and bool(dx_stationary)
-    cfg = _Config(width, backup_capacity, max_entries_for(m, f, width), rule, bool(mma), dx_mma, dx_union, down_union,
+    max_entries = max_entries_for(m, f, width)
+    walks = (dx_stationary and stationary_dx_supported(m, d, f, max_entries, gated)
+             and (not gated or (down_stationary and stationary_down_supported(m, d, f, max_entries))))
+    rule = crossover_for(m, d, f, x.dtype.itemsize, gated=gated, walks=walks) if crossover is None else crossover
+    if not rule.sparse_can_win(m, d, f, x.dtype.itemsize):
+        return xla.ffn_with_aux(x, w_gate, w_up, w_down)
+    if active_fraction is not None:
+        if not rule.prefers_sparse(m, d, f, x.dtype.itemsize, active_fraction, union_fraction):
+            return xla.ffn_with_aux(x, w_gate, w_up, w_down)
+        rule = dataclasses.replace(rule, margin=float("inf"))  # decided: only the entry budget is checked per call
+    dx_union = dx_mma and bool(DX_UNION_DEFAULT if dx_union is None else dx_union)
+    down_union = bool(mma) and bool(DOWN_UNION_DEFAULT if down_union is None else down_union)
+    up_union = bool(mma) and bool(UP_UNION_DEFAULT if up_union is None else up_union)
+    dh_union = bool(mma) and bool(DH_UNION_DEFAULT if dh_union is None else dh_union)
+    cfg = _Config(width, backup_capacity, max_entries, rule, bool(mma), dx_mma, dx_union, down_union,
                   up_union, dh_union, down_stationary, dx_stationary)
     return _train_ffn(x, w_gate, w_up, w_down, cfg)
