@@ -233,10 +233,7 @@ def crossover_for(m: int, d: int, f: int, itemsize: int, *, gated: bool = True, 
     runs them by default). A rule set by :func:`set_train_crossover` is returned as set."""
     rule = _crossover.get()
     if walks is None:
-        pays = cuda.dense_crossover().down_stationary(m, d, f, itemsize)
-        e = max_entries_for(m, f, width)
-        walks = (DX_STATIONARY_DEFAULT and pays and stationary_dx_supported(m, d, f, e, gated)
-                 and (not gated or (DOWN_STATIONARY_DEFAULT and stationary_down_supported(m, d, f, e))))
+        walks = _walk_steps(m, d, f, itemsize, gated, max_entries_for(m, f, width))[2]
     if rule == TrainCrossover() and not walks:
         return dataclasses.replace(rule, **UNION_STEPS_CONSTANTS)
     return rule
@@ -291,6 +288,23 @@ def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
     neuron, its layout within the up step's partials workspace ``[d / 64, max_entries]`` f32
     (the handler's test)."""
     return _union.down_supported(m, d, f, max_entries)
+
+
+def _walk_steps(m: int, d: int, f: int, itemsize: int, gated: bool, max_entries: int, down_stationary=None,
+                dx_stationary=None, mma: bool = True, dx_mma: bool = True, active_fraction=None):
+    """``(down_stationary, dx_stationary, walks)`` as :func:`ffn_with_aux` decides them: each
+    as given, or by default (``*_STATIONARY_DEFAULT``) where the inference rule prices the
+    walk below the union product (the dx walk reads twice the words and two tables'
+    unions); ``walks``: both run here (dx's alone non-gated)."""
+    if down_stationary is None or dx_stationary is None:
+        pays = cuda.dense_crossover().down_stationary(m, d, f, itemsize, active_fraction)
+        down_stationary = DOWN_STATIONARY_DEFAULT and pays if down_stationary is None else down_stationary
+        dx_stationary = DX_STATIONARY_DEFAULT and pays if dx_stationary is None else dx_stationary
+    down_stationary = bool(mma) and gated and bool(down_stationary)
+    dx_stationary = bool(dx_mma) and bool(dx_stationary)
+    walks = (dx_stationary and stationary_dx_supported(m, d, f, max_entries, gated)
+             and (not gated or (down_stationary and stationary_down_supported(m, d, f, max_entries))))
+    return down_stationary, dx_stationary, walks
 
 
 def stationary_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
@@ -684,18 +698,9 @@ def ffn_with_aux(
     if m == 0 or jnp.dtype(x.dtype) == jnp.float32:
         return xla.ffn_with_aux(x, w_gate, w_up, w_down)
     dx_mma = bool(mma if dx_mma is None else dx_mma)
-    # the walk with the weights stationary where the inference rule prices its down step
-    # below the union product's (the dx walk reads twice the words and two tables' unions)
-    walk_pays = cuda.dense_crossover().down_stationary(m, d, f, x.dtype.itemsize, active_fraction)
-    if down_stationary is None:
-        down_stationary = DOWN_STATIONARY_DEFAULT and walk_pays
-    if dx_stationary is None:
-        dx_stationary = DX_STATIONARY_DEFAULT and walk_pays
-    down_stationary = bool(mma) and gated and bool(down_stationary)
-    dx_stationary = dx_mma and bool(dx_stationary)
     max_entries = max_entries_for(m, f, width)
-    walks = (dx_stationary and stationary_dx_supported(m, d, f, max_entries, gated)
-             and (not gated or (down_stationary and stationary_down_supported(m, d, f, max_entries))))
+    down_stationary, dx_stationary, walks = _walk_steps(
+        m, d, f, x.dtype.itemsize, gated, max_entries, down_stationary, dx_stationary, mma, dx_mma, active_fraction)
     rule = crossover_for(m, d, f, x.dtype.itemsize, gated=gated, walks=walks) if crossover is None else crossover
     if not rule.sparse_can_win(m, d, f, x.dtype.itemsize):
         return xla.ffn_with_aux(x, w_gate, w_up, w_down)
