@@ -73,7 +73,7 @@ __host__ __device__ constexpr int StatClasses(int f) { return StatCols(f) == 16 
 
 // Offsets (in 32-bit words) of the walk's workspace, carved from the partials.
 struct StatLayout {
-  int64_t hist, info, order, goff, glay, glay_words, total;
+  int64_t hist, info, order, goff, maxkey, glay, glay_words, total;
 };
 
 __host__ __device__ inline StatLayout StatLayoutOf(int64_t rows, int f, int64_t max_entries) {
@@ -84,7 +84,8 @@ __host__ __device__ inline StatLayout StatLayoutOf(int64_t rows, int f, int64_t 
   l.info = l.hist + chunks * StatKeys(f);
   l.order = l.info + rows;
   l.goff = l.order + groups * kStatGroup;
-  l.glay = (l.goff + groups + 1 + 3) / 4 * 4;  // 16-byte aligned
+  l.maxkey = l.goff + groups + 1;  // the call's largest key (S1's maximum; S2 scans up to it)
+  l.glay = (l.maxkey + 1 + 3) / 4 * 4;  // 16-byte aligned
   // sum over groups of 64 x the first (longest) row's key <= 16 (f + 3) + sum over tokens of
   // (c + 3): each later group's key is at most every key of the group before it
   l.glay_words = (max_entries + 3 * rows + 16 * (static_cast<int64_t>(f) + 3) + 3) / 4 * 4;
@@ -148,8 +149,8 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
   const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
   const int keys = StatKeys(kRows * s.f);
-  for (int i = threadIdx.x; i < StatKeysSmem(kRows * s.f) / 4; i += blockDim.x)
-    reinterpret_cast<uint32_t*>(wcount)[i] = 0u;
+  __shared__ int chunk_max;  // the chunk's largest key: the counts and prefixes above it are zero
+  if (threadIdx.x == 0) chunk_max = 0;
   // group lengths start at 0 (S3 takes their maximum): this chunk's share of the groups
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * (kStatChunk / kStatGroup) + threadIdx.x;
        g < groups && g < static_cast<int64_t>(blockIdx.x + 1) * (kStatChunk / kStatGroup); g += blockDim.x)
@@ -160,6 +161,14 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
   const int key = (c + 3) / 4;  // < keys: c <= kRows f
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned valid_lanes = __ballot_sync(kFullMask, valid);
+  __syncthreads();  // chunk_max set
+  const int warp_max = __reduce_max_sync(kFullMask, static_cast<unsigned>(key));
+  if (lane == 0) atomicMax(&chunk_max, warp_max);
+  __syncthreads();
+  const int kmax = chunk_max;  // keys 0 .. kmax of each warp's counts
+  for (int i = threadIdx.x; i < kStatChunk / 32 * (kmax + 1); i += blockDim.x)
+    wcount[i / (kmax + 1) * keys + i % (kmax + 1)] = 0;
+  if (threadIdx.x == 0) atomicMax(ws + l.maxkey, kmax);
   __syncthreads();
   int wrank = 0;
   if (valid) {
@@ -168,14 +177,17 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
     if (lane == __ffs(peers) - 1) wcount[warp * keys + key] = static_cast<uint16_t>(__popc(peers));
   }
   __syncthreads();
-  for (int k = threadIdx.x; k < keys; k += blockDim.x) {  // per key: prefix over the warps, the total
+  // per key: prefix over the warps, the total (in S2's order); keys past the chunk's
+  // largest have none (zeros: S2 and S3 read them up to the call's largest)
+  for (int k = threadIdx.x; k < keys; k += blockDim.x) {
     int run = 0;
-    for (int w = 0; w < kStatChunk / 32; ++w) {
-      const int v = wcount[w * keys + k];
-      wcount[w * keys + k] = static_cast<uint16_t>(run);
-      run += v;
-    }
-    ws[l.hist + static_cast<int64_t>(keys - 1 - k) * chunks + blockIdx.x] = run;  // in S2's order
+    if (k <= kmax)
+      for (int w = 0; w < kStatChunk / 32; ++w) {
+        const int v = wcount[w * keys + k];
+        wcount[w * keys + k] = static_cast<uint16_t>(run);
+        run += v;
+      }
+    ws[l.hist + static_cast<int64_t>(keys - 1 - k) * chunks + blockIdx.x] = run;
   }
   __syncthreads();
   if (valid) ws[l.info + t] = key << 10 | (wcount[warp * keys + key] + wrank);
@@ -190,10 +202,15 @@ __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict
   __shared__ int scratch[32];
   __shared__ int total;
   if (OverBudget(s, seg_start)) return;
-  const int64_t n = (s.rows + kStatChunk - 1) / kStatChunk * StatKeys(kRows * s.f);
+  const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
+  const int keys = StatKeys(kRows * s.f);
+  const int64_t n = chunks * keys;
+  // keys above the call's largest hold only zeros and are never read (S3 reads its tokens'
+  // keys): the scan starts at the largest key's values
+  const int64_t first = (keys - 1 - static_cast<int64_t>(ws[StatLayoutFor(s, kRows).maxkey])) * chunks;
   constexpr int kPer = kStatScanTile / 1024;
   int carry = 0;
-  for (int64_t p0 = 0; p0 < n; p0 += kStatScanTile) {
+  for (int64_t p0 = first; p0 < n; p0 += kStatScanTile) {
     int32_t* h = ws + p0;  // hist starts the workspace
     const int len = n - p0 < kStatScanTile ? static_cast<int>(n - p0) : kStatScanTile;
     for (int i = threadIdx.x; i < kStatScanTile; i += blockDim.x) vals[i] = i < len ? h[i] : 0;
@@ -465,6 +482,7 @@ ffi::Error LaunchStationaryWalk(cudaStream_t stream, const Shapes& s, const int3
   const unsigned chunks = static_cast<unsigned>((s.rows + kStatChunk - 1) / kStatChunk);
   const int keys_smem = StatKeysSmem(fv);
   cudaFuncSetAttribute(StatKeysKernel<kRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, keys_smem);
+  cudaMemsetAsync(ws + StatLayoutFor(s, kRows).maxkey, 0, sizeof(int32_t), stream);
   StatKeysKernel<kRows><<<chunks, kStatChunk, keys_smem, stream>>>(tok_off, seg_start, ws, s);
   StatScanKernel<kRows><<<1, 1024, 0, stream>>>(seg_start, ws, s);
   StatOrderKernel<kRows><<<chunks, kStatChunk, 0, stream>>>(seg_start, ws, s);

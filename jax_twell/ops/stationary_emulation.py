@@ -61,7 +61,7 @@ def workspace_words(m: int, f: int, max_entries: int) -> int:
     chunks = -(-m // CHUNK)
     groups = -(-m // GROUP)
     goff = chunks * keys(f) + m + groups * GROUP
-    glay = (goff + groups + 1 + 3) // 4 * 4
+    glay = (goff + groups + 1 + 1 + 3) // 4 * 4  # group offsets, then the call's largest key
     return glay + (max_entries + 3 * m + 16 * (f + 3) + 3) // 4 * 4
 
 
