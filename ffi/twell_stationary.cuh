@@ -3,8 +3,9 @@
 // where f > 7,264), keeps Wd[:, c0 : c0 + 16] (f x 32 bytes; f x 16 with 8) in shared memory
 // for the whole launch, and walks every token's h entries. The same walk gives the training
 // backward's dx (mma bit 4 of jax_twell_train_bwd): a table of kRows f rows (Wact^T's, then
-// Wu^T's), kRows words an entry (row n with coef[1], row f + n with coef[2]); every size
-// below is then that of f' = kRows f neurons and kRows words an entry.
+// Wu^T's, staged from Wact and Wu in their own [d, f] layout), kRows words an entry (row n
+// with coef[1], row f + n with coef[2]); every size below is then that of f' = kRows f
+// neurons and kRows words an entry.
 // The weight crosses L2 once (|Wd|) instead of once per token block's union; what bounds
 // the step is one random 32-byte row read from shared memory per (token, neuron) pair.
 // ffi/notes/limits.md ("A fourth family") has the probe runs behind the design.
@@ -149,8 +150,11 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
   const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
   const int keys = StatKeys(kRows * s.f);
-  __shared__ int chunk_max;  // the chunk's largest key: the counts and prefixes above it are zero
-  if (threadIdx.x == 0) chunk_max = 0;
+  // The chunk's largest key (the counts and prefixes above it are zero), kept in the counts'
+  // last word (warp 31's keys - 2 and keys - 1) until every thread has read it: one more
+  // shared word would pass the limit at f = kStatMaxF.
+  unsigned* chunk_max = reinterpret_cast<unsigned*>(wcount) + kStatChunk / 32 * keys / 2 - 1;
+  if (threadIdx.x == 0) *chunk_max = 0u;
   // group lengths start at 0 (S3 takes their maximum): this chunk's share of the groups
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * (kStatChunk / kStatGroup) + threadIdx.x;
        g < groups && g < static_cast<int64_t>(blockIdx.x + 1) * (kStatChunk / kStatGroup); g += blockDim.x)
@@ -163,9 +167,10 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
   const unsigned valid_lanes = __ballot_sync(kFullMask, valid);
   __syncthreads();  // chunk_max set
   const int warp_max = __reduce_max_sync(kFullMask, static_cast<unsigned>(key));
-  if (lane == 0) atomicMax(&chunk_max, warp_max);
+  if (lane == 0) atomicMax(chunk_max, static_cast<unsigned>(warp_max));
   __syncthreads();
-  const int kmax = chunk_max;  // keys 0 .. kmax of each warp's counts
+  const int kmax = static_cast<int>(*chunk_max);  // keys 0 .. kmax of each warp's counts
+  __syncthreads();  // read by all before the zeros below may overwrite it
   for (int i = threadIdx.x; i < kStatChunk / 32 * (kmax + 1); i += blockDim.x)
     wcount[i / (kmax + 1) * keys + i % (kmax + 1)] = 0;
   if (threadIdx.x == 0) atomicMax(ws + l.maxkey, kmax);
@@ -396,10 +401,58 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
   for (int j = c + lane; j < steps; j += 32) glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = 0u;
 }
 
+// The table's [:, c0 : c0 + kCols] from two [d, f] weights (the backward's dx: table row n
+// is column n of w_a, row f + n column n of w_b) to shared memory, row n at n * 2 kCols
+// bytes. Where f is a multiple of 8, a thread loads 16 bytes from each of 8 weight rows
+// (8 neurons x 8 columns) and transposes them in registers; else one element at a time.
+template <int kCols, int kRows>
+__device__ __forceinline__ void StageTableFromWeights(unsigned char* smem, const uint16_t* __restrict__ w_a,
+                                                      const uint16_t* __restrict__ w_b, int c0, const Shapes& s) {
+  constexpr int kTpt = kCols / 8;
+  const int fv = kRows * s.f;
+  if (s.f % 8 == 0) {
+    const int groups = fv / 8;  // 8 neurons each, never across the two weights
+    for (int p = threadIdx.x; p < kTpt * groups; p += blockDim.x) {
+      const int h = p / groups, n0 = 8 * (p % groups);
+      const uint16_t* src = (kRows == 1 || n0 < s.f ? w_a + n0 : w_b + (n0 - s.f)) +
+                            static_cast<int64_t>(c0 + 8 * h) * s.f;
+      uint32_t a[8][4];  // a[k]: columns c0 + 8 h + k of neurons n0 .. n0 + 7, two a word
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(k) * s.f));
+        a[k][0] = v.x, a[k][1] = v.y, a[k][2] = v.z, a[k][3] = v.w;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {  // neuron n0 + j: its 8 columns, two a word
+        const unsigned sel = j % 2 == 0 ? 0x5410u : 0x7632u;
+        uint4 o;
+        o.x = __byte_perm(a[0][j / 2], a[1][j / 2], sel);
+        o.y = __byte_perm(a[2][j / 2], a[3][j / 2], sel);
+        o.z = __byte_perm(a[4][j / 2], a[5][j / 2], sel);
+        o.w = __byte_perm(a[6][j / 2], a[7][j / 2], sel);
+        *reinterpret_cast<uint4*>(smem + ((n0 + j) * kTpt + h) * 16) = o;
+      }
+    }
+  } else {
+    for (int p = threadIdx.x; p < kTpt * fv; p += blockDim.x) {
+      const int h = p / fv, n = p % fv;
+      const uint16_t* src = (kRows == 1 || n < s.f ? w_a + n : w_b + (n - s.f)) +
+                            static_cast<int64_t>(c0 + 8 * h) * s.f;
+      uint32_t o[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        o[k] = static_cast<uint32_t>(__ldg(src + static_cast<int64_t>(2 * k) * s.f)) |
+               static_cast<uint32_t>(__ldg(src + static_cast<int64_t>(2 * k + 1) * s.f)) << 16;
+      *reinterpret_cast<uint4*>(smem + (n * kTpt + h) * 16) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+  }
+}
+
 // S6. kCols output columns a CTA: 16 (two threads a token, a warp a group) or 8 (a thread
 // a token, half a warp a group). The table's kRows f rows: row n of w_a, then (kRows 2) row
-// n - f of w_b, each [f, d].
-template <typename E, int kCols, int kRows>
+// n - f of w_b, each [f, d]; or (kWeightsDF) column n of w_a, then column n - f of w_b,
+// each [d, f] (the weights in their own layout: no transposes).
+template <typename E, int kCols, int kRows, bool kWeightsDF>
 __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t* __restrict__ w_a,
                                                                  const uint16_t* __restrict__ w_b,
                                                                  const int32_t* __restrict__ seg_start,
@@ -419,7 +472,10 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
     return;
   }
   const StatLayout l = StatLayoutFor(s, kRows);
-  {  // the table's [:, c0 : c0 + kCols] to shared memory, row n at n * 2 kCols bytes
+  if constexpr (kWeightsDF) {
+    StageTableFromWeights<kCols, kRows>(stat_smem, w_a, w_b, c0, s);
+    __syncthreads();
+  } else {  // the table's [:, c0 : c0 + kCols] to shared memory, row n at n * 2 kCols bytes
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stat_smem));
     for (int p = threadIdx.x; p < kTpt * kRows * s.f; p += blockDim.x) {
       const int n = p / kTpt, h = p % kTpt;
@@ -472,7 +528,9 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
 }
 
 // S1-S6 over the table of kRows f rows (w_a, then w_b), the layout in `ws` (at least
-// StatLayoutFor(s, kRows).total words), the walk's sums to `out` [rows, d].
+// StatLayoutFor(s, kRows).total words), the walk's sums to `out` [rows, d]. The down step's
+// table is Wd [f, d] as it is; dx's (kCoef) is read from Wact and Wu in their own [d, f]
+// layout (StageTableFromWeights), so the step needs no transposed copies of them.
 template <typename E, int kRows, bool kCoef>
 ffi::Error LaunchStationaryWalk(cudaStream_t stream, const Shapes& s, const int32_t* tok_off,
                                 const int32_t* seg_start, const uint32_t* entries, const float* coef,
@@ -496,7 +554,7 @@ ffi::Error LaunchStationaryWalk(cudaStream_t stream, const Shapes& s, const int3
   if (status.failure()) return status;
   const int cols = StatCols(fv);
   const int smem = fv * 2 * cols;
-  auto walk = cols == 16 ? StatDownKernel<E, 16, kRows> : StatDownKernel<E, 8, kRows>;
+  auto walk = cols == 16 ? StatDownKernel<E, 16, kRows, kCoef> : StatDownKernel<E, 8, kRows, kCoef>;
   cudaFuncSetAttribute(walk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   walk<<<static_cast<unsigned>(s.d / cols), kStatThreads, smem, stream>>>(w_a, w_b, seg_start, ws, out, s);
   return LaunchStatus((who + " stationary walk").c_str());

@@ -741,8 +741,9 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
   status = LaunchStatus("twell_train backward dh");
   if (status.failure()) return status;
   if (dx_stationary) {
-    // the walk over Wact^T's rows, then Wu^T's (gated), its layout in the partials (free
-    // once BwdFinish has read them)
+    // the walk over Wact^T's rows, then Wu^T's (gated), staged from Wact and Wu [d, f]
+    // (w_act_t and w_up_t hold the weights themselves here), its layout in the partials
+    // (free once BwdFinish has read them)
     status = LaunchStationaryWalk<E, kGated ? 2 : 1, true>(stream, s, tok_off, seg_start, entries, coef, w_act_t,
                                                           w_up_t, reinterpret_cast<int32_t*>(partial), dx,
                                                           "twell_train backward dx");
@@ -897,9 +898,18 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
   for (size_t i = 0; i < x.dimensions().size(); ++i)
     if (dy.dimensions()[i] != x.dimensions()[i] || dx->dimensions()[i] != x.dimensions()[i])
       return Invalid(std::string(name) + "dy and dx must have x's shape");
-  if (!SameDims(w_act_t.dimensions(), {f, d}) || (kGated && !SameDims(w_up_t.dimensions(), {f, d})) ||
-      !SameDims(dw_down->dimensions(), {f, d}) || !SameDims(dw_act_t->dimensions(), {f, d}))
-    return Invalid(std::string(name) + "transposed weights and weight gradients must be [f, d]");
+  // With mma bit 4 (dx by the stationary walk) the weights come in their own layout [d, f],
+  // which the walk stages from directly; the other dx steps read their transposes [f, d].
+  const bool weights_df = (mma & 16) != 0;
+  auto weight_ok = [&](ffi::AnyBuffer w) {
+    return weights_df ? SameDims(w.dimensions(), {d, f}) : SameDims(w.dimensions(), {f, d});
+  };
+  if (!weight_ok(w_act_t) || (kGated && !weight_ok(w_up_t)))
+    return Invalid(std::string(name) + (weights_df ? "with mma bit 4 the weights (w_gate or, not gated, w_up; w_up) "
+                                                     "must be [d, f], in their own layout"
+                                                   : "transposed weights must be [f, d]"));
+  if (!SameDims(dw_down->dimensions(), {f, d}) || !SameDims(dw_act_t->dimensions(), {f, d}))
+    return Invalid(std::string(name) + "weight gradients must be [f, d]");
   const auto dt = x.element_type();
   if (!SameType(dt, {dy.element_type(), w_act_t.element_type(), w_down.element_type(), dx->element_type(),
                      dw_down->element_type(), dw_act_t->element_type()}) ||

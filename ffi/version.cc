@@ -11,6 +11,6 @@ int jax_twell_ffi_api_minor() { return XLA_FFI_API_MINOR; }
 
 // Bumped whenever a handler's signature (operands, results, attributes) changes, so the
 // Python side never binds a stale library.
-int jax_twell_abi_version() { return 10; }
+int jax_twell_abi_version() { return 11; }
 
 }  // extern "C"

@@ -451,7 +451,8 @@ def train_backward(
     elsewhere the per-entry step (as ``mma`` says). ``dx_stationary`` (where
     :func:`stationary_dx_supported` allows; taking precedence over ``dx_union``): dx by the
     walk of the inference down step with the weights stationary in shared memory
-    (ffi/twell_stationary.cuh): each CTA holds 16 (or 8) columns of Wact^T and Wu^T and walks
+    (ffi/twell_stationary.cuh): each CTA holds 16 (or 8) columns of Wact^T and Wu^T, staged
+    from the weights in their own ``[d, f]`` layout (no transposed copies), and walks
     every token's two words an entry, the same rounded coefficients (f32 sums in the order
     jax_twell/ops/stationary_emulation.py models: :func:`~jax_twell.ops.stationary_emulation.dx`).
 
@@ -464,10 +465,13 @@ def train_backward(
     f = w_down.shape[0]
     e = res.entries.shape[0]
     gated = w_gate is not None
-    w_act_t = (w_gate if gated else w_up).T
     grad_t = jax.ShapeDtypeStruct((f, d), x.dtype)
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype), grad_t, grad_t] + ([grad_t] if gated else [])
     dx_stationary = bool(dx_stationary) and stationary_dx_supported(m, d, f, e, gated)
+    # the walk stages its table from the weights as they are ([d, f]); the other dx steps
+    # read rows of their transposes
+    w_act = w_gate if gated else w_up
+    w_act_t, w_up_t = (w_act, w_up) if dx_stationary else (w_act.T, w_up.T)
     dx_union = bool(dx_union) and not dx_stationary and union_dx_supported(m, d, f, e, gated)
     dh_union = bool(dh_union) and union_up_supported(m, d, f, e)
     outs += [
@@ -485,7 +489,7 @@ def train_backward(
                         | int(dx_stationary) << 4)
     if gated:
         call = kernel_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
-        out = call(x, dy, w_act_t, w_up.T, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
+        out = call(x, dy, w_act_t, w_up_t, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
                    res.by_col, l1, tile=tile_attr, mma=mma_attr)
         if workspace:
             return out[:-1]
