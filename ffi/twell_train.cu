@@ -29,11 +29,11 @@
 //                       acc = fma(coef1, Wg^T[j], acc), then fma(coef2, Wu^T[j], acc).
 //   GradOffsets/Records each neuron's entries of all blocks as one contiguous list of
 //                       16-byte records (h, coefficients, token), in the sums' order.
-//   WeightGrad          grid (tile x 4 parts, d/32), 8 warps of 8 groups of 4 lanes: dWd[j] += h dy[t],
+//   WeightGrad          grid (tile x 4 parts, d/64), 8 warps of 4 groups of 8 lanes: dWd[j] += h dy[t],
 //                       dWg^T[j] += coef1 x[t], dWu^T[j] += coef2 x[t]; [f, d] outputs. A hot
-//                       neuron (over 1/16 of the tile's entries) is shared by all 64 groups
+//                       neuron (over 1/16 of the tile's entries) is shared by all 32 groups
 //                       first; in a tile with a neuron over 3x the mean the others go to the
-//                       warps from a queue in decreasing size, each warp's 8 groups striding
+//                       warps from a queue in decreasing size, each warp's 4 groups striding
 //                       one neuron's list, else one neuron per group; parts added in a
 //                       fixed tree.
 // Every output element is summed by one lane in a fixed order: deterministic, no atomics.
@@ -55,8 +55,11 @@ constexpr int kByColWarps = kThreads / 32;  // 16 warps of 64 tokens
 constexpr int kTokenShift = 18;             // by_col word: token << 18 | entry within the segment
 constexpr uint32_t kLocalMask = (1u << kTokenShift) - 1;
 constexpr int kGradThreads = 256;
-constexpr int kGradLanes = 4;
-constexpr int kGradCols = 32;
+#ifndef TWELL_GRAD_LANES
+#define TWELL_GRAD_LANES 8
+#endif
+constexpr int kGradLanes = TWELL_GRAD_LANES;  // lanes of a weight-gradient group, 8 columns each
+constexpr int kGradCols = 8 * kGradLanes;     // a CTA's model columns
 
 // True when the entry's g is non-zero (unfired columns of overflowed tiles hold zeros).
 __device__ __forceinline__ bool GateFired(uint32_t word) { return ((word >> 16) & 0x7fffu) != 0; }
@@ -437,18 +440,18 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
   }
 }
 
-// Weight gradients: grid (tile k, model columns [32 r, 32 r + 32)), 8 warps of 8 groups of
-// 4 lanes (a group: 8 columns per lane). With W the tile's entries and n a neuron's (its
-// contiguous list of records, blocks then tokens ascending):
-// - a hot neuron (16 n > W, at most 15) is shared by all 64 groups first: group g sums the
-//   g-th of 64 equal consecutive parts of its list from zero, the 8 groups of a warp add
-//   their parts in a butterfly ((0+1)+(2+3))+((4+5)+(6+7)), then the 8 warps' sums are added
-//   in warp order;
+// Weight gradients: grid (tile k, model columns [64 r, 64 r + 64)), 8 warps of 4 groups of
+// 8 lanes (a group: 8 columns per lane; kGradLanes, one record read serves its 64 columns).
+// With W the tile's entries and n a neuron's (its contiguous list of records, blocks then
+// tokens ascending):
+// - a hot neuron (16 n > W, at most 15) is shared by all 32 groups first: group g sums the
+//   g-th of 32 equal consecutive parts of its list from zero, the 4 groups of a warp add
+//   their parts in a butterfly (0+1)+(2+3), then the 8 warps' sums are added in warp order;
 // - in a "strided" tile (a non-hot neuron over 3x the tile's mean: trained models' per-neuron
 //   spread), every other neuron is taken whole by one warp from a queue in decreasing size
-//   (by powers of two): group i of the warp sums entries i, i + 8, i + 16, ... of its list
-//   from zero, and the warp adds the 8 sums in the same butterfly;
-// - in an even tile (uniform per-neuron rates), group g owns neurons g, g + 64, ... and sums
+//   (by powers of two): group i of the warp sums entries i, i + 4, i + 8, ... of its list
+//   from zero, and the warp adds the 4 sums in the same butterfly;
+// - in an even tile (uniform per-neuron rates), group g owns neurons g, g + 32, ... and sums
 //   each one's list from zero.
 // Which warp takes a neuron does not change its sums, so the queue may be dynamic: a warp
 // takes the next neuron when it is done, and the tile's work ends within about one neuron
@@ -467,14 +470,14 @@ __global__ void __launch_bounds__(256) TwellTrainGradRecordsKernel(const int32_t
 constexpr int kGradBatch = TWELL_GRAD_BATCH;      // records per group in flight
 constexpr int kGradMinBlocks = TWELL_GRAD_MIN_BLOCKS;
 // CTAs per (tile, column range): each classifies the whole tile (hot neurons, strided or
-// not) and sums the neurons of every kGradSplit-th group of 64, so a neuron's sums are the
+// not) and sums the neurons of every kGradSplit-th group of kGradGroups, so a neuron's sums are the
 // same whichever CTA takes it (the hot list and the queue hold only the CTA's own neurons:
 // their order, set by atomics, differs between CTAs); more CTAs per column range keep
-// fewer column ranges in flight (their x/dy slices, 2 x 64 B x M, stay in L2 at large M).
+// fewer column ranges in flight (their x/dy slices, 2 x 2 kGradCols B x M, stay in L2 at large M).
 constexpr int kGradSplit = TWELL_GRAD_SPLIT;
 constexpr int kGradGroups = kGradThreads / kGradLanes;
 constexpr int kGradWarps = kGradThreads / 32;
-constexpr int kWarpGroups = 32 / kGradLanes;  // 8 groups per warp
+constexpr int kWarpGroups = 32 / kGradLanes;  // groups per warp (4)
 constexpr int kHotShare = 16;                 // a hot neuron holds over 1/16 of its tile's entries
 constexpr int kSizeClasses = 33;              // queue classes: 0 (no entries), 1 + floor(log2 n)
 constexpr int kSpreadTile = 3;                // a neuron over 3x its tile's mean makes the tile strided
@@ -537,11 +540,11 @@ __device__ __forceinline__ void StoreGrads(const GradAcc& acc, int k, int j, int
   if (kGated) *reinterpret_cast<uint4*>(dw_up_t + row * s.d + col) = Pack8<E>(acc.up, poison);
 }
 
-// The 8 groups of a warp add their accumulators: ((0+1)+(2+3))+((4+5)+(6+7)) in group 0.
+// The groups of a warp add their accumulators in a butterfly, (0+1)+(2+3) in group 0.
 template <bool kGated>
 __device__ __forceinline__ void WarpGroupSum(GradAcc& acc) {
 #pragma unroll
-  for (int o = kGradLanes; o < 32; o <<= 1) {  // groups g ^ 1, g ^ 2, g ^ 4 of the warp
+  for (int o = kGradLanes; o < 32; o <<= 1) {  // groups g ^ 1, g ^ 2 of the warp
 #pragma unroll
     for (int v = 0; v < 8; ++v) {
       acc.down[v] += __shfl_xor_sync(0xffffffffu, acc.down[v], o);

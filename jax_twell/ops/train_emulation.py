@@ -17,8 +17,8 @@ training adds:
   for Wu^T rows, every entry); ``dh = sum of partials + c sign(h)`` with ``c = dl1 / M``;
   coefficients ``(h, dh * u, dh * g)`` (non-gated: ``(h, dh)``); dx accumulated per token in
   entry order (tiles, then columns); weight gradients per neuron in token order, summed
-  whole, or in a tile with a neuron over 3x the tile's mean strided over a warp's 8 groups
-  (entry p to part p mod 8), and for a neuron holding over 1/16 of its tile's entries cut
+  whole, or in a tile with a neuron over 3x the tile's mean strided over a warp's
+  ``WARP_GROUPS`` groups (entry p to part p mod ``WARP_GROUPS``), and for a neuron holding over 1/16 of its tile's entries cut
   into ``GRAD_GROUPS`` equal consecutive parts; each part summed in token order, the parts
   added in a fixed tree.
 
@@ -37,8 +37,9 @@ import numpy as np
 from jax_twell.ops import blocked_emulation as _b
 
 TOKEN_SHIFT = 18
-GRAD_GROUPS = 64  # the weight-gradient kernel's groups of 4 lanes per CTA (kGradGroups)
-WARP_GROUPS = 8  # groups per warp (kWarpGroups)
+GRAD_LANES = 8  # lanes of a weight-gradient group, 8 model columns each (kGradLanes)
+GRAD_GROUPS = 256 // GRAD_LANES  # the weight-gradient kernel's groups per CTA (kGradGroups)
+WARP_GROUPS = 32 // GRAD_LANES  # groups per warp (kWarpGroups)
 HOT_SHARE = 16  # a neuron over 1/HOT_SHARE of its tile's entries is shared by all groups (kHotShare)
 SPREAD_TILE = 3  # a non-hot neuron over SPREAD_TILE x its tile's mean makes the tile strided (kSpreadTile)
 _F32 = np.float32
@@ -248,10 +249,10 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
 
     # WeightGrad: per neuron, its tokens in increasing order. A "hot" neuron (over
     # 1/HOT_SHARE of its tile's fired entries) is cut into GRAD_GROUPS equal consecutive
-    # parts, each summed from zero; per warp of 8 parts a butterfly
-    # ((0+1)+(2+3))+((4+5)+(6+7)), then the warps' sums in order. In a strided tile (a
-    # non-hot neuron over SPREAD_TILE times the tile's mean) any other neuron is strided
-    # over one warp's 8 groups (entry p to part p mod 8), each part summed from zero, the 8
+    # parts, each summed from zero; per warp of WARP_GROUPS parts a butterfly ((0+1)+(2+3)
+    # for four), then the warps' sums in order. In a strided tile (a non-hot neuron over
+    # SPREAD_TILE times the tile's mean) any other neuron is strided over one warp's
+    # WARP_GROUPS groups (entry p to part p mod WARP_GROUPS), each part summed from zero, the
     # parts added in the same butterfly; in an even tile it is summed whole from zero.
     a = np.nonzero(fired)[0]
     a = a[np.lexsort((tok[a], neuron[a]))]
@@ -298,8 +299,10 @@ def train_backward(x, dy, w_act_t, w_up_t, w_down, res: TrainResiduals, l1_grad:
             parts = np.zeros((ids.size, n_parts, d), _F32)
             parts[slot, chunk_part[mine]] = src[mine]
             warps = parts.reshape(ids.size, n_parts // WARP_GROUPS, WARP_GROUPS, d)
-            for o in (1, 2, 4):  # the butterfly within each warp's 8 groups (group 0's view)
+            o = 1
+            while o < WARP_GROUPS:  # the butterfly within each warp's groups (group 0's view)
                 warps = warps + warps[:, :, np.arange(WARP_GROUPS) ^ o]
+                o *= 2
             total_h = warps[:, 0, 0]
             for w in range(1, n_parts // WARP_GROUPS):
                 total_h = total_h + warps[:, w, 0]
