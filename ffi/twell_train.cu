@@ -21,7 +21,8 @@
 //   K1 Up (dy, Wd)      partial sums of dh = dy[t] . Wd[j], every entry (flagged ones too);
 //                       mma bit 3: dh whole from the union up product instead.
 //                       mma bit 4: dx by the stationary walk (twell_stationary.cuh) over a table of
-//                       Wact^T's rows then Wu^T's, two words an entry (coef[1], coef[2]).
+//                       Wact^T's rows then Wu^T's, two words an entry (coef[1], coef[2]); the
+//                       handler then takes Wact and Wu in their own [d, f] layout.
 //   BwdFinish           grid-stride over entries: dh = sum of partials + c sign(h);
 //                       coef[0] = h, coef[1] = dh * u (gate; dh non-gated), coef[2] = dh * g.
 //   Dx                  grid (d/32, block), like K2: 4 lanes per token hold dx[t, 32 cols] in

@@ -18,9 +18,9 @@ training adds:
   coefficients ``(h, dh * u, dh * g)`` (non-gated: ``(h, dh)``); dx accumulated per token in
   entry order (tiles, then columns); weight gradients per neuron in token order, summed
   whole, or in a tile with a neuron over 3x the tile's mean strided over a warp's
-  ``WARP_GROUPS`` groups (entry p to part p mod ``WARP_GROUPS``), and for a neuron holding over 1/16 of its tile's entries cut
-  into ``GRAD_GROUPS`` equal consecutive parts; each part summed in token order, the parts
-  added in a fixed tree.
+  ``WARP_GROUPS`` groups (entry p to part p mod ``WARP_GROUPS``), and for a neuron holding
+  over 1/16 of its tile's entries cut into ``GRAD_GROUPS`` equal consecutive parts; each
+  part summed in token order, the parts added in a fixed tree.
 
 Products of two 2-byte floats are exact in f32 (``fma == add``); products of an f32
 coefficient with a 2-byte weight are not, and :func:`fma` evaluates them in float64 with a
