@@ -557,3 +557,38 @@ def test_union_dx_supported_states_its_constraints():
     for gated in (True, False):
         r = 2 if gated else 1
         assert 2 * r * e < cuda_train.union_workspace_ints(16384, e, gated) < 2.1 * r * e + 16384
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("stationary", [True, False], ids=["stationary", "union"])
+def test_backward_hands_the_weights_in_the_layout_its_dx_step_reads(monkeypatch, gated, stationary):
+    """train_backward passes Wact (and Wu) to the handler as they are, [d, f], where dx runs
+    the stationary walk (mma bit 4: the walk stages its table from them), and their
+    transposes [f, d] for the other dx steps; bit 4 is set exactly then. A stand-in for the
+    FFI call records the operands (no kernels on the CPU)."""
+    m, d, f, e, tile = 300, 256, 512, 20000, 256
+    calls = []
+
+    def fake_kernel_call(target, result_types, *, vmap_method):
+        def call(*operands, **attrs):
+            calls.append((target, [o.shape for o in operands], attrs))
+            return [jnp.zeros(r.shape, r.dtype) for r in result_types]
+        return call
+
+    monkeypatch.setattr(cuda_train, "kernel_call", fake_kernel_call)
+    key = jax.random.split(jax.random.key(3), 4)
+    x = jax.random.normal(key[0], (m, d), jnp.bfloat16)
+    wg = jax.random.normal(key[1], (d, f), jnp.bfloat16) if gated else None
+    wu = jax.random.normal(key[2], (d, f), jnp.bfloat16)
+    wd = jax.random.normal(key[3], (f, d), jnp.bfloat16)
+    res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                       cuda_train.residual_shapes(m, f // tile, tile, e, gated))
+    assert cuda_train.stationary_dx_supported(m, d, f, e, gated)
+    cuda_train.train_backward(x, x, wg, wu, wd, res, jnp.float32(0.0), tile=tile, mma=True, dx_mma=True,
+                              dx_union=True, dx_stationary=stationary)
+    (target, shapes, attrs), = calls
+    assert target == ("jax_twell_train_bwd_gated" if gated else "jax_twell_train_bwd")
+    want = (d, f) if stationary else (f, d)
+    weights = shapes[2:4] if gated else shapes[2:3]
+    assert all(w == want for w in weights), (weights, want)
+    assert bool(int(attrs["mma"]) & 16) == stationary
