@@ -59,7 +59,9 @@ constexpr int kGradThreads = 256;
 #ifndef TWELL_GRAD_LANES
 #define TWELL_GRAD_LANES 8
 #endif
-constexpr int kGradLanes = TWELL_GRAD_LANES;  // lanes of a weight-gradient group, 8 columns each
+// lanes of a weight-gradient group, 8 columns each (jax_twell/ops/train_emulation.py's
+// GRAD_LANES models the sums' order for 8; other values are timing builds)
+constexpr int kGradLanes = TWELL_GRAD_LANES;
 constexpr int kGradCols = 8 * kGradLanes;     // a CTA's model columns
 
 // True when the entry's g is non-zero (unfired columns of overflowed tiles hold zeros).

@@ -468,10 +468,11 @@ def train_backward(
     grad_t = jax.ShapeDtypeStruct((f, d), x.dtype)
     outs = [jax.ShapeDtypeStruct(x.shape, x.dtype), grad_t, grad_t] + ([grad_t] if gated else [])
     dx_stationary = bool(dx_stationary) and stationary_dx_supported(m, d, f, e, gated)
-    # the walk stages its table from the weights as they are ([d, f]); the other dx steps
-    # read rows of their transposes
-    w_act = w_gate if gated else w_up
-    w_act_t, w_up_t = (w_act, w_up) if dx_stationary else (w_act.T, w_up.T)
+    # The weights as the dx step reads them: the walk stages its table from them as they
+    # are ([d, f]); the other dx steps read rows of their transposes.
+    as_read = (lambda w: w) if dx_stationary else (lambda w: w.T)
+    w_act_op = as_read(w_gate if gated else w_up)
+    w_up_op = as_read(w_up) if gated else None
     dx_union = bool(dx_union) and not dx_stationary and union_dx_supported(m, d, f, e, gated)
     dh_union = bool(dh_union) and union_up_supported(m, d, f, e)
     outs += [
@@ -489,14 +490,14 @@ def train_backward(
                         | int(dx_stationary) << 4)
     if gated:
         call = kernel_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
-        out = call(x, dy, w_act_t, w_up_t, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
+        out = call(x, dy, w_act_op, w_up_op, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
                    res.by_col, l1, tile=tile_attr, mma=mma_attr)
         if workspace:
             return out[:-1]
         dx, dw_down, dw_gate_t, dw_up_t = out[:4]
         return dx, dw_gate_t.T, dw_up_t.T, dw_down
     call = kernel_call("jax_twell_train_bwd", outs, vmap_method="sequential")
-    out = call(x, dy, w_act_t, w_down, res.seg_start, res.tok_off, res.entries, res.col_off, res.by_col, l1,
+    out = call(x, dy, w_act_op, w_down, res.seg_start, res.tok_off, res.entries, res.col_off, res.by_col, l1,
                tile=tile_attr, mma=mma_attr)
     if workspace:
         return out[:-1]
