@@ -90,6 +90,7 @@ CASES = [
     (40, 64, 256, 0.5, "dense", 0, 0),  # every row overflowing
     (600, 64, 700, 0.02, "skewed", 0, 0),  # neurons over 1/16 of a tile: shared by all weight-gradient groups
     (1100, 64, 520, 0.01, "skewed", 0, 0),  # one neuron with 44% of its tile's entries
+    (600, 128, 700, 0.02, "skewed", 0, 0),  # the same with 16-lane weight-gradient groups (d % 128 == 0)
 ]
 
 
