@@ -6,7 +6,14 @@ rows; synthetic sparsity through a real gate matmul), each timing the median of 
 synchronised runs after warm-up, never on zeros; the step variants of a configuration are
 timed in interleaved rounds (each round times every variant once, so a drift of the GPU
 clock falls on all alike; ``<variant>_step_spread``: interquartile range / median):
-- dense: jax.grad through jax_twell.ops.xla.ffn_with_aux (XLA autodiff);
+A step is ``jax.value_and_grad`` of ``sum(y * cot) + L1 * l1`` (the loss and the gradients
+of x and the three weights), as a training loop takes it: the loss needs y, so XLA's dense
+step runs all nine matmuls (the forward's three, the backward's six). With ``--grad-only``,
+``jax.grad`` alone, as before 2026-12-02: there XLA drops the dense forward's down matmul
+(y itself feeds no gradient), while the kernels' forward computes y either way, so the
+ratios read ~10% lower than a training step's.
+
+- dense: XLA autodiff through jax_twell.ops.xla.ffn_with_aux;
 - cuda: cuda_train.ffn_with_aux forced sparse, CUDA-core steps (mma=False; margin inf: sparse wherever the entries
   fit the budget; "branch" says which path ran);
 - auto: cuda_train.ffn_with_aux under the default rule (TrainCrossover), decided per call
@@ -35,7 +42,7 @@ memory_analysis (output bytes, which hold the residuals).
 
 Usage: python benchmarks/bench_training.py [--quick] [--densities 0.0025,0.005] [--cudacore-dx] [--union-dx] [--union-down] [--union-up]
        [--per-entry-dh] [--union-down-step] [--union-dx-step] [--patterns uniform,skewed] [--tokens 4096,16384]
-       [--out results.json]
+       [--grad-only] [--out results.json]
 """
 
 from __future__ import annotations
@@ -91,14 +98,15 @@ def grid(quick: bool, densities: list[float] | None = None, patterns: tuple[str,
     return [(m, 2048, 5632, p, pattern) for m in tokens for p in densities for pattern in pick(p)]
 
 
-def step(op):
-    """jit(grad) of sum(y * cot) + L1 * l1 with respect to x and the weights."""
+def step(op, grad_only: bool = False):
+    """jit(value_and_grad) of sum(y * cot) + L1 * l1 with respect to x and the weights
+    (``grad_only``: jit(grad), the loss's value not returned)."""
 
     def loss(x, wg, wu, wd, cot):
         y, l1 = op(x, wg, wu, wd)[:2]
         return (y.astype(jnp.float32) * cot).sum() + L1 * l1
 
-    return jax.jit(jax.grad(loss, (0, 1, 2, 3)))
+    return jax.jit((jax.grad if grad_only else jax.value_and_grad)(loss, (0, 1, 2, 3)))
 
 
 def forward(op):
@@ -150,6 +158,8 @@ def main():
     parser.add_argument("--patterns", default=None,
                         help=f"comma-separated activity patterns of {PATTERNS} (default: skewed only up to 1%%)")
     parser.add_argument("--tokens", default="16384", help="comma-separated token counts M (default 16384)")
+    parser.add_argument("--grad-only", action="store_true",
+                        help="time jax.grad alone (XLA's dense step then skips its forward down matmul), not value_and_grad")
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
@@ -206,7 +216,8 @@ def main():
         row["layer_rule_sparse"] = cuda_train.train_crossover().prefers_sparse(m, d, f, 2, fraction, union)
         variants = [("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("layer", layer_op), ("mma", mma_op)]
         variants += optional
-        steps = time_interleaved({name: step(op) for name, op in variants}, operands, min_seconds=0.05, max_reps=100)
+        steps = time_interleaved({name: step(op, args.grad_only) for name, op in variants}, operands,
+                                 min_seconds=0.05, max_reps=100)
         for name, (seconds, spread) in steps.items():
             row[f"{name}_step_ms"] = 1e3 * seconds
             row[f"{name}_step_spread"] = spread
@@ -233,6 +244,7 @@ def main():
     result = dict(
         **run_metadata("training_ffn"),
         fused_gate=not args.no_fused_gate,
+        step="grad" if args.grad_only else "value_and_grad",
         dtype="bfloat16",
         tile=cuda_train.TILE,
         capacity=cuda_train.CAPACITY,

@@ -144,13 +144,18 @@ def main():
     dense = jax.jit(xla.ffn)
     if a.train:  # one training step's gradients (x and every weight) instead of the forward
         rule = cuda_train.TrainCrossover(margin=float("inf")) if forced else None
+        # As bench_training.py's step: a random cotangent (with sum(y) it is a broadcast of
+        # ones, which the sparse backward has to materialise as an operand) and
+        # value_and_grad (the loss needs y, so XLA's dense step keeps its forward down matmul).
+        cot = jax.random.normal(jax.random.key(1), (a.m, a.d), jnp.float32)
 
         def grads(ffn):
-            loss = lambda x, wg, wu, wd: ffn(x, wg, wu, wd).astype(jnp.float32).sum()
-            return jax.jit(jax.grad(loss, (0, 1, 2, 3)))
+            loss = lambda x, wg, wu, wd, c: (ffn(x, wg, wu, wd).astype(jnp.float32) * c).sum()
+            return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
 
         sparse = grads(lambda *w: cuda_train.ffn_with_aux(*w, width=128, crossover=rule, active_fraction=fraction)[0])
         dense = grads(xla.ffn)
+        inp = (*inp, cot)
     rows = [
         summarise(traced(sparse, inp, a.calls), a.calls, f"{a.rule} {a.kernel}"),
         summarise(traced(dense, inp, a.calls), a.calls, "dense xla"),
