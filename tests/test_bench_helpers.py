@@ -42,8 +42,9 @@ def test_a_residual_shaped_like_an_operand_counts():
 
 def test_the_training_rule_fit_recovers_its_constants():
     """benchmarks/fit_train_rule.py on rows that a known rule generates (the bench's
-    fields: forced-kernel step = rule's sparse cost + a ninth of XLA's step) gives that
-    rule back; a rule that differs in one fitted constant is told apart."""
+    fields: forced-kernel step = rule's sparse cost + a ninth of XLA's value_and_grad step)
+    gives that rule back, its matmul rate too; a rule that differs in one fitted constant is
+    told apart; rows of jax.grad alone (eight dense matmuls) price the gate at an eighth."""
     import dataclasses
 
     import numpy as np
@@ -52,7 +53,7 @@ def test_the_training_rule_fit_recovers_its_constants():
     from jax_twell.ops import cuda_train
 
     truth = dataclasses.replace(cuda_train.TrainCrossover(), fixed_overhead=0.3e-3, pair_rate=2.5e13,
-                                grad_stream_spill=5e8, union_bandwidth=7e12)
+                                grad_stream_spill=5e8, union_bandwidth=7e12, matmul_rate=7.5e14)
     rows = []
     for m in (4096, 16384, 65536):
         for p, union in ((0.0025, 0.146), (0.005, 0.27), (0.005, 0.18), (0.01, 0.47), (0.01, 0.27)):
@@ -60,10 +61,18 @@ def test_the_training_rule_fit_recovers_its_constants():
             dense_ms = 1e3 * 9 / 8 * truth.dense_cost(m, d, f)
             kernels_ms = 1e3 * float(truth.sparse_cost(p * m * f, 0, m, d, f, 2, union=union))
             rows.append(dict(m=m, d=d, f=f, measured_active_fraction=p, measured_union_fraction=union,
-                             dense_step_ms=dense_ms, mma_step_ms=kernels_ms + dense_ms / 9))
+                             dense_step_ms=dense_ms, mma_step_ms=kernels_ms + dense_ms / 9, dense_matmuls=9))
     fitted = fit_train_rule.fit(rows, cuda_train.TrainCrossover())
-    for name in fit_train_rule.FITTED:
+    for name in (*fit_train_rule.FITTED, "matmul_rate"):
         np.testing.assert_allclose(getattr(fitted, name), getattr(truth, name), rtol=1e-3, err_msg=name)
+    assert fit_train_rule.dense_matmuls({"step": "value_and_grad"}) == 9 and fit_train_rule.dense_matmuls({}) == 8
+    # The same kernels timed with jax.grad alone: XLA's step has one matmul fewer, the gate
+    # is an eighth of it; the kernels' constants come out the same, the matmul rate kept.
+    grad_only = [dict(r, dense_step_ms=r["dense_step_ms"] * 8 / 9, dense_matmuls=8) for r in rows]
+    refit = fit_train_rule.fit(grad_only, cuda_train.TrainCrossover())
+    for name in fit_train_rule.FITTED:
+        np.testing.assert_allclose(getattr(refit, name), getattr(truth, name), rtol=1e-3, err_msg=name)
+    assert refit.matmul_rate == cuda_train.TrainCrossover().matmul_rate
     slower = [dict(r, mma_step_ms=r["mma_step_ms"] + 1e3 * (r["m"] // 64) * r["measured_union_fraction"] * r["f"]
                    * 5 * r["d"] * 2 * (1 / 5e12 - 1 / 7e12)) for r in rows]  # union rows at 5e12 B/s
     np.testing.assert_allclose(fit_train_rule.fit(slower, cuda_train.TrainCrossover()).union_bandwidth, 5e12, rtol=1e-3)
