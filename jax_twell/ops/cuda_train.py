@@ -112,29 +112,29 @@ class TrainCrossover:
     (``benchmarks/fit_train_rule.py``; ffi/notes/training_kernels.md).
     """
 
-    # Fitted on the H200 (benchmarks/fit_train_rule.py on the three training_fit_64666f9
+    # Fitted on the H200 (benchmarks/fit_train_rule.py on the three training_fit_7cd0811
     # files: 31 points, M = 4,096, 16,384 and 65,536, 0.25-1.25% active, uniform,
-    # heavy-tailed and skewed rows; d=2048, f=5632; model within 8.5% of 25 points, +10.6%
-    # and +11.3% at M=65,536 0.74-1% uniform (over-priced: the safe side), -11.5 to -15.9%
-    # at four 0.25% points (sparse either way)). The kernels as they stand after the
-    # stationary walks (2cb8fdd), their capped keys and dx's table read from the weights
-    # (d5b2574, d0dad6f) and the weight gradients over 64 columns a CTA (3f867e7): ~-0.1 ms
-    # fixed against the 2cb8fdd fit (0.403 -> 0.285 ms), the pair rate 1.36e13 -> 1.46e13,
-    # the union term 3.16e13 -> 2.73e13 (the two union up products, now a larger share).
-    # On these points the rule never picks the kernels where they lose (lowest pick 1.07x)
-    # and passes up 1.07x (M=4,096, 0.74% uniform) and 1.00-1.01x (M=16,384, 1.25%); it
-    # now picks M=65,536 at 1% (1.14x / 1.07x), which the 2cb8fdd fit ran dense. (Before, at
-    # 2cb8fdd: 0.403 ms fixed, 1.36e13 pairs, 3.16e13 union; at 241db25 ~1.9 ns per pair
-    # and ~2.3 ns per union row at M=16,384; a26fd98 ~3.61 ns per pair.)
-    matmul_rate: float = 8.58e14
+    # heavy-tailed and skewed rows; d=2048, f=5632; model within 7% of 26 points, +9.3% and
+    # +9.6% at two points, +13.7% at M=65,536 1% uniform (over-priced: the safe side), -14.3%
+    # and -17.3% at two 0.25% skewed points (sparse either way)). Timed as a training step
+    # takes it (value_and_grad: XLA's dense step runs its nine matmuls, the forward's down
+    # matmul included), so matmul_rate is the dense step's own rate past the gate (7.3e14:
+    # eight matmuls of m d f in ~4.1 ms at M=16,384) and the gate a ninth of the step. The
+    # 64666f9 fit took steps of jax.grad alone, where XLA drops the forward's down matmul:
+    # its 8.58e14 counted eight matmuls in a step that ran seven, pricing dense ~12% low. On
+    # these points the rule never picks the kernels where they lose (lowest pick 1.07x) and
+    # passes up one win (1.04x, M=4,096, 1% uniform). (Before: 64666f9, 0.285 ms fixed,
+    # 1.46e13 pairs, 2.73e13 union; 2cb8fdd 0.403 ms, 1.36e13, 3.16e13; 241db25 ~1.9 ns per
+    # pair and ~2.3 ns per union row at M=16,384; a26fd98 ~3.61 ns per pair.)
+    matmul_rate: float = 7.32e14
     hbm_bandwidth: float = 3.0e12
-    union_bandwidth: float = 2.727e13
+    union_bandwidth: float = 3.105e13
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 1.460e13
+    pair_rate: float = 1.382e13
     grad_stream_bandwidth: float = 7.0e12
-    grad_stream_spill: float = 7.731e8
+    grad_stream_spill: float = 8.444e8
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 0.2853e-3
+    fixed_overhead: float = 0.2713e-3
     margin: float = 1.0
     min_tokens: int = 256
 
@@ -220,12 +220,14 @@ class TrainCrossover:
 _crossover = RuleSlot(TrainCrossover())
 
 # The constants of the fit before the walks (241db25: the forward's down step and dx as
-# union products, 31 points at d=2048, f=5632). The default rule's fit (64666f9) holds
+# union products, 31 points at d=2048, f=5632). The default rule's fit (7cd0811) holds
 # where both walks run; where they do not (f past 7,262, so that dx's table of 2 f rows
 # does not fit; or the walks switched off), the union products they replace run again and
-# ffn_with_aux prices them with these.
+# ffn_with_aux prices them with these, and the dense side at the matmul rate they were
+# fitted with (jax.grad steps, 8.58e14): those shapes keep the decisions they were measured
+# with.
 UNION_STEPS_CONSTANTS = dict(union_bandwidth=8.86e12, pair_rate=3.07e13, grad_stream_spill=7.24e8,
-                             fixed_overhead=0.370e-3)
+                             fixed_overhead=0.370e-3, matmul_rate=8.58e14)
 
 
 def crossover_for(m: int, d: int, f: int, itemsize: int, *, gated: bool = True, width: int = 128,
