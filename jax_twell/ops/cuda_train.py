@@ -121,7 +121,7 @@ class TrainCrossover:
     # matmul included), so matmul_rate is the dense step's own rate past the gate (7.3e14:
     # eight matmuls of m d f in ~4.1 ms at M=16,384) and the gate a ninth of the step. The
     # 64666f9 fit took steps of jax.grad alone, where XLA drops the forward's down matmul:
-    # its 8.58e14 counted eight matmuls in a step that ran seven, pricing dense ~12% low. On
+    # its 8.58e14 counted eight matmuls in a step that ran seven, pricing dense ~15% low. On
     # these points the rule never picks the kernels where they lose (lowest pick 1.07x) and
     # passes up one win (1.04x, M=4,096, 1% uniform). (Before: 64666f9, 0.285 ms fixed,
     # 1.46e13 pairs, 2.73e13 union; 2cb8fdd 0.403 ms, 1.36e13, 3.16e13; 241db25 ~1.9 ns per
