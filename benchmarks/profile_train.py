@@ -31,13 +31,18 @@ def main():
     w_gate = None if a.nongated else inp.w_gate
     rule = cuda_train.TrainCrossover(margin=float("inf"))
 
+    # A random cotangent, as bench_training.py's step takes (a sum's ones would make the
+    # backward materialise a broadcast that a training loss does not have).
+    cot = jax.random.normal(jax.random.key(1), inp.x.shape, jnp.float32)
+
     def loss(x, wg, wu, wd):
         y, l1 = cuda_train.ffn_with_aux(x, wg, wu, wd, width=128, crossover=rule,
                                        dx_mma=False if a.cudacore_dx else None)[:2]
-        return y.astype(jnp.float32).sum() + 2e-5 * l1
+        return jnp.sum(y.astype(jnp.float32) * cot) + 2e-5 * l1
 
-    # Every gradient a training step takes: x, the weights (the gate's only when gated).
-    step = jax.jit(jax.grad(loss, (0, 2, 3) if w_gate is None else (0, 1, 2, 3)))
+    # The loss and every gradient a training step takes, as a training loop takes them
+    # (value_and_grad: the forward's y is needed): x, the weights (the gate's only when gated).
+    step = jax.jit(jax.value_and_grad(loss, (0, 2, 3) if w_gate is None else (0, 1, 2, 3)))
     for _ in range(2):
         jax.block_until_ready(step(inp.x, w_gate, inp.w_up, inp.w_down))
 

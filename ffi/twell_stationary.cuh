@@ -2,17 +2,17 @@
 // handler and of the training forward): y = h @ Wd where each CTA owns 16 output columns (8
 // where f > 7,264), keeps Wd[:, c0 : c0 + 16] (f x 32 bytes; f x 16 with 8) in shared memory
 // for the whole launch, and walks every token's h entries. The same walk gives the training
-// backward's dx (mma bit 4 of jax_twell_train_bwd): a table of kRows f rows (Wact^T's, then
-// Wu^T's, staged from Wact and Wu in their own [d, f] layout), kRows words an entry (row n
-// with coef[1], row f + n with coef[2]); every size below is then that of f' = kRows f
-// neurons and kRows words an entry.
+// backward's dx (mma bit 4 of jax_twell_train_bwd): a walk over Wact^T's rows (staged from
+// Wact in its own [d, f] layout) with the coefficients coef[1], then, gated, a second walk
+// over Wu^T's rows with coef[2] and a layout of its own, which adds the first walk's f32
+// sums (kept in an [M, d] buffer) once after its own steps (LaunchStationaryDx).
 // The weight crosses L2 once (|Wd|) instead of once per token block's union; what bounds
 // the step is one random 32-byte row read from shared memory per (token, neuron) pair.
 // ffi/notes/limits.md ("A fourth family") has the probe runs behind the design.
 //
 // The walk needs the entries in a layout of its own, built from the blocked layout's h
 // entries (after Finish) by five small launches, all in the partials' workspace:
-//   S1 StatKeys     grid (chunk of 1024 tokens): per token c = its words (kRows x its
+//   S1 StatKeys     grid (chunk of 1024 tokens): per token c = its words (its
 //                   entries in the blocked layout: the stored count, or the tile width for
 //                   an overflowed tile, summed over tiles; read from tok_off),
 //                   key = ceil(c / 4) (0 .. ceil(f / 4)); per chunk a histogram of keys and
@@ -94,19 +94,24 @@ __host__ __device__ inline StatLayout StatLayoutOf(int64_t rows, int f, int64_t 
   return l;
 }
 
-// The walk over a table of rows_per_entry x f rows (rows_per_entry words per entry: the
-// training backward's dx reads row n of Wg^T and row f + n of Wu^T for entry n): the
-// layout's sizes as for f' = rows_per_entry x f neurons and as many times the entries.
-__host__ __device__ inline StatLayout StatLayoutFor(const Shapes& s, int rows_per_entry) {
-  return StatLayoutOf(s.rows, rows_per_entry * s.f, rows_per_entry * s.max_entries);
+__host__ __device__ inline StatLayout StatLayoutFor(const Shapes& s) {
+  return StatLayoutOf(s.rows, s.f, s.max_entries);
 }
 
-// The walk's test for rows_per_entry words an entry: the table's rows within the slice
-// and the sort's keys, d a multiple of the columns a CTA owns, the workspace within
-// `workspace_words`.
-inline bool StationaryWalkSupported(const Shapes& s, int rows_per_entry, int64_t workspace_words) {
-  const int fv = rows_per_entry * s.f;
-  return fv <= kStatMaxF && s.d % StatCols(fv) == 0 && StatLayoutFor(s, rows_per_entry).total <= workspace_words;
+// Words of the walk's workspace: the layout (one table), or for the backward's gated dx
+// (two tables) a second walk layout and the first walk's f32 sums after it (d x the rows
+// rounded up to a group of 16: kept by walk place).
+inline int64_t StationaryWalkWords(const Shapes& s, int tables) {
+  const StatLayout l = StatLayoutFor(s);
+  const int64_t slots = (s.rows + kStatGroup - 1) / kStatGroup * kStatGroup;  // the sums by walk place
+  return tables == 1 ? l.total : l.total + l.glay_words + slots * s.d;
+}
+
+// The walk's test for a walk over `tables` tables of f rows: the slice and the sort's
+// counts in shared memory (f at most 14,524), d a multiple of the columns a CTA owns, the
+// workspace within `workspace_words`.
+inline bool StationaryWalkSupported(const Shapes& s, int tables, int64_t workspace_words) {
+  return s.f <= kStatMaxF && s.d % StatCols(s.f) == 0 && StationaryWalkWords(s, tables) <= workspace_words;
 }
 
 // The handler's test (mma bit 4): the gated FFN, bf16 or f16, d a multiple of the columns
@@ -139,17 +144,16 @@ __device__ __forceinline__ int TokenEntries(const Shapes& s, const int32_t* tok_
 
 // S1. Ranks within the chunk among tokens of the same key, in token order: within a warp
 // by match_any, across warps by a prefix over the warps' counts per key (16-bit counts in
-// dynamic shared memory, StatKeysSmem(kRows f) bytes). kRows: words an entry (S5).
-template <int kRows>
+// dynamic shared memory, StatKeysSmem(f) bytes).
 __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __restrict__ tok_off,
                                                              const int32_t* __restrict__ seg_start,
                                                              int32_t* __restrict__ ws, Shapes s) {
   extern __shared__ __align__(16) uint16_t wcount[];  // [warp][key]
   if (OverBudget(s, seg_start)) return;
-  const StatLayout l = StatLayoutFor(s, kRows);
+  const StatLayout l = StatLayoutFor(s);
   const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
-  const int keys = StatKeys(kRows * s.f);
+  const int keys = StatKeys(s.f);
   // The chunk's largest key (the counts and prefixes above it are zero), kept in the counts'
   // last word (warp 31's keys - 2 and keys - 1) until every thread has read it: one more
   // shared word would pass the limit at f = kStatMaxF.
@@ -161,8 +165,8 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
     ws[l.goff + g] = 0;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatChunk + threadIdx.x;
   const bool valid = t < s.rows;
-  const int c = valid ? kRows * TokenEntries(s, tok_off, t) : 0;
-  const int key = (c + 3) / 4;  // < keys: c <= kRows f
+  const int c = valid ? TokenEntries(s, tok_off, t) : 0;
+  const int key = (c + 3) / 4;  // < keys: c <= f
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const unsigned valid_lanes = __ballot_sync(kFullMask, valid);
   __syncthreads();  // chunk_max set
@@ -200,7 +204,6 @@ __global__ void __launch_bounds__(kStatChunk) StatKeysKernel(const int32_t* __re
 
 // S2. In place over hist, stored by S1 in the order of the prefix (key descending, chunk
 // ascending): the exclusive prefix, kStatScanTile values at a time through shared memory.
-template <int kRows>
 __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict__ seg_start, int32_t* __restrict__ ws,
                                                        Shapes s) {
   __shared__ int vals[kStatScanTile];
@@ -208,11 +211,11 @@ __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict
   __shared__ int total;
   if (OverBudget(s, seg_start)) return;
   const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
-  const int keys = StatKeys(kRows * s.f);
+  const int keys = StatKeys(s.f);
   const int64_t n = chunks * keys;
   // keys above the call's largest hold only zeros and are never read (S3 reads its tokens'
   // keys): the scan starts at the largest key's values
-  const int64_t first = (keys - 1 - static_cast<int64_t>(ws[StatLayoutFor(s, kRows).maxkey])) * chunks;
+  const int64_t first = (keys - 1 - static_cast<int64_t>(ws[StatLayoutFor(s).maxkey])) * chunks;
   constexpr int kPer = kStatScanTile / 1024;
   int carry = 0;
   for (int64_t p0 = first; p0 < n; p0 += kStatScanTile) {
@@ -239,18 +242,17 @@ __global__ void __launch_bounds__(1024) StatScanKernel(const int32_t* __restrict
 
 // S3. info[t] becomes the token's rank; goff[g] the longest row's key of group g (a
 // maximum, the same whatever the atomics' order: the first token's key).
-template <int kRows>
 __global__ void __launch_bounds__(kStatChunk) StatOrderKernel(const int32_t* __restrict__ seg_start,
                                                               int32_t* __restrict__ ws, Shapes s) {
   if (OverBudget(s, seg_start)) return;
-  const StatLayout l = StatLayoutFor(s, kRows);
+  const StatLayout l = StatLayoutFor(s);
   const int64_t chunks = (s.rows + kStatChunk - 1) / kStatChunk;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kStatChunk + threadIdx.x;
   if (t >= s.rows) return;
   const int info = ws[l.info + t];
   const int key = info >> 10;
   const int rank =
-      ws[l.hist + static_cast<int64_t>(StatKeys(kRows * s.f) - 1 - key) * chunks + blockIdx.x] + (info & 1023);
+      ws[l.hist + static_cast<int64_t>(StatKeys(s.f) - 1 - key) * chunks + blockIdx.x] + (info & 1023);
   ws[l.order + rank] = static_cast<int32_t>(t);
   ws[l.info + t] = rank;
   atomicMax(ws + l.goff + rank / kStatGroup, key);
@@ -258,13 +260,12 @@ __global__ void __launch_bounds__(kStatChunk) StatOrderKernel(const int32_t* __r
 
 // S4. goff over groups (64 words per ceil(c / 4) of the group's longest row); the last
 // group's missing tokens marked -1 in order.
-template <int kRows>
 __global__ void __launch_bounds__(1024) StatGroupsKernel(const int32_t* __restrict__ seg_start,
                                                          int32_t* __restrict__ ws, Shapes s) {
   __shared__ int scratch[32];
   __shared__ int total;
   if (OverBudget(s, seg_start)) return;
-  const StatLayout l = StatLayoutFor(s, kRows);
+  const StatLayout l = StatLayoutFor(s);
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
   int carry = 0;
   for (int64_t g0 = 0; g0 < groups; g0 += blockDim.x) {
@@ -285,33 +286,31 @@ __device__ __forceinline__ int WarpExclusive(int v, int lane, int* total) {
   return inc - v;
 }
 
-// Adds to lc[r] the words of the entries [e0, e1) whose row is r mod R: an entry's words are
-// rows row f + n, row < kRows (the tile a multiple of 32, so n's residue is its column's).
-template <int R, int kRows>
-__device__ __forceinline__ void CountResidues(const uint32_t* entries, int64_t e0, int64_t e1, int f, int (&lc)[R]) {
+// Adds to lc[r] the entries [e0, e1) whose neuron is r mod R (the tile a multiple of 32, so
+// a neuron's residue is its column's).
+template <int R>
+__device__ __forceinline__ void CountResidues(const uint32_t* entries, int64_t e0, int64_t e1, int (&lc)[R]) {
   for (int64_t e = e0; e < e1; ++e) {
+    const int r = static_cast<int>(entries[e] & (R - 1u));
 #pragma unroll
-    for (int row = 0; row < kRows; ++row) {
-      const int r = static_cast<int>((entries[e] + static_cast<uint32_t>(row * f)) & (R - 1u));
-#pragma unroll
-      for (int c = 0; c < R; ++c) lc[c] += r == c;
-    }
+    for (int c = 0; c < R; ++c) lc[c] += r == c;
   }
 }
 
 // S5. A warp per token, a lane per tile (32 tiles at a time): entries in the blocked
 // layout's order (tiles ascending, then as stored), neurons n = k * tile + column; R residue
-// classes (StatClasses). kRows words an entry, rows row f + n in row order; their values the
-// entry's high half (h words: kCoef false) or the backward's coefficients coef[1 + row]
-// rounded to the element type (kCoef: dx reads Wact^T row n and Wu^T row n).
-template <typename E, int R, int kRows, bool kCoef>
+// classes (StatClasses). A word an entry, its value the entry's high half (h words: kCoef
+// false) or coef[e] rounded to the element type (kCoef: the caller points `coef` at the
+// backward's coefficient row of the table). The layout goes to ws + glay_at
+// (StatLayout::glay, or a second layout past it).
+template <typename E, int R, bool kCoef>
 __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restrict__ tok_off,
                                                          const int32_t* __restrict__ seg_start,
                                                          const uint32_t* __restrict__ entries,
                                                          const float* __restrict__ coef,
-                                                         int32_t* __restrict__ ws, Shapes s) {
+                                                         int32_t* __restrict__ ws, int64_t glay_at, Shapes s) {
   if (OverBudget(s, seg_start)) return;
-  const StatLayout l = StatLayoutFor(s, kRows);
+  const StatLayout l = StatLayoutFor(s);
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (t >= s.rows) return;  // whole warps
@@ -321,7 +320,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
   const int steps = (ws[l.goff + g + 1] - static_cast<int>(base)) / kStatGroup;
   const int64_t b = t / kBlockTokens;
   const int tl = static_cast<int>(t % kBlockTokens);
-  uint32_t* glay = reinterpret_cast<uint32_t*>(ws + l.glay);
+  uint32_t* glay = reinterpret_cast<uint32_t*>(ws + glay_at);
   auto range = [&](int k, int64_t* e0, int64_t* e1) {
     const int64_t seg = b * s.n_tiles + k;
     const int32_t* off = tok_off + seg * (kBlockTokens + 1) + tl;
@@ -340,7 +339,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
       range(kb + lane, &e0, &e1);
       keep0 = e0;
       keep1 = e1;
-      CountResidues<R, kRows>(entries, e0, e1, s.f, lc);
+      CountResidues<R>(entries, e0, e1, lc);
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -363,7 +362,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
       for (int r = 0; r < R; ++r) lc[r] = keep[r];
     } else if (k < s.n_tiles) {
       range(k, &e0, &e1);
-      CountResidues<R, kRows>(entries, e0, e1, s.f, lc);
+      CountResidues<R>(entries, e0, e1, lc);
     }
     int seen[R];
 #pragma unroll
@@ -374,25 +373,21 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
     }
     for (int64_t e = e0; e < e1; ++e) {
       const uint32_t word = entries[e];
+      const uint32_t n = static_cast<uint32_t>(k * s.tile) + (word & kColumnMask);
+      const int r = static_cast<int>(n & (R - 1u));
+      int q = 0;
 #pragma unroll
-      for (int row = 0; row < kRows; ++row) {
-        const uint32_t n = static_cast<uint32_t>(row * s.f + k * s.tile) + (word & kColumnMask);
-        const int r = static_cast<int>(n & (R - 1u));
-        int q = 0;
+      for (int r2 = 0; r2 < R; ++r2)
+        if (r2 == r) q = seen[r2]++;
+      const int dr = (r - i) & (R - 1);
+      int j = 0;
 #pragma unroll
-        for (int r2 = 0; r2 < R; ++r2)
-          if (r2 == r) q = seen[r2]++;
-        const int dr = (r - i) & (R - 1);
-        int j = 0;
-#pragma unroll
-        for (int r2 = 0; r2 < R; ++r2) {
-          const int cap = q + (((r2 - i) & (R - 1)) < dr ? 1 : 0);
-          j += cr[r2] < cap ? cr[r2] : cap;
-        }
-        const uint32_t value =
-            kCoef ? static_cast<uint32_t>(E::FromFloat(coef[(1 + row) * s.max_entries + e])) << 16 : word & 0xffff0000u;
-        glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = value | n;
+      for (int r2 = 0; r2 < R; ++r2) {
+        const int cap = q + (((r2 - i) & (R - 1)) < dr ? 1 : 0);
+        j += cr[r2] < cap ? cr[r2] : cap;
       }
+      const uint32_t value = kCoef ? static_cast<uint32_t>(E::FromFloat(coef[e])) << 16 : word & 0xffff0000u;
+      glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = value | n;
     }
   }
   int c = 0;
@@ -401,21 +396,20 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
   for (int j = c + lane; j < steps; j += 32) glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = 0u;
 }
 
-// The table's [:, c0 : c0 + kCols] from two [d, f] weights (the backward's dx: table row n
-// is column n of w_a, row f + n column n of w_b) to shared memory, row n at n * 2 kCols
-// bytes. Where f is a multiple of 8, a thread loads 16 bytes from each of 8 weight rows
-// (8 neurons x 8 columns) and transposes them in registers; else one element at a time.
-template <int kCols, int kRows>
-__device__ __forceinline__ void StageTableFromWeights(unsigned char* smem, const uint16_t* __restrict__ w_a,
-                                                      const uint16_t* __restrict__ w_b, int c0, const Shapes& s) {
+// The table's [:, c0 : c0 + kCols] from a [d, f] weight (the backward's dx: table row n is
+// column n of w) to shared memory, row n at n * 2 kCols bytes. Where f is a multiple of 8, a
+// thread loads 16 bytes from each of 8 weight rows (8 neurons x 8 columns) and transposes
+// them in registers; else one element at a time.
+template <int kCols>
+__device__ __forceinline__ void StageTableFromWeights(unsigned char* smem, const uint16_t* __restrict__ w, int c0,
+                                                      const Shapes& s) {
   constexpr int kTpt = kCols / 8;
-  const int fv = kRows * s.f;
+  const int fv = s.f;
   if (s.f % 8 == 0) {
-    const int groups = fv / 8;  // 8 neurons each, never across the two weights
+    const int groups = fv / 8;  // 8 neurons each
     for (int p = threadIdx.x; p < kTpt * groups; p += blockDim.x) {
       const int h = p / groups, n0 = 8 * (p % groups);
-      const uint16_t* src = (kRows == 1 || n0 < s.f ? w_a + n0 : w_b + (n0 - s.f)) +
-                            static_cast<int64_t>(c0 + 8 * h) * s.f;
+      const uint16_t* src = w + n0 + static_cast<int64_t>(c0 + 8 * h) * s.f;
       uint32_t a[8][4];  // a[k]: columns c0 + 8 h + k of neurons n0 .. n0 + 7, two a word
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -436,8 +430,7 @@ __device__ __forceinline__ void StageTableFromWeights(unsigned char* smem, const
   } else {
     for (int p = threadIdx.x; p < kTpt * fv; p += blockDim.x) {
       const int h = p / fv, n = p % fv;
-      const uint16_t* src = (kRows == 1 || n < s.f ? w_a + n : w_b + (n - s.f)) +
-                            static_cast<int64_t>(c0 + 8 * h) * s.f;
+      const uint16_t* src = w + n + static_cast<int64_t>(c0 + 8 * h) * s.f;
       uint32_t o[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k)
@@ -448,15 +441,21 @@ __device__ __forceinline__ void StageTableFromWeights(unsigned char* smem, const
   }
 }
 
+// What S6 does with a token's f32 sums: round them to y (kStatSumOut), or, for dx as two
+// walks of one table each, keep them in an [M, d] f32 buffer (kStatSumKeep, the first walk)
+// or add the buffer's sums once after the token's own steps, then round (kStatSumAdd, the
+// second walk: dx = round(sum over Wact^T's rows + sum over Wu^T's rows)).
+constexpr int kStatSumOut = 0, kStatSumKeep = 1, kStatSumAdd = 2;
+
 // S6. kCols output columns a CTA: 16 (two threads a token, a warp a group) or 8 (a thread
-// a token, half a warp a group). The table's kRows f rows: row n of w_a, then (kRows 2) row
-// n - f of w_b, each [f, d]; or (kWeightsDF) column n of w_a, then column n - f of w_b,
-// each [d, f] (the weights in their own layout: no transposes).
-template <typename E, int kCols, int kRows, bool kWeightsDF>
-__global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t* __restrict__ w_a,
-                                                                 const uint16_t* __restrict__ w_b,
+// a token, half a warp a group). The table's f rows: row n of w [f, d]; or (kWeightsDF)
+// column n of w [d, f] (the weight in its own layout: no transposes). The layout at
+// ws + glay_at; `sums` the [M, d] f32 buffer of kStatSumKeep and kStatSumAdd.
+template <typename E, int kCols, bool kWeightsDF, int kSum = kStatSumOut>
+__global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t* __restrict__ w,
                                                                  const int32_t* __restrict__ seg_start,
-                                                                 const int32_t* __restrict__ ws,
+                                                                 const int32_t* __restrict__ ws, int64_t glay_at,
+                                                                 float* __restrict__ sums,
                                                                  uint16_t* __restrict__ y, Shapes s) {
   constexpr int kTpt = kCols / 8;                           // threads a token, 8 columns each
   constexpr int kGroupsPerWarp = 32 / (kTpt * kStatGroup);  // 1 or 2
@@ -466,21 +465,21 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
   const int gw = lane / (kTpt * kStatGroup);
   const int64_t groups = (s.rows + kStatGroup - 1) / kStatGroup;
   if (OverBudget(s, seg_start)) {  // the fallback (or the caller's NaN check) takes over
+    if (kSum == kStatSumKeep) return;  // the second walk writes y
     for (int64_t t = threadIdx.x / kTpt; t < s.rows; t += blockDim.x / kTpt)
       for (int k = 0; k < 8; ++k)
         y[t * s.d + c0 + 8 * (threadIdx.x % kTpt) + k] = static_cast<uint16_t>(E::FromFloat(__int_as_float(0x7fc00000)));
     return;
   }
-  const StatLayout l = StatLayoutFor(s, kRows);
+  const StatLayout l = StatLayoutFor(s);
   if constexpr (kWeightsDF) {
-    StageTableFromWeights<kCols, kRows>(stat_smem, w_a, w_b, c0, s);
+    StageTableFromWeights<kCols>(stat_smem, w, c0, s);
     __syncthreads();
   } else {  // the table's [:, c0 : c0 + kCols] to shared memory, row n at n * 2 kCols bytes
     const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stat_smem));
-    for (int p = threadIdx.x; p < kTpt * kRows * s.f; p += blockDim.x) {
+    for (int p = threadIdx.x; p < kTpt * s.f; p += blockDim.x) {
       const int n = p / kTpt, h = p % kTpt;
-      const uint16_t* src = (kRows == 1 || n < s.f ? w_a + static_cast<int64_t>(n) * s.d
-                                                   : w_b + static_cast<int64_t>(n - s.f) * s.d) + c0 + 8 * h;
+      const uint16_t* src = w + static_cast<int64_t>(n) * s.d + c0 + 8 * h;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + p * 16), "l"(src) : "memory");
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -489,7 +488,7 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
   const unsigned char* my = stat_smem + q * 16;
   const int32_t* goff = ws + l.goff;
   const int32_t* order = ws + l.order;
-  const uint32_t* glay = reinterpret_cast<const uint32_t*>(ws + l.glay);
+  const uint32_t* glay = reinterpret_cast<const uint32_t*>(ws + glay_at);
   for (int64_t g0 = threadIdx.x / 32 * kGroupsPerWarp; g0 < groups; g0 += blockDim.x / 32 * kGroupsPerWarp) {
     const int64_t g = g0 + gw;
     const bool real = g < groups;
@@ -499,6 +498,17 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
     const int t = real ? order[g * kStatGroup + i] : -1;
     const int blocks = t >= 0 ? (w1 - w0) / (4 * kStatGroup) : 0;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // the sums in walk order, [d / kCols][groups x 16][kCols]: a CTA's own range, written and
+    // read in sequence (the two walks share the order), not its columns of [M, d]
+    float* my_sums = t >= 0 && kSum != kStatSumOut
+                         ? sums + (static_cast<int64_t>(blockIdx.x) * groups * kStatGroup + g * kStatGroup + i) * kCols +
+                               8 * q
+                         : nullptr;
+    float4 kept[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+    if (kSum == kStatSumAdd && t >= 0) {  // asked for now, used after the token's steps
+      kept[0] = __ldcs(reinterpret_cast<const float4*>(my_sums));
+      kept[1] = __ldcs(reinterpret_cast<const float4*>(my_sums) + 1);
+    }
     uint4 cur = blocks > 0 ? __ldg(src) : make_uint4(0u, 0u, 0u, 0u);
     for (int blk = 0; blk < blocks; ++blk) {
       const uint4 nxt = blk + 1 < blocks ? __ldg(src + kStatGroup * (blk + 1)) : make_uint4(0u, 0u, 0u, 0u);
@@ -516,7 +526,16 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
       }
       cur = nxt;
     }
-    if (t >= 0) {
+    if (t < 0) continue;
+    if constexpr (kSum == kStatSumKeep) {  // y is the second walk's
+      __stcs(reinterpret_cast<float4*>(my_sums), make_float4(acc[0], acc[1], acc[2], acc[3]));
+      __stcs(reinterpret_cast<float4*>(my_sums) + 1, make_float4(acc[4], acc[5], acc[6], acc[7]));
+    } else {
+      if (kSum == kStatSumAdd) {
+        const float k[8] = {kept[0].x, kept[0].y, kept[0].z, kept[0].w, kept[1].x, kept[1].y, kept[1].z, kept[1].w};
+#pragma unroll
+        for (int p = 0; p < 8; ++p) acc[p] = k[p] + acc[p];
+      }
       uint4 out;
       out.x = E::FromFloat(acc[0]) | E::FromFloat(acc[1]) << 16;
       out.y = E::FromFloat(acc[2]) | E::FromFloat(acc[3]) << 16;
@@ -527,36 +546,45 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
   }
 }
 
-// S1-S6 over the table of kRows f rows (w_a, then w_b), the layout in `ws` (at least
-// StatLayoutFor(s, kRows).total words), the walk's sums to `out` [rows, d]. The down step's
-// table is Wd [f, d] as it is; dx's (kCoef) is read from Wact and Wu in their own [d, f]
-// layout (StageTableFromWeights), so the step needs no transposed copies of them.
-template <typename E, int kRows, bool kCoef>
-ffi::Error LaunchStationaryWalk(cudaStream_t stream, const Shapes& s, const int32_t* tok_off,
-                                const int32_t* seg_start, const uint32_t* entries, const float* coef,
-                                const uint16_t* w_a, const uint16_t* w_b, int32_t* ws, uint16_t* out,
-                                const std::string& who) {
-  const int fv = kRows * s.f;
+// S1-S4 (the order of the tokens and their groups: they depend on the tokens' entry counts
+// only), in `ws`.
+inline ffi::Error LaunchStatOrder(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
+                           int32_t* ws, const std::string& who) {
   const unsigned chunks = static_cast<unsigned>((s.rows + kStatChunk - 1) / kStatChunk);
-  const int keys_smem = StatKeysSmem(fv);
-  cudaFuncSetAttribute(StatKeysKernel<kRows>, cudaFuncAttributeMaxDynamicSharedMemorySize, keys_smem);
-  cudaMemsetAsync(ws + StatLayoutFor(s, kRows).maxkey, 0, sizeof(int32_t), stream);
-  StatKeysKernel<kRows><<<chunks, kStatChunk, keys_smem, stream>>>(tok_off, seg_start, ws, s);
-  StatScanKernel<kRows><<<1, 1024, 0, stream>>>(seg_start, ws, s);
-  StatOrderKernel<kRows><<<chunks, kStatChunk, 0, stream>>>(seg_start, ws, s);
-  StatGroupsKernel<kRows><<<1, 1024, 0, stream>>>(seg_start, ws, s);
-  const unsigned scatter_blocks = static_cast<unsigned>((s.rows + 7) / 8);
-  if (StatClasses(fv) == 4)
-    StatScatterKernel<E, 4, kRows, kCoef><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, coef, ws, s);
+  const int keys_smem = StatKeysSmem(s.f);
+  cudaFuncSetAttribute(StatKeysKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, keys_smem);
+  cudaMemsetAsync(ws + StatLayoutFor(s).maxkey, 0, sizeof(int32_t), stream);
+  StatKeysKernel<<<chunks, kStatChunk, keys_smem, stream>>>(tok_off, seg_start, ws, s);
+  StatScanKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
+  StatOrderKernel<<<chunks, kStatChunk, 0, stream>>>(seg_start, ws, s);
+  StatGroupsKernel<<<1, 1024, 0, stream>>>(seg_start, ws, s);
+  return LaunchStatus((who + " stationary order").c_str());
+}
+
+// S5 into ws + glay_at: one word an entry, its value the h bits (kCoef false) or coef[e].
+template <typename E, bool kCoef>
+ffi::Error LaunchStatScatter(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
+                             const uint32_t* entries, const float* coef, int32_t* ws, int64_t glay_at,
+                             const std::string& who) {
+  const unsigned blocks = static_cast<unsigned>((s.rows + 7) / 8);
+  if (StatClasses(s.f) == 4)
+    StatScatterKernel<E, 4, kCoef><<<blocks, 256, 0, stream>>>(tok_off, seg_start, entries, coef, ws, glay_at, s);
   else
-    StatScatterKernel<E, 8, kRows, kCoef><<<scatter_blocks, 256, 0, stream>>>(tok_off, seg_start, entries, coef, ws, s);
-  ffi::Error status = LaunchStatus((who + " stationary layout").c_str());
-  if (status.failure()) return status;
-  const int cols = StatCols(fv);
-  const int smem = fv * 2 * cols;
-  auto walk = cols == 16 ? StatDownKernel<E, 16, kRows, kCoef> : StatDownKernel<E, 8, kRows, kCoef>;
+    StatScatterKernel<E, 8, kCoef><<<blocks, 256, 0, stream>>>(tok_off, seg_start, entries, coef, ws, glay_at, s);
+  return LaunchStatus((who + " stationary layout").c_str());
+}
+
+// S6 over one table of f rows (Wd [f, d] as it is; kWeightsDF: Wact or Wu in their own
+// [d, f] layout, StageTableFromWeights), the layout at ws + glay_at.
+template <typename E, bool kWeightsDF, int kSum>
+ffi::Error LaunchStatWalk(cudaStream_t stream, const Shapes& s, const int32_t* seg_start, const uint16_t* table,
+                          const int32_t* ws, int64_t glay_at, float* sums, uint16_t* out, const std::string& who) {
+  const int cols = StatCols(s.f);
+  const int smem = s.f * 2 * cols;
+  auto walk = cols == 16 ? StatDownKernel<E, 16, kWeightsDF, kSum> : StatDownKernel<E, 8, kWeightsDF, kSum>;
   cudaFuncSetAttribute(walk, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  walk<<<static_cast<unsigned>(s.d / cols), kStatThreads, smem, stream>>>(w_a, w_b, seg_start, ws, out, s);
+  walk<<<static_cast<unsigned>(s.d / cols), kStatThreads, smem, stream>>>(table, seg_start, ws, glay_at,
+                                                                          sums, out, s);
   return LaunchStatus((who + " stationary walk").c_str());
 }
 
@@ -565,8 +593,42 @@ template <typename E>
 ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
                                 const uint32_t* h_words, const uint16_t* w_down, float* partial, uint16_t* y,
                                 const std::string& who) {
-  return LaunchStationaryWalk<E, 1, false>(stream, s, tok_off, seg_start, h_words, nullptr, w_down, nullptr,
-                                           reinterpret_cast<int32_t*>(partial), y, who);
+  int32_t* ws = reinterpret_cast<int32_t*>(partial);
+  const StatLayout l = StatLayoutFor(s);
+  ffi::Error status = LaunchStatOrder(stream, s, tok_off, seg_start, ws, who);
+  if (status.failure()) return status;
+  status = LaunchStatScatter<E, false>(stream, s, tok_off, seg_start, h_words, nullptr, ws, l.glay, who);
+  if (status.failure()) return status;
+  return LaunchStatWalk<E, false, kStatSumOut>(stream, s, seg_start, w_down, ws, l.glay, nullptr, y, who);
+}
+
+// The training backward's dx = dg Wact^T + du Wu^T (gated; dx = dg Wact^T not) over the
+// coefficients `coef` [3 or 2, max_entries] (row 1: Wact^T's, row 2: Wu^T's, each rounded to
+// the element type), the tables staged from Wact and Wu in their own [d, f] layout (no
+// transposed copies), everything in `ws` (StationaryDxWords(s, gated)): one walk over
+// Wact^T's rows; gated, a second walk over Wu^T's rows with its own layout, the first walk's
+// f32 sums kept in an [M, d] buffer and added once after the second walk's steps.
+template <typename E, bool kGated>
+ffi::Error LaunchStationaryDx(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
+                              const uint32_t* entries, const float* coef, const uint16_t* w_act, const uint16_t* w_up,
+                              int32_t* ws, uint16_t* dx, const std::string& who) {
+  const StatLayout l = StatLayoutFor(s);
+  const int64_t glay_up = l.total, sums_at = l.total + l.glay_words;
+  ffi::Error status = LaunchStatOrder(stream, s, tok_off, seg_start, ws, who);
+  if (status.failure()) return status;
+  status = LaunchStatScatter<E, true>(stream, s, tok_off, seg_start, entries, coef + s.max_entries, ws, l.glay, who);
+  if (status.failure()) return status;
+  if constexpr (kGated) {
+    status = LaunchStatScatter<E, true>(stream, s, tok_off, seg_start, entries, coef + 2 * s.max_entries, ws, glay_up,
+                                        who);
+    if (status.failure()) return status;
+    float* sums = reinterpret_cast<float*>(ws + sums_at);
+    status = LaunchStatWalk<E, true, kStatSumKeep>(stream, s, seg_start, w_act, ws, l.glay, sums, nullptr, who);
+    if (status.failure()) return status;
+    return LaunchStatWalk<E, true, kStatSumAdd>(stream, s, seg_start, w_up, ws, glay_up, sums, dx, who);
+  } else {
+    return LaunchStatWalk<E, true, kStatSumOut>(stream, s, seg_start, w_act, ws, l.glay, nullptr, dx, who);
+  }
 }
 
 }  // namespace

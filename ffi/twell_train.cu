@@ -747,12 +747,11 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
   status = LaunchStatus("twell_train backward dh");
   if (status.failure()) return status;
   if (dx_stationary) {
-    // the walk over Wact^T's rows, then Wu^T's (gated), staged from Wact and Wu [d, f]
-    // (w_act_t and w_up_t hold the weights themselves here), its layout in the partials
-    // (free once BwdFinish has read them)
-    status = LaunchStationaryWalk<E, kGated ? 2 : 1, true>(stream, s, tok_off, seg_start, entries, coef, w_act_t,
-                                                          w_up_t, reinterpret_cast<int32_t*>(partial), dx,
-                                                          "twell_train backward dx");
+    // Wact^T's rows, then (gated) Wu^T's in a second walk, staged from Wact and Wu [d, f]
+    // (w_act_t and w_up_t hold the weights themselves here); the layouts and the first
+    // walk's sums in the partials (free once BwdFinish has read them)
+    status = LaunchStationaryDx<E, kGated>(stream, s, tok_off, seg_start, entries, coef, w_act_t, w_up_t,
+                                           reinterpret_cast<int32_t*>(partial), dx, "twell_train backward dx");
     if (status.failure()) return status;
   } else if (dx_union) {
     status = LaunchUnion<E, kGated ? 2 : 1, kCoefValues>(stream, s, tok_off, seg_start, entries, coef, w_act_t, w_up_t,
@@ -930,9 +929,9 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
     return Invalid(std::string(name) + "the dh step as a union product (mma bit 3) needs f at most 65536 and its "
                    "layout (~4 words per entry: d at least 320) within rows 1.. of the partials [d/64, max_entries]");
   if ((mma & 16) != 0 && !StationaryWalkSupported(s, kGated ? 2 : 1, s.d / kUpCols * e))
-    return Invalid(std::string(name) + "dx with the weights stationary (mma bit 4) needs (2 gated, 1 not) x f at "
-                   "most 14524, d a multiple of 16 (of 8 where that is past 7264) and its workspace within the "
-                   "partials [d/64, max_entries]");
+    return Invalid(std::string(name) + "dx with the weights stationary (mma bit 4) needs f at most 14524, d a "
+                   "multiple of 16 (of 8 where f is past 7264) and its workspace (the walk's layout; gated, a second "
+                   "layout and an [M, d] f32 buffer) within the partials [d/64, max_entries]");
   int64_t need = GradWorkspaceOf(s, nullptr).ints;  // the weight gradients' lists
   if ((mma & 4) != 0) {
     if (!UnionDxSupported(s, kGated ? 2 : 1))

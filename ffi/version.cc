@@ -9,8 +9,9 @@ extern "C" {
 int jax_twell_ffi_api_major() { return XLA_FFI_API_MAJOR; }
 int jax_twell_ffi_api_minor() { return XLA_FFI_API_MINOR; }
 
-// Bumped whenever a handler's signature (operands, results, attributes) changes, so the
-// Python side never binds a stale library.
-int jax_twell_abi_version() { return 11; }
+// Bumped whenever a handler's signature (operands, results, attributes) or what it computes
+// changes (12: the backward's dx by the stationary walk in two walks, which sums in another
+// order and needs more workspace), so the Python side never binds a stale library.
+int jax_twell_abi_version() { return 12; }
 
 }  // extern "C"

@@ -197,7 +197,8 @@ def test_down_union_matches_down_step(case, dtype):
 
 
 DX_STATIONARY_CASES = UNION_CASES + [
-    (300, 256, 3700, 0.01, "heavy", 2, 3),  # gated: 7,400 table rows, eight columns a CTA
+    (300, 256, 3700, 0.01, "heavy", 2, 3),
+    (300, 256, 7300, 0.01, "heavy", 2, 3),  # f past 7,264: eight columns a CTA in each walk
 ]
 
 
@@ -205,10 +206,11 @@ DX_STATIONARY_CASES = UNION_CASES + [
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("case", DX_STATIONARY_CASES, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
 def test_dx_stationary_matches_emulation(case, gated, dtype):
-    """dx by the stationary walk (``train_backward(dx_stationary=True)``): the weight
-    gradients and coefficients equal the union dx backward's bit for bit; dx equals the
-    NumPy model of the walk (stationary_emulation.dx) bit for bit and the union product's
-    dx to the f32 summation order."""
+    """dx by the stationary walks (``train_backward(dx_stationary=True)``; gated, two walks,
+    the second adding the first's f32 sums): the weight gradients and coefficients equal the
+    union dx backward's bit for bit; dx equals the NumPy model of the walks
+    (stationary_emulation.dx) bit for bit and the union product's dx to the f32 summation
+    order."""
     m, d, f = case[:3]
     x, wg, wu, wd, dy, w_act, act, need = _packed_case(case, gated, dtype, key=m + d + 19)
     budget = need + 5

@@ -100,11 +100,13 @@ def test_ranks_sort_by_length_descending_and_stably():
 @pytest.mark.parametrize("m,f,tile,capacity,density,full,empty,gated", [
     (37, 300, 64, 4, 0.05, 2, 3, True),
     (1100, 700, 256, 8, 0.01, 3, 10, False),
-    (50, 3700, 256, 8, 0.01, 1, 2, True),  # 2 f past 7,264: 8 columns a CTA, eight residue classes
+    (50, 3700, 256, 8, 0.01, 1, 2, True),
+    (50, 7300, 256, 8, 0.01, 1, 2, True),  # f past 7,264: 8 columns a CTA, eight residue classes
 ])
 def test_dx_matches_the_exact_sum(m, f, tile, capacity, density, full, empty, gated):
-    """The training backward's walk over Wact^T's rows then Wu^T's, two words an entry
-    (one non-gated), with the coefficients rounded to bf16: the exact sum to f32 rounding."""
+    """The training backward's walks over Wact^T's rows and (gated) Wu^T's, the second adding
+    the first's f32 sums, with the coefficients rounded to bf16: the exact sum to f32
+    rounding."""
     rng = np.random.default_rng(m + f + 1)
     d = 40
     counts, seg_start, tok_off, words = _workspace(rng, m, f, tile, capacity, density, full, empty)
@@ -124,10 +126,14 @@ def test_dx_matches_the_exact_sum(m, f, tile, capacity, density, full, empty, ga
     err = np.abs(got.astype(np.float64) - want)
     assert (err <= np.abs(want) * 2.0**-8 + mag * 2.0**-20 + 1e-30).all()
     assert (got[full:full + empty] == 0).all()
-    # a walk of 2 f rows: the columns a CTA owns follow the table's rows, not f
-    assert not stat.walk_supported(16384, 2040, 3632, 600_000, 2)  # 7,264 rows: 16 columns
-    assert stat.walk_supported(16384, 2040, 3633, 600_000, 2)  # 7,266 rows: 8 columns
-    assert not stat.walk_supported(64, 2048, 7263, 10**6, 2) and stat.walk_supported(64, 2048, 7262, 10**6, 2)
+    # two walks of f rows each: the columns a CTA owns follow f, up to 14,524 rows
+    assert not stat.walk_supported(16384, 2040, 7264, 10**7, 2)  # 16 columns: 2040 is not a multiple
+    assert stat.walk_supported(16384, 2040, 7265, 10**7, 2)  # 8 columns
+    assert not stat.walk_supported(64, 2048, 14525, 10**6, 2) and stat.walk_supported(64, 2048, 14524, 10**6, 2)
+    # gated, the first walk's f32 sums [m, d] need room in the partials [d / 64, max_entries]:
+    # there at 128 entries a token (the default), not at 64
+    assert stat.walk_supported(16384, 2048, 5632, 16384 * 128, 2)
+    assert not stat.walk_supported(16384, 2048, 5632, 16384 * 64, 2) and stat.walk_supported(16384, 2048, 5632, 16384 * 64, 1)
 
 
 def test_layout_bound_holds():

@@ -304,7 +304,10 @@ def _walk_steps(m: int, d: int, f: int, itemsize: int, gated: bool, max_entries:
     if down_stationary is None or dx_stationary is None:
         pays = cuda.dense_crossover().down_stationary(m, d, f, itemsize, active_fraction)
         down_stationary = DOWN_STATIONARY_DEFAULT and pays if down_stationary is None else down_stationary
-        dx_stationary = DX_STATIONARY_DEFAULT and pays if dx_stationary is None else dx_stationary
+        # gated, by default where dx's two walks hold 16 columns a CTA (f <= 7,264), the shapes
+        # measured; past that (8 columns) only when asked
+        dx_default = DX_STATIONARY_DEFAULT and pays and (not gated or _stat.cols(f) == 16)
+        dx_stationary = dx_default if dx_stationary is None else dx_stationary
     down_stationary = bool(mma) and gated and bool(down_stationary)
     dx_stationary = bool(dx_mma) and bool(dx_stationary)
     walks = (dx_stationary and stationary_dx_supported(m, d, f, max_entries, gated)
@@ -432,10 +435,11 @@ def union_dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) ->
 
 def stationary_dx_supported(m: int, d: int, f: int, max_entries: int, gated: bool) -> bool:
     """Whether dx can run with the weights stationary (``train_backward(dx_stationary=True)``):
-    the walk's table of Wact^T's rows then (gated) Wu^T's, ``R f`` rows with R = 2 gated and
-    1 not, at most 14,524 rows; d a multiple of the 16 (8 past 7,264 rows) columns a CTA
-    holds; the walk's workspace (``R`` words an entry) within the partials ``[d / 64,
-    max_entries]`` f32. The same test as the handler's."""
+    a walk over Wact^T's f rows and, gated, a second over Wu^T's; f at most 14,524; d a
+    multiple of the 16 (8 where f > 7,264) columns a CTA holds; the workspace (the walk's
+    layout; gated, a second layout and the first walk's f32 sums ``[m, d]``) within the
+    partials ``[d / 64, max_entries]`` f32, which holds ``2 m d`` words at the default 128
+    entries a token (d=2048). The same test as the handler's."""
     return _stat.walk_supported(m, d, f, max_entries, 2 if gated else 1)
 
 
@@ -456,9 +460,10 @@ def train_backward(
     elsewhere the per-entry step (as ``mma`` says). ``dx_stationary`` (where
     :func:`stationary_dx_supported` allows; taking precedence over ``dx_union``): dx by the
     walk of the inference down step with the weights stationary in shared memory
-    (ffi/twell_stationary.cuh): each CTA holds 16 (or 8) columns of Wact^T and Wu^T, staged
-    from the weights in their own ``[d, f]`` layout (no transposed copies), and walks
-    every token's two words an entry, the same rounded coefficients (f32 sums in the order
+    (ffi/twell_stationary.cuh): each CTA holds 16 (or 8) columns of Wact^T, staged from the
+    weight in its own ``[d, f]`` layout (no transposed copies), and walks every token's
+    words; gated, a second walk holds Wu^T's and adds the first walk's f32 sums once at the
+    end; the same rounded coefficients (f32 sums in the order
     jax_twell/ops/stationary_emulation.py models: :func:`~jax_twell.ops.stationary_emulation.dx`).
 
     ``l1_grad``: ``[]`` f32, the cotangent of the L1 term divided by M. w_gate None: the

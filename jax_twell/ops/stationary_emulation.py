@@ -1,7 +1,8 @@
 """NumPy model of the down step with the weight stationary in shared memory
 (ffi/twell_stationary.cuh, mma bit 4 of the gated blocked handler and of the training
 forward; ffi/notes/limits.md, "A fourth family"), and of the same walk giving the training
-backward's dx (:func:`dx`: a table of Wact^T's rows then Wu^T's, two words an entry).
+backward's dx (:func:`dx`: a walk over Wact^T's rows, then, gated, one over Wu^T's rows
+that adds the first walk's f32 sums once at the end).
 
 The step reads the blocked layout's h entries (after the up step and Finish) and computes
 ``y[t] = sum_j h[t, j] Wd[j]`` with each CTA owning 16 output columns of every token (8
@@ -65,15 +66,25 @@ def workspace_words(m: int, f: int, max_entries: int) -> int:
     return glay + (max_entries + 3 * m + 16 * (f + 3) + 3) // 4 * 4
 
 
-def walk_supported(m: int, d: int, f: int, max_entries: int, rows: int) -> bool:
-    """The handlers' test (``StationaryWalkSupported``) for a walk of ``rows`` words an
-    entry over a table of ``rows * f`` rows: the table at most :data:`MAX_F` rows (the slice
-    and the sort's counts in shared memory), d a multiple of its :func:`cols`, and the
-    workspace (``rows`` times the entries) within the partials ``[d / 64, max_entries]`` f32
-    that the step reuses."""
-    fv = rows * f
-    return (0 < fv <= MAX_F and d % cols(fv) == 0
-            and workspace_words(m, fv, rows * max_entries) <= (d // UP_COLS) * max_entries)
+def walk_words(m: int, d: int, f: int, max_entries: int, tables: int) -> int:
+    """32-bit words of a walk's workspace (``StationaryWalkWords``): the layout; for the
+    training backward's gated dx (two tables, two walks) a second walk layout and the first
+    walk's f32 sums after it, d for each of the m tokens rounded up to a group (the sums are
+    kept by walk place)."""
+    one = workspace_words(m, f, max_entries)
+    if tables == 1:
+        return one
+    layout = (max_entries + 3 * m + 16 * (f + 3) + 3) // 4 * 4
+    return one + layout + -(-m // GROUP) * GROUP * d
+
+
+def walk_supported(m: int, d: int, f: int, max_entries: int, tables: int) -> bool:
+    """The handlers' test (``StationaryWalkSupported``) for a walk over ``tables`` tables of
+    ``f`` rows (one word an entry a table): f at most :data:`MAX_F` (the slice and the sort's
+    counts in shared memory), d a multiple of :func:`cols`, and :func:`walk_words` within
+    the partials ``[d / 64, max_entries]`` f32 that the step reuses."""
+    return (0 < f <= MAX_F and d % cols(f) == 0
+            and walk_words(m, d, f, max_entries, tables) <= (d // UP_COLS) * max_entries)
 
 
 def supported(m: int, d: int, f: int, max_entries: int) -> bool:
@@ -124,7 +135,8 @@ def token_entries(seg_start, tok_off, counts, *, capacity: int, tile: int, f: in
 
 def _walk(tok: np.ndarray, neuron: np.ndarray, value: np.ndarray, table: np.ndarray, m: int, dt) -> np.ndarray:
     """The walk of S1-S6 over words ``(token, neuron, value)`` given per token in its
-    layout order: ``[m, d]`` in ``dt``, each row summed in f32 over the token's steps."""
+    layout order: ``[m, d]`` f32 sums, each row summed over the token's steps (``dt`` None),
+    or rounded to ``dt``."""
     fv = table.shape[0]
     per_token = np.bincount(tok, minlength=m)
     rank = ranks(per_token)
@@ -139,7 +151,7 @@ def _walk(tok: np.ndarray, neuron: np.ndarray, value: np.ndarray, table: np.ndar
         at = step == s
         # products of two element-type values are exact in f32: this add is the FMA
         acc[tok[at]] = (acc[tok[at]] + value[at, None] * table[neuron[at]]).astype(np.float32)
-    return acc.astype(dt)
+    return acc if dt is None else acc.astype(dt)
 
 
 def down(entries, seg_start, tok_off, counts, w_down, *, capacity: int, tile: int, f: int, dtype) -> np.ndarray:
@@ -158,20 +170,21 @@ def down(entries, seg_start, tok_off, counts, w_down, *, capacity: int, tile: in
 def dx(entries, coef, seg_start, tok_off, counts, w_act_t, w_up_t=None, *, capacity: int, tile: int, f: int,
        dtype) -> np.ndarray:
     """``dx [M, d]`` (in ``dtype``) of the training backward's stationary walk
-    (``train_backward(dx_stationary=True)``): per entry ``R`` words in row order, row ``r``
-    of neuron ``n`` being table row ``r f + n`` with value ``coef[1 + r]`` rounded to the
-    element type; the table Wact^T's rows, then (gated, ``w_up_t`` given) Wu^T's."""
+    (``train_backward(dx_stationary=True)``): a walk over Wact^T's rows, one word an entry
+    with the value ``coef[1]`` rounded to the element type; gated (``w_up_t`` given), a
+    second walk over Wu^T's rows with ``coef[2]``, whose f32 sums get the first walk's added
+    once, after their own steps: ``dx = round(sum_act + sum_up)``."""
     dt = _blocked._np_dtype(dtype)
     counts = np.asarray(counts)
     words = np.asarray(entries).astype(np.uint32)
     coef = np.asarray(coef, np.float32)
     index, tok, tk = token_entries(seg_start, tok_off, counts, capacity=capacity, tile=tile, f=f)
     neuron = tk * tile + (words[index] & _blocked.COLUMN_MASK).astype(np.int64)
+    m = counts.shape[0]
     tables = [np.asarray(w_act_t)] + ([] if w_up_t is None else [np.asarray(w_up_t)])
-    rows = len(tables)
-    # words interleaved per entry: (row 0, row 1, ...) in the entry's place
-    r = np.tile(np.arange(rows), index.size)
-    e = np.repeat(index, rows)
-    value = coef[1 + r, e].astype(dt).astype(np.float32)
-    table = np.concatenate([t.astype(np.float32) for t in tables], axis=0)
-    return _walk(np.repeat(tok, rows), np.repeat(neuron, rows) + r * f, value, table, counts.shape[0], dt)
+    acc = None
+    for r, table in enumerate(tables):
+        value = coef[1 + r, index].astype(dt).astype(np.float32)
+        sums = _walk(tok, neuron, value, table.astype(np.float32), m, None)
+        acc = sums if acc is None else (acc + sums).astype(np.float32)
+    return acc.astype(dt)
