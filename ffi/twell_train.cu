@@ -20,8 +20,9 @@
 // Backward (train_bwd), c = dl1 / M from the device:
 //   K1 Up (dy, Wd)      partial sums of dh = dy[t] . Wd[j], every entry (flagged ones too);
 //                       mma bit 3: dh whole from the union up product instead.
-//                       mma bit 4: dx by the stationary walk (twell_stationary.cuh) over a table of
-//                       Wact^T's rows then Wu^T's, two words an entry (coef[1], coef[2]); the
+//                       mma bit 4: dx by the stationary walks (twell_stationary.cuh,
+//                       LaunchStationaryDx): one over Wact^T's rows with coef[1], then (gated)
+//                       one over Wu^T's rows with coef[2] that adds the first's f32 sums; the
 //                       handler then takes Wact and Wu in their own [d, f] layout.
 //   BwdFinish           grid-stride over entries: dh = sum of partials + c sign(h);
 //                       coef[0] = h, coef[1] = dh * u (gate; dh non-gated), coef[2] = dh * g.

@@ -376,7 +376,7 @@ def test_active_fraction_decides_at_trace_time(emulated_kernels, fraction, spars
 
 def test_crossover_for_prices_the_steps_that_run():
     """The default rule holds where the stationary walks run (fitted there); where they do
-    not (dx's table of 2 f rows past shared memory, or the walks off), the union steps'
+    not (f past 7,264, where dx's walks would hold 8 columns, or the walks off), the union steps'
     constants of the fit before them; a rule the user set is returned as set."""
     default = cuda_train.TrainCrossover()
     assert cuda_train.crossover_for(16384, 2048, 5632, 2) == default

@@ -221,8 +221,9 @@ _crossover = RuleSlot(TrainCrossover())
 
 # The constants of the fit before the walks (241db25: the forward's down step and dx as
 # union products, 31 points at d=2048, f=5632). The default rule's fit (7cd0811) holds
-# where both walks run; where they do not (f past 7,262, so that dx's table of 2 f rows
-# does not fit; or the walks switched off), the union products they replace run again and
+# where both walks run; where they do not (f past 7,264, where dx's walks hold 8 columns a
+# CTA and ffn_with_aux does not choose them by default; or the walks switched off), the
+# union products they replace run again and
 # ffn_with_aux prices them with these, and the dense side at the matmul rate they were
 # fitted with (jax.grad steps, 8.58e14): those shapes keep the decisions they were measured
 # with.
