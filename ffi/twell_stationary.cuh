@@ -5,7 +5,7 @@
 // backward's dx (mma bit 4 of jax_twell_train_bwd): a walk over Wact^T's rows (staged from
 // Wact in its own [d, f] layout) with the coefficients coef[1], then, gated, a second walk
 // over Wu^T's rows with coef[2] and a layout of its own, which adds the first walk's f32
-// sums (kept in an [M, d] buffer) once after its own steps (LaunchStationaryDx).
+// sums (kept in the workspace by walk place) once after its own steps (LaunchStationaryDx).
 // The weight crosses L2 once (|Wd|) instead of once per token block's union; what bounds
 // the step is one random 32-byte row read from shared memory per (token, neuron) pair.
 // ffi/notes/limits.md ("A fourth family") has the probe runs behind the design.
@@ -442,7 +442,7 @@ __device__ __forceinline__ void StageTableFromWeights(unsigned char* smem, const
 }
 
 // What S6 does with a token's f32 sums: round them to y (kStatSumOut), or, for dx as two
-// walks of one table each, keep them in an [M, d] f32 buffer (kStatSumKeep, the first walk)
+// walks of one table each, keep them in an f32 buffer (kStatSumKeep, the first walk)
 // or add the buffer's sums once after the token's own steps, then round (kStatSumAdd, the
 // second walk: dx = round(sum over Wact^T's rows + sum over Wu^T's rows)).
 constexpr int kStatSumOut = 0, kStatSumKeep = 1, kStatSumAdd = 2;
@@ -450,7 +450,8 @@ constexpr int kStatSumOut = 0, kStatSumKeep = 1, kStatSumAdd = 2;
 // S6. kCols output columns a CTA: 16 (two threads a token, a warp a group) or 8 (a thread
 // a token, half a warp a group). The table's f rows: row n of w [f, d]; or (kWeightsDF)
 // column n of w [d, f] (the weight in its own layout: no transposes). The layout at
-// ws + glay_at; `sums` the [M, d] f32 buffer of kStatSumKeep and kStatSumAdd.
+// ws + glay_at; `sums` the f32 buffer of kStatSumKeep and kStatSumAdd (d x the rows rounded
+// up to a group).
 template <typename E, int kCols, bool kWeightsDF, int kSum = kStatSumOut>
 __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t* __restrict__ w,
                                                                  const int32_t* __restrict__ seg_start,
@@ -605,9 +606,9 @@ ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int3
 // The training backward's dx = dg Wact^T + du Wu^T (gated; dx = dg Wact^T not) over the
 // coefficients `coef` [3 or 2, max_entries] (row 1: Wact^T's, row 2: Wu^T's, each rounded to
 // the element type), the tables staged from Wact and Wu in their own [d, f] layout (no
-// transposed copies), everything in `ws` (StationaryDxWords(s, gated)): one walk over
+// transposed copies), everything in `ws` (StationaryWalkWords(s, 2 gated, 1 not)): one walk over
 // Wact^T's rows; gated, a second walk over Wu^T's rows with its own layout, the first walk's
-// f32 sums kept in an [M, d] buffer and added once after the second walk's steps.
+// f32 sums kept by walk place and added once after the second walk's steps.
 template <typename E, bool kGated>
 ffi::Error LaunchStationaryDx(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
                               const uint32_t* entries, const float* coef, const uint16_t* w_act, const uint16_t* w_up,
