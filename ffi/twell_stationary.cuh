@@ -501,10 +501,8 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     // the sums in walk order, [d / kCols][groups x 16][kCols]: a CTA's own range, written and
     // read in sequence (the two walks share the order), not its columns of [M, d]
-    float* my_sums = t >= 0 && kSum != kStatSumOut
-                         ? sums + (static_cast<int64_t>(blockIdx.x) * groups * kStatGroup + g * kStatGroup + i) * kCols +
-                               8 * q
-                         : nullptr;
+    const int64_t place = (static_cast<int64_t>(blockIdx.x) * groups + g) * kStatGroup + i;
+    float* my_sums = t >= 0 && kSum != kStatSumOut ? sums + place * kCols + 8 * q : nullptr;
     float4 kept[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
     if (kSum == kStatSumAdd && t >= 0) {  // asked for now, used after the token's steps
       kept[0] = __ldcs(reinterpret_cast<const float4*>(my_sums));
@@ -549,8 +547,8 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
 
 // S1-S4 (the order of the tokens and their groups: they depend on the tokens' entry counts
 // only), in `ws`.
-inline ffi::Error LaunchStatOrder(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
-                           int32_t* ws, const std::string& who) {
+inline ffi::Error LaunchStatOrder(cudaStream_t stream, const Shapes& s, const int32_t* tok_off,
+                                  const int32_t* seg_start, int32_t* ws, const std::string& who) {
   const unsigned chunks = static_cast<unsigned>((s.rows + kStatChunk - 1) / kStatChunk);
   const int keys_smem = StatKeysSmem(s.f);
   cudaFuncSetAttribute(StatKeysKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, keys_smem);
