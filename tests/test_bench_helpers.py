@@ -1,8 +1,10 @@
 """The benchmarks' helpers: the training benchmark's memory count (benchmarks/bench_training.py,
 residual_bytes: what jax.vjp keeps for the backward, the operands themselves left out once
-each), its rule fit, the inference rule's fit, and the interleaved timer's batch size (benchmarks/common.py)."""
+each), its rule fit, the inference rule's fit, the interleaved timer's batch size (benchmarks/common.py),
+and the runner of another checkout's scripts (benchmarks/run_tree.py)."""
 
 import os
+import subprocess
 import sys
 
 import jax
@@ -149,3 +151,24 @@ def test_a_slow_first_call_does_not_shrink_the_batch():
     # warm-up + three single calls + one batch: the batch must hold many calls, not
     # min_seconds / 0.05 s = 0 -> 1 of them
     assert len(calls) - 4 > 10
+
+
+RUN_TREE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "run_tree.py")
+
+
+def test_run_tree_imports_the_other_checkouts_package(tmp_path):
+    """An A/B baseline runs from its own tree: run_tree.py imports that tree's jax_twell (not
+    the installed one, whose editable import hook comes first), finds the script's own
+    helpers beside it, and passes the arguments on."""
+    (tmp_path / "jax_twell").mkdir()
+    (tmp_path / "jax_twell" / "__init__.py").write_text("WHO = 'baseline'\n")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "helper.py").write_text("VALUE = 7\n")
+    (tmp_path / "benchmarks" / "bench.py").write_text(
+        "import sys, helper, jax_twell\nprint(jax_twell.WHO, helper.VALUE, sys.argv[1:], __name__)\n")
+    out = subprocess.run([sys.executable, RUN_TREE, str(tmp_path), "benchmarks/bench.py", "--out", "x.json"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "baseline 7 ['--out', 'x.json'] __main__"
+    bad = subprocess.run([sys.executable, RUN_TREE, str(tmp_path / "benchmarks"), "bench.py"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "holds no jax_twell package" in bad.stderr
