@@ -63,7 +63,13 @@ def workspace_words(m: int, f: int, max_entries: int) -> int:
     groups = -(-m // GROUP)
     goff = chunks * keys(f) + m + groups * GROUP
     glay = (goff + groups + 1 + 1 + 3) // 4 * 4  # group offsets, then the call's largest key
-    return glay + (max_entries + 3 * m + 16 * (f + 3) + 3) // 4 * 4
+    return glay + _layout_words(m, f, max_entries)
+
+
+def _layout_words(m: int, f: int, max_entries: int) -> int:
+    """Words of one walk layout (``StatLayout::glay_words``): its bound
+    ``max_entries + 3 m + 16 (f + 3)``, 16-byte aligned."""
+    return (max_entries + 3 * m + 16 * (f + 3) + 3) // 4 * 4
 
 
 def walk_words(m: int, d: int, f: int, max_entries: int, tables: int) -> int:
@@ -74,8 +80,7 @@ def walk_words(m: int, d: int, f: int, max_entries: int, tables: int) -> int:
     one = workspace_words(m, f, max_entries)
     if tables == 1:
         return one
-    layout = (max_entries + 3 * m + 16 * (f + 3) + 3) // 4 * 4
-    return one + layout + -(-m // GROUP) * GROUP * d
+    return one + _layout_words(m, f, max_entries) + -(-m // GROUP) * GROUP * d
 
 
 def walk_supported(m: int, d: int, f: int, max_entries: int, tables: int) -> bool:
