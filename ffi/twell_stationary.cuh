@@ -34,7 +34,8 @@
 //                   q-th entry of residue r goes to step
 //                   sum_r' min(c_r', q + [(r' - i) % R < (r - i) % R])), so the tokens of a
 //                   shared-memory phase (four with 32-byte rows, eight with 16-byte rows)
-//                   tend to read different slots of a 128-byte line.
+//                   tend to read different slots of a 128-byte line. Gated dx: one
+//                   pass writes both layouts (Wact^T's and Wu^T's words at the same places).
 //   S6 StatDown     grid (d / 16 or d / 8), 1,024 threads: a warp per group and two threads
 //                   a token (16 columns) or half a warp per group and a thread a token (8),
 //                   8 columns a thread, four steps per 128-bit load of the layout, f32 FMAs
@@ -53,6 +54,7 @@ namespace jax_twell {
 namespace {
 
 constexpr int kStatThreads = 1024;  // S6: 32 warps
+constexpr int kStatScatterWarps = 8;  // S5: a warp a token, 256 threads
 constexpr int kStatGroup = 16;      // tokens walked together (a warp's 16 x 2 threads, or half a warp)
 constexpr int kStatChunk = 1024;    // tokens a CTA of S1 and S3
 constexpr int kStatScanTile = 8192;  // S2's values staged in shared memory at a time
@@ -302,13 +304,16 @@ __device__ __forceinline__ void CountResidues(const uint32_t* entries, int64_t e
 // classes (StatClasses). A word an entry, its value the entry's high half (h words: kCoef
 // false) or coef[e] rounded to the element type (kCoef: the caller points `coef` at the
 // backward's coefficient row of the table). The layout goes to ws + glay_at
-// (StatLayout::glay, or a second layout past it).
-template <typename E, int R, bool kCoef>
-__global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restrict__ tok_off,
-                                                         const int32_t* __restrict__ seg_start,
-                                                         const uint32_t* __restrict__ entries,
-                                                         const float* __restrict__ coef,
-                                                         int32_t* __restrict__ ws, int64_t glay_at, Shapes s) {
+// (StatLayout::glay). kTwo (gated dx): a second layout at ws + glay2_at with coef2[e]'s
+// values, written in the same pass: every word sits at the same place in both layouts
+// (the place depends on the neurons and the token's order only).
+template <typename E, int R, bool kCoef, bool kTwo = false>
+__global__ void __launch_bounds__(32 * kStatScatterWarps)
+    StatScatterKernel(const int32_t* __restrict__ tok_off, const int32_t* __restrict__ seg_start,
+                      const uint32_t* __restrict__ entries, const float* __restrict__ coef,
+                      const float* __restrict__ coef2, int32_t* __restrict__ ws, int64_t glay_at, int64_t glay2_at,
+                      Shapes s) {
+  static_assert(kCoef || !kTwo, "a second layout takes its values from a second coefficient row");
   if (OverBudget(s, seg_start)) return;
   const StatLayout l = StatLayoutFor(s);
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -321,6 +326,7 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
   const int64_t b = t / kBlockTokens;
   const int tl = static_cast<int>(t % kBlockTokens);
   uint32_t* glay = reinterpret_cast<uint32_t*>(ws + glay_at);
+  uint32_t* glay2 = reinterpret_cast<uint32_t*>(ws + glay2_at);
   auto range = [&](int k, int64_t* e0, int64_t* e1) {
     const int64_t seg = b * s.n_tiles + k;
     const int32_t* off = tok_off + seg * (kBlockTokens + 1) + tl;
@@ -387,13 +393,19 @@ __global__ void __launch_bounds__(256) StatScatterKernel(const int32_t* __restri
         j += cr[r2] < cap ? cr[r2] : cap;
       }
       const uint32_t value = kCoef ? static_cast<uint32_t>(E::FromFloat(coef[e])) << 16 : word & 0xffff0000u;
-      glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = value | n;
+      const int64_t at = base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4;
+      glay[at] = value | n;
+      if constexpr (kTwo) glay2[at] = static_cast<uint32_t>(E::FromFloat(coef2[e])) << 16 | n;
     }
   }
   int c = 0;
 #pragma unroll
   for (int r = 0; r < R; ++r) c += cr[r];
-  for (int j = c + lane; j < steps; j += 32) glay[base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4] = 0u;
+  for (int j = c + lane; j < steps; j += 32) {
+    const int64_t at = base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4;
+    glay[at] = 0u;
+    if constexpr (kTwo) glay2[at] = 0u;
+  }
 }
 
 // The table's [:, c0 : c0 + kCols] from a [d, f] weight (the backward's dx: table row n is
@@ -560,16 +572,15 @@ inline ffi::Error LaunchStatOrder(cudaStream_t stream, const Shapes& s, const in
   return LaunchStatus((who + " stationary order").c_str());
 }
 
-// S5 into ws + glay_at: one word an entry, its value the h bits (kCoef false) or coef[e].
-template <typename E, bool kCoef>
+// S5 into ws + glay_at: one word an entry, its value the h bits (kCoef false) or coef[e];
+// kTwo, a second layout at ws + glay2_at with coef2[e]'s values, in the same pass.
+template <typename E, bool kCoef, bool kTwo = false>
 ffi::Error LaunchStatScatter(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
-                             const uint32_t* entries, const float* coef, int32_t* ws, int64_t glay_at,
-                             const std::string& who) {
-  const unsigned blocks = static_cast<unsigned>((s.rows + 7) / 8);
-  if (StatClasses(s.f) == 4)
-    StatScatterKernel<E, 4, kCoef><<<blocks, 256, 0, stream>>>(tok_off, seg_start, entries, coef, ws, glay_at, s);
-  else
-    StatScatterKernel<E, 8, kCoef><<<blocks, 256, 0, stream>>>(tok_off, seg_start, entries, coef, ws, glay_at, s);
+                             const uint32_t* entries, const float* coef, const float* coef2, int32_t* ws,
+                             int64_t glay_at, int64_t glay2_at, const std::string& who) {
+  const unsigned blocks = static_cast<unsigned>((s.rows + kStatScatterWarps - 1) / kStatScatterWarps);
+  auto scatter = StatClasses(s.f) == 4 ? StatScatterKernel<E, 4, kCoef, kTwo> : StatScatterKernel<E, 8, kCoef, kTwo>;
+  scatter<<<blocks, 32 * kStatScatterWarps, 0, stream>>>(tok_off, seg_start, entries, coef, coef2, ws, glay_at, glay2_at, s);
   return LaunchStatus((who + " stationary layout").c_str());
 }
 
@@ -596,7 +607,7 @@ ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int3
   const StatLayout l = StatLayoutFor(s);
   ffi::Error status = LaunchStatOrder(stream, s, tok_off, seg_start, ws, who);
   if (status.failure()) return status;
-  status = LaunchStatScatter<E, false>(stream, s, tok_off, seg_start, h_words, nullptr, ws, l.glay, who);
+  status = LaunchStatScatter<E, false>(stream, s, tok_off, seg_start, h_words, nullptr, nullptr, ws, l.glay, 0, who);
   if (status.failure()) return status;
   return LaunchStatWalk<E, false, kStatSumOut>(stream, s, seg_start, w_down, ws, l.glay, nullptr, y, who);
 }
@@ -615,12 +626,11 @@ ffi::Error LaunchStationaryDx(cudaStream_t stream, const Shapes& s, const int32_
   const int64_t glay_up = l.total, sums_at = l.total + l.glay_words;
   ffi::Error status = LaunchStatOrder(stream, s, tok_off, seg_start, ws, who);
   if (status.failure()) return status;
-  status = LaunchStatScatter<E, true>(stream, s, tok_off, seg_start, entries, coef + s.max_entries, ws, l.glay, who);
+  // S5 once: Wact^T's words with coef[1] and (gated) Wu^T's with coef[2], two layouts
+  status = LaunchStatScatter<E, true, kGated>(stream, s, tok_off, seg_start, entries, coef + s.max_entries,
+                                              kGated ? coef + 2 * s.max_entries : nullptr, ws, l.glay, glay_up, who);
   if (status.failure()) return status;
   if constexpr (kGated) {
-    status = LaunchStatScatter<E, true>(stream, s, tok_off, seg_start, entries, coef + 2 * s.max_entries, ws, glay_up,
-                                        who);
-    if (status.failure()) return status;
     float* sums = reinterpret_cast<float*>(ws + sums_at);
     status = LaunchStatWalk<E, true, kStatSumKeep>(stream, s, seg_start, w_act, ws, l.glay, sums, nullptr, who);
     if (status.failure()) return status;
