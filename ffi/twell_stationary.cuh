@@ -288,20 +288,13 @@ __device__ __forceinline__ int WarpExclusive(int v, int lane, int* total) {
   return inc - v;
 }
 
-// Adds to lc[r] the entries [e0, e1) whose neuron is r mod R (the tile a multiple of 32, so
-// a neuron's residue is its column's).
-template <int R>
-__device__ __forceinline__ void CountResidues(const uint32_t* entries, int64_t e0, int64_t e1, int (&lc)[R]) {
-  for (int64_t e = e0; e < e1; ++e) {
-    const int r = static_cast<int>(entries[e] & (R - 1u));
-#pragma unroll
-    for (int c = 0; c < R; ++c) lc[c] += r == c;
-  }
-}
-
-// S5. A warp per token, a lane per tile (32 tiles at a time): entries in the blocked
-// layout's order (tiles ascending, then as stored), neurons n = k * tile + column; R residue
-// classes (StatClasses). A word an entry, its value the entry's high half (h words: kCoef
+// S5. A warp per token. Its entries are taken in the blocked layout's order (tiles
+// ascending, then as stored), 32 at a time, a lane an entry: the lanes first take a tile
+// each (32 tiles at a time), whose entry range and place in the order (a warp prefix of the
+// ranges' lengths) say which lane's tile holds each entry of a batch. Neurons
+// n = k * tile + column; R residue classes (StatClasses), counted per batch by ballots. Two
+// passes over the entries: the residues' totals, then each entry's step from the entries of
+// its residue before it. A word an entry, its value the entry's high half (h words: kCoef
 // false) or coef[e] rounded to the element type (kCoef: the caller points `coef` at the
 // backward's coefficient row of the table). The layout goes to ws + glay_at
 // (StatLayout::glay). kTwo (gated dx): a second layout at ws + glay2_at with coef2[e]'s
@@ -314,6 +307,7 @@ __global__ void __launch_bounds__(32 * kStatScatterWarps)
                       const float* __restrict__ coef2, int32_t* __restrict__ ws, int64_t glay_at, int64_t glay2_at,
                       Shapes s) {
   static_assert(kCoef || !kTwo, "a second layout takes its values from a second coefficient row");
+  __shared__ uint8_t owners[kStatScatterWarps][32];  // the lane whose tile holds each entry of a batch
   if (OverBudget(s, seg_start)) return;
   const StatLayout l = StatLayoutFor(s);
   const int64_t t = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -327,77 +321,68 @@ __global__ void __launch_bounds__(32 * kStatScatterWarps)
   const int tl = static_cast<int>(t % kBlockTokens);
   uint32_t* glay = reinterpret_cast<uint32_t*>(ws + glay_at);
   uint32_t* glay2 = reinterpret_cast<uint32_t*>(ws + glay2_at);
-  auto range = [&](int k, int64_t* e0, int64_t* e1) {
-    const int64_t seg = b * s.n_tiles + k;
-    const int32_t* off = tok_off + seg * (kBlockTokens + 1) + tl;
-    *e0 = seg_start[seg] + off[0];
-    *e1 = seg_start[seg] + off[1];
+  uint8_t* owner = owners[threadIdx.x / 32];
+  const unsigned below = (1u << lane) - 1u;
+  // Calls visit(valid, e, word, n) on every lane for each batch of 32 entries in order
+  // (valid false on the lanes past the token's last entry).
+  auto for_entries = [&](auto&& visit) {
+    for (int kb = 0; kb < s.n_tiles; kb += 32) {
+      int64_t e0 = 0, e1 = 0;
+      if (kb + lane < s.n_tiles) {
+        const int64_t seg = b * s.n_tiles + kb + lane;
+        const int32_t* off = tok_off + seg * (kBlockTokens + 1) + tl;
+        e0 = seg_start[seg] + off[0];
+        e1 = seg_start[seg] + off[1];
+      }
+      const int cnt = static_cast<int>(e1 - e0);
+      int total;
+      const int pre = WarpExclusive(cnt, lane, &total);  // this tile's entries are places [pre, pre + cnt)
+      const int64_t from = e0 - pre;                     // entry of place p: from + p, on the owner lane
+      for (int fb = 0; fb < total; fb += 32) {
+        const int lo = max(pre, fb), hi = min(pre + cnt, fb + 32);
+        for (int p = lo; p < hi; ++p) owner[p - fb] = static_cast<uint8_t>(lane);
+        __syncwarp();
+        const bool valid = fb + lane < total;
+        const int o = valid ? owner[lane] : 0;
+        __syncwarp();  // the next batch rewrites the owners
+        const int64_t e = __shfl_sync(kFullMask, from, o) + fb + lane;
+        const uint32_t word = valid ? entries[e] : 0u;
+        const uint32_t n = static_cast<uint32_t>((kb + o) * s.tile) + (word & kColumnMask);
+        visit(valid, e, word, n);
+      }
+    }
   };
-  // pass 1: the token's entries per residue (tile a multiple of 32: n % R = column % R);
-  // with at most 32 tiles pass 2 reuses the lane's range and counts
+  // pass 1: the token's entries per residue (tile a multiple of 32: n % R = column % R)
   int cr[R] = {};
-  int64_t keep0 = 0, keep1 = 0;
-  int keep[R] = {};
-  for (int kb = 0; kb < s.n_tiles; kb += 32) {
-    int lc[R] = {};
-    if (kb + lane < s.n_tiles) {
-      int64_t e0, e1;
-      range(kb + lane, &e0, &e1);
-      keep0 = e0;
-      keep1 = e1;
-      CountResidues<R>(entries, e0, e1, lc);
-    }
+  for_entries([&](bool valid, int64_t, uint32_t, uint32_t n) {
+    const int r = static_cast<int>(n & (R - 1u));
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      int tot;
-      WarpExclusive(lc[r], lane, &tot);
-      cr[r] += tot;
-      keep[r] = lc[r];
-    }
-  }
+    for (int r2 = 0; r2 < R; ++r2) cr[r2] += __popc(__ballot_sync(kFullMask, valid && r == r2));
+  });
   // pass 2: each entry's step, from the entries of its residue before it
   int carry[R] = {};
-  for (int kb = 0; kb < s.n_tiles; kb += 32) {
-    int64_t e0 = 0, e1 = 0;
-    int lc[R] = {};
-    const int k = kb + lane;
-    if (s.n_tiles <= 32) {
-      e0 = keep0;
-      e1 = keep1;
+  for_entries([&](bool valid, int64_t e, uint32_t word, uint32_t n) {
+    const int r = static_cast<int>(n & (R - 1u));
+    int q = 0;
 #pragma unroll
-      for (int r = 0; r < R; ++r) lc[r] = keep[r];
-    } else if (k < s.n_tiles) {
-      range(k, &e0, &e1);
-      CountResidues<R>(entries, e0, e1, lc);
+    for (int r2 = 0; r2 < R; ++r2) {
+      const unsigned mask = __ballot_sync(kFullMask, valid && r == r2);
+      if (r2 == r) q = carry[r2] + __popc(mask & below);
+      carry[r2] += __popc(mask);
     }
-    int seen[R];
+    if (!valid) return;
+    const int dr = (r - i) & (R - 1);
+    int j = 0;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      int tot;
-      seen[r] = carry[r] + WarpExclusive(lc[r], lane, &tot);
-      carry[r] += tot;
+    for (int r2 = 0; r2 < R; ++r2) {
+      const int cap = q + (((r2 - i) & (R - 1)) < dr ? 1 : 0);
+      j += cr[r2] < cap ? cr[r2] : cap;
     }
-    for (int64_t e = e0; e < e1; ++e) {
-      const uint32_t word = entries[e];
-      const uint32_t n = static_cast<uint32_t>(k * s.tile) + (word & kColumnMask);
-      const int r = static_cast<int>(n & (R - 1u));
-      int q = 0;
-#pragma unroll
-      for (int r2 = 0; r2 < R; ++r2)
-        if (r2 == r) q = seen[r2]++;
-      const int dr = (r - i) & (R - 1);
-      int j = 0;
-#pragma unroll
-      for (int r2 = 0; r2 < R; ++r2) {
-        const int cap = q + (((r2 - i) & (R - 1)) < dr ? 1 : 0);
-        j += cr[r2] < cap ? cr[r2] : cap;
-      }
-      const uint32_t value = kCoef ? static_cast<uint32_t>(E::FromFloat(coef[e])) << 16 : word & 0xffff0000u;
-      const int64_t at = base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4;
-      glay[at] = value | n;
-      if constexpr (kTwo) glay2[at] = static_cast<uint32_t>(E::FromFloat(coef2[e])) << 16 | n;
-    }
-  }
+    const uint32_t value = kCoef ? static_cast<uint32_t>(E::FromFloat(coef[e])) << 16 : word & 0xffff0000u;
+    const int64_t at = base + 4 * kStatGroup * (j / 4) + 4 * i + j % 4;
+    glay[at] = value | n;
+    if constexpr (kTwo) glay2[at] = static_cast<uint32_t>(E::FromFloat(coef2[e])) << 16 | n;
+  });
   int c = 0;
 #pragma unroll
   for (int r = 0; r < R; ++r) c += cr[r];
