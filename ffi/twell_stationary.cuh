@@ -25,7 +25,7 @@
 //   S4 StatGroups   one CTA: goff = exclusive prefix of 64 x (the group's first key) over
 //                   groups of 16 consecutive ranks (the tokens sorted by count,
 //                   descending, so a group's rows have about the same length).
-//   S5 StatScatter  a warp per token, a lane per tile: its words to its group's block of the
+//   S5 StatScatter  a warp per token, a lane per entry: its words to its group's block of the
 //                   walk layout, (value bits << 16 | table row; the value h, or the coefficient
 //                   rounded to the element type), step j of the group's token i at word
 //                   goff[g] + 64 (j / 4) + 4 i + j % 4, zero words to the group's length.
