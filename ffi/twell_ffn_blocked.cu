@@ -90,7 +90,7 @@ ffi::Error Launch(cudaStream_t stream, const Shapes& s, const void* x, const voi
   }
   if (down_stationary)  // the partials' workspace is free once Finish has read it
     return LaunchStationaryDown<E>(stream, s, tok_off, seg_start, entries, static_cast<const uint16_t*>(w_down),
-                                   partial, static_cast<uint16_t*>(y), "twell_ffn_blocked");
+                                   partial, static_cast<uint16_t*>(y), nullptr, "twell_ffn_blocked");
   if (down_union)
     return LaunchUnion<E, 1, kWordValues>(stream, s, tok_off, seg_start, entries, nullptr,
                                    static_cast<const uint16_t*>(w_down), nullptr, partial, static_cast<uint16_t*>(y),

@@ -100,6 +100,14 @@ __host__ __device__ inline StatLayout StatLayoutFor(const Shapes& s) {
   return StatLayoutOf(s.rows, s.f, s.max_entries);
 }
 
+// Words of the tokens' order as S1-S4 leave it (StatLayout's info, order and goff, one
+// range of the workspace): what the training forward keeps for its backward's dx walk,
+// whose S1-S4 would compute the same words from the same counts.
+inline int64_t StatOrderWords(const Shapes& s) {
+  const StatLayout l = StatLayoutFor(s);
+  return l.maxkey - l.info;
+}
+
 // Words of the walk's workspace: the layout (one table), or for the backward's gated dx
 // (two tables) a second walk layout and the first walk's f32 sums after it (d x the rows
 // rounded up to a group of 16: kept by walk place).
@@ -584,14 +592,17 @@ ffi::Error LaunchStatWalk(cudaStream_t stream, const Shapes& s, const int32_t* s
 }
 
 // The down step: y = h Wd from the h words (after Finish), the layout in the partials.
+// order_out (nullable; StatOrderWords): the tokens' order, copied out for a later dx walk.
 template <typename E>
 ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
                                 const uint32_t* h_words, const uint16_t* w_down, float* partial, uint16_t* y,
-                                const std::string& who) {
+                                int32_t* order_out, const std::string& who) {
   int32_t* ws = reinterpret_cast<int32_t*>(partial);
   const StatLayout l = StatLayoutFor(s);
   ffi::Error status = LaunchStatOrder(stream, s, tok_off, seg_start, ws, who);
   if (status.failure()) return status;
+  if (order_out != nullptr)
+    cudaMemcpyAsync(order_out, ws + l.info, StatOrderWords(s) * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream);
   status = LaunchStatScatter<E, false>(stream, s, tok_off, seg_start, h_words, nullptr, nullptr, ws, l.glay, 0, who);
   if (status.failure()) return status;
   return LaunchStatWalk<E, false, kStatSumOut>(stream, s, seg_start, w_down, ws, l.glay, nullptr, y, who);
@@ -600,16 +611,22 @@ ffi::Error LaunchStationaryDown(cudaStream_t stream, const Shapes& s, const int3
 // The training backward's dx = dg Wact^T + du Wu^T (gated; dx = dg Wact^T not) over the
 // coefficients `coef` [3 or 2, max_entries] (row 1: Wact^T's, row 2: Wu^T's, each rounded to
 // the element type), the tables staged from Wact and Wu in their own [d, f] layout (no
-// transposed copies), everything in `ws` (StationaryWalkWords(s, 2 gated, 1 not)): one walk over
+// transposed copies), everything in `ws` (StationaryWalkWords(s, 2 gated, 1 not)). order_in
+// (nullable; StatOrderWords): the tokens' order a forward's down walk computed from the same
+// layout (LaunchStationaryDown's order_out), copied in for S1-S4. One walk over
 // Wact^T's rows; gated, a second walk over Wu^T's rows with its own layout, the first walk's
 // f32 sums kept by walk place and added once after the second walk's steps.
 template <typename E, bool kGated>
 ffi::Error LaunchStationaryDx(cudaStream_t stream, const Shapes& s, const int32_t* tok_off, const int32_t* seg_start,
                               const uint32_t* entries, const float* coef, const uint16_t* w_act, const uint16_t* w_up,
-                              int32_t* ws, uint16_t* dx, const std::string& who) {
+                              int32_t* ws, uint16_t* dx, const int32_t* order_in, const std::string& who) {
   const StatLayout l = StatLayoutFor(s);
   const int64_t glay_up = l.total, sums_at = l.total + l.glay_words;
-  ffi::Error status = LaunchStatOrder(stream, s, tok_off, seg_start, ws, who);
+  ffi::Error status = ffi::Error::Success();
+  if (order_in != nullptr)
+    cudaMemcpyAsync(ws + l.info, order_in, StatOrderWords(s) * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream);
+  else
+    status = LaunchStatOrder(stream, s, tok_off, seg_start, ws, who);
   if (status.failure()) return status;
   // S5 once: Wact^T's words with coef[1] and (gated) Wu^T's with coef[2], two layouts
   status = LaunchStatScatter<E, true, kGated>(stream, s, tok_off, seg_start, entries, coef + s.max_entries,

@@ -682,7 +682,7 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
                          const int16_t* cols, const int32_t* counts, const uint16_t* w_act, const uint16_t* w_up,
                          const uint16_t* w_up_t, const uint16_t* w_down, uint16_t* y, int32_t* seg_start,
                          int32_t* tok_off, uint32_t* entries, uint16_t* up, uint32_t* h_words, float* partial,
-                         int32_t* col_off, uint32_t* by_col, int32_t mma_bits) {
+                         int32_t* col_off, uint32_t* by_col, int32_t* stat_order, int32_t mma_bits) {
   // bits 2 and 3, the down and up steps as union products, and bit 4, the down step with
   // the weight stationary (before bit 2): gated only (checked)
   const bool mma = (mma_bits & 1) != 0, down_union = (mma_bits & 4) != 0, up_union = (mma_bits & 8) != 0;
@@ -712,7 +712,8 @@ ffi::Error LaunchForward(cudaStream_t stream, const Shapes& s, const uint16_t* x
   }
   if (kGated && down_stationary) {
     // The walk's layout goes into the partials' workspace too, free once TrainFinish has read it.
-    status = LaunchStationaryDown<E>(stream, s, tok_off, seg_start, h_source, w_down, partial, y,
+    // stat_order: the tokens' order for the backward's dx walk (a residual)
+    status = LaunchStationaryDown<E>(stream, s, tok_off, seg_start, h_source, w_down, partial, y, stat_order,
                                      "twell_train forward");
     if (status.failure()) return status;
   } else if (kGated && down_union) {
@@ -733,7 +734,7 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
                           const int32_t* seg_start, const int32_t* tok_off, const uint32_t* entries,
                           const uint16_t* up, const int32_t* col_off, const uint32_t* by_col, const float* l1_grad,
                           uint16_t* dx, uint16_t* dw_down, uint16_t* dw_act_t, uint16_t* dw_up_t, float* partial,
-                          float* coef, int32_t* union_ws, int32_t mma) {
+                          float* coef, int32_t* union_ws, const int32_t* stat_order, int32_t mma) {
   const bool steps_mma = (mma & 1) != 0, dx_mma = (mma & 2) != 0, dx_union = (mma & 4) != 0;
   const bool dh_union = (mma & 8) != 0, dx_stationary = (mma & 16) != 0;
   ffi::Error status = ffi::Error::Success();
@@ -752,7 +753,8 @@ ffi::Error LaunchBackward(cudaStream_t stream, const Shapes& s, const uint16_t* 
     // (w_act_t and w_up_t hold the weights themselves here); the layouts and the first
     // walk's sums in the partials (free once BwdFinish has read them)
     status = LaunchStationaryDx<E, kGated>(stream, s, tok_off, seg_start, entries, coef, w_act_t, w_up_t,
-                                           reinterpret_cast<int32_t*>(partial), dx, "twell_train backward dx");
+                                           reinterpret_cast<int32_t*>(partial), dx, stat_order,
+                                           "twell_train backward dx");
     if (status.failure()) return status;
   } else if (dx_union) {
     status = LaunchUnion<E, kGated ? 2 : 1, kCoefValues>(stream, s, tok_off, seg_start, entries, coef, w_act_t, w_up_t,
@@ -833,7 +835,7 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
                        ffi::Result<ffi::Buffer<ffi::U32>> entries, uint16_t* up, int64_t up_count,
                        uint32_t* h_words, int64_t h_count, float* partial, int64_t partial_count,
                        ffi::Result<ffi::Buffer<ffi::S32>> col_off, ffi::Result<ffi::Buffer<ffi::U32>> by_col,
-                       int32_t tile, int32_t mma) {
+                       int32_t* stat_order, int64_t stat_order_count, int32_t tile, int32_t mma) {
   const char* name = "twell_train forward: ";
   auto a_dims = w_act.dimensions();
   if (a_dims.size() != 2 || x.dimensions().size() < 1 || a_dims[0] != x.dimensions().back())
@@ -866,6 +868,11 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
       (kGated && (up_count != e || h_count != e || partial_count != s.d / kUpCols * e)))
     return Invalid(std::string(name) + "residual/workspace results must be col_off [blocks, n_tiles, tile + 1], "
                    "by_col, up, h_words [max_entries] and partial [d/64, max_entries]");
+  // gated: the tokens' order of the down walk (mma bit 4) for the backward, else one unused word
+  if (kGated && stat_order_count != ((mma & 16) != 0 ? StatOrderWords(s) : 1))
+    return Invalid(std::string(name) + "stat_order must have " +
+                   std::to_string((mma & 16) != 0 ? StatOrderWords(s) : 1) +
+                   " elements (the down walk's token order with mma bit 4, else 1)");
   if (s.rows == 0) return ffi::Error::Success();
   auto u16 = [](const void* p) { return static_cast<const uint16_t*>(p); };
   const uint16_t* wu = kGated ? u16(w_up.untyped_data()) : nullptr;
@@ -876,7 +883,8 @@ ffi::Error ForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer val
   return launch(stream, s, u16(x.untyped_data()), u16(values.untyped_data()), cols.typed_data(),
                 counts.typed_data(), u16(w_act.untyped_data()), wu, wut, u16(w_down.untyped_data()),
                 static_cast<uint16_t*>(y->untyped_data()), seg_start->typed_data(), tok_off->typed_data(),
-                entries->typed_data(), up, h_words, partial, col_off->typed_data(), by_col->typed_data(), mma);
+                entries->typed_data(), up, h_words, partial, col_off->typed_data(), by_col->typed_data(),
+                (mma & 16) != 0 ? stat_order : nullptr, mma);
 }
 
 template <bool kGated>
@@ -888,7 +896,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
                         ffi::Result<ffi::AnyBuffer> dw_down, ffi::Result<ffi::AnyBuffer> dw_act_t,
                         uint16_t* dw_up_t, ffi::Result<ffi::Buffer<ffi::F32>> partial,
                         ffi::Result<ffi::Buffer<ffi::F32>> coef, ffi::Result<ffi::Buffer<ffi::S32>> union_ws,
-                        int32_t tile, int32_t mma) {
+                        const int32_t* stat_order, int64_t stat_order_count, int32_t tile, int32_t mma) {
   const char* name = "twell_train backward: ";
   auto wd_dims = w_down.dimensions();
   if (wd_dims.size() != 2 || x.dimensions().size() < 1 || wd_dims[1] != x.dimensions().back())
@@ -957,7 +965,10 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy
                 tok_off.typed_data(), entries.typed_data(), up, col_off.typed_data(), by_col.typed_data(),
                 l1_grad.typed_data(), static_cast<uint16_t*>(dx->untyped_data()),
                 static_cast<uint16_t*>(dw_down->untyped_data()), static_cast<uint16_t*>(dw_act_t->untyped_data()),
-                dw_up_t, partial->typed_data(), coef->typed_data(), union_ws->typed_data(), mma);
+                dw_up_t, partial->typed_data(), coef->typed_data(), union_ws->typed_data(),
+                // the forward down walk's token order, where it kept one (the same counts: the
+                // same order); else S1-S4 compute it
+                (mma & 16) != 0 && stat_order_count == StatOrderWords(s) ? stat_order : nullptr, mma);
 }
 
 ffi::Error ForwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
@@ -967,11 +978,11 @@ ffi::Error ForwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer va
                         ffi::Result<ffi::Buffer<ffi::U32>> entries, ffi::Result<ffi::Buffer<ffi::U16>> up,
                         ffi::Result<ffi::Buffer<ffi::U32>> h_words, ffi::Result<ffi::Buffer<ffi::F32>> partial,
                         ffi::Result<ffi::Buffer<ffi::S32>> col_off, ffi::Result<ffi::Buffer<ffi::U32>> by_col,
-                        int32_t tile, int32_t mma) {
+                        ffi::Result<ffi::Buffer<ffi::S32>> stat_order, int32_t tile, int32_t mma) {
   return ForwardImpl<true>(stream, x, values, cols, counts, w_gate, w_up, w_up_t, w_down, y, seg_start, tok_off,
                            entries, up->typed_data(), up->element_count(), h_words->typed_data(),
                            h_words->element_count(), partial->typed_data(), partial->element_count(), col_off,
-                           by_col, tile, mma);
+                           by_col, stat_order->typed_data(), stat_order->element_count(), tile, mma);
 }
 
 ffi::Error ForwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::Buffer<ffi::S16> cols,
@@ -981,14 +992,15 @@ ffi::Error ForwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                           ffi::Result<ffi::Buffer<ffi::S32>> col_off, ffi::Result<ffi::Buffer<ffi::U32>> by_col,
                           int32_t tile, int32_t mma) {
   return ForwardImpl<false>(stream, x, values, cols, counts, w_up, w_up, w_down, w_down, y, seg_start, tok_off,
-                            entries, nullptr, 0, nullptr, 0, nullptr, 0, col_off, by_col, tile, mma);
+                            entries, nullptr, 0, nullptr, 0, nullptr, 0, col_off, by_col, nullptr, 0, tile, mma);
 }
 
 ffi::Error BackwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer w_gate_t,
                          ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> seg_start,
                          ffi::Buffer<ffi::S32> tok_off, ffi::Buffer<ffi::U32> entries, ffi::Buffer<ffi::U16> up,
                          ffi::Buffer<ffi::S32> col_off, ffi::Buffer<ffi::U32> by_col, ffi::Buffer<ffi::F32> l1_grad,
-                         ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw_down,
+                         ffi::Buffer<ffi::S32> stat_order, ffi::Result<ffi::AnyBuffer> dx,
+                         ffi::Result<ffi::AnyBuffer> dw_down,
                          ffi::Result<ffi::AnyBuffer> dw_gate_t, ffi::Result<ffi::AnyBuffer> dw_up_t,
                          ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> coef,
                          ffi::Result<ffi::Buffer<ffi::S32>> union_ws, int32_t tile, int32_t mma) {
@@ -997,7 +1009,8 @@ ffi::Error BackwardGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
     return Invalid("twell_train backward: dw_up_t must be [f, d] of x's dtype");
   return BackwardImpl<true>(stream, x, dy, w_gate_t, w_up_t, w_down, seg_start, tok_off, entries, up.typed_data(),
                             up.element_count(), col_off, by_col, l1_grad, dx, dw_down, dw_gate_t,
-                            static_cast<uint16_t*>(dw_up_t->untyped_data()), partial, coef, union_ws, tile, mma);
+                            static_cast<uint16_t*>(dw_up_t->untyped_data()), partial, coef, union_ws,
+                            stat_order.typed_data(), stat_order.element_count(), tile, mma);
 }
 
 ffi::Error BackwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy, ffi::AnyBuffer w_up_t,
@@ -1008,7 +1021,8 @@ ffi::Error BackwardUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                            ffi::Result<ffi::Buffer<ffi::F32>> partial, ffi::Result<ffi::Buffer<ffi::F32>> coef,
                            ffi::Result<ffi::Buffer<ffi::S32>> union_ws, int32_t tile, int32_t mma) {
   return BackwardImpl<false>(stream, x, dy, w_up_t, w_up_t, w_down, seg_start, tok_off, entries, nullptr, 0, col_off,
-                             by_col, l1_grad, dx, dw_down, dw_up_t, nullptr, partial, coef, union_ws, tile, mma);
+                             by_col, l1_grad, dx, dw_down, dw_up_t, nullptr, partial, coef, union_ws, nullptr, 0, tile,
+                             mma);
 }
 
 }  // namespace
@@ -1038,6 +1052,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainFwdGated, jax_twell::ForwardGated,
                                   .Ret<ffi_api::Buffer<ffi_api::F32>>()      // partial (workspace)
                                   .Ret<ffi_api::Buffer<ffi_api::S32>>()      // col_off
                                   .Ret<ffi_api::Buffer<ffi_api::U32>>()      // by_col
+                                  .Ret<ffi_api::Buffer<ffi_api::S32>>()      // stat_order (mma bit 4; else [1])
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("mma"),  // bit 0: up/down steps on tensor cores; bits 2, 3: down, up as union products
                               {ffi_api::Traits::kCmdBufferCompatible});
@@ -1076,6 +1091,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellTrainBwdGated, jax_twell::BackwardGated,
                                   .Arg<ffi_api::Buffer<ffi_api::S32>>()      // col_off
                                   .Arg<ffi_api::Buffer<ffi_api::U32>>()      // by_col
                                   .Arg<ffi_api::Buffer<ffi_api::F32>>()      // l1_grad [1] = dl1 / M
+                                  .Arg<ffi_api::Buffer<ffi_api::S32>>()      // stat_order (the forward's, or [1])
                                   .Ret<ffi_api::AnyBuffer>()                 // dx
                                   .Ret<ffi_api::AnyBuffer>()                 // dw_down [f, d]
                                   .Ret<ffi_api::AnyBuffer>()                 // dw_gate_t [f, d]

@@ -25,7 +25,7 @@ __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", 
 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {

@@ -229,6 +229,15 @@ def test_dx_stationary_matches_emulation(case, gated, dtype):
                    capacity=32, tile=256, f=f, dtype=dtype)
     np.testing.assert_array_equal(_bits(st[0]), want.view(np.uint16), f"dx {case} gated={gated}")
     assert_close(st[0], un[0], 2.0**-7, f"dx {case} gated={gated}")
+    if gated and cuda_train.stationary_down_supported(m, d, f, budget):
+        # The forward's stationary down walk keeps its token order, and the dx walk takes it
+        # instead of computing it again: every result the same, bit for bit.
+        _, res_kept, _ = cuda_train.train_forward(x, act, w_act, wu, wd, max_entries=budget, down_stationary=True)
+        assert res_kept.stat_order is not None and res.stat_order is None
+        kept = cuda_train.train_backward(x, dy, wg, wu, wd, res_kept, l1, dx_stationary=True, **kw)
+        for i in range(len(st) - 2):  # dx and the weight gradients (the partials hold the sort's histograms)
+            np.testing.assert_array_equal(_bits(kept[i]), _bits(st[i]), f"result {i} with the forward's token order")
+        np.testing.assert_array_equal(_bits(kept[-1][:, :need]), _bits(st[-1][:, :need]), "coefficients")
 
 
 STATIONARY_CASES = UNION_CASES + [

@@ -172,7 +172,11 @@ def _emulated_pack(g, *, tile, capacity):
 def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, down_union=False, up_union=False,
                       down_stationary=False):
     gated = w_up is not None
-    shapes = cuda_train.residual_shapes(x.shape[0], act.n_tiles, act.tile, max_entries, gated)
+    # the token order the kernels' stationary down walk keeps (zeros here: the model's dx
+    # computes its own order)
+    stationary = cuda_train.forward_down_stationary(x.shape[0], x.shape[1], w_down.shape[0], max_entries, gated,
+                                                    down_stationary)
+    shapes = cuda_train.residual_shapes(x.shape[0], act.n_tiles, act.tile, max_entries, gated, stationary)
     out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), shapes, jax.ShapeDtypeStruct((max_entries,), jnp.uint32))
 
     def run(x, values, cols, counts, w_act, w_down, *w_up):
@@ -181,7 +185,8 @@ def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, do
             x, values, cols, counts, w_act, w_up[0] if gated else None, w_up[0].T if gated else None, w_down,
             tile=act.tile, max_entries=max_entries,
         )
-        res = cuda_train.Residuals(r.seg_start, r.tok_off, r.entries, r.up, r.col_off, r.by_col)
+        order = np.zeros(shapes.stat_order.shape, np.int32) if stationary else None
+        res = cuda_train.Residuals(r.seg_start, r.tok_off, r.entries, r.up, r.col_off, r.by_col, order)
         return np.asarray(y), res, h_source
 
     extra = (w_up,) if gated else ()

@@ -36,6 +36,7 @@ __all__ = [
     "train_backward",
     "Residuals",
     "residual_shapes",
+    "forward_down_stationary",
     "max_entries_for",
     "supports",
     "check_supported",
@@ -264,6 +265,10 @@ class Residuals:
     the blocked layout; entries ``[E]`` u32: ``g bits << 16 | flag << 15 | column``; up
     ``[E]`` u16: u bits (gated; None otherwise); col_off ``[n_blocks, n_tiles, tile + 1]``
     s32 and by_col ``[E]`` u32: each segment's entries with g != 0 by (column, token).
+    stat_order ``[stationary_emulation.order_words(M)]`` s32: the tokens' order of the gated
+    forward's stationary down walk (ranks, order, group offsets), which the backward's dx
+    walk takes instead of computing it again from the same counts; None where the forward
+    ran another down step.
     """
 
     seg_start: jax.Array
@@ -272,10 +277,13 @@ class Residuals:
     up: jax.Array | None
     col_off: jax.Array
     by_col: jax.Array
+    stat_order: jax.Array | None = None
 
 
-def residual_shapes(m: int, n_tiles: int, tile: int, max_entries: int, gated: bool) -> Residuals:
-    """Shapes and dtypes of :class:`Residuals` for ``m`` tokens."""
+def residual_shapes(m: int, n_tiles: int, tile: int, max_entries: int, gated: bool,
+                    down_stationary: bool = False) -> Residuals:
+    """Shapes and dtypes of :class:`Residuals` for ``m`` tokens (``down_stationary``: the
+    forward ran its down step with the weight stationary, and kept its token order)."""
     n_blocks = -(-m // _blocked.BLOCK_TOKENS)
     s = jax.ShapeDtypeStruct
     return Residuals(
@@ -285,7 +293,14 @@ def residual_shapes(m: int, n_tiles: int, tile: int, max_entries: int, gated: bo
         up=s((max_entries,), jnp.uint16) if gated else None,
         col_off=s((n_blocks, n_tiles, tile + 1), jnp.int32),
         by_col=s((max_entries,), jnp.uint32),
+        stat_order=s((_stat.order_words(m),), jnp.int32) if gated and down_stationary else None,
     )
+
+
+def forward_down_stationary(m: int, d: int, f: int, max_entries: int, gated: bool, down_stationary: bool) -> bool:
+    """Whether :func:`train_forward` runs its down step with the weight stationary (and so
+    keeps ``Residuals.stat_order``) when asked ``down_stationary``."""
+    return bool(down_stationary) and gated and stationary_down_supported(m, d, f, max_entries)
 
 
 def union_down_supported(m: int, d: int, f: int, max_entries: int) -> bool:
@@ -360,11 +375,11 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
     f = w_down.shape[0]
     down_union = bool(down_union) and w_up is not None and union_down_supported(m, d, f, e)
     up_union = bool(up_union) and w_up is not None and union_up_supported(m, d, f, e)
-    down_stationary = bool(down_stationary) and w_up is not None and stationary_down_supported(m, d, f, e)
+    down_stationary = forward_down_stationary(m, d, f, e, w_up is not None, down_stationary)
     down_union = down_union and not down_stationary
     # the handler's bits: 0 tensor-core steps, 2 down and 3 up as union products, 4 down stationary
     mma = int(bool(mma)) | int(down_union) << 2 | int(up_union) << 3 | int(down_stationary) << 4
-    r = residual_shapes(m, act.n_tiles, tile, e, w_up is not None)
+    r = residual_shapes(m, act.n_tiles, tile, e, w_up is not None, down_stationary)
     layout = [r.seg_start, r.tok_off, r.entries]
     by_column = [r.col_off, r.by_col]
     y_type = jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -381,11 +396,15 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
         jax.ShapeDtypeStruct((e,), jnp.uint32),
         jax.ShapeDtypeStruct((d // _blocked.UP_COLS, e), jnp.float32),
     ]
-    call = kernel_call("jax_twell_train_fwd_gated", (y_type, *layout, *gated_ws, *by_column), vmap_method="sequential")
-    y, seg_start, tok_off, entries, up, h_words, _, col_off, by_col = call(
+    # the down walk's token order (a residual), else one unused word
+    order = r.stat_order if down_stationary else jax.ShapeDtypeStruct((1,), jnp.int32)
+    call = kernel_call("jax_twell_train_fwd_gated", (y_type, *layout, *gated_ws, *by_column, order),
+                       vmap_method="sequential")
+    y, seg_start, tok_off, entries, up, h_words, _, col_off, by_col, stat_order = call(
         x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=np.int32(tile), mma=np.int32(mma)
     )
-    return y, Residuals(seg_start, tok_off, entries, up, col_off, by_col), h_words
+    res = Residuals(seg_start, tok_off, entries, up, col_off, by_col, stat_order if down_stationary else None)
+    return y, res, h_words
 
 
 # The forward's down step as a union product by default (ffn_with_aux): measured 0.13-0.14 ms
@@ -500,9 +519,12 @@ def train_backward(
     mma_attr = np.int32(int(bool(mma)) | int(bool(dx_mma)) << 1 | int(dx_union) << 2 | int(dh_union) << 3
                         | int(dx_stationary) << 4)
     if gated:
+        # the forward down walk's token order where it kept one (dx's walk then skips its
+        # S1-S4), else one word the handler ignores
+        order = res.stat_order if res.stat_order is not None else jnp.zeros((1,), jnp.int32)
         call = kernel_call("jax_twell_train_bwd_gated", outs, vmap_method="sequential")
         out = call(x, dy, w_act_op, w_up_op, w_down, res.seg_start, res.tok_off, res.entries, res.up, res.col_off,
-                   res.by_col, l1, tile=tile_attr, mma=mma_attr)
+                   res.by_col, l1, order, tile=tile_attr, mma=mma_attr)
         if workspace:
             return out[:-1]
         dx, dw_down, dw_gate_t, dw_up_t = out[:4]
@@ -613,7 +635,8 @@ def _train_fwd(x, w_gate, w_up, w_down, cfg: _Config):
         h = gate * jnp.matmul(x, w_up) if gated else gate
         y = jnp.matmul(h, w_down)
         l1 = jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1)
-        shapes = residual_shapes(m, act.n_tiles, TILE, cfg.max_entries, gated)
+        shapes = residual_shapes(m, act.n_tiles, TILE, cfg.max_entries, gated,
+                                 forward_down_stationary(m, d, f, cfg.max_entries, gated, cfg.down_stationary))
         res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # not read by the dense backward
         return _as_varying((y, l1, (gate != 0).any(axis=0), res), axes)
 

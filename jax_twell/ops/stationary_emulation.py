@@ -66,6 +66,14 @@ def workspace_words(m: int, f: int, max_entries: int) -> int:
     return glay + _layout_words(m, f, max_entries)
 
 
+def order_words(m: int) -> int:
+    """32-bit words of the tokens' order as S1-S4 leave it (``StatOrderWords``: each token's
+    rank, the order of the ranks in groups of :data:`GROUP`, the groups' offsets): what the
+    training forward's down walk keeps for its backward's dx walk."""
+    groups = -(-m // GROUP)
+    return m + groups * GROUP + groups + 1
+
+
 def _layout_words(m: int, f: int, max_entries: int) -> int:
     """Words of one walk layout (``StatLayout::glay_words``): its bound
     ``max_entries + 3 m + 16 (f + 3)``, 16-byte aligned."""
