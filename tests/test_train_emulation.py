@@ -14,6 +14,7 @@ import pytest
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import blocked_emulation as bemu
+from jax_twell.ops import stationary_emulation as stat
 from jax_twell.ops import cuda, cuda_train, reference, xla
 from jax_twell.ops import train_emulation as emu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
@@ -601,3 +602,30 @@ def test_backward_hands_the_weights_in_the_layout_its_dx_step_reads(monkeypatch,
     weights = shapes[2:4] if gated else shapes[2:3]
     assert all(w == want for w in weights), (weights, want)
     assert bool(int(attrs["mma"]) & 16) == stationary
+
+
+def test_kept_token_order_composes_with_vmap_and_grad(emulated_kernels):
+    """Where the forward's down walk keeps its token order (``Residuals.stat_order``), the
+    op still composes: under jit and vmap over a batch of token sets its gradients equal
+    those of each set alone, and the residual is there (an array, not None) to be kept."""
+    m, d, f = 300, 256, 520
+    assert cuda_train.forward_down_stationary(m, d, f, cuda_train.max_entries_for(m, f, 128), True, True)
+    cases = [make_case(m, d, f, 0.03, "heavy", True, full=2, empty=3, key=k) for k in (31, 32)]
+    wg, wu, wd = cases[0][1:4]
+    fn = functools.partial(cuda_train.ffn_with_aux, width=128, crossover=ALWAYS_SPARSE, down_stationary=True,
+                           dx_stationary=True)
+
+    def grads(x, dy):
+        return grads_of(lambda *a: fn(*a)[:2], x, wg, wu, wd, dy)
+
+    _, res_shapes = jax.eval_shape(lambda x: jax.vjp(lambda *a: fn(*a)[:2], x, wg, wu, wd), cases[0][0])
+    kept = [leaf for leaf in jax.tree.leaves(res_shapes) if leaf.shape == (stat.order_words(m),)]
+    assert kept and all(leaf.dtype == jnp.int32 for leaf in kept)
+    xs = jnp.stack([c[0] for c in cases])
+    dys = jnp.stack([c[4] for c in cases])
+    (ys, l1s), gs = jax.jit(jax.vmap(grads))(xs, dys)
+    for i, c in enumerate(cases):
+        (y, l1), g = jax.jit(grads)(c[0], c[4])
+        np.testing.assert_array_equal(np.asarray(ys[i]), np.asarray(y))
+        for a, b in zip(gs, g):
+            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
