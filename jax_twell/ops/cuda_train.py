@@ -113,29 +113,29 @@ class TrainCrossover:
     (``benchmarks/fit_train_rule.py``; ffi/notes/training_kernels.md).
     """
 
-    # Fitted on the H200 (benchmarks/fit_train_rule.py on the three training_fit_7cd0811
-    # files: 31 points, M = 4,096, 16,384 and 65,536, 0.25-1.25% active, uniform,
-    # heavy-tailed and skewed rows; d=2048, f=5632; model within 7% of 26 points, +9.3% and
-    # +9.6% at two points, +13.7% at M=65,536 1% uniform (over-priced: the safe side), -14.3%
-    # and -17.3% at two 0.25% skewed points (sparse either way)). Timed as a training step
-    # takes it (value_and_grad: XLA's dense step runs its nine matmuls, the forward's down
-    # matmul included), so matmul_rate is the dense step's own rate past the gate (7.3e14:
-    # eight matmuls of m d f in ~4.1 ms at M=16,384) and the gate a ninth of the step. The
-    # 64666f9 fit took steps of jax.grad alone, where XLA drops the forward's down matmul:
-    # its 8.58e14 counted eight matmuls in a step that ran seven, pricing dense ~15% low. On
-    # these points the rule never picks the kernels where they lose (lowest pick 1.07x) and
-    # passes up one win (1.04x, M=4,096, 1% uniform). (Before: 64666f9, 0.285 ms fixed,
-    # 1.46e13 pairs, 2.73e13 union; 2cb8fdd 0.403 ms, 1.36e13, 3.16e13; 241db25 ~1.9 ns per
-    # pair and ~2.3 ns per union row at M=16,384; a26fd98 ~3.61 ns per pair.)
-    matmul_rate: float = 7.32e14
+    # Fitted on the H200 (benchmarks/fit_train_rule.py on the three training_fit_e593e40
+    # files: 31 points, M = 4,096, 16,384 and 65,536, 0.25-1.27% active, uniform,
+    # heavy-tailed and skewed rows; d=2048, f=5632; the kernels of e593e40: dx by two walks,
+    # the layout passes of 810a7f9-1348364, S6's trimmed loop). Model within 8% of 25
+    # points, +10.6% and +15.2% at M=65,536 0.74% / 0.99% uniform (over-priced: the safe
+    # side), -9.8 to -17.2% at five 0.25% points (sparse either way). Timed as a training
+    # step takes it (value_and_grad: XLA's dense step runs its nine matmuls, the forward's
+    # down matmul included), so matmul_rate is the dense step's own rate past the gate
+    # (7.4e14: eight matmuls of m d f in ~4.1 ms at M=16,384) and the gate a ninth of the
+    # step. The kernels won at every point of the sweep (lowest 1.09x, M=4,096, 1% uniform)
+    # and the rule picks them at all 31. (Before: 7cd0811, 0.271 ms fixed, 1.38e13 pairs,
+    # 3.11e13 union, 8.4e8 spill; 64666f9 0.285 ms, 1.46e13, 2.73e13; 2cb8fdd 0.403 ms,
+    # 1.36e13, 3.16e13; 241db25 ~1.9 ns per pair and ~2.3 ns per union row at M=16,384;
+    # a26fd98 ~3.61 ns per pair.)
+    matmul_rate: float = 7.397e14
     hbm_bandwidth: float = 3.0e12
-    union_bandwidth: float = 3.105e13
+    union_bandwidth: float = 2.28e13
     transpose_bandwidth: float = 1.4e12
-    pair_rate: float = 1.382e13
+    pair_rate: float = 2.167e13
     grad_stream_bandwidth: float = 7.0e12
-    grad_stream_spill: float = 8.444e8
+    grad_stream_spill: float = 7.716e8
     overflow_penalty: float = 2.0e-6
-    fixed_overhead: float = 0.2713e-3
+    fixed_overhead: float = 0.2491e-3
     margin: float = 1.0
     min_tokens: int = 256
 
