@@ -234,6 +234,9 @@ def main():
                 m=m, d=d, f=f,
                 dense_residual_bytes=residual_bytes(dense_op, tuple(inp)),
                 cuda_residual_bytes=residual_bytes(cuda_op, tuple(inp)),
+                # the tensor-core path the rule runs: the same residuals, and the stationary
+                # down walk's token order where the forward ran it
+                mma_residual_bytes=residual_bytes(mma_op, tuple(inp)),
                 dense_forward_output_bytes=compiled_forward_output_bytes(dense_op, tuple(inp)),
                 cuda_forward_output_bytes=compiled_forward_output_bytes(cuda_op, tuple(inp)),
             )
