@@ -532,7 +532,7 @@ __global__ void __launch_bounds__(kStatThreads, 1) StatDownKernel(const uint16_t
       }
     };
     // Two blocks an iteration, the next ones loaded ahead from a clamped index (always a
-    // load: no predicate, no zeroed registers, no moves between iterations).
+    // load: no predicate, no zeroed registers).
     if (blocks > 0) {
       uint4 cur = __ldg(src);
       int blk = 0;
