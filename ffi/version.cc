@@ -10,8 +10,8 @@ int jax_twell_ffi_api_major() { return XLA_FFI_API_MAJOR; }
 int jax_twell_ffi_api_minor() { return XLA_FFI_API_MINOR; }
 
 // Bumped whenever a handler's signature (operands, results, attributes) or what it computes
-// changes (13: the gated training forward returns the down walk's token order, which the
-// gated backward takes for its dx walk), so the Python side never binds a stale library.
-int jax_twell_abi_version() { return 13; }
+// changes (14: the warp-per-token FFN handlers), so the Python side never binds a stale
+// library.
+int jax_twell_abi_version() { return 14; }
 
 }  // extern "C"

@@ -25,7 +25,7 @@ __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", 
 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
@@ -33,6 +33,8 @@ HANDLERS = {
     "jax_twell_gate_pack": "JaxTwellGatePack",
     "jax_twell_ffn_gated": "JaxTwellFfnGated",
     "jax_twell_ffn": "JaxTwellFfn",
+    "jax_twell_ffn_warp_gated": "JaxTwellFfnWarpGated",
+    "jax_twell_ffn_warp": "JaxTwellFfnWarp",
     "jax_twell_ffn_blocked_gated": "JaxTwellFfnBlockedGated",
     "jax_twell_ffn_blocked": "JaxTwellFfnBlocked",
     "jax_twell_train_fwd_gated": "JaxTwellTrainFwdGated",

@@ -1,0 +1,139 @@
+"""Inference FFN on activation patterns with tails, against XLA's dense FFN in the same
+process (and, on the GPU machine, beside the published kernels on the same inputs).
+
+Families (per-row firing rates; the gate's control feature sets each row's rate):
+  uniform    every row at the mean rate p
+  tail       rows at p, and 2% of the tokens at U(10%, 50%) of f
+  pareto     Pareto (alpha 1.5) row rates with mean p, clipped to 60%
+  lognormal  log-normal (sigma 1.5) row rates with mean p, clipped to 60%
+  full16     rows at p, and 16 tokens active on every neuron
+
+  python3 benchmarks/bench_patterns.py --configs 2048:2048:5632:uniform,16384:2048:5632:tail \
+      [--density 0.005] [--npz-dir DIR] [--out FILE]
+
+Each configuration times, interleaved: "xla" (XLA's dense FFN), "default" (``sparse_ffn``
+with no arguments), "warp" (the gate packed as TwELL, then the warp-per-token kernel with
+the dense backup, ``w_up.T`` taken in the call) and "warp_cached" (the same with ``w_up.T``
+given, as a serving model keeps it). With ``--npz-dir`` each configuration's inputs are
+written there (x, w_gate, w_up, w_down as bf16 bits) for the published kernels' script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import run_metadata, time_interleaved, write_result  # noqa: E402
+
+import jax_twell as jt  # noqa: E402
+from jax_twell.ops import cuda, warp, xla  # noqa: E402
+from jax_twell.testing import synthetic_ffn_inputs  # noqa: E402
+
+FAMILIES = ("uniform", "tail", "pareto", "lognormal", "full16")
+
+
+def family_rates(key, m: int, p: float, family: str) -> jax.Array:
+    """Per-row firing rates ``[m]`` of one family (module docstring)."""
+    k1, k2 = jax.random.split(key)
+    if family in ("uniform", "full16"):
+        r = jnp.full((m,), p)
+        return r.at[:16].set(1.0) if family == "full16" else r
+    if family == "tail":
+        heavy = jax.random.uniform(k1, (m,)) < 0.02
+        return jnp.where(heavy, jax.random.uniform(k2, (m,), minval=0.10, maxval=0.50), p)
+    if family == "pareto":
+        alpha = 1.5
+        xm = p * (alpha - 1) / alpha
+        return jnp.clip(xm * jax.random.uniform(k1, (m,), minval=1e-6) ** (-1 / alpha), 1e-6, 0.6)
+    if family == "lognormal":
+        s = 1.5
+        return jnp.clip(p * jnp.exp(s * jax.random.normal(k1, (m,)) - s * s / 2), 1e-6, 0.6)
+    raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+
+
+def family_inputs(key, m: int, d: int, f: int, p: float, family: str):
+    """FFN operands (bf16) whose rows fire at :func:`family_rates`."""
+    inp = synthetic_ffn_inputs(key, m, d, f, density=p, pattern="uniform", dtype=jnp.float32)
+    rates = family_rates(jax.random.fold_in(key, 1), m, p, family)
+    # Rate 1 (fully active rows): a control value far below every pre-activation.
+    ctrl = jnp.where(rates >= 1.0, -50.0, jax.scipy.special.ndtri(1.0 - jnp.minimum(rates, 0.999)))
+    x = inp.x.at[:, 0].set(ctrl)
+    return tuple(a.astype(jnp.bfloat16) for a in (x, inp.w_gate, inp.w_up, inp.w_down))
+
+
+def save_npz(path: Path, x, w_gate, w_up, w_down) -> None:
+    bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
+    np.savez(path, x_bf16=bits(x), w_gate_bf16=bits(w_gate), w_up_bf16=bits(w_up), w_down_bf16=bits(w_down))
+
+
+def warp_ffn(x, w_gate, w_up, w_down, w_up_t=None):
+    act = cuda.gate_twell(x, w_gate, tile=256, capacity=32)
+    return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t)
+
+
+def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float) -> dict:
+    key = jax.random.key(m * 7 + d + f + FAMILIES.index(family))
+    x, w_gate, w_up, w_down = family_inputs(key, m, d, f, p, family)
+    g = jax.jit(lambda x, w: jnp.maximum(jnp.matmul(x, w, preferred_element_type=jnp.float32), 0))(x, w_gate)
+    row_active = np.asarray((g > 0).sum(axis=1))
+    w_up_t = jnp.asarray(w_up.T)
+    fns = {
+        "xla": jax.jit(lambda x, wg, wu, wd, wut: xla.ffn(x, wg, wu, wd)),
+        "default": jax.jit(lambda x, wg, wu, wd, wut: jt.sparse_ffn(x, wg, wu, wd)),
+    }
+    args = (x, w_gate, w_up, w_down, w_up_t)
+    if warp.supported(d, x.dtype):
+        fns["warp"] = jax.jit(lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd))
+        fns["warp_cached"] = jax.jit(warp_ffn)
+        fns["warp_per_call"] = jax.jit(lambda x, wg, wu, wd, wut: warp.sparse_ffn(x, wg, wu, wd))
+    want = np.asarray(fns["xla"](*args), np.float32)
+    errors = {}
+    for name, fn in fns.items():
+        got = np.asarray(fn(*args), np.float32)
+        errors[name] = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    max_reps = 2000 if m <= 4096 else 200
+    times = time_interleaved(fns, args, min_seconds=min_seconds, max_reps=max_reps)
+    act = cuda.gate_twell(x, w_gate, tile=256, capacity=32) if warp.supported(d, x.dtype) else None
+    backed = int(warp.backed_up(act, warp.ROW_BUDGET).sum()) if act is not None else None
+    name = f"{family}_m{m}_d{d}_f{f}"
+    if npz_dir is not None:
+        npz_dir.mkdir(parents=True, exist_ok=True)
+        save_npz(npz_dir / f"{name}.npz", x, w_gate, w_up, w_down)
+    row = dict(
+        name=name, m=m, d=d, f=f, family=family, density_target=p,
+        density=float(row_active.mean() / f), row_active_max=int(row_active.max()),
+        rows_over_10pct=int((row_active > 0.1 * f).sum()), rows_backed_up=backed,
+        backup_size=warp.backup_size(m),
+        ms={k: v[0] * 1e3 for k, v in times.items()}, spread={k: v[1] for k, v in times.items()},
+        speedup_vs_xla={k: times["xla"][0] / v[0] for k, v in times.items()},
+        rel_error_vs_xla=errors,
+    )
+    print(f"{name:32s} dens {row['density']*100:5.2f}% backed {backed}  " +
+          "  ".join(f"{k} {v:7.3f}ms ({row['speedup_vs_xla'][k]:.2f}x)" for k, v in row["ms"].items()), flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", required=True, help="comma-separated M:d:f:family")
+    ap.add_argument("--density", type=float, default=0.005, help="mean (bulk) rate p")
+    ap.add_argument("--npz-dir", type=Path, default=None)
+    ap.add_argument("--min-seconds", type=float, default=0.05)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rows = []
+    for spec in a.configs.split(","):
+        m, d, f, family = spec.split(":")
+        rows.append(run_config(int(m), int(d), int(f), family, a.density, a.npz_dir, a.min_seconds))
+    result = dict(run_metadata("bench_patterns"), density=a.density, rows=rows)
+    print("wrote", write_result(result, a.out, "patterns"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One GPU session for the pattern benchmark: install (a prebuilt library may be given as
+# JAX_TWELL_CUDA_LIB), the named GPU tests, compute-sanitizer on the warp kernel, then
+# bench_patterns.py over CONFIGS with the published kernels (the anchor folder, when
+# present) timed on the same inputs. Results under $OUT.
+# Usage: CONFIGS=2048:2048:5632:uniform,... [TESTS="tests/test_cuda_ffn_warp.py"] [ANCHOR=.anchor]
+#        benchmarks/run_gpu_patterns.sh
+set -uo pipefail
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -n "${JAX_TWELL_CUDA_LIB:-}" ]; then export JAX_TWELL_CUDA=OFF; fi
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); print(jt.kernel_status())"
+if [ -n "${TESTS:-}" ]; then
+  timeout -s INT ${GPU_TEST_SECONDS:-150} python3 -m pytest -q -rf -x -n ${GPU_TEST_WORKERS:-8} -m gpu $TESTS 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -8
+fi
+if [ -n "${SANITIZE:-}" ]; then
+  for tool in memcheck racecheck; do
+    XLA_FLAGS="--xla_gpu_autotune_level=0" timeout 90 compute-sanitizer --tool $tool --kernel-name kns=Warp \
+      --print-limit 20 python3 -m pytest -q -x -m gpu $SANITIZE > "$OUT/sanitizer_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
+  done
+fi
+npz=$(mktemp -d)
+timeout ${BENCH_SECONDS:-240} python3 benchmarks/bench_patterns.py --configs "$CONFIGS" --npz-dir "$npz" \
+  --out "$OUT/patterns.json" 2>&1 | grep -v "^WARNING" | tail -20
+if [ -d "${ANCHOR:-.anchor}" ]; then
+  for f in "$npz"/*.npz; do
+    timeout 200 python3 "${ANCHOR:-.anchor}/bench_public.py" "$f" --mode ${ANCHOR_MODE:-inference} 2>>"$OUT/anchor.log" \
+      | tail -1 >> "$OUT/public.jsonl"
+  done
+  python3 - "$OUT/public.jsonl" <<'EOF'
+import json, sys
+for line in open(sys.argv[1]):
+    try:
+        r = json.loads(line)
+    except ValueError:
+        continue
+    i = r.get("inference", {})
+    print(f"{r['inputs']:36s} public {i.get('public_ms', float('nan')):7.3f}ms torch dense {i.get('dense_ms', float('nan')):7.3f}ms "
+          f"err {i.get('public_err', float('nan')):.3g} {i.get('public_error', '')}")
+EOF
+fi
+rm -rf "$npz"

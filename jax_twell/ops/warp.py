@@ -1,0 +1,141 @@
+"""The warp-per-token inference path: the gate packed as TwELL, then one warp per token
+row reads only its active neurons' rows of ``w_up.T`` and ``w_down`` (ffi/twell_ffn_warp.cu),
+and the rows that do not fit (a tile past capacity, or more entries than the row budget)
+are gathered and computed by a dense tensor-core product over their rows (the backup).
+
+Every row is exact either way: the kernel writes zeros over the rows it leaves and the
+backup overwrites them. When more rows need the backup than its static size, the call
+runs dense from the start (XLA's FFN), so a call never loses entries.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_twell._kernels import kernel_call
+from jax_twell.formats import TwELL
+from jax_twell.ops import xla
+
+MAX_D = 2048  # the kernel keeps x and y's lane-owned columns in registers
+ROW_BUDGET = 64  # entries a row may hold and stay on the kernel (past it: the backup)
+
+
+def supported(d: int, dtype) -> bool:
+    """True where the warp kernel takes rows of width ``d`` in ``dtype`` (bf16/f16, d a
+    multiple of 8 up to :data:`MAX_D`)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and d % 8 == 0 and 0 < d <= MAX_D
+
+
+def backup_size(m: int) -> int:
+    """Static number of backup rows for an M-token call: 1/32 of the tokens (rounded up to
+    8, at least 8, at most M)."""
+    rows = -(-m // 32)
+    return min(m, max(8, -(-rows // 8) * 8))
+
+
+def backed_up(act: TwELL, row_budget: int) -> jax.Array:
+    """``[M]`` bool: the rows the warp kernel leaves to the backup (the kernel's own rule:
+    a tile past capacity, or more than ``row_budget`` entries)."""
+    counts = act.counts
+    return jnp.any(counts > act.capacity, axis=-1) | (jnp.sum(counts, axis=-1) > row_budget)
+
+
+def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, batch: int = 2):
+    """``jax_twell_ffn_warp[_gated]``: y for the rows that fit, zeros for the others.
+
+    x: ``[M, d]`` bf16/f16; act: TwELL ``[M, n_tiles, capacity]`` of the activation;
+    w_up_t: ``[f, d]`` (``w_up.T``; None for the non-gated FFN, where the activation is
+    the hidden); w_down: ``[f, d]``. Returns y ``[M, d]``.
+    """
+    m, d = x.shape
+    out = jax.ShapeDtypeStruct((m, d), x.dtype)
+    attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget), batch=np.int32(batch))
+    if w_up_t is None:
+        return kernel_call("jax_twell_ffn_warp", out, vmap_method="sequential")(
+            x, act.values, act.cols, act.counts, w_down, **attrs)
+    return kernel_call("jax_twell_ffn_warp_gated", out, vmap_method="sequential")(
+        x, act.values, act.cols, act.counts, w_up_t, w_down, **attrs)
+
+
+def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budget: int = ROW_BUDGET,
+                  backup: int | None = None, batch: int = 2):
+    """The FFN from the packed gate ``act``: the warp kernel for the rows that fit, the
+    dense backup for the rest (at most ``backup`` rows, default :func:`backup_size`); past
+    that many, XLA's dense FFN for the whole call. x: ``[M, d]``; weights as in
+    :func:`jax_twell.sparse_ffn`. Returns y ``[M, d]``."""
+    m, _ = x.shape
+    gated = w_gate is not None
+    if gated and w_up_t is None:
+        w_up_t = w_up.T
+    backup = backup_size(m) if backup is None else min(backup, m)
+    rows = backed_up(act, row_budget)
+    n_rows = jnp.sum(rows, dtype=jnp.int32)
+
+    def sparse(_):
+        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, batch=batch)
+        (idx,) = jnp.nonzero(rows, size=backup, fill_value=m)
+        xb = x.at[idx].get(mode="fill", fill_value=0)
+        yb = xla.ffn(xb, w_gate, w_up, w_down)
+        return y.at[idx].set(yb, mode="drop")
+
+    def dense(_):
+        return xla.ffn(x, w_gate, w_up, w_down)
+
+    if backup >= m:
+        return sparse(None)
+    return jax.lax.cond(n_rows <= backup, sparse, dense, None)
+
+
+# The per-call choice: sparse where the call's entries cost less on the warp kernel than the
+# dense up and down products would (the gate is computed either way). Per entry the kernel
+# moves a d-row of Wu^T and one of Wd (4 d bytes in bf16) at ~ENTRY_BYTES_PER_S; the dense
+# products do 4 M d f flops at ~DENSE_FLOPS. Both rates measured on one H200.
+ENTRY_BYTES_PER_S = 6.0e12
+DENSE_FLOPS = 6.5e14
+
+
+def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int) -> jax.Array:
+    """Device bool: the warp kernel's ``entries`` (kept entries of an M-token call) cost
+    less than the dense up and down products."""
+    sparse_s = entries.astype(jnp.float32) * (2 * d * itemsize) / ENTRY_BYTES_PER_S
+    dense_s = 4.0 * m * d * f / DENSE_FLOPS
+    return sparse_s < dense_s
+
+
+def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
+               row_budget: int = ROW_BUDGET, batch: int = 2):
+    """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
+    g, the pack kernel gives its TwELL and counts; where the warp kernel (plus the backup)
+    is cheaper than the dense up and down products it runs, else the dense products run
+    from the same g (no gate recompute). x: ``[M, d]``; weights as in
+    :func:`jax_twell.sparse_ffn`; :func:`supported` must hold."""
+    from jax_twell.formats import relu_matmul
+    from jax_twell.ops import cuda
+
+    m, d = x.shape
+    gated = w_gate is not None
+    w_act = w_gate if gated else w_up
+    f = w_act.shape[1]
+    if gated and w_up_t is None:
+        w_up_t = w_up.T
+    backup = backup_size(m)
+    g = relu_matmul(x, w_act)
+    act = cuda.pack_twell(g, tile=tile, capacity=capacity)
+    rows = backed_up(act, row_budget)
+    n_rows = jnp.sum(rows, dtype=jnp.int32)
+    kept = jnp.sum(jnp.where(rows, 0, jnp.sum(act.counts, axis=-1)), dtype=jnp.int32)
+    use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize)
+
+    def sparse(_):
+        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, batch=batch)
+        (idx,) = jnp.nonzero(rows, size=backup, fill_value=m)
+        yb = xla.up_down(x.at[idx].get(mode="fill", fill_value=0), g.at[idx].get(mode="fill", fill_value=0),
+                         w_up if gated else None, w_down)
+        return y.at[idx].set(yb, mode="drop")
+
+    def dense(_):
+        return xla.up_down(x, g, w_up if gated else None, w_down)
+
+    return jax.lax.cond(use_sparse, sparse, dense, None)
