@@ -72,12 +72,13 @@ def save_npz(path: Path, x, w_gate, w_up, w_down) -> None:
     np.savez(path, x_bf16=bits(x), w_gate_bf16=bits(w_gate), w_up_bf16=bits(w_up), w_down_bf16=bits(w_down))
 
 
-def warp_ffn(x, w_gate, w_up, w_down, w_up_t=None):
+def warp_ffn(x, w_gate, w_up, w_down, w_up_t=None, variant=warp.VARIANT):
     act = cuda.gate_twell(x, w_gate, tile=256, capacity=32)
-    return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t)
+    return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t, variant=variant)
 
 
-def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float) -> dict:
+def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float,
+               variants=()) -> dict:
     key = jax.random.key(m * 7 + d + f + FAMILIES.index(family))
     x, w_gate, w_up, w_down = family_inputs(key, m, d, f, p, family)
     g = jax.jit(lambda x, w: jnp.maximum(jnp.matmul(x, w, preferred_element_type=jnp.float32), 0))(x, w_gate)
@@ -92,6 +93,8 @@ def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | No
         fns["warp"] = jax.jit(lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd))
         fns["warp_cached"] = jax.jit(warp_ffn)
         fns["warp_per_call"] = jax.jit(lambda x, wg, wu, wd, wut: warp.sparse_ffn(x, wg, wu, wd))
+        for v in variants:
+            fns[f"warp_v{v}"] = jax.jit(lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v))
     want = np.asarray(fns["xla"](*args), np.float32)
     errors = {}
     for name, fn in fns.items():
@@ -125,12 +128,14 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.005, help="mean (bulk) rate p")
     ap.add_argument("--npz-dir", type=Path, default=None)
     ap.add_argument("--min-seconds", type=float, default=0.05)
+    ap.add_argument("--variants", default="", help="comma-separated warp kernel variants to time too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = []
     for spec in a.configs.split(","):
         m, d, f, family = spec.split(":")
-        rows.append(run_config(int(m), int(d), int(f), family, a.density, a.npz_dir, a.min_seconds))
+        variants = [int(v) for v in a.variants.split(",") if v]
+        rows.append(run_config(int(m), int(d), int(f), family, a.density, a.npz_dir, a.min_seconds, variants))
     result = dict(run_metadata("bench_patterns"), density=a.density, rows=rows)
     print("wrote", write_result(result, a.out, "patterns"))
 

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <string>
 
+#include "async_mma.cuh"
 #include "common.h"
 #include "elements.cuh"
 
@@ -188,17 +189,163 @@ __global__ __launch_bounds__(kWarpsPerCta * kLanes) void TwellWarpFfnKernel(
   }
 }
 
+// The pipelined form: the same rows and rounding, with each entry's two weight rows
+// copied into the warp's own shared-memory stages by cp.async kStages - 1 entries ahead,
+// so the loads in flight no longer take registers (which bound the plain form's warps per
+// SM, and so its bytes in flight) and the copies overlap the arithmetic of the entries
+// before them. A lane copies and reads only its own 16-byte pieces: no barrier at all.
+// The row's entries are first listed in shared memory (at most max_entries <= kMaxList).
+constexpr int kMaxList = 128;
+
+template <int kChunks, int kStages>
+struct PipeSmem {
+  static constexpr int kStageBytes = 2 * kChunks * kChunk * 2;  // Wu^T row and Wd row
+  static constexpr int kListBytes = kMaxList * 8;
+  static constexpr int kBytes = kStages * kStageBytes + kListBytes;
+};
+
+template <typename E, bool kGated, int kChunks, int kStages>
+__global__ __launch_bounds__(kLanes) void TwellWarpFfnPipedKernel(
+    const Shapes s, const uint16_t* __restrict__ x, const uint16_t* __restrict__ values,
+    const int16_t* __restrict__ cols, const int32_t* __restrict__ counts,
+    const uint16_t* __restrict__ w_up_t, const uint16_t* __restrict__ w_down, uint16_t* __restrict__ y) {
+  using Smem = PipeSmem<kChunks, kStages>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  int* list_col = reinterpret_cast<int*>(smem + kStages * Smem::kStageBytes);
+  uint32_t* list_g = reinterpret_cast<uint32_t*>(list_col + kMaxList);
+  const int lane = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const int d = s.d;
+  const int32_t* row_counts = counts + row * s.n_tiles;
+  uint16_t* y_row = y + row * d;
+
+  // 1. The fit check, and the row's entries listed in shared memory (tile order).
+  int total = 0;
+  bool over = false;
+  for (int k = lane; k < s.n_tiles; k += kLanes) {
+    const int c = row_counts[k];
+    total += c;
+    over |= c > s.capacity;
+  }
+  total = __reduce_add_sync(kFullMask, total);
+  over = __any_sync(kFullMask, over);
+  if (over || total > s.max_entries) {
+    for (int c = lane * kV; c < d; c += kChunk) *reinterpret_cast<uint4*>(y_row + c) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const int64_t slot_row = row * s.n_tiles;
+  int base = 0;
+  for (int k0 = 0; k0 < s.n_tiles; k0 += kLanes) {
+    const int k = k0 + lane;
+    const int c = k < s.n_tiles ? row_counts[k] : 0;
+    const int incl = WarpInclusiveSum(c, lane);
+    const int start = base + incl - c;
+    // A lane walks its own tile's entries: the tiles' loads are independent.
+    for (int i = 0; i < c; ++i) {
+      const int64_t slot = (slot_row + k) * s.capacity + i;
+      list_col[start + i] = k * s.tile + cols[slot];
+      list_g[start + i] = values[slot];
+    }
+    base += __shfl_sync(kFullMask, incl, kLanes - 1);
+  }
+  __syncwarp();
+  const int n = base;
+
+  uint4 xr[kChunks];
+  float acc[kChunks][kV];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = i * kChunk + lane * kV;
+    xr[i] = (kGated && c < d) ? LoadRow16(x + row * d + c) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int v = 0; v < kV; ++v) acc[i][v] = 0.f;
+  }
+  const uint32_t stage0 = SmemAddr(smem);
+  auto prefetch = [&](int e) {
+    if (e < n) {
+      const int64_t j = list_col[e];
+      const uint32_t st = stage0 + (e % kStages) * Smem::kStageBytes;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int c = i * kChunk + lane * kV;
+        if (c < d) {
+          if (kGated) CpAsync16Shared(st + c * 2, w_up_t + j * d + c);
+          CpAsync16Shared(st + (kChunks * kChunk + c) * 2, w_down + j * d + c);
+        }
+      }
+    }
+    CpAsyncCommit();  // an empty group past the end keeps the count of pending groups fixed
+  };
+#pragma unroll
+  for (int e = 0; e < kStages - 1; ++e) prefetch(e);
+  for (int e = 0; e < n; ++e) {
+    prefetch(e + kStages - 1);
+    CpAsyncWaitPending<kStages - 1>();
+    const uint8_t* st = smem + (e % kStages) * Smem::kStageBytes;
+    float h = E::ToFloat(list_g[e]);
+    if constexpr (kGated) {
+      float p = 0.f;
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        const int c = i * kChunk + lane * kV;
+        if (c < d) p = Dot8<E>(xr[i], *reinterpret_cast<const uint4*>(st + c * 2), p);
+      }
+      p = WarpSum(p);
+      h = Round<E>(h * Round<E>(p));
+    }
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = i * kChunk + lane * kV;
+      if (c < d) Axpy8<E>(h, *reinterpret_cast<const uint4*>(st + (kChunks * kChunk + c) * 2), acc[i]);
+    }
+  }
+  CpAsyncWaitAll();
+
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = i * kChunk + lane * kV;
+    if (c < d) {
+      uint4 out;
+      uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+      for (int v = 0; v < kV / 2; ++v) o[v] = E::FromFloat(acc[i][2 * v]) | (E::FromFloat(acc[i][2 * v + 1]) << 16);
+      *reinterpret_cast<uint4*>(y_row + c) = out;
+    }
+  }
+}
+
+template <typename E, bool kGated, int kChunks, int kStages>
+ffi::Error LaunchPiped(cudaStream_t stream, const Shapes& s, const void* x, const void* values, const int16_t* cols,
+                       const int32_t* counts, const void* w_up_t, const void* w_down, void* y) {
+  auto kernel = TwellWarpFfnPipedKernel<E, kGated, kChunks, kStages>;
+  const int bytes = PipeSmem<kChunks, kStages>::kBytes;
+  if (bytes > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
+    return LaunchStatus("TwellWarpFfnPipedKernel (shared memory)");
+  kernel<<<static_cast<unsigned>(s.rows), kLanes, bytes, stream>>>(
+      s, static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(values), cols, counts,
+      static_cast<const uint16_t*>(w_up_t), static_cast<const uint16_t*>(w_down), static_cast<uint16_t*>(y));
+  return LaunchStatus("TwellWarpFfnPipedKernel");
+}
+
+// variant: 0 and 1, the plain form loading 1 or 2 entries' rows at once into registers;
+// 2, 3 and 4, the pipelined form with that many shared-memory stages.
 template <typename E, bool kGated, int kChunks>
-ffi::Error LaunchChunks(cudaStream_t stream, const Shapes& s, int batch, const void* x, const void* values,
+ffi::Error LaunchChunks(cudaStream_t stream, const Shapes& s, int variant, const void* x, const void* values,
                         const int16_t* cols, const int32_t* counts, const void* w_up_t, const void* w_down,
                         void* y) {
+  switch (variant) {
+    case 2: return LaunchPiped<E, kGated, kChunks, 2>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+    case 3: return LaunchPiped<E, kGated, kChunks, 3>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+    case 4: return LaunchPiped<E, kGated, kChunks, 4>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+    default: break;
+  }
   const int64_t ctas = CeilDiv(s.rows, kWarpsPerCta);
   auto args = [&](auto kernel) {
     kernel<<<static_cast<unsigned>(ctas), kWarpsPerCta * kLanes, 0, stream>>>(
         s, static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(values), cols, counts,
         static_cast<const uint16_t*>(w_up_t), static_cast<const uint16_t*>(w_down), static_cast<uint16_t*>(y));
   };
-  if (batch == 1)
+  if (variant == 0)
     args(TwellWarpFfnKernel<E, kGated, kChunks, 1>);
   else
     args(TwellWarpFfnKernel<E, kGated, kChunks, 2>);
@@ -206,25 +353,25 @@ ffi::Error LaunchChunks(cudaStream_t stream, const Shapes& s, int batch, const v
 }
 
 template <typename E, bool kGated>
-ffi::Error LaunchTyped(cudaStream_t stream, const Shapes& s, int batch, const void* x, const void* values,
+ffi::Error LaunchTyped(cudaStream_t stream, const Shapes& s, int variant, const void* x, const void* values,
                        const int16_t* cols, const int32_t* counts, const void* w_up_t, const void* w_down, void* y) {
   const int chunks = static_cast<int>(CeilDiv(s.d, kChunk));
   // Chunk counts rounded up to a few instantiations; the masked chunks load nothing.
-  if (chunks <= 1) return LaunchChunks<E, kGated, 1>(stream, s, batch, x, values, cols, counts, w_up_t, w_down, y);
-  if (chunks <= 2) return LaunchChunks<E, kGated, 2>(stream, s, batch, x, values, cols, counts, w_up_t, w_down, y);
-  if (chunks <= 4) return LaunchChunks<E, kGated, 4>(stream, s, batch, x, values, cols, counts, w_up_t, w_down, y);
-  if (chunks <= 6) return LaunchChunks<E, kGated, 6>(stream, s, batch, x, values, cols, counts, w_up_t, w_down, y);
-  return LaunchChunks<E, kGated, 8>(stream, s, batch, x, values, cols, counts, w_up_t, w_down, y);
+  if (chunks <= 1) return LaunchChunks<E, kGated, 1>(stream, s, variant, x, values, cols, counts, w_up_t, w_down, y);
+  if (chunks <= 2) return LaunchChunks<E, kGated, 2>(stream, s, variant, x, values, cols, counts, w_up_t, w_down, y);
+  if (chunks <= 4) return LaunchChunks<E, kGated, 4>(stream, s, variant, x, values, cols, counts, w_up_t, w_down, y);
+  if (chunks <= 6) return LaunchChunks<E, kGated, 6>(stream, s, variant, x, values, cols, counts, w_up_t, w_down, y);
+  return LaunchChunks<E, kGated, 8>(stream, s, variant, x, values, cols, counts, w_up_t, w_down, y);
 }
 
 // Operands: x [M, d], values [M, n_tiles, capacity], cols (s16, same), counts [M, n_tiles]
 // (s32), gated: w_up_t [f, d]; w_down [f, d]; result y [M, d]. Attributes: tile (columns a
-// tile), max_entries (a row holding more entries is backed up), batch (1 or 2).
+// tile), max_entries (a row holding more entries is backed up), variant (LaunchChunks).
 template <bool kGated>
 ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                             ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up_t,
                             ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, int32_t tile,
-                            int32_t max_entries, int32_t batch) {
+                            int32_t max_entries, int32_t variant) {
   const char* op = kGated ? "twell_ffn_warp (gated)" : "twell_ffn_warp";
   auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return Invalid(std::string(op) + ": x must have shape [M, d]");
@@ -251,7 +398,9 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   if (d % kV != 0 || d > kMaxChunks * kChunk)
     return Invalid(std::string(op) + ": d must be a multiple of 8 and at most " + std::to_string(kMaxChunks * kChunk) +
                    ", got " + std::to_string(d));
-  if (batch != 1 && batch != 2) return Invalid(std::string(op) + ": batch must be 1 or 2");
+  if (variant < 0 || variant > 4) return Invalid(std::string(op) + ": variant must be in [0, 4]");
+  if (variant >= 2 && max_entries > kMaxList)
+    return Invalid(std::string(op) + ": max_entries must be at most " + std::to_string(kMaxList) + " (pipelined form)");
   if (max_entries < 0) return Invalid(std::string(op) + ": max_entries must be >= 0");
   if (f > (int64_t{1} << 30) || rows > (int64_t{1} << 40))
     return Invalid(std::string(op) + ": f must be < 2^30");
@@ -260,10 +409,10 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   switch (dtype) {
     case ffi::DataType::BF16:
-      return LaunchTyped<Bf16, kGated>(stream, s, batch, x.untyped_data(), values.untyped_data(), cols.typed_data(),
+      return LaunchTyped<Bf16, kGated>(stream, s, variant, x.untyped_data(), values.untyped_data(), cols.typed_data(),
                                        counts.typed_data(), up_t, w_down.untyped_data(), y->untyped_data());
     case ffi::DataType::F16:
-      return LaunchTyped<F16, kGated>(stream, s, batch, x.untyped_data(), values.untyped_data(), cols.typed_data(),
+      return LaunchTyped<F16, kGated>(stream, s, variant, x.untyped_data(), values.untyped_data(), cols.typed_data(),
                                       counts.typed_data(), up_t, w_down.untyped_data(), y->untyped_data());
     default:
       return Invalid(std::string(op) + ": x must be bf16 or f16");
@@ -273,14 +422,14 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
 ffi::Error TwellWarpFfnGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                              ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up_t,
                              ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, int32_t tile,
-                             int32_t max_entries, int32_t batch) {
-  return TwellWarpFfnImpl<true>(stream, x, values, cols, counts, w_up_t, w_down, y, tile, max_entries, batch);
+                             int32_t max_entries, int32_t variant) {
+  return TwellWarpFfnImpl<true>(stream, x, values, cols, counts, w_up_t, w_down, y, tile, max_entries, variant);
 }
 
 ffi::Error TwellWarpFfnUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                                ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down,
-                               ffi::Result<ffi::AnyBuffer> y, int32_t tile, int32_t max_entries, int32_t batch) {
-  return TwellWarpFfnImpl<false>(stream, x, values, cols, counts, w_down, w_down, y, tile, max_entries, batch);
+                               ffi::Result<ffi::AnyBuffer> y, int32_t tile, int32_t max_entries, int32_t variant) {
+  return TwellWarpFfnImpl<false>(stream, x, values, cols, counts, w_down, w_down, y, tile, max_entries, variant);
 }
 
 }  // namespace
@@ -298,7 +447,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarpGated, jax_twell::TwellWarpFfnGated
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("max_entries")
-                                  .Attr<int32_t>("batch"),
+                                  .Attr<int32_t>("variant"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarp, jax_twell::TwellWarpFfnUngated,
@@ -312,5 +461,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarp, jax_twell::TwellWarpFfnUngated,
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("max_entries")
-                                  .Attr<int32_t>("batch"),
+                                  .Attr<int32_t>("variant"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

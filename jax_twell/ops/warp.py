@@ -20,6 +20,9 @@ from jax_twell.ops import xla
 
 MAX_D = 2048  # the kernel keeps x and y's lane-owned columns in registers
 ROW_BUDGET = 64  # entries a row may hold and stay on the kernel (past it: the backup)
+# The kernel form (ffi/twell_ffn_warp.cu, LaunchChunks): 0/1 plain with 1/2 entries' rows in
+# registers, 2-4 pipelined through that many shared-memory stages.
+VARIANT = 3
 
 
 def supported(d: int, dtype) -> bool:
@@ -42,7 +45,7 @@ def backed_up(act: TwELL, row_budget: int) -> jax.Array:
     return jnp.any(counts > act.capacity, axis=-1) | (jnp.sum(counts, axis=-1) > row_budget)
 
 
-def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, batch: int = 2):
+def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, variant: int = VARIANT):
     """``jax_twell_ffn_warp[_gated]``: y for the rows that fit, zeros for the others.
 
     x: ``[M, d]`` bf16/f16; act: TwELL ``[M, n_tiles, capacity]`` of the activation;
@@ -51,7 +54,7 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, bat
     """
     m, d = x.shape
     out = jax.ShapeDtypeStruct((m, d), x.dtype)
-    attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget), batch=np.int32(batch))
+    attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget), variant=np.int32(variant))
     if w_up_t is None:
         return kernel_call("jax_twell_ffn_warp", out, vmap_method="sequential")(
             x, act.values, act.cols, act.counts, w_down, **attrs)
@@ -60,7 +63,7 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, bat
 
 
 def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budget: int = ROW_BUDGET,
-                  backup: int | None = None, batch: int = 2):
+                  backup: int | None = None, variant: int = VARIANT):
     """The FFN from the packed gate ``act``: the warp kernel for the rows that fit, the
     dense backup for the rest (at most ``backup`` rows, default :func:`backup_size`); past
     that many, XLA's dense FFN for the whole call. x: ``[M, d]``; weights as in
@@ -74,7 +77,7 @@ def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budge
     n_rows = jnp.sum(rows, dtype=jnp.int32)
 
     def sparse(_):
-        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, batch=batch)
+        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, variant=variant)
         (idx,) = jnp.nonzero(rows, size=backup, fill_value=m)
         xb = x.at[idx].get(mode="fill", fill_value=0)
         yb = xla.ffn(xb, w_gate, w_up, w_down)
@@ -105,7 +108,7 @@ def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int) ->
 
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
-               row_budget: int = ROW_BUDGET, batch: int = 2):
+               row_budget: int = ROW_BUDGET, variant: int = VARIANT):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
     g, the pack kernel gives its TwELL and counts; where the warp kernel (plus the backup)
     is cheaper than the dense up and down products it runs, else the dense products run
@@ -129,7 +132,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize)
 
     def sparse(_):
-        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, batch=batch)
+        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, variant=variant)
         (idx,) = jnp.nonzero(rows, size=backup, fill_value=m)
         yb = xla.up_down(x.at[idx].get(mode="fill", fill_value=0), g.at[idx].get(mode="fill", fill_value=0),
                          w_up if gated else None, w_down)
