@@ -204,8 +204,10 @@ struct PipeSmem {
   static constexpr int kBytes = kStages * kStageBytes + kListBytes;
 };
 
-template <typename E, bool kGated, int kChunks, int kStages>
-__global__ __launch_bounds__(kLanes) void TwellWarpFfnPipedKernel(
+// kFloatX: x[t] kept as floats (twice the registers, one conversion less an element of
+// each dot product); kMinWarps: the register cap's target of warps per SM (1: none).
+template <typename E, bool kGated, int kChunks, int kStages, bool kFloatX, int kMinWarps>
+__global__ __launch_bounds__(kLanes, kMinWarps) void TwellWarpFfnPipedKernel(
     const Shapes s, const uint16_t* __restrict__ x, const uint16_t* __restrict__ values,
     const int16_t* __restrict__ cols, const int32_t* __restrict__ counts,
     const uint16_t* __restrict__ w_up_t, const uint16_t* __restrict__ w_down, uint16_t* __restrict__ y) {
@@ -251,12 +253,20 @@ __global__ __launch_bounds__(kLanes) void TwellWarpFfnPipedKernel(
   __syncwarp();
   const int n = base;
 
-  uint4 xr[kChunks];
+  uint4 xr[kFloatX ? 1 : kChunks];
+  float xf[kFloatX ? kChunks : 1][kV];
   float acc[kChunks][kV];
 #pragma unroll
   for (int i = 0; i < kChunks; ++i) {
     const int c = i * kChunk + lane * kV;
-    xr[i] = (kGated && c < d) ? LoadRow16(x + row * d + c) : make_uint4(0, 0, 0, 0);
+    const uint4 xi = (kGated && c < d) ? LoadRow16(x + row * d + c) : make_uint4(0, 0, 0, 0);
+    if constexpr (kFloatX) {
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(&xi);
+#pragma unroll
+      for (int v = 0; v < kV; ++v) xf[i][v] = E::ToFloat(b[v]);
+    } else {
+      xr[i] = xi;
+    }
 #pragma unroll
     for (int v = 0; v < kV; ++v) acc[i][v] = 0.f;
   }
@@ -288,7 +298,16 @@ __global__ __launch_bounds__(kLanes) void TwellWarpFfnPipedKernel(
 #pragma unroll
       for (int i = 0; i < kChunks; ++i) {
         const int c = i * kChunk + lane * kV;
-        if (c < d) p = Dot8<E>(xr[i], *reinterpret_cast<const uint4*>(st + c * 2), p);
+        if (c < d) {
+          const uint4 w = *reinterpret_cast<const uint4*>(st + c * 2);
+          if constexpr (kFloatX) {
+            const uint16_t* pw = reinterpret_cast<const uint16_t*>(&w);
+#pragma unroll
+            for (int v = 0; v < kV; ++v) p = fmaf(xf[i][v], E::ToFloat(pw[v]), p);
+          } else {
+            p = Dot8<E>(xr[i], w, p);
+          }
+        }
       }
       p = WarpSum(p);
       h = Round<E>(h * Round<E>(p));
@@ -314,10 +333,10 @@ __global__ __launch_bounds__(kLanes) void TwellWarpFfnPipedKernel(
   }
 }
 
-template <typename E, bool kGated, int kChunks, int kStages>
+template <typename E, bool kGated, int kChunks, int kStages, bool kFloatX = false, int kMinWarps = 1>
 ffi::Error LaunchPiped(cudaStream_t stream, const Shapes& s, const void* x, const void* values, const int16_t* cols,
                        const int32_t* counts, const void* w_up_t, const void* w_down, void* y) {
-  auto kernel = TwellWarpFfnPipedKernel<E, kGated, kChunks, kStages>;
+  auto kernel = TwellWarpFfnPipedKernel<E, kGated, kChunks, kStages, kFloatX, kMinWarps>;
   const int bytes = PipeSmem<kChunks, kStages>::kBytes;
   if (bytes > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
     return LaunchStatus("TwellWarpFfnPipedKernel (shared memory)");
@@ -328,7 +347,8 @@ ffi::Error LaunchPiped(cudaStream_t stream, const Shapes& s, const void* x, cons
 }
 
 // variant: 0 and 1, the plain form loading 1 or 2 entries' rows at once into registers;
-// 2, 3 and 4, the pipelined form with that many shared-memory stages.
+// 2, 3 and 4, the pipelined form with that many shared-memory stages; 5, two stages with x
+// kept as floats; 6, two stages under a 128-register cap.
 template <typename E, bool kGated, int kChunks>
 ffi::Error LaunchChunks(cudaStream_t stream, const Shapes& s, int variant, const void* x, const void* values,
                         const int16_t* cols, const int32_t* counts, const void* w_up_t, const void* w_down,
@@ -337,6 +357,8 @@ ffi::Error LaunchChunks(cudaStream_t stream, const Shapes& s, int variant, const
     case 2: return LaunchPiped<E, kGated, kChunks, 2>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
     case 3: return LaunchPiped<E, kGated, kChunks, 3>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
     case 4: return LaunchPiped<E, kGated, kChunks, 4>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+    case 5: return LaunchPiped<E, kGated, kChunks, 2, true>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+    case 6: return LaunchPiped<E, kGated, kChunks, 2, false, 16>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
     default: break;
   }
   const int64_t ctas = CeilDiv(s.rows, kWarpsPerCta);
@@ -398,7 +420,7 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   if (d % kV != 0 || d > kMaxChunks * kChunk)
     return Invalid(std::string(op) + ": d must be a multiple of 8 and at most " + std::to_string(kMaxChunks * kChunk) +
                    ", got " + std::to_string(d));
-  if (variant < 0 || variant > 4) return Invalid(std::string(op) + ": variant must be in [0, 4]");
+  if (variant < 0 || variant > 6) return Invalid(std::string(op) + ": variant must be in [0, 6]");
   if (variant >= 2 && max_entries > kMaxList)
     return Invalid(std::string(op) + ": max_entries must be at most " + std::to_string(kMaxList) + " (pipelined form)");
   if (max_entries < 0) return Invalid(std::string(op) + ": max_entries must be >= 0");
