@@ -72,9 +72,10 @@ def save_npz(path: Path, x, w_gate, w_up, w_down) -> None:
     np.savez(path, x_bf16=bits(x), w_gate_bf16=bits(w_gate), w_up_bf16=bits(w_up), w_down_bf16=bits(w_down))
 
 
-def warp_ffn(x, w_gate, w_up, w_down, w_up_t=None, variant=warp.VARIANT, backup=None):
+def warp_ffn(x, w_gate, w_up, w_down, w_up_t=None, variant=warp.VARIANT, backup=None, skip=False):
     act = cuda.gate_twell(x, w_gate, tile=256, capacity=32)
-    return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t, variant=variant, backup=backup)
+    return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t, variant=variant, backup=backup,
+                              skip_empty_backup=skip)
 
 
 def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float,
@@ -97,6 +98,8 @@ def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | No
             fns[f"warp_v{v}"] = jax.jit(lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v))
             fns[f"warp_v{v}_b128"] = jax.jit(
                 lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v, backup=max(8, m // 128)))
+            fns[f"warp_v{v}_skip"] = jax.jit(
+                lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v, skip=True))
     want = np.asarray(fns["xla"](*args), np.float32)
     errors = {}
     for name, fn in fns.items():

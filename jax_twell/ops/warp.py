@@ -63,10 +63,11 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, var
 
 
 def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budget: int = ROW_BUDGET,
-                  backup: int | None = None, variant: int = VARIANT):
+                  backup: int | None = None, variant: int = VARIANT, skip_empty_backup: bool = False):
     """The FFN from the packed gate ``act``: the warp kernel for the rows that fit, the
     dense backup for the rest (at most ``backup`` rows, default :func:`backup_size`); past
-    that many, XLA's dense FFN for the whole call. x: ``[M, d]``; weights as in
+    that many, XLA's dense FFN for the whole call. ``skip_empty_backup``: a device branch
+    skips the backup's products when no row needs them. x: ``[M, d]``; weights as in
     :func:`jax_twell.sparse_ffn`. Returns y ``[M, d]``."""
     m, _ = x.shape
     gated = w_gate is not None
@@ -76,12 +77,17 @@ def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budge
     rows = backed_up(act, row_budget)
     n_rows = jnp.sum(rows, dtype=jnp.int32)
 
-    def sparse(_):
-        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, variant=variant)
+    def with_backup(y):
         (idx,) = jnp.nonzero(rows, size=backup, fill_value=m)
         xb = x.at[idx].get(mode="fill", fill_value=0)
         yb = xla.ffn(xb, w_gate, w_up, w_down)
         return y.at[idx].set(yb, mode="drop")
+
+    def sparse(_):
+        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, variant=variant)
+        if skip_empty_backup:
+            return jax.lax.cond(n_rows > 0, with_backup, lambda y: y, y)
+        return with_backup(y)
 
     def dense(_):
         return xla.ffn(x, w_gate, w_up, w_down)
