@@ -96,10 +96,11 @@ def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | No
         fns["warp_per_call"] = jax.jit(lambda x, wg, wu, wd, wut: warp.sparse_ffn(x, wg, wu, wd))
         for v in variants:
             fns[f"warp_v{v}"] = jax.jit(lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v))
+        if variants:  # the backup's size and an empty backup skipped, on the first variant
+            v = variants[0]
             fns[f"warp_v{v}_b128"] = jax.jit(
-                lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v, backup=max(8, m // 128)))
-            fns[f"warp_v{v}_skip"] = jax.jit(
-                lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v, skip=True))
+                lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, backup=max(8, m // 128)))
+            fns[f"warp_v{v}_skip"] = jax.jit(lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, skip=True))
     want = np.asarray(fns["xla"](*args), np.float32)
     errors = {}
     for name, fn in fns.items():
