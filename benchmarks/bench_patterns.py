@@ -96,8 +96,8 @@ def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | No
         fns["warp_per_call"] = jax.jit(lambda x, wg, wu, wd, wut: warp.sparse_ffn(x, wg, wu, wd))
         for v in variants:
             fns[f"warp_v{v}"] = jax.jit(lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v))
-        if variants:  # the backup's size and an empty backup skipped, on the first variant
-            v = variants[0]
+        if variants:  # with the default variant: a smaller backup, an empty backup skipped
+            v = warp.VARIANT
             fns[f"warp_v{v}_b128"] = jax.jit(
                 lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, backup=max(8, m // 128)))
             fns[f"warp_v{v}_skip"] = jax.jit(lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, skip=True))

@@ -22,7 +22,7 @@ MAX_D = 2048  # the kernel keeps x and y's lane-owned columns in registers
 ROW_BUDGET = 64  # entries a row may hold and stay on the kernel (past it: the backup)
 # The kernel form (ffi/twell_ffn_warp.cu, LaunchChunks): 0/1 plain with 1/2 entries' rows in
 # registers, 2-4 pipelined through that many shared-memory stages.
-VARIANT = 3
+VARIANT = 2
 
 
 def supported(d: int, dtype) -> bool:
