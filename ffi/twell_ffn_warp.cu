@@ -333,6 +333,150 @@ __global__ __launch_bounds__(kLanes, kMinWarps) void TwellWarpFfnPipedKernel(
   }
 }
 
+// The split form: two warps a row, each owning half of d's chunks (x, y's accumulators
+// and its half of every weight row), so each warp holds half the registers and the SM
+// twice the warps for the same rows. The up product's two partial sums meet in shared
+// memory behind one 64-thread barrier an entry (double-buffered slots); both warps add
+// them in the same order, so both round u and h alike.
+template <int kChunks, int kStages>
+struct SplitSmem {
+  static constexpr int kHalf = kChunks / 2;
+  static constexpr int kWarpStageBytes = 2 * kHalf * kChunk * 2;  // a half row of Wu^T and of Wd
+  static constexpr int kStageBytes = 2 * kWarpStageBytes;
+  static constexpr int kBytes = kStages * kStageBytes + kMaxList * 8 + 2 * 2 * 4;
+};
+
+template <typename E, bool kGated, int kChunks, int kStages>
+__global__ __launch_bounds__(2 * kLanes) void TwellWarpFfnSplitKernel(
+    const Shapes s, const uint16_t* __restrict__ x, const uint16_t* __restrict__ values,
+    const int16_t* __restrict__ cols, const int32_t* __restrict__ counts,
+    const uint16_t* __restrict__ w_up_t, const uint16_t* __restrict__ w_down, uint16_t* __restrict__ y) {
+  using Smem = SplitSmem<kChunks, kStages>;
+  constexpr int kHalf = Smem::kHalf;
+  extern __shared__ __align__(16) uint8_t smem[];
+  int* list_col = reinterpret_cast<int*>(smem + kStages * Smem::kStageBytes);
+  uint32_t* list_g = reinterpret_cast<uint32_t*>(list_col + kMaxList);
+  float* partial = reinterpret_cast<float*>(list_g + kMaxList);  // [2 slots][2 warps]
+  const int lane = threadIdx.x % kLanes;
+  const int half = threadIdx.x / kLanes;
+  const int64_t row = blockIdx.x;
+  const int d = s.d;
+  const int32_t* row_counts = counts + row * s.n_tiles;
+  uint16_t* y_row = y + row * d;
+
+  int total = 0;
+  bool over = false;
+  for (int k = lane; k < s.n_tiles; k += kLanes) {
+    const int c = row_counts[k];
+    total += c;
+    over |= c > s.capacity;
+  }
+  total = __reduce_add_sync(kFullMask, total);
+  over = __any_sync(kFullMask, over);
+  if (over || total > s.max_entries) {  // both warps take the same exit
+    for (int c = threadIdx.x * kV; c < d; c += 2 * kChunk) *reinterpret_cast<uint4*>(y_row + c) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  if (half == 0) {
+    const int64_t slot_row = row * s.n_tiles;
+    int base = 0;
+    for (int k0 = 0; k0 < s.n_tiles; k0 += kLanes) {
+      const int k = k0 + lane;
+      const int c = k < s.n_tiles ? row_counts[k] : 0;
+      const int incl = WarpInclusiveSum(c, lane);
+      const int start = base + incl - c;
+      for (int i = 0; i < c; ++i) {
+        const int64_t slot = (slot_row + k) * s.capacity + i;
+        list_col[start + i] = k * s.tile + cols[slot];
+        list_g[start + i] = values[slot];
+      }
+      base += __shfl_sync(kFullMask, incl, kLanes - 1);
+    }
+  }
+  __syncthreads();
+  const int n = total;
+
+  // This warp's chunks: i = half * kHalf + ii.
+  uint4 xr[kHalf];
+  float acc[kHalf][kV];
+#pragma unroll
+  for (int ii = 0; ii < kHalf; ++ii) {
+    const int c = (half * kHalf + ii) * kChunk + lane * kV;
+    xr[ii] = (kGated && c < d) ? LoadRow16(x + row * d + c) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int v = 0; v < kV; ++v) acc[ii][v] = 0.f;
+  }
+  const uint32_t stage0 = SmemAddr(smem) + half * Smem::kWarpStageBytes;
+  auto prefetch = [&](int e) {
+    if (e < n) {
+      const int64_t j = list_col[e];
+      const uint32_t st = stage0 + (e % kStages) * Smem::kStageBytes;
+#pragma unroll
+      for (int ii = 0; ii < kHalf; ++ii) {
+        const int c = (half * kHalf + ii) * kChunk + lane * kV;
+        const int o = ii * kChunk + lane * kV;
+        if (c < d) {
+          if (kGated) CpAsync16Shared(st + o * 2, w_up_t + j * d + c);
+          CpAsync16Shared(st + (kHalf * kChunk + o) * 2, w_down + j * d + c);
+        }
+      }
+    }
+    CpAsyncCommit();
+  };
+#pragma unroll
+  for (int e = 0; e < kStages - 1; ++e) prefetch(e);
+  for (int e = 0; e < n; ++e) {
+    prefetch(e + kStages - 1);
+    CpAsyncWaitPending<kStages - 1>();
+    const uint8_t* st = smem + half * Smem::kWarpStageBytes + (e % kStages) * Smem::kStageBytes;
+    float h = E::ToFloat(list_g[e]);
+    if constexpr (kGated) {
+      float p = 0.f;
+#pragma unroll
+      for (int ii = 0; ii < kHalf; ++ii) {
+        const int c = (half * kHalf + ii) * kChunk + lane * kV;
+        if (c < d) p = Dot8<E>(xr[ii], *reinterpret_cast<const uint4*>(st + (ii * kChunk + lane * kV) * 2), p);
+      }
+      p = WarpSum(p);
+      float* slot = partial + (e & 1) * 2;
+      if (lane == 0) slot[half] = p;
+      __syncthreads();
+      h = Round<E>(h * Round<E>(slot[0] + slot[1]));
+    }
+#pragma unroll
+    for (int ii = 0; ii < kHalf; ++ii) {
+      const int c = (half * kHalf + ii) * kChunk + lane * kV;
+      if (c < d) Axpy8<E>(h, *reinterpret_cast<const uint4*>(st + (kHalf * kChunk + ii * kChunk + lane * kV) * 2), acc[ii]);
+    }
+  }
+  CpAsyncWaitAll();
+
+#pragma unroll
+  for (int ii = 0; ii < kHalf; ++ii) {
+    const int c = (half * kHalf + ii) * kChunk + lane * kV;
+    if (c < d) {
+      uint4 out;
+      uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+      for (int v = 0; v < kV / 2; ++v) o[v] = E::FromFloat(acc[ii][2 * v]) | (E::FromFloat(acc[ii][2 * v + 1]) << 16);
+      *reinterpret_cast<uint4*>(y_row + c) = out;
+    }
+  }
+}
+
+template <typename E, bool kGated, int kChunks, int kStages>
+ffi::Error LaunchSplit(cudaStream_t stream, const Shapes& s, const void* x, const void* values, const int16_t* cols,
+                       const int32_t* counts, const void* w_up_t, const void* w_down, void* y) {
+  auto kernel = TwellWarpFfnSplitKernel<E, kGated, kChunks, kStages>;
+  const int bytes = SplitSmem<kChunks, kStages>::kBytes;
+  if (bytes > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
+    return LaunchStatus("TwellWarpFfnSplitKernel (shared memory)");
+  kernel<<<static_cast<unsigned>(s.rows), 2 * kLanes, bytes, stream>>>(
+      s, static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(values), cols, counts,
+      static_cast<const uint16_t*>(w_up_t), static_cast<const uint16_t*>(w_down), static_cast<uint16_t*>(y));
+  return LaunchStatus("TwellWarpFfnSplitKernel");
+}
+
 template <typename E, bool kGated, int kChunks, int kStages, bool kFloatX = false, int kMinWarps = 1>
 ffi::Error LaunchPiped(cudaStream_t stream, const Shapes& s, const void* x, const void* values, const int16_t* cols,
                        const int32_t* counts, const void* w_up_t, const void* w_down, void* y) {
@@ -348,7 +492,8 @@ ffi::Error LaunchPiped(cudaStream_t stream, const Shapes& s, const void* x, cons
 
 // variant: 0 and 1, the plain form loading 1 or 2 entries' rows at once into registers;
 // 2, 3 and 4, the pipelined form with that many shared-memory stages; 5, two stages with x
-// kept as floats; 6, two stages under a 128-register cap.
+// kept as floats; 6, two stages under a 128-register cap; 7 and 8, the split form (two
+// warps a row) with 2 and 3 stages (the pipelined form where d has one 256-wide chunk).
 template <typename E, bool kGated, int kChunks>
 ffi::Error LaunchChunks(cudaStream_t stream, const Shapes& s, int variant, const void* x, const void* values,
                         const int16_t* cols, const int32_t* counts, const void* w_up_t, const void* w_down,
@@ -359,6 +504,14 @@ ffi::Error LaunchChunks(cudaStream_t stream, const Shapes& s, int variant, const
     case 4: return LaunchPiped<E, kGated, kChunks, 4>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
     case 5: return LaunchPiped<E, kGated, kChunks, 2, true>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
     case 6: return LaunchPiped<E, kGated, kChunks, 2, false, 16>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+    case 7:
+      if constexpr (kChunks % 2 == 0)
+        return LaunchSplit<E, kGated, kChunks, 2>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+      return LaunchPiped<E, kGated, kChunks, 2>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+    case 8:
+      if constexpr (kChunks % 2 == 0)
+        return LaunchSplit<E, kGated, kChunks, 3>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+      return LaunchPiped<E, kGated, kChunks, 3>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
     default: break;
   }
   const int64_t ctas = CeilDiv(s.rows, kWarpsPerCta);
@@ -420,7 +573,7 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   if (d % kV != 0 || d > kMaxChunks * kChunk)
     return Invalid(std::string(op) + ": d must be a multiple of 8 and at most " + std::to_string(kMaxChunks * kChunk) +
                    ", got " + std::to_string(d));
-  if (variant < 0 || variant > 6) return Invalid(std::string(op) + ": variant must be in [0, 6]");
+  if (variant < 0 || variant > 8) return Invalid(std::string(op) + ": variant must be in [0, 8]");
   if (variant >= 2 && max_entries > kMaxList)
     return Invalid(std::string(op) + ": max_entries must be at most " + std::to_string(kMaxList) + " (pipelined form)");
   if (max_entries < 0) return Invalid(std::string(op) + ": max_entries must be >= 0");

@@ -20,7 +20,7 @@ def _act(x, w_act, tile, capacity):
     return pack_twell_reference(relu_matmul(x, w_act), tile=tile, capacity=capacity)
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("spec", SPECS, ids=str)
