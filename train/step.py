@@ -6,6 +6,8 @@ in float32, so accumulation changes memory, not the result. Per-step metrics (al
 device arrays, fetched by the caller only when it logs):
 
     loss, ce, l1, l1_term, l1_coef, lr, grad_norm          [] f32
+    finite                                                  [] bool: loss, gradient and update
+                                                            finite (else the state is unchanged)
     nnz_mean [L] f32, nnz_max [L] int32                     non-zeros per token per layer
     rows_over_capacity [L] int32                            summed over micro-batches
     fired_fraction [L] f32                                  neurons that fired this step
@@ -65,9 +67,19 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
             params = reinit_dead_gates(params, dead, jax.random.fold_in(base_key, state.step))
 
         ce, l1 = aux.ce.mean(), aux.l1.mean()
+        loss = ce + l1_coef * l1
+        # The non-finite guard: a step whose loss, gradient or update is not finite keeps
+        # the state it started from (the loop then stops or skips, cfg.nonfinite).
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+        params, opt_state, since_fired = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state, since_fired),
+            (state.params, state.opt_state, state.since_fired),
+        )
         nnz_mean = aux.stats.nnz_mean.mean(axis=0)
         metrics = dict(
-            loss=ce + l1_coef * l1,
+            loss=loss,
+            finite=finite,
             ce=ce,
             l1=l1,
             l1_term=l1_coef * l1,
