@@ -30,8 +30,11 @@ def test_peak_flops_table(kind, tflops):
     assert metrics.peak_flops_per_device(device, override_tflops=123.0) == 123e12
 
 
-def test_cpu_gets_a_nominal_peak():
-    assert metrics.peak_flops_per_device(types.SimpleNamespace(platform="cpu", device_kind="cpu")) > 0
+def test_cpu_has_no_peak_so_no_mfu_unless_given():
+    cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+    assert metrics.peak_flops_per_device(cpu) is None
+    assert metrics.mfu(1e6, 1e6, metrics.peak_flops_per_device(cpu), 1) is None
+    assert metrics.peak_flops_per_device(cpu, override_tflops=2.0) == 2e12
 
 
 def _train_record(step, layers=3):

@@ -160,6 +160,6 @@ class Checkpointer:
 
 
 def _reason(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    first = text[0] if text else ""
-    return f"{type(error).__name__}: {first[:300]}"
+    """A one-line account of why a restore failed (tensorstore appends long specs: cut)."""
+    text = " ".join(str(error).split()).split(" See full TensorStore details")[0]
+    return f"{type(error).__name__}: {text[:240]}"

@@ -6,6 +6,7 @@ in float32, so accumulation changes memory, not the result. Per-step metrics (al
 device arrays, fetched by the caller only when it logs):
 
     loss, ce, l1, l1_term, l1_coef, lr, grad_norm          [] f32
+    update_norm                                             [] f32, of the optimizer's update
     finite                                                  [] bool: loss, gradient and update
                                                             finite (else the state is unchanged)
     nnz_mean [L] f32, nnz_max [L] int32                     non-zeros per token per layer
@@ -70,7 +71,8 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
         loss = ce + l1_coef * l1
         # The non-finite guard: a step whose loss, gradient or update is not finite keeps
         # the state it started from (the loop then stops or skips, cfg.nonfinite).
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+        update_norm = optax.tree.norm(updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
         params, opt_state, since_fired = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (params, opt_state, since_fired),
@@ -86,6 +88,7 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
             l1_coef=l1_coef,
             lr=jnp.asarray(schedule(state.step), jnp.float32),
             grad_norm=grad_norm,
+            update_norm=update_norm,
             nnz_mean=nnz_mean,
             nnz_max=aux.stats.nnz_max.max(axis=0),
             rows_over_capacity=aux.stats.rows_over_capacity.sum(axis=0),

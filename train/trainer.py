@@ -181,8 +181,11 @@ class _FinishedSteps:
             self._progress.update(self._task, completed=step)
 
     def _nonfinite(self, step: int, step_metrics: dict) -> None:
-        values = {k: float(step_metrics[k]) for k in ("loss", "grad_norm", "lr")}
-        what = f"step {step}: loss {values['loss']}, gradient norm {values['grad_norm']} (lr {values['lr']:.3g})"
+        values = {k: float(step_metrics[k]) for k in ("loss", "grad_norm", "update_norm", "lr")}
+        what = (
+            f"step {step}: loss {values['loss']:.4g}, gradient norm {values['grad_norm']:.4g}, "
+            f"update norm {values['update_norm']:.4g} (lr {values['lr']:.3g})"
+        )
         self.skipped += 1
         self.skipped_in_a_row += 1
         if self._cfg.nonfinite == "skip" and self.skipped_in_a_row < self._cfg.nonfinite_skip_limit:
