@@ -98,12 +98,17 @@ class MetricsLog:
 
 def read_log(path: str | Path) -> list[dict]:
     """Records of a JSONL metrics log (a truncated last line from a killed run is skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: is {path.parent} a jax-twell training run?")
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
     return records
 
 
