@@ -236,7 +236,13 @@ def _sweep(args, console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jax-twell` console script."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    # key=value overrides may follow options too (`train steps=10 --resume optim.lr=1e-3`).
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     # orbax reports routine events (read-only managers, async saves) as absl warnings.
     logging.getLogger("absl").setLevel(logging.ERROR)
     from rich.console import Console

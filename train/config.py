@@ -316,10 +316,11 @@ class _Range:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         name = {int: "an integer", float: "a finite number", bool: "true or false", str: "a non-empty string"}[self.kind]
         bounds = []
+        number = (lambda v: str(int(v))) if self.kind is int else (lambda v: f"{v:g}")
         if self.low is not None:
-            bounds.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+            bounds.append(f"{'>' if self.low_open else '>='} {number(self.low)}")
         if self.high is not None:
-            bounds.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+            bounds.append(f"{'<' if self.high_open else '<='} {number(self.high)}")
         return name + (" " + " and ".join(bounds) if bounds else "")
 
 

@@ -336,10 +336,14 @@ def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> di
                         log.write(last["eval"])
                         progress.console.print(metrics.format_eval_record(last["eval"]), soft_wrap=True)
                     timer_step, timer = done, time.perf_counter()  # keep evaluation out of tokens/s
-                if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop.signal is not None:
+                final = done == cfg.steps or stop.signal is not None
+                if done % cfg.checkpoint_every == 0 or final:
                     finished.collect(0)  # every step up to `done` checked before its state is saved
-                    checkpointer.save(done, state)
-                    finished.last_good_checkpoint = done
+                    # Amid skipped steps (nonfinite=skip) the periodic save waits for a good step,
+                    # so a streak that ends the run never rotates out the checkpoints before it.
+                    if final or not finished.skipped_in_a_row:
+                        checkpointer.save(done, state)
+                        finished.last_good_checkpoint = done
                 if stop.signal is not None:
                     raise Interrupted(stop.signal, done, str(workdir))
     return last
