@@ -126,9 +126,6 @@ def _train(args, console) -> int:
             f"{escape(str(e))}; continue with: jax-twell train --resume workdir={cfg.workdir}", soft_wrap=True
         )
         return 128 + e.signal
-    except trainer.DivergedError as e:
-        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True, highlight=False)
-        return EXIT_DIVERGED
     console.print(
         f"run directory: {cfg.workdir}  (next: jax-twell plot --workdir {cfg.workdir}; "
         f"jax-twell generate --workdir {cfg.workdir})",
@@ -255,9 +252,16 @@ def main(argv: list[str] | None = None) -> int:
     handler = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "sweep": _sweep}[args.command]
     from jax_twell.train.checkpoint import RestoreError
     from jax_twell.train.lock import RunLockedError
+    from jax_twell.train.trainer import DivergedError, Interrupted
 
     try:
         return handler(args, console)
+    except Interrupted as e:  # a sweep's run (train handles its own)
+        console.print(f"{escape(str(e))}; run the same command again to continue", soft_wrap=True)
+        return 128 + e.signal
+    except DivergedError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True, highlight=False)
+        return EXIT_DIVERGED
     except (KeyError, ValueError, OSError, RestoreError, RunLockedError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         console.print(f"[red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)

@@ -77,6 +77,31 @@ def test_plot_run_writes_pngs(tmp_path):
         plot_run(tmp_path / "empty")
 
 
+def test_dead_neuron_plot_is_a_readable_percentage_axis(tmp_path, monkeypatch):
+    from jax_twell.train import plot
+
+    figures = {}
+
+    def keep(fig, path):
+        figures[path.name] = fig
+        return path
+
+    monkeypatch.setattr(plot, "save_figure", keep)
+    log = metrics.MetricsLog(tmp_path)
+    log.write(dict(_train_record(1), dead_fraction=[0.0, 0.0, 0.0]))
+    plot_run(tmp_path)
+    dead_axis = figures["sparsity_per_layer.png"].axes[1]
+    assert dead_axis.get_ylim() == (0.0, 1.0), "no +-0.04 axis around nothing"
+    assert [t.get_text() for t in dead_axis.texts] == ["no dead neurons"]
+    log.write(dict(_train_record(2), dead_fraction=[0.0, 0.5, 0.2]))
+    plot_run(tmp_path)
+    dead_axis = figures["sparsity_per_layer.png"].axes[1]
+    assert dead_axis.get_ylim()[0] == 0 and dead_axis.get_ylim()[1] >= 50 and not dead_axis.texts
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl not found: is .* a jax-twell training run"):
+        plot_run(tmp_path / "nothing")
+    plot.plt.close("all")
+
+
 def test_sweep_table_and_plot(tmp_path):
     rows = [{"l1": l1, "step": 10, "eval_ce": ce, "bits_per_byte": None if l1 else 1.2, "train_ce": ce,
              "active_pct": act, "nnz_mean": act, "nnz_mean_per_layer": [act, act * 2],

@@ -152,6 +152,17 @@ def train(
             checkpointer.close()
 
 
+def hardware_hint(cfg: config_lib.TrainConfig, flops_per_step: float, platform: str) -> str | None:
+    """A note for runs started on hardware they are not meant for (a GPU-sized run on a CPU), else None."""
+    if platform != "cpu" or flops_per_step <= CPU_FLOPS_PER_STEP_HINT:
+        return None
+    return (
+        f"a step of this run is {flops_per_step:.1e} FLOP: tens of seconds or more on a CPU, so "
+        f"{cfg.steps:,} steps take hours. It is meant for a GPU (preset {cfg.preset}: "
+        f"{config_lib.PRESET_HARDWARE.get(cfg.preset, 'GPU')}); the tiny preset trains on a CPU in minutes."
+    )
+
+
 class _FinishedSteps:
     """Steps dispatched but not yet known finished, with their metrics (device arrays).
 
@@ -256,15 +267,9 @@ def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> di
                 + (f" | resumed at step {start}" if restored_step is not None else ""),
                 soft_wrap=True,
             )
-            flops_step = flops_token * cfg.batch_size * seq_len
-            if jax.devices()[0].platform == "cpu" and flops_step > CPU_FLOPS_PER_STEP_HINT:
-                console.print(
-                    f"[yellow]note:[/] a step of this run is {flops_step:.1e} FLOP: tens of seconds or more on a "
-                    f"CPU, so {cfg.steps:,} steps take hours. It is meant for a GPU "
-                    f"(preset {cfg.preset}: {config_lib.PRESET_HARDWARE.get(cfg.preset, 'GPU')}); "
-                    "the tiny preset trains on a CPU in minutes.",
-                    soft_wrap=True,
-                )
+            hint = hardware_hint(cfg, flops_token * cfg.batch_size * seq_len, jax.devices()[0].platform)
+            if hint:
+                console.print(f"[yellow]note:[/] {escape(hint)}", soft_wrap=True)
 
         last = {"train": None, "eval": None}
         progress = Progress(
