@@ -301,7 +301,8 @@ def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> di
                     jax.block_until_ready(step_metrics)
                     if lead:
                         progress.console.print(f"first step (with compilation): {time.perf_counter() - timer:.1f} s")
-                    progress.update(task, status="")
+                    # Compilation done: the remaining-time estimate starts from here, on finished steps.
+                    progress.reset(task, total=cfg.steps, completed=done, status="")
                     timer_step, timer = done, time.perf_counter()
                 finished.collect()
                 if done % cfg.log_every == 0 or done == cfg.steps:
