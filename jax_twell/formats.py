@@ -85,6 +85,24 @@ def _require_int_dtype(what: str, **arrays) -> None:
         _require(jnp.issubdtype(x.dtype, jnp.integer), what, f"{name} must be integers, got {x.dtype}")
 
 
+class _Checked:
+    """The formats' construction-time checks: `_check(contents)` of the subclass runs on
+    every direct construction, with `contents` only when all arrays are concrete."""
+
+    def __post_init__(self):
+        self._check(contents=_concrete(*(getattr(self, f.name) for f in dataclasses.fields(self)
+                                         if not f.metadata.get("static"))))
+
+    def validate(self):
+        """Checks every field (contents included, so the arrays must be concrete); returns
+        self. Raises ValueError naming the first inconsistency."""
+        self._check(contents=True)
+        return self
+
+    def _check(self, contents: bool) -> None:
+        raise NotImplementedError
+
+
 def _ascending(cols: np.ndarray, used: np.ndarray) -> bool:
     """Whether the used slots (a prefix of each row) hold strictly ascending columns."""
     both = used[..., 1:] & used[..., :-1]
@@ -107,7 +125,7 @@ def relu_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 @_register
 @dataclasses.dataclass(frozen=True)
-class TwELL:
+class TwELL(_Checked):
     """Tile-wise ELLPACK: per (row, tile of ``tile`` columns) up to ``capacity`` non-zeros.
 
     The ``f`` columns are cut into ``n_tiles = ceil(f / tile)`` tiles (the last may be
@@ -134,15 +152,6 @@ class TwELL:
     counts: jax.Array
     f: int = dataclasses.field(metadata=dict(static=True))
     tile: int = dataclasses.field(metadata=dict(static=True))
-
-    def __post_init__(self):
-        self._check(contents=_concrete(self.values, self.cols, self.counts))
-
-    def validate(self) -> "TwELL":
-        """Checks every field (contents included, so the arrays must be concrete); returns
-        self. Raises ValueError naming the first inconsistency."""
-        self._check(contents=True)
-        return self
 
     def _check(self, contents: bool) -> None:
         what = "TwELL"
@@ -229,7 +238,7 @@ class TwELL:
 
 @_register
 @dataclasses.dataclass(frozen=True)
-class Hybrid:
+class Hybrid(_Checked):
     """Row-wise ELL with a dense backup for rows past the ELL width (training format).
 
     Fields:
@@ -255,16 +264,6 @@ class Hybrid:
     backup_values: jax.Array
     backup_rows: jax.Array
     f: int = dataclasses.field(metadata=dict(static=True))
-
-    def __post_init__(self):
-        arrays = (self.values, self.cols, self.counts, self.backup_values, self.backup_rows)
-        self._check(contents=_concrete(*arrays))
-
-    def validate(self) -> "Hybrid":
-        """Checks every field (contents included, so the arrays must be concrete); returns
-        self. Raises ValueError naming the first inconsistency."""
-        self._check(contents=True)
-        return self
 
     def _check(self, contents: bool) -> None:
         what = "Hybrid"

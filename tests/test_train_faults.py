@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+from test_train_resume import corpus  # noqa: F401  (the shared text corpus fixture)
 
 from jax_twell.cli import main
 from jax_twell.train import config as config_lib
@@ -32,16 +32,6 @@ MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.head_
 BASE = [*MODEL, "batch_size=8", "seq_len=32", "eval_batches=1", "data.eval_percent=20", "eval_every=100000",
         "log_every=1"]
 TRAINED_STEPS = 6  # the shared run: checkpoints 3 and 6
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "x", "y", "(", ")", ":"]
-    for i in range(20):
-        (root / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 600)))
-    return root
 
 
 @pytest.fixture(scope="module")
