@@ -66,13 +66,14 @@ class MeshConfig:
 class TrainConfig:
     """One training run.
 
-    l1_coef multiplies the mean over layers of the per-token sum of |h| (DESIGN.md §1);
-    it ramps linearly from 0 over `l1_warmup_steps` (0: full strength from step 0).
-    batch_size counts sequences per optimizer step over all devices and hosts; with
-    `grad_accum` > 1 each step runs that many micro-batches of batch_size / grad_accum.
-    seq_len 0 means the model's context length. dead_reinit re-initialises gate columns
-    that have not fired for `dead_window` steps (DESIGN.md §6). peak_tflops overrides the
-    per-device peak used for MFU (0: look it up from the device kind).
+    l1_coef multiplies the mean over layers of the per-token sum of |h| (docs/design.md,
+    section 1, The job); it ramps linearly from 0 over `l1_warmup_steps` (0: full strength
+    from step 0). batch_size counts sequences per optimizer step over all devices and hosts;
+    with `grad_accum` > 1 each step runs that many micro-batches of batch_size / grad_accum.
+    seq_len 0 means the model's context length. dead_reinit re-initialises gate columns that
+    have not fired for `dead_window` steps (docs/design.md, section 6, Model and training
+    recipe). peak_tflops overrides the per-device peak used for MFU (0: look it up from the
+    device kind).
     """
 
     model: ModelConfig
