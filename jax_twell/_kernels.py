@@ -91,7 +91,7 @@ def _not_built_reason() -> str:
             note = (Path(folder) / BUILD_NOTE).read_text().strip()
         except OSError:
             continue
-        return f"{note}; the reference and XLA paths still run"
+        return f"{note}. The reference and XLA paths still run."
     return (
         f"{LIBRARY_NAME} was not built: it needs a CUDA GPU (or JAX_TWELL_CUDA=ON), nvcc and the "
         "CUTLASS headers at install time; the reference and XLA paths still run"

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 work=$PWD/build/ffi-headers
 mkdir -p "$work"
-python=${PYTHON:-python3}
+python=$("${PYTHON:-python3}" -c 'import sys; print(sys.executable)')
 jobs=$(nproc)
 
 # The oldest supported jaxlib and the CUTLASS requirement, as pyproject.toml's build
@@ -69,7 +69,7 @@ CUTLASS_DIR=$(cd "$CUTLASS_DIR" && pwd)
 includes=()
 for v in "${versions[@]}"; do
   include=$(jaxlib_headers "$v")
-  includes+=("$include")
+  [[ " ${includes[*]} " == *" $include "* ]] || includes+=("$include")
 done
 
 build() {  # build INCLUDE_DIR JOBS: configure and build the library in its own folder
@@ -79,7 +79,7 @@ build() {  # build INCLUDE_DIR JOBS: configure and build the library in its own 
   {
     cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_TWELL_CUDA=ON \
       -DXLA_FFI_INCLUDE_DIR="$include" -DCUTLASS_DIR="$CUTLASS_DIR" \
-      -DPython_EXECUTABLE="$(command -v "$python")" &&
+      -DPython_EXECUTABLE="$python" &&
       cmake --build "$dir" -j "$2"
   } >"$work/$name.log" 2>&1
 }

@@ -28,7 +28,7 @@ def test_missing_library_is_reported(fresh_loader, monkeypatch, tmp_path):
 def test_build_decision_is_the_reason(fresh_loader, monkeypatch, tmp_path):
     import jax_twell
 
-    note = "the CUDA library was not built: JAX_TWELL_CUDA=OFF"
+    note = "the CUDA library was not built (JAX_TWELL_CUDA=OFF)"
     (tmp_path / _kernels.BUILD_NOTE).write_text(note + "\n")
     monkeypatch.delenv("JAX_TWELL_CUDA_LIB", raising=False)
     monkeypatch.setattr(jax_twell, "__path__", [str(tmp_path)])
