@@ -23,7 +23,7 @@ HEAVY_CLIP = 0.05
 # SKEWED_DEAD of the neurons never fires; the others' rates are log-normal (sigma
 # SKEWED_SIGMA) around a mean that gives the requested density, clipped to SKEWED_CLIP.
 # Fitted to the `tiny` preset trained 1,500 steps at L1 = 3e-3 (first two layers, ~0.6%
-# active, 33% and 57% of neurons dead), measured with benchmarks/union_stats.py on 16,384
+# active, 33% and 57% of neurons dead), measured with lab/union_stats.py on 16,384
 # held-out tokens in random order: 64-token unions 19-21% of f (this model: ~20%; uniform
 # rows at that density: ~33%), 10% of the neurons holding ~60% of the activations (model:
 # ~61%). Tokens of one sequence share even more neurons (in order, 15.5-16.4%).

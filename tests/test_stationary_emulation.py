@@ -5,8 +5,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_twell.ops import blocked_emulation as emu
-from jax_twell.ops import stationary_emulation as stat
+import blocked_emulation as emu
+import stationary_emulation as stat
 
 
 def _workspace(rng, m, f, tile, capacity, density, full=0, empty=0):

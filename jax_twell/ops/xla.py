@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_twell.ops.common import hidden_stats
+from jax_twell.ops.stats import hidden_stats
 
 __all__ = ["ffn", "ffn_with_aux", "up_down", "gather_ffn", "gather_width"]
 
@@ -44,7 +44,7 @@ def ffn_with_aux(x, w_gate, w_up, w_down):
     """Dense ReLU FFN with its local statistics; differentiable by JAX's own autodiff.
 
     x: ``[M, d]``; returns ``(y [M, d], l1 [], counts [M] int32, fired [f] bool)``
-    (see :func:`jax_twell.ops.common.hidden_stats`).
+    (see :func:`jax_twell.ops.stats.hidden_stats`).
     """
     h, active = _hidden(x, w_gate, w_up)
     y = jnp.matmul(h, w_down)

@@ -1,0 +1,42 @@
+"""One decode-sized FFN call, for Nsight Compute (ncu) to profile.
+
+Usage: ncu --kernel-name regex:Decode ... python lab/profile_decode.py [--path rows]
+       [--m 1] [--d 2048] [--f 5632] [--density 0.005] [--pattern uniform]
+Paths: rows (cuda.decode_ffn_rows, weights stored by neuron), gate (cuda.decode_ffn_gate:
+our gate kernel, then the up and down steps; w_up_t given), xla_gate (XLA's gate matmul,
+then cuda.decode_ffn). The call runs twice (compile, then the profiled run); ncu's
+--launch-skip can skip the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+from jax_twell.formats import relu_matmul
+from jax_twell.ops import cuda
+from jax_twell.testing import synthetic_ffn_inputs
+
+from common import add_shape_arguments
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--path", default="rows", choices=["rows", "gate", "xla_gate"])
+    add_shape_arguments(p, m=1)
+    a = p.parse_args()
+    inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
+    w_gate_t, w_up_t = inp.w_gate.T.copy(), inp.w_up.T.copy()
+    ops = dict(
+        rows=lambda x: cuda.decode_ffn_rows(x, w_gate_t, inp.w_down, w_up_t=w_up_t),
+        gate=lambda x: cuda.decode_ffn_gate(x, inp.w_gate, inp.w_up, inp.w_down, w_up_t=w_up_t),
+        xla_gate=lambda x: cuda.decode_ffn(x, relu_matmul(x, inp.w_gate), inp.w_up, inp.w_down, w_up_t=w_up_t),
+    )
+    op = jax.jit(ops[a.path])
+    for _ in range(2):
+        op(inp.x).block_until_ready()
+
+
+if __name__ == "__main__":
+    main()
