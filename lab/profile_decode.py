@@ -2,21 +2,25 @@
 
 Usage: ncu --kernel-name regex:Decode ... python lab/profile_decode.py [--path rows]
        [--m 1] [--d 2048] [--f 5632] [--density 0.005] [--pattern uniform]
-Paths: rows (cuda.decode_ffn_rows, weights stored by neuron), gate (cuda.decode_ffn_gate:
+Paths: rows (binding.decode_ffn_rows, weights stored by neuron), gate (binding.decode_ffn_gate:
 our gate kernel, then the up and down steps; w_up_t given), xla_gate (XLA's gate matmul,
-then cuda.decode_ffn). The call runs twice (compile, then the profiled run); ncu's
+then binding.decode_ffn). The call runs twice (compile, then the profiled run); ncu's
 --launch-skip can skip the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import jax
 
 from jax_twell.formats import relu_matmul
-from jax_twell.ops import cuda
+from jax_twell.ops.ffn import binding
 from jax_twell.testing import synthetic_ffn_inputs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # common.py
 
 from common import add_shape_arguments
 
@@ -29,9 +33,9 @@ def main():
     inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
     w_gate_t, w_up_t = inp.w_gate.T.copy(), inp.w_up.T.copy()
     ops = dict(
-        rows=lambda x: cuda.decode_ffn_rows(x, w_gate_t, inp.w_down, w_up_t=w_up_t),
-        gate=lambda x: cuda.decode_ffn_gate(x, inp.w_gate, inp.w_up, inp.w_down, w_up_t=w_up_t),
-        xla_gate=lambda x: cuda.decode_ffn(x, relu_matmul(x, inp.w_gate), inp.w_up, inp.w_down, w_up_t=w_up_t),
+        rows=lambda x: binding.decode_ffn_rows(x, w_gate_t, inp.w_down, w_up_t=w_up_t),
+        gate=lambda x: binding.decode_ffn_gate(x, inp.w_gate, inp.w_up, inp.w_down, w_up_t=w_up_t),
+        xla_gate=lambda x: binding.decode_ffn(x, relu_matmul(x, inp.w_gate), inp.w_up, inp.w_down, w_up_t=w_up_t),
     )
     op = jax.jit(ops[a.path])
     for _ in range(2):

@@ -11,12 +11,17 @@ XLA_FLAGS=--xla_gpu_graph_min_graph_size=100000 (no graphs for the step's small 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
 
-from jax_twell.ops import cuda_train
+from jax_twell.ops.ffn_train import vjp as train_cuda
+from jax_twell.ops.plan import LayerInfo, Side, TrainOptions
 from jax_twell.testing import synthetic_ffn_inputs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # common.py
 
 from common import add_shape_arguments
 
@@ -25,19 +30,18 @@ def main():
     p = argparse.ArgumentParser()
     add_shape_arguments(p, m=16384)
     p.add_argument("--nongated", action="store_true")
-    p.add_argument("--cudacore-dx", action="store_true", help="dx on CUDA cores (ffn_with_aux(dx_mma=False)); default: the defaults")
+    p.add_argument("--cudacore-dx", action="store_true", help="dx on CUDA cores (TrainOptions(dx_tensor_cores=False)); default: the defaults")
     a = p.parse_args()
     inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
     w_gate = None if a.nongated else inp.w_gate
-    rule = cuda_train.TrainCrossover(margin=float("inf"))
+    options = TrainOptions(dx_tensor_cores=False if a.cudacore_dx else None)
 
     # A random cotangent, as bench_training.py's step takes (a sum's ones would make the
     # backward materialise a broadcast that a training loss does not have).
     cot = jax.random.normal(jax.random.key(1), inp.x.shape, jnp.float32)
 
     def loss(x, wg, wu, wd):
-        y, l1 = cuda_train.ffn_with_aux(x, wg, wu, wd, width=128, crossover=rule,
-                                       dx_mma=False if a.cudacore_dx else None)[:2]
+        y, l1 = train_cuda.ffn_with_aux(x, wg, wu, wd, layer=LayerInfo(side=Side.SPARSE), options=options)[:2]
         return jnp.sum(y.astype(jnp.float32) * cot) + 2e-5 * l1
 
     # The loss and every gradient a training step takes, as a training loop takes them

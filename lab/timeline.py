@@ -29,14 +29,20 @@ import gzip
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
-from jax_twell.ops import cuda, cuda_train, xla
+from jax_twell.ops import xla
+from jax_twell.ops.ffn import cuda as ffn_cuda
+from jax_twell.ops.ffn_train import vjp as train_cuda
+from jax_twell.ops.plan import FFNOptions, Kernel, LayerInfo, Side
 from jax_twell.testing import synthetic_ffn_inputs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))  # common.py
 
 from common import add_shape_arguments, run_metadata
 
@@ -124,7 +130,7 @@ def traced(fn, args, calls: int) -> list:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernel", default="blocked_union", choices=cuda.KERNELS)
+    p.add_argument("--kernel", default="blocked_union", choices=[k.value for k in Kernel])
     p.add_argument("--rule", default="forced", choices=("forced", "auto", "layer"),
                    help="forced sparse; the default rule per call; or with --density as the layer's fraction")
     p.add_argument("--calls", type=int, default=6)
@@ -134,16 +140,13 @@ def main():
     a = p.parse_args()
     inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
     forced = a.rule == "forced"
-    rule = cuda.DenseCrossover(margin=float("inf")) if forced else None  # None: the default rule
-    fraction = a.density if a.rule == "layer" else None
+    layer = LayerInfo(active_fraction=a.density if a.rule == "layer" else None,
+                      side=Side.SPARSE if forced else Side.AUTO)
     sparse = jax.jit(
-        lambda x, wg, wu, wd: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, kernel=a.kernel, crossover=rule, active_fraction=fraction
-        )
+        lambda x, wg, wu, wd: ffn_cuda.sparse_ffn(x, wg, wu, wd, layer=layer, options=FFNOptions(kernel=a.kernel))
     )
     dense = jax.jit(xla.ffn)
     if a.train:  # one training step's gradients (x and every weight) instead of the forward
-        rule = cuda_train.TrainCrossover(margin=float("inf")) if forced else None
         # As bench_training.py's step: a random cotangent (with sum(y) it is a broadcast of
         # ones, which the sparse backward has to materialise as an operand) and
         # value_and_grad (the loss needs y, so XLA's dense step keeps its forward down matmul).
@@ -153,7 +156,7 @@ def main():
             loss = lambda x, wg, wu, wd, c: (ffn(x, wg, wu, wd).astype(jnp.float32) * c).sum()
             return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))
 
-        sparse = grads(lambda *w: cuda_train.ffn_with_aux(*w, width=128, crossover=rule, active_fraction=fraction)[0])
+        sparse = grads(lambda *w: train_cuda.ffn_with_aux(*w, layer=layer)[0])
         dense = grads(xla.ffn)
         inp = (*inp, cot)
     rows = [

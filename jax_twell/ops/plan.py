@@ -281,6 +281,8 @@ class TrainOptions:
       down_stationary, dx_stationary: the forward's down step and the backward's dx by the
         walk with the weights stationary in shared memory; None: where the inference rule
         prices the walk below the union product.
+      fused_gate: a call decided for the kernels packs the gate in the matmul's epilogue
+        where it measured faster; False: XLA's matmul + the pack kernel.
     """
 
     width: int = 128
@@ -294,6 +296,7 @@ class TrainOptions:
     dx_union: bool = True
     down_stationary: bool | None = None
     dx_stationary: bool | None = None
+    fused_gate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +391,7 @@ def plan_ffn_train(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerIn
         down_union=mma and options.down_union, dh_union=mma and options.dh_union,
         dx_union=dx_mma and options.dx_union, down_stationary=down_stationary, dx_stationary=dx_stationary,
     )
-    fused = decided and fused_gate_preferred(m, d, f, layout.TRAIN_TILE, layout.TRAIN_CAPACITY, dtype)
+    fused = options.fused_gate and decided and fused_gate_preferred(m, d, f, layout.TRAIN_TILE,
+                                                                    layout.TRAIN_CAPACITY, dtype)
     return TrainPlan(True, max_entries=max_entries, rule=rule, device_choice=not decided, fused_gate=fused,
                      steps=steps, **base)
