@@ -4,7 +4,7 @@ Clock ("stack"): one jitted call runs a stack of LAYERS FFN layers, each with it
 weights (so weights stream from HBM as in a model, not from L2), each layer's input
 depending on the previous layer's output (``x + 1e-30 * y``: numerically x, so every layer
 keeps the synthetic sparsity, but nothing can be hoisted, sliced or skipped). Time per
-layer = median call time / LAYERS, calls back to back (DESIGN.md §7: median of many runs
+layer = median call time / LAYERS, calls back to back (docs/design.md, section 7, Benchmark protocol: median of many runs
 after warm-up, synchronised), the variants of a configuration timed in interleaved rounds
 (each round times every variant once: a drift of the GPU clock falls on all of them alike;
 ``<variant>_spread`` is the interquartile range over the rounds / the median). This is the

@@ -1,6 +1,6 @@
 """Inference FFN benchmark: the sparse op against XLA's dense FFN, same process, same inputs.
 
-Protocol (DESIGN.md §7): synthetic sparsity with a real gate matmul (one feature per row
+Protocol (docs/design.md, section 7, Benchmark protocol): synthetic sparsity with a real gate matmul (one feature per row
 sets the firing rate), uniform and heavy-tailed row patterns; bf16; every timing is the
 median of many runs after warm-up, synchronised with block_until_ready; never on zeros.
 All variants of a configuration are timed in interleaved rounds (each round times every

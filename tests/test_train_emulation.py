@@ -18,7 +18,7 @@ import stationary_emulation as stat
 import train_emulation as emu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close
-from test_ops import dense_ffn  # the statement of the math (DESIGN.md §1)
+from test_ops import dense_ffn  # the statement of the math (docs/design.md, section 1, The job)
 from jax_twell.ops.costs import DenseCrossover
 from jax_twell.ops.costs import TrainCrossover
 from jax_twell.ops import costs
