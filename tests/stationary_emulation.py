@@ -37,21 +37,13 @@ SMEM_LIMIT = layout.SMEM_LIMIT  # bytes of shared memory a CTA may have (H100/H2
 MAX_F16 = layout.WALK_MAX_F16  # the 16-column slice of Wd within shared memory: 7,264
 MAX_F = layout.WALK_MAX_F  # the sort's per-warp key counts within shared memory: 14,524
 UP_COLS = _blocked.UP_COLS
-
-# The walk's sizes and the handlers' tests are production code (jax_twell.ops.layout).
-cols = layout.walk_cols
-keys = layout.walk_keys
-workspace_words = layout.walk_workspace_words
-order_words = layout.walk_order_words
-walk_words = layout.walk_words
-walk_supported = layout.walk_supported
-supported = layout.stationary_down_supported
+# The walk's sizes and the handlers' tests are production code: jax_twell.ops.layout.
 
 
 def classes(f: int) -> int:
     """Residue classes of the walk's step order: a shared-memory phase reads four tokens'
     32-byte rows (16 columns: n mod 4 picks the slot) or eight tokens' 16-byte rows (n mod 8)."""
-    return 4 if cols(f) == 16 else 8
+    return 4 if layout.walk_cols(f) == 16 else 8
 
 
 def ranks(reserved_per_token: np.ndarray) -> np.ndarray:

@@ -13,7 +13,6 @@ import pytest
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 import blocked_emulation as bemu
-import union_emulation as _union
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
 from jax_twell.ops.costs import DenseCrossover
@@ -386,7 +385,7 @@ def _union_rule_with_stationary_down(rule):
     assert not rule.sparse_predicted(m, 1024, 2816, 2, 0.01, True, "blocked_union")
     # the walk's pairs cost per wave of CTAs, one a SM: 16 columns a CTA up to f = 7,264,
     # 8 above (a constant of its own)
-    p, u = 0.005, _union.uniform_union(0.005)
+    p, u = 0.005, layout.uniform_union(0.005)
     walk = lambda d2, f2: rule._stationary_seconds(p * m * f2, m, d2, f2, 2, u, True) - 0.5 * rule.union_row_bytes(
         m, d2, f2, 2, u) / rule.stationary_up_bandwidth
     assert walk(2048, f) == pytest.approx(walk(1024, f), rel=1e-4)

@@ -14,7 +14,6 @@ import pytest
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 import blocked_emulation as bemu
-import stationary_emulation as stat
 import train_emulation as emu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close
@@ -626,7 +625,7 @@ def test_kept_token_order_composes_with_vmap_and_grad(emulated_kernels):
         return grads_of(lambda *a: fn(*a)[:2], x, wg, wu, wd, dy)
 
     _, res_shapes = jax.eval_shape(lambda x: jax.vjp(lambda *a: fn(*a)[:2], x, wg, wu, wd), cases[0][0])
-    kept = [leaf for leaf in jax.tree.leaves(res_shapes) if leaf.shape == (stat.order_words(m),)]
+    kept = [leaf for leaf in jax.tree.leaves(res_shapes) if leaf.shape == (layout.walk_order_words(m),)]
     assert kept and all(leaf.dtype == jnp.int32 for leaf in kept)
     xs = jnp.stack([c[0] for c in cases])
     dys = jnp.stack([c[4] for c in cases])

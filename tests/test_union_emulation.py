@@ -104,7 +104,7 @@ def _gated_up_layout(case, *, key: int, fired: bool):
                                         max_entries=e)
     lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, None, m=m, f=f, tile=tile, max_entries=e,
                             gated=True, dtype=jnp.bfloat16, up=True, fired=fired)
-    assert lay["ws"].size == uemu.up_workspace_ints(m, e)
+    assert lay["ws"].size == layout.union_up_workspace_ints(m, e)
     return x, wg, wu, wd, dy, res, need, e, lay
 
 
@@ -116,7 +116,7 @@ def test_union_layout_of_the_up_step(case):
     rounding, for every such entry exactly once."""
     m, d, f, density, pattern, full, empty, tile, capacity = case
     x, wg, wu, wd, dy, res, need, e, lay = _gated_up_layout(case, key=m + f + 2, fired=False)
-    assert uemu.up_supported(m, 64 * 8, f, e) == (e + e % 2 + lay["ws"].size <= 8 * e)
+    assert layout.union_up_supported(m, 64 * 8, f, e) == (e + e % 2 + lay["ws"].size <= 8 * e)
     normal = (np.asarray(res.entries)[:need] & bemu.RECOMPUTE_FLAG) == 0
     assert (lay["owner"][lay["ent0"]: lay["rows0"]] >= 0).sum() == 2 * normal.sum(), "one pair per entry"
     u = uemu.union_up(lay, x, wu.T, e)

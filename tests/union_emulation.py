@@ -38,17 +38,9 @@ CHUNK = layout.UNION_CHUNK  # union rows per chunk (kChunk)
 COLS = layout.UNION_COLS  # output columns per consumer warp group (kCols): d must be a multiple
 UP_COLS = _b.UP_COLS
 UP_NEURONS = layout.UNION_UP_NEURONS  # the up product's union neurons per CTA (kUpNeurons)
+# The layout's sizes and the handlers' tests are production code: jax_twell.ops.layout.
 
-# The layout's sizes and the handlers' tests are production code (jax_twell.ops.layout).
-uniform_union = layout.uniform_union
-workspace_ints = layout.union_workspace_ints
-up_workspace_ints = layout.union_up_workspace_ints
-dx_supported = layout.union_dx_supported
-down_supported = layout.union_down_supported
-up_supported = layout.union_up_supported
-
-__all__ = ["TOKENS", "CHUNK", "COLS", "UP_NEURONS", "uniform_union", "workspace_ints", "up_workspace_ints", "dx_supported",
-           "down_supported", "up_supported", "union_layout", "union_dx", "union_up"]
+__all__ = ["TOKENS", "CHUNK", "COLS", "UP_NEURONS", "union_layout", "union_dx", "union_up"]
 
 
 def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int, max_entries: int, gated: bool,
@@ -79,7 +71,7 @@ def union_layout(seg_start, tok_off, entries, coef, *, m: int, f: int, tile: int
         bits = [c.view(np.uint16).astype(np.uint32) for c in rounded]
     n_sub = -(-m // TOKENS)
     n_tiles = tok_off.shape[1]
-    size = up_workspace_ints(m, max_entries) if up else workspace_ints(m, max_entries, gated)
+    size = layout.union_up_workspace_ints(m, max_entries) if up else layout.union_workspace_ints(m, max_entries, gated)
     ws = np.zeros(size, np.int64)
     owner = np.full(size, -1, np.int64)
     meta0 = 0

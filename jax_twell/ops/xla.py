@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jax_twell.ops.stats import hidden_stats
 
-__all__ = ["ffn", "ffn_with_aux", "up_down", "gather_ffn", "gather_width"]
+__all__ = ["ffn", "ffn_with_aux", "ffn_with_aux_vjp", "up_down", "gather_ffn", "gather_width"]
 
 
 def _hidden(x, w_gate, w_up):
@@ -49,6 +49,19 @@ def ffn_with_aux(x, w_gate, w_up, w_down):
     h, active = _hidden(x, w_gate, w_up)
     y = jnp.matmul(h, w_down)
     return (y, *hidden_stats(h, active))
+
+
+def ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1):
+    """Cotangents ``(dx, dw_gate, dw_up, dw_down)`` of :func:`ffn_with_aux`'s ``(y, l1)``
+    for ``(dy [M, d], dl1 [])``, by XLA autodiff of the dense formula (recomputing g and u):
+    the dense side of the sparse training ops' custom VJPs."""
+
+    def loss_terms(x, w_gate, w_up, w_down):
+        y, l1, _, _ = ffn_with_aux(x, w_gate, w_up, w_down)
+        return y, l1
+
+    _, vjp = jax.vjp(loss_terms, x, w_gate, w_up, w_down)
+    return vjp((dy, dl1.astype(jnp.float32)))
 
 
 def gather_width(m: int, f: int, active_per_token: float = 0.01) -> int:

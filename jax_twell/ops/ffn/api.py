@@ -107,13 +107,8 @@ def twell_ffn(
 
 
 def sparse_ffn(
-    x: jax.Array,
-    w_gate: jax.Array | None,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    *,
-    implementation: str | None = None,
-    sharding: FFNSharding | None = None,
+    x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array, w_down: jax.Array, *,
+    implementation: str | None = None, sharding: FFNSharding | None = None,
 ) -> jax.Array:
     """Inference FFN with a ReLU gate, computed on the sparse activation.
 
@@ -142,17 +137,9 @@ def sparse_ffn(
 
 
 def sparse_ffn_for_layer(
-    x: jax.Array,
-    w_gate: jax.Array | None,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    *,
-    layer: LayerInfo = LayerInfo(),
-    options: FFNOptions = FFNOptions(),
-    w_up_t: jax.Array | None = None,
-    w_act_t: jax.Array | None = None,
-    implementation: str | None = None,
-    sharding: FFNSharding | None = None,
+    x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array, w_down: jax.Array, *, layer: LayerInfo = LayerInfo(),
+    options: FFNOptions = FFNOptions(), w_up_t: jax.Array | None = None, w_act_t: jax.Array | None = None,
+    implementation: str | None = None, sharding: FFNSharding | None = None,
 ) -> jax.Array:
     """:func:`sparse_ffn` given what is known about the layer (internal entry point).
 

@@ -26,13 +26,8 @@ __all__ = ["sparse_ffn_train", "sparse_ffn_train_for_layer"]
 
 
 def sparse_ffn_train(
-    x: jax.Array,
-    w_gate: jax.Array | None,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    *,
-    implementation: str | None = None,
-    sharding: FFNSharding | None = None,
+    x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array, w_down: jax.Array, *,
+    implementation: str | None = None, sharding: FFNSharding | None = None,
 ) -> tuple[jax.Array, FFNAux]:
     """Training FFN: output, L1 term and sparsity statistics, differentiable.
 
@@ -57,15 +52,8 @@ def sparse_ffn_train(
 
 
 def sparse_ffn_train_for_layer(
-    x: jax.Array,
-    w_gate: jax.Array | None,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    *,
-    layer: LayerInfo = LayerInfo(),
-    options: TrainOptions = TrainOptions(),
-    implementation: str | None = None,
-    sharding: FFNSharding | None = None,
+    x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array, w_down: jax.Array, *, layer: LayerInfo = LayerInfo(),
+    options: TrainOptions = TrainOptions(), implementation: str | None = None, sharding: FFNSharding | None = None,
 ) -> tuple[jax.Array, FFNAux]:
     """:func:`sparse_ffn_train` given what is known about the layer (internal entry point).
 

@@ -141,12 +141,7 @@ def _train_bwd(width, backup_capacity, res, cotangents):
         return tuple(sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
 
     def dense(_):
-        def loss_terms(x, w_gate, w_up, w_down):
-            y, l1, _, _ = xla.ffn_with_aux(x, w_gate, w_up, w_down)
-            return y, l1
-
-        _, vjp = jax.vjp(loss_terms, x, w_gate, w_up, w_down)
-        return vjp((dy, dl1))
+        return xla.ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1)
 
     return jax.lax.cond(act.complete, sparse, dense, None)
 

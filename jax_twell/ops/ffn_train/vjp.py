@@ -151,14 +151,8 @@ def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
         grads = _as_varying(grads, axes)
         return tuple(sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
 
-    def dense(_):
-        # Nothing M x f was kept: the dense backward recomputes g and u (2 matmuls).
-        def loss_terms(x, w_gate, w_up, w_down):
-            y, l1, _, _ = xla.ffn_with_aux(x, w_gate, w_up, w_down)
-            return y, l1
-
-        _, vjp = jax.vjp(loss_terms, x, w_gate, w_up, w_down)
-        return vjp((dy, dl1.astype(jnp.float32)))
+    def dense(_):  # nothing M x f was kept: the dense backward recomputes g and u (2 matmuls)
+        return xla.ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1)
 
     return jax.lax.cond(use, sparse, dense, None)
 
