@@ -1,4 +1,4 @@
-"""The inference op's dispatch (jax_twell.ops.cuda.sparse_ffn) on CPU, with reference
+"""The inference op's dispatch (jax_twell.ops.ffn.cuda: plans run with stand-in kernels) on CPU, with reference
 stand-ins for the kernels: the counts it decides on, which branch each rule takes, and
 that every branch computes the FFN. The kernels themselves are tested on the GPU."""
 

@@ -1,5 +1,5 @@
 """The token-blocked fused FFN kernels (ffi/twell_ffn_blocked.cu): bit for bit against their
-NumPy model (jax_twell/ops/blocked_emulation.py), and against the reference on every edge."""
+NumPy model (tests/blocked_emulation.py), and against the reference on every edge."""
 
 import jax
 import jax.numpy as jnp

@@ -1,5 +1,5 @@
 """The CUDA training FFN kernels (ffi/twell_train.cu): bit for bit against their NumPy model
-(jax_twell/ops/train_emulation.py), gradients against jax.grad of the dense formula on the
+(tests/train_emulation.py), gradients against jax.grad of the dense formula on the
 adversarial set, determinism, and the op's branches (sparse, dense rule, over budget)."""
 
 import functools

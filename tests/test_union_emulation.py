@@ -1,4 +1,4 @@
-"""The union products' layouts and products (NumPy model, jax_twell/ops/union_emulation.py) on the
+"""The union products' layouts and products (NumPy model, tests/union_emulation.py) on the
 training model's blocked entries: every sub-block's words, rows and chunk offsets inside the
 workspace the handler allocates and disjoint from every other's, tight entry budgets and
 overflowed tiles included; dx from the layout equals the model's dx to the rounding of the

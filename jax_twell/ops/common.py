@@ -41,7 +41,7 @@ def check_ffn_args(x, w_gate, w_up, w_down) -> tuple[int, int]:
     """
     _check_float("x", x)
     if x.ndim < 1:
-        raise ValueError(f"x must have shape [..., d], got a scalar")
+        raise ValueError("x must have shape [..., d], got a scalar")
     d = x.shape[-1]
     _check_float("w_up", w_up)
     if w_up.ndim != 2 or w_up.shape[0] != d:

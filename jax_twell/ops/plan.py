@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import numbers
 
 import jax.numpy as jnp
 
@@ -112,19 +113,19 @@ class LayerInfo:
     def __post_init__(self):
         for name in ("active_fraction", "union_fraction"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+            if value is not None and not (isinstance(value, numbers.Real) and 0.0 <= value <= 1.0):
                 raise ValueError(f"{name} must be a Python float in [0, 1] or None, got {value!r}")
         if not isinstance(self.side, Side):
             raise TypeError(f"side must be a Side, got {self.side!r}")
 
 
+# --- inference ------------------------------------------------------------------------------
 def fused_gate_preferred(m: int, d: int, f: int, tile: int, capacity: int, dtype) -> bool:
     """Where the FFN paths pack the gate with the fused kernel: it takes the problem and
     measured faster than XLA's matmul + the pack (from ``FUSED_GATE_MIN_TOKENS`` tokens)."""
     return m >= FUSED_GATE_MIN_TOKENS and fused_gate_supported(d, f, tile, capacity, dtype)
 
 
-# --- inference ------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class FFNOptions:
     """Options of the inference plan (defaults: what the library runs).
