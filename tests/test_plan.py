@@ -9,6 +9,7 @@ import pytest
 
 import jax_twell as jt
 from jax_twell.ops import layout
+from jax_twell.ops.ffn import cuda as ffn_cuda
 from jax_twell.ops.costs import DenseCrossover, TrainCrossover
 from jax_twell.ops.plan import (
     FFNOptions,
@@ -87,6 +88,8 @@ def test_plans_are_values():
         LayerInfo(active_fraction=1.5)
     with pytest.raises(ValueError):
         FFNOptions(kernel="warp")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        ffn_cuda.twell_ffn(None, None, None, None, None, kernel="auto")  # one kernel, named
 
 
 def test_training_plans():

@@ -164,8 +164,11 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: Kernel
     stationary weight where ``options.rule`` prices it so). x: ``[..., M, d]``; act: TwELL
     of ``relu(x @ w_act)``; weights as in :func:`jax_twell.twell_ffn`. Returns ``y [..., M, d]``.
     """
+    names = tuple(k.value for k in Kernel if k is not Kernel.AUTO)
+    if getattr(kernel, "value", kernel) not in names:
+        raise ValueError(f"kernel must be one of {names}, got {kernel!r}")
     kernel = Kernel(kernel)
-    if kernel in (Kernel.ROW, Kernel.AUTO):
+    if kernel == Kernel.ROW:
         return binding.twell_ffn(x, act, w_act, w_up, w_down, w_up_t)
     union = kernel == Kernel.BLOCKED_UNION
     m = int(np.prod(x.shape[:-1]))
