@@ -15,21 +15,21 @@ the H200, measured there as "empty loop").
 Variants per configuration:
 - dense: jax_twell.ops.xla.ffn;
 - gate: the gate matmul alone (relu(x @ w_gate), reduced over f so none of it is skipped);
-- decode: cuda.sparse_ffn with the decode kernels (our gate kernel, then the up and down
-  steps: cuda.decode_ffn_gate), the up weight as stored ([d, f]: transposed in the call);
+- decode: the CUDA sparse_ffn with the decode kernels (our gate kernel, then the up and down
+  steps: binding.decode_ffn_gate), the up weight as stored ([d, f]: transposed in the call);
 - decode_pret: the same with the up weight given as [f, d] (w_up_t);
-- xla_gate_pret: XLA's gate matmul, then the up and down steps (cuda.decode_ffn), w_up_t;
+- xla_gate_pret: XLA's gate matmul, then the up and down steps (binding.decode_ffn), w_up_t;
 - checked_pret: as xla_gate_pret behind the per-call device check (dense above 2% active,
   DenseCrossover.decode_dense_above);
 - auto: jax_twell.sparse_ffn with the default rule (what users get);
-- rows (M <= 4): cuda.decode_ffn_rows, the whole FFN in two launches from the weights
+- rows (M <= 4): binding.decode_ffn_rows, the whole FFN in two launches from the weights
   stored by neuron (w_gate.T and w_up.T given, as a decode cache would hold them);
 - cached: jax_twell.sparse_ffn given the measured active fraction as the layer's
   active_fraction, w_up.T and w_gate.T (what a calibrated SparseFFN with both decode
   caches runs: the rows kernel at one token, the tile path or dense above).
 
 With ``--gate-splits 1,2,4,8`` it instead sweeps the gate kernel's K ranges: our gate plus
-the steps (cuda.decode_ffn_gate, w_up_t) per split count, the ranges added in a cluster
+the steps (binding.decode_ffn_gate, w_up_t) per split count, the ranges added in a cluster
 ("c<n>") or through a global workspace ("p<n>"), against XLA's gate plus the same steps, at
 0.5% uniform, M 1, 16 and 64.
 
@@ -46,15 +46,21 @@ import jax.numpy as jnp
 
 import jax_twell as jt
 from jax_twell.formats import relu_matmul
-from jax_twell.ops import cuda, xla
+from jax_twell.ops import layout, xla
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops.ffn import binding
+from jax_twell.ops.ffn import cuda as ffn_cuda
+from jax_twell.ops.ffn.api import sparse_ffn_for_layer
+from jax_twell.ops.plan import FFNOptions, LayerInfo, Side
 from jax_twell.testing import synthetic_ffn_inputs
 
 from common import run_metadata, time_calls, time_interleaved, write_result
 
 LAYERS = 8
-DECODE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"), decode_fused_gate=True)
-DECODE_XLA_GATE = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"), decode_fused_gate=False)
-DECODE_CHECKED = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=0.02)
+FORCED = LayerInfo(side=Side.SPARSE)
+DECODE = FFNOptions(rule=DenseCrossover(decode_kernel_max_tokens=64, decode_fused_gate=True))
+DECODE_XLA_GATE = FFNOptions(rule=DenseCrossover(decode_kernel_max_tokens=64, decode_fused_gate=False))
+DECODE_CHECKED = FFNOptions(rule=DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=0.02))
 
 
 def grid(quick: bool):
@@ -91,11 +97,11 @@ def sweep_gate_splits(splits_list, out):
         row = dict(m=m, d=2048, f=5632, density=0.005, pattern="uniform", layers=LAYERS)
         ops = dict(
             dense=lambda x, wg, wu, wd, wut, wgt: xla.ffn(x, wg, wu, wd),
-            xla_gate=lambda x, wg, wu, wd, wut, wgt: cuda.decode_ffn(x, relu_matmul(x, wg), wu, wd, w_up_t=wut),
+            xla_gate=lambda x, wg, wu, wd, wut, wgt: binding.decode_ffn(x, relu_matmul(x, wg), wu, wd, w_up_t=wut),
         )
         for s in splits_list:
             for cl in (True, False):
-                ops[f"{'c' if cl else 'p'}{s}"] = lambda x, wg, wu, wd, wut, wgt, s=s, cl=cl: cuda.decode_ffn_gate(
+                ops[f"{'c' if cl else 'p'}{s}"] = lambda x, wg, wu, wd, wut, wgt, s=s, cl=cl: binding.decode_ffn_gate(
                     x, wg, wu, wd, w_up_t=wut, splits=s, cluster=cl
                 )
         for name, op in ops.items():
@@ -104,7 +110,7 @@ def sweep_gate_splits(splits_list, out):
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = dict(**run_metadata("decode_gate_splits"), dtype="bfloat16", layers=LAYERS, results=rows,
-                  default_splits=cuda.decode_gate_splits(1, 2048, 5632))
+                  default_splits=binding.decode_gate_splits(1, 2048, 5632))
     write_result(result, out, "decode_gate_splits")
     print(f"\n{result['gpu']} commit {result['commit']}  (us per layer, stack of {LAYERS}; default splits {result['default_splits']})")
     names = [k[:-3] for k in rows[0] if k.endswith("_ms")]
@@ -129,24 +135,24 @@ def main():
     ops = dict(
         dense=lambda x, wg, wu, wd, wut=None, wgt=None: xla.ffn(x, wg, wu, wd),
         gate=gate_only,
-        decode=lambda x, wg, wu, wd, wut=None, wgt=None: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE),
-        decode_pret=lambda x, wg, wu, wd, wut, wgt=None: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE, w_up_t=wut
+        decode=lambda x, wg, wu, wd, wut=None, wgt=None: ffn_cuda.sparse_ffn(x, wg, wu, wd, layer=FORCED, options=DECODE),
+        decode_pret=lambda x, wg, wu, wd, wut, wgt=None: ffn_cuda.sparse_ffn(
+            x, wg, wu, wd, layer=FORCED, options=DECODE, w_up_t=wut
         ),
-        xla_gate_pret=lambda x, wg, wu, wd, wut, wgt=None: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE_XLA_GATE, w_up_t=wut
+        xla_gate_pret=lambda x, wg, wu, wd, wut, wgt=None: ffn_cuda.sparse_ffn(
+            x, wg, wu, wd, layer=FORCED, options=DECODE_XLA_GATE, w_up_t=wut
         ),
-        checked_pret=lambda x, wg, wu, wd, wut, wgt=None: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, crossover=DECODE_CHECKED, w_up_t=wut
+        checked_pret=lambda x, wg, wu, wd, wut, wgt=None: ffn_cuda.sparse_ffn(
+            x, wg, wu, wd, options=DECODE_CHECKED, w_up_t=wut
         ),
         auto=lambda x, wg, wu, wd, wut=None, wgt=None: jt.sparse_ffn(x, wg, wu, wd),
-        rows=lambda x, wg, wu, wd, wut, wgt: cuda.decode_ffn_rows(x, wgt, wd, w_up_t=wut),
+        rows=lambda x, wg, wu, wd, wut, wgt: binding.decode_ffn_rows(x, wgt, wd, w_up_t=wut),
     )
     # What a calibrated layer with both decode caches runs (SparseFFN after
     # TransformerLM.calibrate_ffn and cache_for_decode(activation_weight=True)): the public
     # op given the layer's active fraction, w_up.T and w_gate.T.
-    cached_op = lambda density: lambda x, wg, wu, wd, wut, wgt: jt.sparse_ffn(
-        x, wg, wu, wd, w_up_t=wut, w_act_t=wgt, active_fraction=density
+    cached_op = lambda density: lambda x, wg, wu, wd, wut, wgt: sparse_ffn_for_layer(
+        x, wg, wu, wd, w_up_t=wut, w_act_t=wgt, layer=LayerInfo(active_fraction=density)
     )
     rows = []
     for m, d, f, density, pattern in grid(args.quick):
@@ -157,7 +163,7 @@ def main():
             m=m, d=d, f=f, density=density, pattern=pattern, layers=LAYERS,
             measured_active_fraction=float(nnz.mean() / f), max_active_per_row=int(nnz.max()),
         )
-        fns = {name: stacked(op) for name, op in ops.items() if name != "rows" or m <= cuda.DECODE_ROWS_MAX_TOKENS}
+        fns = {name: stacked(op) for name, op in ops.items() if name != "rows" or m <= layout.DECODE_ROWS_MAX_TOKENS}
         fns["cached"] = stacked(cached_op(row["measured_active_fraction"]))
         timed = time_interleaved(fns, (x, tuple(layers)), min_seconds=0.02, max_reps=100, rounds=11)
         for name in (*ops, "cached"):
@@ -175,7 +181,7 @@ def main():
 
     result = dict(
         **run_metadata("decode_ffn"), dtype="bfloat16", layers=LAYERS,
-        crossover=vars(cuda.dense_crossover()), clock=__doc__.split('Clock ("stack"): ')[1].split("Variants")[0].strip(),
+        crossover=vars(DenseCrossover()), clock=__doc__.split('Clock ("stack"): ')[1].split("Variants")[0].strip(),
         results=rows,
     )
     write_result(result, args.out, "decode")

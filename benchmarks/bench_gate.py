@@ -5,12 +5,12 @@ rounds (benchmarks/common.time_interleaved; ``*_spread``: interquartile range ov
 rounds / median):
 - xla_matmul: ``relu(x @ w)`` through XLA (the dense gate every FFN runs; bf16 output);
 - xla_pack: that matmul then the ``jax_twell_pack`` kernel (the unfused TwELL gate);
-- fused: ``cuda.gate_pack`` (one kernel: the matmul's epilogue packs, no [M, f] write),
+- fused: ``binding.gate_pack`` (one kernel: the matmul's epilogue packs, no [M, f] write),
   cooperative schedule; fused_pingpong: the same with the ping-pong schedule.
 Ratios: ``fused_vs_matmul`` = xla_matmul / fused (issue 3 item 1a asks >= 0.9: matmul
 throughput within 10% of XLA's) and ``fused_vs_pack`` = xla_pack / fused (what the fused
 kernel saves the sparse paths); ``default_*``: the configuration the library picks for
-this d (cuda.fused_gate_variant). Inputs: synthetic_ffn_inputs (a real gate at the stated
+this d (layout.fused_gate_variant). Inputs: synthetic_ffn_inputs (a real gate at the stated
 firing rate), bf16.
 
 Usage: python benchmarks/bench_gate.py [--quick] [--out results.json]
@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_twell.formats import relu_matmul
-from jax_twell.ops import cuda
+from jax_twell.ops import layout
+from jax_twell.ops.ffn import binding
+from jax_twell.ops.pack import binding as pack_binding
 from jax_twell.testing import synthetic_ffn_inputs
 
 from common import run_metadata, time_interleaved, write_result
@@ -52,12 +54,12 @@ def main() -> None:
 
     variants = {
         "xla_matmul": jax.jit(relu_matmul),
-        "xla_pack": jax.jit(lambda x, w: cuda.pack_twell(relu_matmul(x, w), tile=TILE, capacity=CAPACITY)),
-        "fused": jax.jit(lambda x, w: cuda.gate_pack(x, w, tile=TILE, capacity=CAPACITY, variant=0)),
-        "fused_pingpong": jax.jit(lambda x, w: cuda.gate_pack(x, w, tile=TILE, capacity=CAPACITY, variant=1)),
+        "xla_pack": jax.jit(lambda x, w: pack_binding.pack_twell(relu_matmul(x, w), tile=TILE, capacity=CAPACITY)),
+        "fused": jax.jit(lambda x, w: binding.gate_pack(x, w, tile=TILE, capacity=CAPACITY, variant=0)),
+        "fused_pingpong": jax.jit(lambda x, w: binding.gate_pack(x, w, tile=TILE, capacity=CAPACITY, variant=1)),
     }
     for v in args.variants:  # extra schedule / raster / swizzle codes (ffi/twell_gate.cu)
-        variants[f"fused_v{v}"] = jax.jit(lambda x, w, v=v: cuda.gate_pack(x, w, tile=TILE, capacity=CAPACITY, variant=v))
+        variants[f"fused_v{v}"] = jax.jit(lambda x, w, v=v: binding.gate_pack(x, w, tile=TILE, capacity=CAPACITY, variant=v))
     rows = []
     for m, d, f, density in configurations(args.quick):
         inp = synthetic_ffn_inputs(jax.random.key(m + d + f), m, d, f, density=density, dtype=jnp.bfloat16)
@@ -82,8 +84,8 @@ def main() -> None:
             if name.startswith("fused_"):
                 row[f"{name}_vs_matmul"] = timing["xla_matmul"][0] / timing[name][0]
         row["pingpong_vs_matmul"] = row["fused_pingpong_vs_matmul"]
-        # What gate_twell and the FFN paths run: the configuration cuda.fused_gate_variant picks.
-        row["default_variant"] = cuda.fused_gate_variant(d)
+        # What gate_twell and the FFN paths run: the configuration layout.fused_gate_variant picks.
+        row["default_variant"] = layout.fused_gate_variant(d)
         default = {0: "fused", 1: "fused_pingpong"}.get(row["default_variant"])
         if default is not None:
             row["default_ms"] = row[f"{default}_ms"]

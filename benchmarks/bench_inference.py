@@ -18,21 +18,21 @@ Two clocks:
 
 Variants timed per configuration:
 - dense: jax_twell.ops.xla.ffn (gate, up, down matmuls through XLA);
-- sparse: jax_twell.ops.cuda.sparse_ffn forced sparse (gate matmul, pack kernel, fused
+- sparse: jax_twell.ops.ffn.cuda.sparse_ffn forced sparse (``LayerInfo(side=Side.SPARSE)``) (gate matmul, pack kernel, fused
   up+down kernel; the up weight transposed inside the call);
 - pret: as sparse, with the up weight given pre-transposed ([f, d], as a model can store it);
 - auto: jax_twell.sparse_ffn with the default dense-crossover rule (what users get);
-- layer: cuda.sparse_ffn given the measured active fraction and 64-token union
-  (``measured_union_fraction``, cuda.block_union_fraction of the gate activations): what a
+- layer: the same given the measured active fraction and 64-token union
+  (``measured_union_fraction``, stats.block_union_fraction of the gate activations): what a
   calibrated SparseFFN layer runs (where the rule predicts dense, XLA's dense FFN with no
   device check);
 - layer_pret: as layer, with the up weight given pre-transposed (a layer that stores it);
 - gather (M <= 64 only, shared by every kernel's row): jax_twell.ops.xla.gather_ffn, the
   decode path reading only the active neurons' weights, w_up as stored and pre-transposed;
 - decode kernels: benchmarks/bench_decode.py (its own clock).
-Each configuration gives one row per fused kernel ("kernel": one of cuda.KERNELS, the
-``kernel=`` argument of cuda.sparse_ffn; the blocked kernel's "auto" is
-cuda.sparse_ffn(kernel="blocked") under the default rule); dense is timed once and shared.
+Each configuration gives one row per fused kernel ("kernel": a ``jax_twell.ops.plan.Kernel``
+value, ``FFNOptions.kernel``; a blocked kernel's "auto" is that kernel under the default
+rule); dense is timed once and shared.
 
 Usage: python benchmarks/bench_inference.py [--quick] [--kernels row,blocked,blocked_mma|none] [--m 16384,2048]
        [--configs M:d:f:density:pattern,...] [--out results.json]
@@ -48,12 +48,16 @@ import jax
 import jax.numpy as jnp
 
 import jax_twell as jt
-from jax_twell.ops import cuda, xla
+from jax_twell.ops import stats, xla
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops.ffn import cuda as ffn_cuda
+from jax_twell.ops.plan import FFNOptions, Kernel, LayerInfo, Side
 from jax_twell.testing import inference_benchmark_grid, synthetic_ffn_inputs
 
 from common import run_metadata, time_calls, time_interleaved, write_result
 
-ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
+FORCED = LayerInfo(side=Side.SPARSE)
+KERNELS = tuple(k.value for k in Kernel if k is not Kernel.AUTO)
 
 
 def timed(fn, args):
@@ -89,9 +93,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--kernels", default=",".join(cuda.KERNELS),
+    parser.add_argument("--kernels", default=",".join(KERNELS),
                         help="comma-separated fused kernels to time; a name with the suffix _nostat (blocked_union_nostat) "
-                             "traces the kernel with cuda.STATIONARY_DOWN off: the union down product instead of the "
+                             "traces the kernel with the rule's stationary_down off: the union down product instead of the "
                              "stationary one (the A/B of ffi/twell_stationary.cuh)")
     parser.add_argument("--m", default=None, help="comma-separated token counts: time only these configurations")
     parser.add_argument("--configs", default=None,
@@ -101,51 +105,35 @@ def main():
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
-    if args.no_fused_gate:
-        cuda.FUSED_GATE_MIN_TOKENS = 1 << 62
     kernels = [k for k in args.kernels.split(",") if k != "none"]
-    if args.margin is not None:
-        cuda.set_dense_crossover(dataclasses.replace(cuda.dense_crossover(), margin=args.margin))
+    rule = DenseCrossover() if args.margin is None else DenseCrossover(margin=args.margin)
 
     dense_op = lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd)
 
-    def without_stationary(op):
-        # STATIONARY_DOWN is read while a call is traced: off for this op's trace only
-        def wrapped(*a):
-            old, cuda.STATIONARY_DOWN = cuda.STATIONARY_DOWN, False
-            try:
-                return op(*a)
-            finally:
-                cuda.STATIONARY_DOWN = old
-        return wrapped
+    def cuda_op(kernel, layer=LayerInfo(), rule=rule, pret=False):
+        # a name with _nostat: the rule without the stationary down step (the union product)
+        if kernel.endswith("_nostat"):
+            kernel, rule = kernel.removesuffix("_nostat"), dataclasses.replace(rule, stationary_down=False)
+        options = FFNOptions(kernel=kernel, rule=rule, fused_gate=not args.no_fused_gate)
+
+        def op(x, wg, wu, wd, wut=None):
+            return ffn_cuda.sparse_ffn(x, wg, wu, wd, layer=layer, options=options, w_up_t=wut if pret else None)
+        return op
 
     def kernel_ops(kernel):
-        if kernel.endswith("_nostat"):
-            return {n: without_stationary(op) for n, op in kernel_ops(kernel.removesuffix("_nostat")).items()}
-        sparse_op = lambda x, wg, wu, wd: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, kernel=kernel
-        )
-        pret_op = lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, w_up_t=wut, kernel=kernel
-        )
-        if kernel == "row":
-            auto_op = lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd)
-        else:
-            auto_op = lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, kernel=kernel)
-        return dict(sparse=sparse_op, pret=pret_op, auto=auto_op)
+        auto_op = cuda_op(kernel)
+        if kernel == "row" and args.margin is None and not args.no_fused_gate:
+            auto_op = lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd)  # the public default (Kernel.AUTO)
+        elif kernel == "row":
+            auto_op = cuda_op("auto")  # the public default under the options given
+        return dict(sparse=cuda_op(kernel, FORCED, DenseCrossover()), pret=cuda_op(kernel, FORCED, DenseCrossover(), True),
+                    auto=auto_op)
 
     def layer_op(kernel, fraction, union, pret=False):
-        if kernel.endswith("_nostat"):
-            return without_stationary(layer_op(kernel.removesuffix("_nostat"), fraction, union, pret))
         # The trace-time choice of a layer whose active fraction and union are known
         # (SparseFFN's active_fraction and union_fraction): dense is XLA's FFN itself.
         # With pret, the layer also gives the up weight as [f, d] (five operands).
-        def op(x, wg, wu, wd, wut=None):
-            return cuda.sparse_ffn(
-                x, wg, wu, wd, tile=256, capacity=32, kernel=kernel, active_fraction=fraction, union_fraction=union,
-                w_up_t=wut if pret else None,
-            )
-        return op
+        return cuda_op(kernel, LayerInfo(active_fraction=fraction, union_fraction=union), pret=pret)
 
     rows = []
     for m, d, f, density, pattern in grid(args.quick, [int(v) for v in args.m.split(",")] if args.m else None, args.configs):
@@ -158,7 +146,7 @@ def main():
             measured_active_fraction=float(nnz.mean() / f),
             max_active_per_row=int(nnz.max()),
             overflowed_tiles=int((counts > act.capacity).sum()),
-            measured_union_fraction=float(cuda.block_union_fraction(jt.formats.relu_matmul(inp.x, inp.w_gate))),
+            measured_union_fraction=float(stats.block_union_fraction(jt.formats.relu_matmul(inp.x, inp.w_gate))),
         )
         clock = "loop" if m <= 64 else "call"
         w_up_t = inp.w_up.T.copy()
@@ -212,14 +200,14 @@ def main():
             row["clock"] = clock
             if kernel.removesuffix("_nostat") == "blocked_union":  # which down step the forced calls ran
                 for name, pret in (("down_stationary", False), ("down_stationary_pret", True)):
-                    row[name] = not kernel.endswith("_nostat") and ALWAYS_SPARSE.down_stationary(m, d, f, 2, None, pret)
-            if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632 and kernel in cuda.KERNELS:
+                    row[name] = not kernel.endswith("_nostat") and DenseCrossover().down_stationary(m, d, f, 2, None, pret)
+            if m == 16384 and density == 0.005 and pattern == "uniform" and f == 5632 and kernel in KERNELS:
                 gate = jax.jit(lambda x, w: jt.formats.relu_matmul(x, w))
                 gate_pack = jax.jit(lambda x, w: jt.gate_twell(x, w, implementation="cuda"))
                 transpose = jax.jit(lambda w: w.T + 0)
                 a = jt.gate_twell(inp.x, inp.w_gate, implementation="cuda")
-                fused = jax.jit(lambda x, a, wg, wu, wd: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wu.T, kernel=kernel))
-                fused_t = jax.jit(lambda x, a, wg, wu, wd, wut: cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wut, kernel=kernel))
+                fused = jax.jit(lambda x, a, wg, wu, wd: ffn_cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wu.T, kernel=kernel))
+                fused_t = jax.jit(lambda x, a, wg, wu, wd, wut: ffn_cuda.twell_ffn(x, a, wg, wu, wd, w_up_t=wut, kernel=kernel))
                 row["breakdown_ms"] = dict(
                     gate_matmul=1e3 * timed(gate, (inp.x, inp.w_gate)),
                     gate_and_pack=1e3 * timed(gate_pack, (inp.x, inp.w_gate)),
@@ -236,7 +224,7 @@ def main():
         dtype="bfloat16",
         tile=256,
         capacity=32,
-        crossover=vars(cuda.dense_crossover()),
+        crossover=vars(rule),
         clocks=__doc__.split("Two clocks:")[1].split("Variants")[0].strip(),
         results=rows,
     )

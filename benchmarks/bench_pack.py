@@ -7,7 +7,7 @@ forward's dense start). It reads g [M, f] once and writes the TwELL fields, so i
 is a memory floor. Per configuration (M, f, active fraction, dtype), on the same g, timed
 in interleaved rounds (benchmarks/common.time_interleaved; ``*_spread``: interquartile
 range over the rounds / median):
-- pack: ``cuda.pack_twell(g)`` (tile 256, capacity 32);
+- pack: ``pack_binding.pack_twell(g)`` (tile 256, capacity 32);
 - xla_count: ``jnp.count_nonzero(g, axis=-1)`` through XLA, a reduction that reads g once
   and writes almost nothing: what reading g costs on this GPU, in the same process.
 ``pack_tbps``: the pack's bytes moved (g read, values / cols / counts written) per second;
@@ -24,7 +24,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from jax_twell.ops import cuda
+from jax_twell.ops.pack import binding as pack_binding
 from jax_twell.testing import synthetic_ffn_inputs
 from jax_twell.formats import relu_matmul
 
@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
 
     variants = {
-        "pack": jax.jit(lambda g: cuda.pack_twell(g, tile=TILE, capacity=CAPACITY)),
+        "pack": jax.jit(lambda g: pack_binding.pack_twell(g, tile=TILE, capacity=CAPACITY)),
         "xla_count": jax.jit(lambda g: jnp.count_nonzero(g, axis=-1)),
     }
     rows = []

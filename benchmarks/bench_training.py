@@ -15,16 +15,15 @@ step runs all nine matmuls (the forward's three, the backward's six). With ``--g
 ratios read ~10% lower than a training step's.
 
 - dense: XLA autodiff through jax_twell.ops.xla.ffn_with_aux;
-- cuda: cuda_train.ffn_with_aux forced sparse, CUDA-core steps (mma=False; margin inf: sparse wherever the entries
-  fit the budget; "branch" says which path ran);
-- auto: cuda_train.ffn_with_aux under the default rule (TrainCrossover), decided per call
-  on the device;
+- cuda: the CUDA training FFN (jax_twell.ops.ffn_train.vjp.ffn_with_aux) forced sparse
+  (``LayerInfo(side=Side.SPARSE)``: sparse wherever the entries fit the budget; "branch"
+  says which path ran), CUDA-core steps (``tensor_cores=False``);
+- auto: the same under the default rule (TrainCrossover), decided per call on the device;
 - layer: the same rule decided at trace time from the measured active fraction and 64-token
-  union (``active_fraction=``, ``union_fraction=``, as the bundled training loop decides
-  each layer's side): XLA autodiff where the rule says dense, the kernels where it says sparse;
-- mma: as cuda, with the up, down, dh and dx steps on tensor cores (mma=True, the default
-  of ffn_with_aux; auto and layer use it);
-- cdx (with --cudacore-dx): as mma, with dx on CUDA cores (dx_mma=False);
+  union (``LayerInfo(active_fraction, union_fraction)``): XLA autodiff where the rule says dense, the kernels where it says sparse;
+- mma: as cuda, with the up, down, dh and dx steps on tensor cores (``tensor_cores=True``,
+  the default of TrainOptions; auto and layer use it);
+- cdx (with --cudacore-dx): as mma, with dx on CUDA cores (dx_tensor_cores=False);
 - udx (with --union-dx): as mma, with dx as a union product (dx_union=True);
 - udn (with --union-down): as mma, with the forward's down step as a union product too (down_union=True);
 - uup (with --union-up): as mma, with the forward's up step as a union product too (up_union=True);
@@ -58,18 +57,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_twell.formats import relu_matmul
-from jax_twell.ops import blocked_emulation as bemu
-from jax_twell.ops import cuda, cuda_train, xla
+from jax_twell.ops import layout, stats, xla
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops.ffn import cuda as ffn_cuda
+from jax_twell.ops.ffn_train import vjp as train_cuda
+from jax_twell.ops.plan import LayerInfo, Side, TrainOptions, default_train_rule
 from jax_twell.testing import synthetic_ffn_inputs
 
 from common import run_metadata, time_calls, time_interleaved, write_result
 
 L1 = 2e-5
-ALWAYS_SPARSE = cuda_train.TrainCrossover(margin=float("inf"))
+FORCED = LayerInfo(side=Side.SPARSE)
 WIDTH = 128
-# Optional step variants: (argument, name, ffn_with_aux options on top of mma=True, label).
+# Optional step variants: (argument, name, TrainOptions fields on top of tensor_cores=True, label).
 OPTIONAL_VARIANTS = (
-    ("cudacore_dx", "cdx", dict(dx_mma=False), "cuda-core dx"),
+    ("cudacore_dx", "cdx", dict(dx_tensor_cores=False), "cuda-core dx"),
     ("union_dx", "udx", dict(dx_union=True), "union dx"),
     ("union_down", "udn", dict(down_union=True), "union down"),
     ("union_up", "uup", dict(up_union=True), "union up"),
@@ -164,21 +166,21 @@ def main():
     parser.add_argument("--no-fused-gate", action="store_true",
                         help="pack the gate with XLA's matmul + the pack kernel everywhere (the A/B of the fused gate kernel)")
     args = parser.parse_args()
-    if args.no_fused_gate:
-        cuda.FUSED_GATE_MIN_TOKENS = 1 << 62
     densities = [float(v) for v in args.densities.split(",")] if args.densities else None
     patterns = tuple(args.patterns.split(",")) if args.patterns else None
     if patterns is not None and not set(patterns) <= set(PATTERNS):
         parser.error(f"--patterns: each of {PATTERNS}, got {args.patterns}")
 
+    def train_op(layer=LayerInfo(), **steps):
+        options = TrainOptions(width=WIDTH, fused_gate=not args.no_fused_gate, **steps)
+        return functools.partial(train_cuda.ffn_with_aux, layer=layer, options=options)
+
     dense_op = xla.ffn_with_aux
-    cuda_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
-        x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=False
-    )
-    auto_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH)
-    mma_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(x, wg, wu, wd, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True)
+    cuda_op = train_op(FORCED, tensor_cores=False)
+    auto_op = train_op()
+    mma_op = train_op(FORCED, tensor_cores=True)
     optional = [
-        (name, functools.partial(cuda_train.ffn_with_aux, width=WIDTH, crossover=ALWAYS_SPARSE, mma=True, **options))
+        (name, train_op(FORCED, tensor_cores=True, **options))
         for flag, name, options, _ in OPTIONAL_VARIANTS
         if getattr(args, flag)
     ]
@@ -186,35 +188,32 @@ def main():
     for m, d, f, density, pattern in grid(args.quick, densities, patterns, tuple(int(v) for v in args.tokens.split(","))):
         inp = synthetic_ffn_inputs(jax.random.key(m + f + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
         cot = jax.random.normal(jax.random.key(1), (m, d), jnp.float32)
-        act = cuda.gate_twell(inp.x, inp.w_gate, tile=cuda_train.TILE, capacity=cuda_train.CAPACITY)
+        act = ffn_cuda.gate_twell(inp.x, inp.w_gate, tile=layout.TRAIN_TILE, capacity=layout.TRAIN_CAPACITY)
         counts = np.asarray(act.counts)
         nnz = counts.sum(-1)
-        need = bemu.needed_entries(counts, cuda_train.CAPACITY, cuda_train.TILE, f)
-        budget = cuda_train.max_entries_for(m, f, WIDTH)
+        need = int(np.where(counts > layout.TRAIN_CAPACITY, np.asarray(stats.tile_widths(f, layout.TRAIN_TILE)),
+                            counts).sum())
+        budget = layout.train_max_entries(m, f, WIDTH)
+        pays = DenseCrossover().down_stationary(m, d, f, inp.x.dtype.itemsize)
         row = dict(
             m=m, d=d, f=f, density=density, pattern=pattern,
-            down_stationary=bool(cuda_train.DOWN_STATIONARY_DEFAULT and cuda.dense_crossover().down_stationary(
-                m, d, f, inp.x.dtype.itemsize)),
-            dx_stationary=bool(cuda_train.DX_STATIONARY_DEFAULT and cuda.dense_crossover().down_stationary(
-                m, d, f, inp.x.dtype.itemsize) and cuda_train.stationary_dx_supported(
-                m, d, f, cuda_train.max_entries_for(m, f, WIDTH), True)),
+            down_stationary=bool(pays),
+            dx_stationary=bool(pays and layout.walk_supported(m, d, f, budget, 2)),
             measured_active_fraction=float(nnz.mean() / f),
             # the mean union of active neurons over 64-token blocks, as a fraction of f:
             # what the union products read (to fit a rule that sees it)
-            measured_union_fraction=float(cuda.block_union_fraction(relu_matmul(inp.x, inp.w_gate))),
+            measured_union_fraction=float(stats.block_union_fraction(relu_matmul(inp.x, inp.w_gate))),
             max_active_per_row=int(nnz.max()),
-            overflowed_tiles=int((counts > cuda_train.CAPACITY).sum()),
+            overflowed_tiles=int((counts > layout.TRAIN_CAPACITY).sum()),
             entries_needed=int(need), entry_budget=int(budget),
             branch="sparse" if need <= budget else "dense (over the entry budget)",
-            auto_rule_sparse=bool(need <= budget and cuda_train.train_crossover().use_sparse(
-                int(nnz.sum()), int((counts > cuda_train.CAPACITY).sum()), m, d, f, 2)),
+            auto_rule_sparse=bool(need <= budget and default_train_rule(m, d, f, 2).use_sparse(
+                int(nnz.sum()), int((counts > layout.TRAIN_CAPACITY).sum()), m, d, f, 2)),
         )
         operands = (*inp, cot)
         fraction, union = row["measured_active_fraction"], row["measured_union_fraction"]
-        layer_op = lambda x, wg, wu, wd, p=fraction, u=union: cuda_train.ffn_with_aux(
-            x, wg, wu, wd, width=WIDTH, active_fraction=p, union_fraction=u
-        )
-        row["layer_rule_sparse"] = cuda_train.train_crossover().prefers_sparse(m, d, f, 2, fraction, union)
+        layer_op = train_op(LayerInfo(active_fraction=fraction, union_fraction=union))
+        row["layer_rule_sparse"] = default_train_rule(m, d, f, 2).prefers_sparse(m, d, f, 2, fraction, union)
         variants = [("dense", dense_op), ("cuda", cuda_op), ("auto", auto_op), ("layer", layer_op), ("mma", mma_op)]
         variants += optional
         steps = time_interleaved({name: step(op, args.grad_only) for name, op in variants}, operands,
@@ -250,11 +249,11 @@ def main():
         fused_gate=not args.no_fused_gate,
         step="grad" if args.grad_only else "value_and_grad",
         dtype="bfloat16",
-        tile=cuda_train.TILE,
-        capacity=cuda_train.CAPACITY,
+        tile=layout.TRAIN_TILE,
+        capacity=layout.TRAIN_CAPACITY,
         width=WIDTH,
         l1_coefficient=L1,
-        crossover=vars(cuda_train.train_crossover()),
+        crossover=vars(default_train_rule(16384, 2048, 5632, 2)),
         memory=memory,
         results=rows,
     )

@@ -1,4 +1,4 @@
-"""Fits the inference rule's "blocked_union" constants (``jax_twell.ops.cuda.DenseCrossover``)
+"""Fits the inference rule's "blocked_union" constants (``jax_twell.ops.DenseCrossover``)
 to ``bench_inference.py`` results, and shows how the refit decides each point.
 
 Two models, each linear in its constants' inverses, fitted by relative least squares to
@@ -32,7 +32,8 @@ import json
 
 import numpy as np
 
-from jax_twell.ops import cuda, stationary_emulation, union_emulation
+from jax_twell.ops import layout
+from jax_twell.ops.costs import DenseCrossover
 
 UNION = ("union_row_bandwidth", "union_fixed_overhead", "union_transpose_bandwidth")
 STATIONARY = ("stationary_up_bandwidth", "stationary_pair_seconds", "stationary_pair_seconds_8",
@@ -54,7 +55,7 @@ def load_rows(paths: list[str]) -> list[dict]:
     return rows
 
 
-def ran_stationary(r: dict, base: cuda.DenseCrossover, pretransposed: bool, before_stationary: bool = False) -> bool:
+def ran_stationary(r: dict, base: DenseCrossover, pretransposed: bool, before_stationary: bool = False) -> bool:
     """Whether the row's forced call (with ``w_up_t`` or not) ran the stationary down step."""
     key = "down_stationary_pret" if pretransposed else "down_stationary"
     if key in r:
@@ -62,7 +63,7 @@ def ran_stationary(r: dict, base: cuda.DenseCrossover, pretransposed: bool, befo
     return r.get("kernel") == "blocked_union" and not before_stationary and base.stationary_runs(r["m"], r["d"], r["f"])
 
 
-def usable(rows: list[dict], base: cuda.DenseCrossover, model: str, before_stationary: bool = False) -> list[tuple]:
+def usable(rows: list[dict], base: DenseCrossover, model: str, before_stationary: bool = False) -> list[tuple]:
     """The points ``model`` reads (module docstring), as ``(row, pretransposed)``: uniform
     rows of the union kernels, enough tokens, forced timings."""
     out = []
@@ -82,19 +83,19 @@ def after_gate_seconds(r: dict, pretransposed: bool) -> float:
     return 1e-3 * (call - r["dense_call_ms"] / 3.0)
 
 
-def features(r: dict, base: cuda.DenseCrossover, model: str, pretransposed: bool) -> list[float]:
+def features(r: dict, base: DenseCrossover, model: str, pretransposed: bool) -> list[float]:
     """The row's terms, one per constant of ``model`` (in the order of UNION / STATIONARY)."""
     m, d, f, p = r["m"], r["d"], r["f"], r["measured_active_fraction"]
-    union_bytes = base.union_row_bytes(m, d, f, ITEMSIZE, union_emulation.uniform_union(p))
+    union_bytes = base.union_row_bytes(m, d, f, ITEMSIZE, layout.uniform_union(p))
     transpose = 0.0 if pretransposed else 2.0 * d * f * ITEMSIZE
     if model == "union":
         return [union_bytes, 1.0, transpose]
-    cols = stationary_emulation.cols(f)
+    cols = layout.walk_cols(f)
     pairs = p * m * f * -(-d // (cols * base.stationary_sms))
     return [0.5 * union_bytes, pairs if cols == 16 else 0.0, pairs if cols == 8 else 0.0, float(m), 1.0, transpose]
 
 
-def fit(points: list[tuple], base: cuda.DenseCrossover, model: str = "stationary") -> cuda.DenseCrossover:
+def fit(points: list[tuple], base: DenseCrossover, model: str = "stationary") -> DenseCrossover:
     """``base`` with the constants of ``model`` fitted to ``points`` (:func:`usable` ones);
     a constant whose term is zero at every point keeps its value."""
     names = STATIONARY if model == "stationary" else UNION
@@ -121,7 +122,7 @@ def main():
                         help="the results were measured before the stationary down step (59e8f0d): "
                              "their blocked_union rows ran union products")
     args = parser.parse_args()
-    base = cuda.DenseCrossover()
+    base = DenseCrossover()
     names = STATIONARY if args.model == "stationary" else UNION
     points = usable(load_rows(args.results), base, args.model, args.before_stationary)
     if len(points) < len(names):
@@ -134,7 +135,7 @@ def main():
     for r, pretransposed in points:
         m, d, f, p = r["m"], r["d"], r["f"], r["measured_active_fraction"]
         measured = 1e3 * after_gate_seconds(r, pretransposed)
-        model = 1e3 * float(price(p * m * f, m, d, f, ITEMSIZE, union_emulation.uniform_union(p), pretransposed))
+        model = 1e3 * float(price(p * m * f, m, d, f, ITEMSIZE, layout.uniform_union(p), pretransposed))
         sparse = rule.sparse_predicted(m, d, f, ITEMSIZE, p, pretransposed, "blocked_union")
         ratio = r["pret_ratio"] if pretransposed else r["sparse_ratio"]
         side = "sparse" if sparse else "dense"

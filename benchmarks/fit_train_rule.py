@@ -1,4 +1,4 @@
-"""Fits the training rule's (``jax_twell.ops.cuda_train.TrainCrossover``) measured
+"""Fits the training rule's (``jax_twell.ops.TrainCrossover``) measured
 constants to a ``bench_training.py`` result, and shows how the refit decides each point.
 
 The rule prices the kernels' step after the shared gate matmul as known terms (the pack,
@@ -25,7 +25,7 @@ import json
 
 import numpy as np
 
-from jax_twell.ops import cuda_train
+from jax_twell.ops.costs import TrainCrossover
 
 
 FITTED = ("fixed_overhead", "pair_rate", "grad_stream_spill", "union_bandwidth")
@@ -42,7 +42,7 @@ def gate_ms(row: dict) -> float:
     return row["dense_step_ms"] / row["dense_matmuls"]
 
 
-def fit(rows: list[dict], base: cuda_train.TrainCrossover, itemsize: int = 2) -> cuda_train.TrainCrossover:
+def fit(rows: list[dict], base: TrainCrossover, itemsize: int = 2) -> TrainCrossover:
     """``base`` with the constants of :data:`FITTED` fitted to ``rows``."""
     known, target, design = [], [], []
     for r in rows:
@@ -81,7 +81,7 @@ def main():
         rows += [dict(r, dense_matmuls=dense_matmuls(result)) for r in result["results"] if "measured_union_fraction" in r]
     if len(rows) < 2 * len(FITTED):
         raise SystemExit(f"{len(rows)} rows with a measured union; the fit wants at least {2 * len(FITTED)}")
-    rule = fit(rows, cuda_train.TrainCrossover())
+    rule = fit(rows, TrainCrossover())
     print(", ".join(f"{name} {getattr(rule, name):.4g}" for name in (*FITTED, "matmul_rate")))
     print(f"{'M':>6} {'pattern':>8} {'active':>7} {'union':>6} {'measured ms':>11} {'model ms':>8} {'error':>6} "
           f"{'kernels':>7} {'rule':>6}")

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_twell.modules import truncated_normal
-from jax_twell.ops import FFNSharding, sparse_ffn, sparse_ffn_train
-from jax_twell.ops.api import DEFAULT_WIDTH
+from jax_twell.ops import FFNSharding, sparse_ffn
+from jax_twell.ops.ffn_train.api import sparse_ffn_train_for_layer
+from jax_twell.ops.plan import TrainOptions
 
 __all__ = ["SparseFFN"]
 
@@ -48,7 +49,7 @@ class SparseFFN(nn.Module):
     d_ff: int
     gated: bool = True
     implementation: str | None = None
-    width: int = DEFAULT_WIDTH
+    width: int = TrainOptions.width
     sharding: FFNSharding | None = None
     param_dtype: jnp.dtype = jnp.float32
     deterministic: bool | None = None
@@ -86,8 +87,9 @@ class SparseFFN(nn.Module):
         w_down = self.param("w_down", _init(f**-0.5, ("mlp", "embed")), (f, d), self.param_dtype).astype(x.dtype)
         if deterministic:
             return sparse_ffn(x, w_gate, w_up, w_down, implementation=self.implementation, sharding=self.sharding)
-        y, aux = sparse_ffn_train(
-            x, w_gate, w_up, w_down, width=self.width, implementation=self.implementation, sharding=self.sharding
+        y, aux = sparse_ffn_train_for_layer(
+            x, w_gate, w_up, w_down, options=TrainOptions(width=self.width), implementation=self.implementation,
+            sharding=self.sharding,
         )
         self.sow("intermediates", "ffn_stats", aux)
         return y

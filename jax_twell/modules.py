@@ -54,10 +54,11 @@ import numpy as np
 from flax import nnx
 
 from jax_twell.formats import relu_matmul
-from jax_twell.ops import FFNAux, FFNSharding, sparse_ffn, sparse_ffn_train
-from jax_twell.ops.cuda import block_union_fraction
-from jax_twell.ops.api import DEFAULT_WIDTH
-from jax_twell.ops.common import hidden_stats, make_aux
+from jax_twell.ops import FFNAux, FFNSharding
+from jax_twell.ops.ffn.api import sparse_ffn_for_layer
+from jax_twell.ops.ffn_train.api import sparse_ffn_train_for_layer
+from jax_twell.ops.plan import LayerInfo, Side, TrainOptions
+from jax_twell.ops.stats import block_union_fraction, hidden_stats, make_aux
 
 __all__ = [
     "SparseFFN",
@@ -210,22 +211,23 @@ class SparseFFN(_FFN):
       gated: ``h = relu(x Wg) * (x Wu)`` when True, ``h = relu(x Wu)`` when False.
       implementation: passed to ``jax_twell.sparse_ffn_train`` / ``sparse_ffn``
         (None picks CUDA kernels on GPU when available, else dense XLA math).
-      width: ELL row width of the training format (``sparse_ffn_train``'s ``width``);
-        tokens with more active neurons count in ``rows_over_capacity``.
+      width: ELL row width of the training format (``TrainOptions.width``); tokens with
+        more active neurons count in ``rows_over_capacity``.
       sharding: ``jax_twell.FFNSharding`` to run the ops per shard of a device mesh
         (needed whenever the operands are sharded; None for unsharded use).
       param_dtype: parameter storage dtype (f32 default); compute runs in ``x.dtype``.
       active_fraction: this layer's expected fraction of active (token, neuron) pairs, a
-        Python float or None; passed to ``sparse_ffn_train`` and ``sparse_ffn`` (with the
-        "cuda" implementation the sparse-or-dense choice is then made per layer at trace
-        time, and decode-sized inference calls may take the decode kernels). A plain
-        attribute: set it from measured statistics (``FFNAux.nnz_mean / d_ff``, or
+        Python float or None (``LayerInfo.active_fraction``: with the "cuda"
+        implementation the sparse-or-dense choice is then made per layer at trace time,
+        and decode-sized inference calls may take the decode kernels). A plain attribute:
+        set it from measured statistics (``FFNAux.nnz_mean / d_ff``, or
         ``TransformerLM.calibrate_ffn``) and re-jit when the layer's choice changes.
       union_fraction: this layer's measured mean union of active neurons over 64-token
         blocks as a fraction of f (a Python float or None; :meth:`block_union`, or
-        ``TransformerLM.calibrate_ffn``); passed with ``active_fraction`` to ``sparse_ffn``
-        and ``sparse_ffn_train``, where on "cuda" it prices the union kernels at trace
-        time. A plain attribute, like ``active_fraction``.
+        ``TransformerLM.calibrate_ffn``); with ``active_fraction`` it prices the union
+        kernels at trace time. A plain attribute, like ``active_fraction``.
+      side: ``jax_twell.ops.plan.Side``: a side decided for the layer (the trainer's
+        per-layer choice, ``jax_twell.train.ffn_paths``); AUTO lets the ops decide.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
 
     See the module docstring for the parameter layout, initialisation and entry points.
@@ -238,11 +240,12 @@ class SparseFFN(_FFN):
         *,
         gated: bool = True,
         implementation: str | None = None,
-        width: int = DEFAULT_WIDTH,
+        width: int = TrainOptions.width,
         sharding: FFNSharding | None = None,
         param_dtype=jnp.float32,
         active_fraction: float | None = None,
         union_fraction: float | None = None,
+        side: Side = Side.AUTO,
         rngs: nnx.Rngs,
     ):
         super().__init__(d_model, d_ff, gated=gated, width=width, param_dtype=param_dtype, rngs=rngs)
@@ -250,6 +253,7 @@ class SparseFFN(_FFN):
         self.sharding = sharding
         self.active_fraction = active_fraction
         self.union_fraction = union_fraction
+        self.side = side
         self.w_up_t: InferenceCache | None = nnx.data(None)  # data, not structure: set later
         self.w_act_t: InferenceCache | None = nnx.data(None)
 
@@ -267,7 +271,7 @@ class SparseFFN(_FFN):
         non-gated), ``[f, d]`` in ``dtype``, for ``infer``: with it (and, gated, the
         transposed up weight of :meth:`cache_transposed_up_weight`) and a known
         ``active_fraction``, single-token calls on the CUDA kernels run the decode rows
-        kernel (``jax_twell.ops.cuda.decode_ffn_rows``), measured ~5-35% faster than the
+        kernel (``jax_twell.ops.ffn.binding.decode_ffn_rows``), measured ~5-35% faster than the
         other decode path at one token. Costs one more ``d x f`` copy. A snapshot, as the
         up weight's."""
         w_act = self.w_gate if self.gated else self.w_up
@@ -281,20 +285,21 @@ class SparseFFN(_FFN):
 
     def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
         """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""
-        return sparse_ffn_train(
+        layer = LayerInfo(self.active_fraction, None if self.active_fraction is None else self.union_fraction,
+                          self.side)
+        return sparse_ffn_train_for_layer(
             x,
             *self._weights(x.dtype),
-            width=self.width,
+            layer=layer,
+            options=TrainOptions(width=self.width),
             implementation=self.implementation,
             sharding=self.sharding,
-            active_fraction=self.active_fraction,
-            union_fraction=None if self.active_fraction is None else self.union_fraction,
         )
 
     def block_union(self, x: jax.Array) -> jax.Array:
         """``[]`` f32: the mean union of active neurons over 64-token blocks of ``x [..., d]``
         (tokens in order, leading dimensions flattened), as a fraction of f: what the
-        ``union_fraction`` attribute wants (``jax_twell.ops.cuda.block_union_fraction`` of
+        ``union_fraction`` attribute wants (``jax_twell.ops.stats.block_union_fraction`` of
         ``relu(x @ w_act)``; pure JAX, one extra gate matmul)."""
         w_gate, w_up, _ = self._weights(x.dtype)
         g = relu_matmul(x.reshape(-1, x.shape[-1]), w_up if w_gate is None else w_gate)
@@ -303,15 +308,14 @@ class SparseFFN(_FFN):
     def infer(self, x: jax.Array) -> jax.Array:
         """Inference forward, no statistics: ``x [..., d]`` -> ``y [..., d]`` of ``x.dtype``."""
         cached = lambda c: None if c is None else c[...].astype(x.dtype)
-        return sparse_ffn(
+        return sparse_ffn_for_layer(
             x,
             *self._weights(x.dtype),
+            layer=LayerInfo(self.active_fraction, self.union_fraction, self.side),
+            w_up_t=cached(self.w_up_t),
+            w_act_t=cached(self.w_act_t),
             implementation=self.implementation,
             sharding=self.sharding,
-            w_up_t=cached(self.w_up_t),
-            active_fraction=self.active_fraction,
-            w_act_t=cached(self.w_act_t),
-            union_fraction=self.union_fraction,
         )
 
 
@@ -334,7 +338,7 @@ class DenseFFN(_FFN):
         *,
         gated: bool = True,
         activation: str = "silu",
-        width: int = DEFAULT_WIDTH,
+        width: int = TrainOptions.width,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):

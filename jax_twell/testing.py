@@ -1,4 +1,5 @@
-"""Inputs with controlled activation sparsity, shared by the tests and the benchmarks.
+"""Named FFN specs and inputs with controlled activation sparsity: the one grid the tests
+and the benchmarks share (tests/specs.py adds the tolerances).
 
 Synthetic sparsity with a real gate matmul (docs/design.md, section 7, Benchmark
 protocol): one input feature is set to a per-row constant ``c_row`` and its gate weight row
@@ -15,7 +16,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["FFNInputs", "synthetic_ffn_inputs", "with_extreme_rows", "neuron_rates", "PATTERNS", "inference_benchmark_grid"]
+__all__ = [
+    "FFNSpec",
+    "CPU_SPECS",
+    "GPU_SPECS",
+    "FFNInputs",
+    "synthetic_ffn_inputs",
+    "with_extreme_rows",
+    "neuron_rates",
+    "PATTERNS",
+    "inference_benchmark_grid",
+]
 
 PATTERNS = ("uniform", "heavy", "dense", "skewed")
 HEAVY_SIGMA = 1.0
@@ -24,13 +35,41 @@ HEAVY_CLIP = 0.05
 # SKEWED_DEAD of the neurons never fires; the others' rates are log-normal (sigma
 # SKEWED_SIGMA) around a mean that gives the requested density, clipped to SKEWED_CLIP.
 # Fitted to the `tiny` preset trained 1,500 steps at L1 = 3e-3 (first two layers, ~0.6%
-# active, 33% and 57% of neurons dead), measured with benchmarks/union_stats.py on 16,384
+# active, 33% and 57% of neurons dead), measured with lab/union_stats.py on 16,384
 # held-out tokens in random order: 64-token unions 19-21% of f (this model: ~20%; uniform
 # rows at that density: ~33%), 10% of the neurons holding ~60% of the activations (model:
 # ~61%). Tokens of one sequence share even more neurons (in order, 15.5-16.4%).
 SKEWED_DEAD = 0.45
 SKEWED_SIGMA = 1.2
 SKEWED_CLIP = 0.5
+
+
+class FFNSpec(NamedTuple):
+    """One FFN problem: tokens m, model width d, hidden width f, active fraction, pattern."""
+
+    m: int
+    d: int
+    f: int
+    density: float
+    pattern: str = "uniform"
+
+
+# Small shapes that still exercise every edge: partial tiles (f % 256 != 0), token counts
+# that are not multiples of anything, rows far over capacity (heavy), all-dense rows.
+CPU_SPECS = [
+    FFNSpec(37, 32, 300, 0.02),
+    FFNSpec(64, 48, 512, 0.05, "heavy"),
+    FFNSpec(5, 16, 96, 0.5, "dense"),
+    FFNSpec(1, 64, 260, 0.05),
+]
+
+# The kernels' shapes on the GPU: the CPU specs plus model sizes.
+GPU_SPECS = CPU_SPECS + [
+    FFNSpec(2048, 2048, 5632, 0.005),
+    FFNSpec(333, 2048, 5632, 0.005, "heavy"),
+    FFNSpec(1000, 512, 1408, 0.05, "heavy"),
+    FFNSpec(257, 1024, 4000, 0.5, "dense"),
+]
 
 
 class FFNInputs(NamedTuple):
@@ -121,14 +160,14 @@ def with_extreme_rows(inp: FFNInputs, *, full: int = 0, empty: int = 0) -> FFNIn
     return inp._replace(x=x)
 
 
-def inference_benchmark_grid(quick: bool = False) -> list[tuple[int, int, int, float, str]]:
-    """The inference benchmark's configurations ``(M, d, f, density, pattern)``
-    (docs/design.md, section 7, Benchmark protocol): d=2048, f=5632 at M in {16384, 2048,
-    64, 1}, densities 0.5-5%, uniform and heavy-tailed rows, plus (2048, 8192) and
-    (4096, 11008) at M=16384 and 0.5%, and the "skewed" pattern (per-neuron rates as in a
-    trained model) at M=16384 and 0.5%. ``quick``: M in {16384, 64}, densities 0.5% and 2%,
-    and the skewed configuration. The GPU tests check every one against the reference."""
+def inference_benchmark_grid(quick: bool = False) -> list[FFNSpec]:
+    """The inference benchmark's configurations as :class:`FFNSpec` ``(M, d, f, density,
+    pattern)`` (docs/design.md, section 7, Benchmark protocol): d=2048, f=5632 at M in {16384, 2048, 64, 1}, densities 0.5-5%, uniform and
+    heavy-tailed rows, plus (2048, 8192) and (4096, 11008) at M=16384 and 0.5%, and the
+    "skewed" pattern (per-neuron rates as in a trained model) at M=16384 and 0.5%.
+    ``quick``: M in {16384, 64}, densities 0.5% and 2%, and the skewed configuration. The
+    GPU tests check every one against the reference."""
     densities, ms = ([0.005, 0.02], [16384, 64]) if quick else ([0.005, 0.01, 0.02, 0.05], [16384, 2048, 64, 1])
-    configs = [(m, 2048, 5632, p, pattern) for m in ms for p in densities for pattern in ("uniform", "heavy")]
-    return configs + [(16384, 2048, 5632, 0.005, "skewed"), (16384, 2048, 8192, 0.005, "uniform"),
-                      (16384, 4096, 11008, 0.005, "uniform")]
+    configs = [FFNSpec(m, 2048, 5632, p, pattern) for m in ms for p in densities for pattern in ("uniform", "heavy")]
+    return configs + [FFNSpec(16384, 2048, 5632, 0.005, "skewed"), FFNSpec(16384, 2048, 8192, 0.005, "uniform"),
+                      FFNSpec(16384, 4096, 11008, 0.005, "uniform")]

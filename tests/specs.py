@@ -1,40 +1,15 @@
-"""Named argument specs and tolerances, shared by tests and benchmarks so the two grids
-can't drift apart. Tolerances are stated once, here."""
+"""The tests' specs and tolerances. The named specs (``FFNSpec``, ``CPU_SPECS``,
+``GPU_SPECS``, the benchmark grid) live in :mod:`jax_twell.testing`, which the benchmarks
+import too, so the two grids can't drift apart; tolerances are stated once, here."""
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
-
-class FFNSpec(NamedTuple):
-    """One FFN problem: tokens m, model width d, hidden width f, active fraction, pattern."""
-
-    m: int
-    d: int
-    f: int
-    density: float
-    pattern: str = "uniform"
-
-
-# Small shapes that still exercise every edge: partial tiles (f % 256 != 0), token counts
-# that are not multiples of anything, rows far over capacity (heavy), all-dense rows.
-CPU_SPECS = [
-    FFNSpec(37, 32, 300, 0.02),
-    FFNSpec(64, 48, 512, 0.05, "heavy"),
-    FFNSpec(5, 16, 96, 0.5, "dense"),
-    FFNSpec(1, 64, 260, 0.05),
-]
-
-GPU_SPECS = CPU_SPECS + [
-    FFNSpec(2048, 2048, 5632, 0.005),
-    FFNSpec(333, 2048, 5632, 0.005, "heavy"),
-    FFNSpec(1000, 512, 1408, 0.05, "heavy"),
-    FFNSpec(257, 1024, 4000, 0.5, "dense"),
-]
+from jax_twell.testing import CPU_SPECS, GPU_SPECS, FFNSpec, inference_benchmark_grid  # noqa: F401  (re-exported)
 
 # Relative (max-abs-error / max-abs-reference) tolerance per dtype for a reduction over
 # n terms: unit roundoff times sqrt(n) with headroom; gradients get 4x more.

@@ -1,6 +1,6 @@
-"""The public sparse_ffn's optional weights stored by neuron (``w_up_t``, ``w_act_t``):
-checked, passed to the CUDA path (per shard under a mesh, split like w_down), ignored by
-the others."""
+"""The weights stored by neuron a layer may keep (``w_up_t``, ``w_act_t``; the internal
+entry point ``sparse_ffn_for_layer``, which the Flax module calls): checked, passed to the
+CUDA path (per shard under a mesh, split like w_down), ignored by the others."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_twell as jt
-from jax_twell.ops import api, cuda, xla
+from jax_twell.ops import common
+from jax_twell.ops.ffn import api as ffn_api
+from jax_twell.ops.ffn.api import sparse_ffn_for_layer
 from jax_twell.testing import synthetic_ffn_inputs
+from jax_twell.ops import xla
 
 
 def _inputs():
@@ -20,41 +23,41 @@ def _inputs():
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 def test_other_implementations_ignore_it(impl):
     inp = _inputs()
-    a = jt.sparse_ffn(*inp, implementation=impl)
-    b = jt.sparse_ffn(*inp, implementation=impl, w_up_t=inp.w_up.T, w_act_t=inp.w_gate.T)
+    a = sparse_ffn_for_layer(*inp, implementation=impl)
+    b = sparse_ffn_for_layer(*inp, implementation=impl, w_up_t=inp.w_up.T, w_act_t=inp.w_gate.T)
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_bad_w_up_t_is_refused():
     inp = _inputs()
     with pytest.raises(ValueError, match="gated FFN only"):
-        jt.sparse_ffn(inp.x, None, inp.w_up, inp.w_down, w_up_t=inp.w_up.T)
+        sparse_ffn_for_layer(inp.x, None, inp.w_up, inp.w_down, w_up_t=inp.w_up.T)
     with pytest.raises(ValueError, match="must be w_up.T"):
-        jt.sparse_ffn(*inp, w_up_t=inp.w_up)
+        sparse_ffn_for_layer(*inp, w_up_t=inp.w_up)
     with pytest.raises(ValueError, match="must be w_up.T"):
-        jt.sparse_ffn(*inp, w_up_t=inp.w_up.T.astype(jnp.float32))
+        sparse_ffn_for_layer(*inp, w_up_t=inp.w_up.T.astype(jnp.float32))
 
 
 def test_bad_w_act_t_is_refused():
     inp = _inputs()
     with pytest.raises(ValueError, match="must be w_gate.T"):
-        jt.sparse_ffn(*inp, w_act_t=inp.w_gate)
+        sparse_ffn_for_layer(*inp, w_act_t=inp.w_gate)
     with pytest.raises(ValueError, match="must be w_gate.T"):
-        jt.sparse_ffn(*inp, w_act_t=inp.w_gate.T.astype(jnp.float32))
+        sparse_ffn_for_layer(*inp, w_act_t=inp.w_gate.T.astype(jnp.float32))
     with pytest.raises(ValueError, match="must be w_up.T"):
-        jt.sparse_ffn(inp.x, None, inp.w_up, inp.w_down, w_act_t=inp.w_up)
+        sparse_ffn_for_layer(inp.x, None, inp.w_up, inp.w_down, w_act_t=inp.w_up)
     # Non-gated, the activation's weight is w_up: its transpose is accepted.
-    y = jt.sparse_ffn(inp.x, None, inp.w_up, inp.w_down, implementation="xla", w_act_t=inp.w_up.T)
+    y = sparse_ffn_for_layer(inp.x, None, inp.w_up, inp.w_down, implementation="xla", w_act_t=inp.w_up.T)
     assert y.shape == inp.x.shape
 
 
 @pytest.fixture
 def cuda_stand_in(monkeypatch):
-    """cuda.sparse_ffn replaced by XLA's FFN, recording the w_up_t and w_act_t it is given
+    """The CUDA implementation's entry replaced by XLA's FFN, recording the w_up_t and w_act_t it is given
     and computing from them where given (so a wrong slice shows in y)."""
     seen = []
 
-    def stand_in(x, w_gate, w_up, w_down, *, tile, capacity, w_up_t=None, w_act_t=None, **_):
+    def stand_in(x, w_gate, w_up, w_down, *, layer, options, w_up_t=None, w_act_t=None, **_):
         seen.append(None if w_up_t is None else (w_up_t.shape, w_up.shape))
         if w_up_t is not None:  # the right slice of w_up.T, per shard too
             w_up = w_up_t.T
@@ -63,17 +66,17 @@ def cuda_stand_in(monkeypatch):
             w_gate = w_act_t.T
         return xla.ffn(x, w_gate, w_up, w_down)
 
-    monkeypatch.setattr(cuda, "sparse_ffn", stand_in)
-    monkeypatch.setattr(api._kernels, "kernels_available", lambda: True)
+    monkeypatch.setattr(ffn_api.cuda, "sparse_ffn", stand_in)
+    monkeypatch.setattr(common._kernels, "kernels_available", lambda: True)
     return seen
 
 
 def test_cuda_path_receives_it(cuda_stand_in):
     inp = _inputs()
-    y = jax.jit(lambda *a: jt.sparse_ffn(*a[:4], implementation="cuda", w_up_t=a[4]))(*inp, inp.w_up.T)
+    y = jax.jit(lambda *a: sparse_ffn_for_layer(*a[:4], implementation="cuda", w_up_t=a[4]))(*inp, inp.w_up.T)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(xla.ffn(*inp), np.float32), rtol=0, atol=0)
     assert cuda_stand_in == [((256, 64), (64, 256))]
-    jt.sparse_ffn(*inp, implementation="cuda")
+    sparse_ffn_for_layer(*inp, implementation="cuda")
     assert cuda_stand_in[-1] is None
 
 
@@ -81,9 +84,9 @@ def test_default_implementation_takes_them(cuda_stand_in):
     """implementation=None with kernels available: the platform switch (here on CPU, XLA)
     takes both optional weights."""
     inp = _inputs()
-    y = jax.jit(lambda *a: jt.sparse_ffn(*a[:4], w_up_t=a[4], w_act_t=a[5]))(*inp, inp.w_up.T, inp.w_gate.T)
+    y = jax.jit(lambda *a: sparse_ffn_for_layer(*a[:4], w_up_t=a[4], w_act_t=a[5]))(*inp, inp.w_up.T, inp.w_gate.T)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(xla.ffn(*inp), np.float32), rtol=0, atol=0)
-    y = jt.sparse_ffn(inp.x, None, inp.w_up, inp.w_down, w_act_t=inp.w_up.T)
+    y = sparse_ffn_for_layer(inp.x, None, inp.w_up, inp.w_down, w_act_t=inp.w_up.T)
     assert y.shape == inp.x.shape
 
 
@@ -98,7 +101,7 @@ def test_sharded_cuda_path_gets_local_rows(cuda_stand_in):
         put(inp.w_down, P("tensor", None)), put(inp.w_up.T, P("tensor", None)), put(inp.w_gate.T, P("tensor", None)),
     )
     fn = jax.jit(
-        lambda x, wg, wu, wd, wut, wat: jt.sparse_ffn(
+        lambda x, wg, wu, wd, wut, wat: sparse_ffn_for_layer(
             x, wg, wu, wd, implementation="cuda", sharding=sharding, w_up_t=wut, w_act_t=wat
         )
     )

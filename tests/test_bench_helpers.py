@@ -14,6 +14,9 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_training  # noqa: E402
 import common  # noqa: E402
+from jax_twell.ops import layout
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops.costs import TrainCrossover
 
 M, D, F = 64, 32, 48
 ARGS = tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((M, D), (D, F), (D, F), (F, D)))
@@ -52,9 +55,8 @@ def test_the_training_rule_fit_recovers_its_constants():
     import numpy as np
 
     import fit_train_rule
-    from jax_twell.ops import cuda_train
 
-    truth = dataclasses.replace(cuda_train.TrainCrossover(), fixed_overhead=0.3e-3, pair_rate=2.5e13,
+    truth = dataclasses.replace(TrainCrossover(), fixed_overhead=0.3e-3, pair_rate=2.5e13,
                                 grad_stream_spill=5e8, union_bandwidth=7e12, matmul_rate=7.5e14)
     rows = []
     for m in (4096, 16384, 65536):
@@ -64,20 +66,20 @@ def test_the_training_rule_fit_recovers_its_constants():
             kernels_ms = 1e3 * float(truth.sparse_cost(p * m * f, 0, m, d, f, 2, union=union))
             rows.append(dict(m=m, d=d, f=f, measured_active_fraction=p, measured_union_fraction=union,
                              dense_step_ms=dense_ms, mma_step_ms=kernels_ms + dense_ms / 9, dense_matmuls=9))
-    fitted = fit_train_rule.fit(rows, cuda_train.TrainCrossover())
+    fitted = fit_train_rule.fit(rows, TrainCrossover())
     for name in (*fit_train_rule.FITTED, "matmul_rate"):
         np.testing.assert_allclose(getattr(fitted, name), getattr(truth, name), rtol=1e-3, err_msg=name)
     assert fit_train_rule.dense_matmuls({"step": "value_and_grad"}) == 9 and fit_train_rule.dense_matmuls({}) == 8
     # The same kernels timed with jax.grad alone: XLA's step has one matmul fewer, the gate
     # is an eighth of it; the kernels' constants come out the same, the matmul rate kept.
     grad_only = [dict(r, dense_step_ms=r["dense_step_ms"] * 8 / 9, dense_matmuls=8) for r in rows]
-    refit = fit_train_rule.fit(grad_only, cuda_train.TrainCrossover())
+    refit = fit_train_rule.fit(grad_only, TrainCrossover())
     for name in fit_train_rule.FITTED:
         np.testing.assert_allclose(getattr(refit, name), getattr(truth, name), rtol=1e-3, err_msg=name)
-    assert refit.matmul_rate == cuda_train.TrainCrossover().matmul_rate
+    assert refit.matmul_rate == TrainCrossover().matmul_rate
     slower = [dict(r, mma_step_ms=r["mma_step_ms"] + 1e3 * (r["m"] // 64) * r["measured_union_fraction"] * r["f"]
                    * 5 * r["d"] * 2 * (1 / 5e12 - 1 / 7e12)) for r in rows]  # union rows at 5e12 B/s
-    np.testing.assert_allclose(fit_train_rule.fit(slower, cuda_train.TrainCrossover()).union_bandwidth, 5e12, rtol=1e-3)
+    np.testing.assert_allclose(fit_train_rule.fit(slower, TrainCrossover()).union_bandwidth, 5e12, rtol=1e-3)
 
 
 @pytest.mark.parametrize("model", ["union", "stationary"])
@@ -92,10 +94,9 @@ def test_the_inference_rule_fit_recovers_its_constants(model):
     import numpy as np
 
     import fit_inference_rule
-    from jax_twell.ops import cuda, union_emulation
 
     truth = dataclasses.replace(
-        cuda.DenseCrossover(), union_row_bandwidth=4.8e12, union_fixed_overhead=0.1e-3, union_transpose_bandwidth=2.5e12,
+        DenseCrossover(), union_row_bandwidth=4.8e12, union_fixed_overhead=0.1e-3, union_transpose_bandwidth=2.5e12,
         stationary_up_bandwidth=5e12, stationary_pair_seconds=4e-10, stationary_pair_seconds_8=3e-10,
         stationary_token_seconds=5e-9, stationary_fixed_overhead=0.12e-3, stationary_transpose_bandwidth=2e12)
     price = truth._stationary_seconds if model == "stationary" else truth._union_model_seconds
@@ -106,14 +107,14 @@ def test_the_inference_rule_fit_recovers_its_constants(model):
     for m, d, f in shapes:
         for p in (0.0025, 0.005, 0.01):
             dense_ms = 1.5e3 * truth.dense_cost(m, d, f, 2)
-            cost = lambda t: 1e3 * float(price(p * m * f, m, d, f, 2, union_emulation.uniform_union(p), t)) + dense_ms / 3
+            cost = lambda t: 1e3 * float(price(p * m * f, m, d, f, 2, layout.uniform_union(p), t)) + dense_ms / 3
             rows.append(dict(m=m, d=d, f=f, pattern="uniform", kernel="blocked_union", measured_active_fraction=p,
                              dense_call_ms=dense_ms, sparse_call_ms=cost(False), pret_call_ms=cost(True),
                              down_stationary=ran, down_stationary_pret=ran))
     # points the model must not read: another pattern, kernel or size; the other down step
     others = [dict(rows[0], pattern="heavy"), dict(rows[0], kernel="row"), dict(rows[0], m=512),
               dict(rows[0], down_stationary=not ran, down_stationary_pret=not ran)]
-    base = cuda.DenseCrossover()
+    base = DenseCrossover()
     points = fit_inference_rule.usable(rows + others, base, model)
     assert points == [(r, t) for r in rows for t in (False, True)]
     # without the record: "blocked_union" ran the stationary step where the shape takes it,

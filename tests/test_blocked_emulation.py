@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import blocked_emulation as emu
-from jax_twell.ops import reference
+import blocked_emulation as emu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
+from jax_twell.ops.ffn import reference as ffn_reference
 
 pytestmark = pytest.mark.slow  # the NumPy model of the blocked kernels: CI runs it (-m slow)
 
@@ -31,7 +31,7 @@ def _run(x, inp, gated, tile, capacity, max_entries=None):
         x, act.values, act.cols, act.counts, w_act, w_up, None if w_up is None else w_up.T, inp.w_down,
         tile=tile, max_entries=max(need, 1) if max_entries is None else max_entries,
     )
-    want = reference.twell_ffn(x, act, w_act, w_up, inp.w_down)
+    want = ffn_reference.twell_ffn(x, act, w_act, w_up, inp.w_down)
     return y, want, act, ws, need
 
 

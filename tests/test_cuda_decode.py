@@ -9,9 +9,14 @@ import pytest
 
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import cuda, reference, xla
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops.ffn import binding as ffn_binding
+from jax_twell.ops import layout
+from jax_twell.ops.ffn import reference as ffn_reference
+from jax_twell.ops import xla
+from cuda_calls import cuda_ffn
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +36,7 @@ def _want(x, g, w_up, w_down):
     """The reference on the same g: TwELL with room for every column (nothing overflows)."""
     act = pack_twell_reference(g, tile=256, capacity=256)
     with jax.default_matmul_precision("highest"):
-        return reference.twell_ffn(x, act, None, w_up, w_down)
+        return ffn_reference.twell_ffn(x, act, None, w_up, w_down)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
@@ -43,18 +48,18 @@ def test_decode_matches_reference(case, gated, dtype):
     inp = with_extreme_rows(inp, full=full, empty=empty)
     g = relu_matmul(inp.x, inp.w_gate)  # non-gated too: the kernel sees only the activation
     w_up = inp.w_up if gated else None
-    y, counts, entries = jax.jit(lambda x, g: cuda.decode_ffn(x, g, w_up, inp.w_down, workspace=True))(inp.x, g)
+    y, counts, entries = jax.jit(lambda x, g: ffn_binding.decode_ffn(x, g, w_up, inp.w_down, workspace=True))(inp.x, g)
     assert y.dtype == dtype and y.shape == (m, d)
     assert_close(y, _want(inp.x, g, w_up, inp.w_down), fused_tolerance(dtype, f), f"{case} gated={gated}")
     # The entry lists: per (token, tile) the active columns in order; non-gated h is g itself.
-    n_tiles = -(-f // cuda.DECODE_TILE)
-    active = np.zeros((m, n_tiles * cuda.DECODE_TILE), bool)
+    n_tiles = -(-f // layout.DECODE_TILE)
+    active = np.zeros((m, n_tiles * layout.DECODE_TILE), bool)
     active[:, :f] = np.asarray(g, np.float32) != 0
-    active = active.reshape(m, n_tiles, cuda.DECODE_TILE)
-    counts, entries = np.asarray(counts), np.asarray(entries).reshape(m, n_tiles, cuda.DECODE_TILE)
+    active = active.reshape(m, n_tiles, layout.DECODE_TILE)
+    counts, entries = np.asarray(counts), np.asarray(entries).reshape(m, n_tiles, layout.DECODE_TILE)
     np.testing.assert_array_equal(counts, active.sum(-1))
-    g_bits = np.pad(np.asarray(g).view(np.uint16), ((0, 0), (0, n_tiles * cuda.DECODE_TILE - f)))
-    g_bits = g_bits.reshape(m, n_tiles, cuda.DECODE_TILE)
+    g_bits = np.pad(np.asarray(g).view(np.uint16), ((0, 0), (0, n_tiles * layout.DECODE_TILE - f)))
+    g_bits = g_bits.reshape(m, n_tiles, layout.DECODE_TILE)
     for t, k in zip(*np.nonzero(counts)):
         cols = np.nonzero(active[t, k])[0]
         got = entries[t, k, : len(cols)]
@@ -70,8 +75,8 @@ def test_decode_matches_reference(case, gated, dtype):
 def test_decode_is_deterministic_and_given_w_up_t():
     inp = synthetic_ffn_inputs(jax.random.key(5), 64, 2048, 5632, density=0.01, pattern="heavy")
     g = relu_matmul(inp.x, inp.w_gate)
-    a = cuda.decode_ffn(inp.x, g, inp.w_up, inp.w_down)
-    b = cuda.decode_ffn(inp.x, g, inp.w_up, inp.w_down, w_up_t=inp.w_up.T)
+    a = ffn_binding.decode_ffn(inp.x, g, inp.w_up, inp.w_down)
+    b = ffn_binding.decode_ffn(inp.x, g, inp.w_up, inp.w_down, w_up_t=inp.w_up.T)
     np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
@@ -80,11 +85,11 @@ def test_decode_is_deterministic_and_given_w_up_t():
 def test_sparse_ffn_runs_the_decode_kernel(check, density):
     """Decode-sized calls under jit through the dispatch: the kernel (or, with the device
     check, dense above 2% active) gives the FFN either way."""
-    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check)
+    rule = DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check)
     pattern = "dense" if density == 0.5 else "uniform"
     for m in (1, 64):
         inp = synthetic_ffn_inputs(jax.random.key(m), m, 2048, 5632, density=density, pattern=pattern)
-        y = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))(*inp)
+        y = jax.jit(lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=32, rule=rule))(*inp)
         with jax.default_matmul_precision("highest"):
             want = xla.ffn(*inp)
         assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, 5632), f"m={m} density={density}")
@@ -113,7 +118,7 @@ def test_decode_gate_kernel_matches_reference(case, gated):
     inp = with_extreme_rows(inp, full=full, empty=empty)
     w_act = inp.w_gate  # non-gated too (the activation's weight): keeps the synthetic sparsity
     w_up = inp.w_up if gated else None
-    fn = jax.jit(lambda x: cuda.decode_ffn_gate(x, w_act, w_up, inp.w_down, workspace=True))
+    fn = jax.jit(lambda x: ffn_binding.decode_ffn_gate(x, w_act, w_up, inp.w_down, workspace=True))
     y, g_kernel, counts, _ = fn(inp.x)
     assert g_kernel.shape == (m, f) and g_kernel.dtype == inp.x.dtype
     pre = np.maximum(np.asarray(inp.x, np.float64) @ np.asarray(w_act, np.float64), 0.0)
@@ -124,24 +129,24 @@ def test_decode_gate_kernel_matches_reference(case, gated):
     np.testing.assert_array_equal(np.asarray(g2), np.asarray(g_kernel))
     np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))
     # the K-range sums in a cluster instead of through the workspace: the same bits
-    other = jax.jit(lambda x: cuda.decode_ffn_gate(x, w_act, w_up, inp.w_down, workspace=True, cluster=True))
+    other = jax.jit(lambda x: ffn_binding.decode_ffn_gate(x, w_act, w_up, inp.w_down, workspace=True, cluster=True))
     y3, g3, counts3, _ = other(inp.x)
     np.testing.assert_array_equal(np.asarray(g3), np.asarray(g_kernel))
     np.testing.assert_array_equal(np.asarray(y3), np.asarray(y))
     np.testing.assert_array_equal(np.asarray(counts3), np.asarray(counts))
     g = relu_matmul(inp.x, w_act)
     active = np.asarray(g, np.float32) != 0
-    n_tiles = -(-f // cuda.DECODE_TILE)
-    per_tile = np.pad(active, ((0, 0), (0, n_tiles * cuda.DECODE_TILE - f))).reshape(m, n_tiles, -1).sum(-1)
+    n_tiles = -(-f // layout.DECODE_TILE)
+    per_tile = np.pad(active, ((0, 0), (0, n_tiles * layout.DECODE_TILE - f))).reshape(m, n_tiles, -1).sum(-1)
     assert np.abs(np.asarray(counts) - per_tile).sum() <= max(2, m * f // 20000)  # rounding ties at 0 only
     want = _want(inp.x, g, w_up, inp.w_down)
     assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, f), f"{case} gated={gated}")
 
 
 def test_sparse_ffn_takes_the_gate_kernel_when_asked():
-    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_fused_gate=True)
+    rule = DenseCrossover(decode_kernel_max_tokens=64, decode_fused_gate=True)
     inp = synthetic_ffn_inputs(jax.random.key(9), 8, 2048, 5632, density=0.005)
-    fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))
+    fn = jax.jit(lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=32, rule=rule))
     assert "jax_twell_decode_fused_gated" in fn.lower(*inp).as_text()
     with jax.default_matmul_precision("highest"):
         want = xla.ffn(*inp)
@@ -194,7 +199,7 @@ def test_decode_rows_kernel_matches_reference(case, gated, dtype):
     w_act = inp.w_gate  # non-gated too (the activation's weight): keeps the synthetic sparsity
     w_up = inp.w_up if gated else None
     w_up_t = inp.w_up.T if gated else None
-    fn = jax.jit(lambda x, wa_t, wu_t, wd: cuda.decode_ffn_rows(x, wa_t, wd, w_up_t=wu_t, workspace=True))
+    fn = jax.jit(lambda x, wa_t, wu_t, wd: ffn_binding.decode_ffn_rows(x, wa_t, wd, w_up_t=wu_t, workspace=True))
     y, g, flags = fn(inp.x, w_act.T, w_up_t, inp.w_down)
     assert y.shape == (m, d) and y.dtype == dtype and g.shape == (m, f) and flags.shape == (-(-f // 16), m)
     pre = np.maximum(np.asarray(inp.x, np.float64) @ np.asarray(w_act, np.float64), 0.0)

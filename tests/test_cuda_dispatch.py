@@ -1,4 +1,4 @@
-"""The inference op's dispatch (jax_twell.ops.cuda.sparse_ffn) on CPU, with reference
+"""The inference op's dispatch (jax_twell.ops.ffn.cuda: plans run with stand-in kernels) on CPU, with reference
 stand-ins for the kernels: the counts it decides on, which branch each rule takes, and
 that every branch computes the FFN. The kernels themselves are tested on the GPU."""
 
@@ -12,11 +12,23 @@ import pytest
 
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import blocked_emulation as bemu
-from jax_twell.ops import cuda, reference, xla
-from jax_twell.ops import union_emulation as _union
+import blocked_emulation as bemu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops.ffn import binding as ffn_binding
+from jax_twell.ops.ffn import cuda as ffn_cuda
+from jax_twell.ops import stats
+from jax_twell.ops import layout
+from jax_twell.ops import plan
+from jax_twell.ops.ffn import reference as ffn_reference
+from jax_twell.ops import xla
+from cuda_calls import cuda_ffn
+from jax_twell.ops import common
+from jax_twell.ops.ffn.api import sparse_ffn_for_layer
+from jax_twell.ops.ffn.cuda import FFNKernels
+from cuda_calls import FUSED_KERNELS
+from jax_twell.ops.plan import LayerInfo, Side
 
 pytestmark = pytest.mark.slow  # about 5 CPU-minutes; CI runs it (-m slow)
 
@@ -31,64 +43,62 @@ def stand_in_pack(a, *, tile, capacity):  # a named call, recognisable in a jaxp
     return pack_twell_reference(a, tile=tile, capacity=capacity)
 
 
-@pytest.fixture
-def stand_ins(monkeypatch):
-    """Kernels replaced by the reference; ``mark=True`` makes them return constants."""
-    calls = {"pack": 0}
+@functools.partial(jax.jit, static_argnames=("tile", "capacity"))
+def stand_in_gate(x, w, *, tile, capacity):  # a named call, recognisable in a jaxpr
+    return pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity)
 
-    def pack(a, *, tile, capacity):
-        calls["pack"] += 1
-        return stand_in_pack(a, tile=tile, capacity=capacity)
+
+@pytest.fixture
+def stand_ins():
+    """``install(mark) -> FFNKernels``: the kernels replaced by the reference, passed in as
+    ``kernels``; ``mark=True`` makes them return constants (which branch ran)."""
 
     def install(mark: bool):
         def row(x, act, w_act, w_up, w_down, w_up_t=None):
             if mark:
                 return jnp.full(x.shape, ROW_MARK, x.dtype)
-            return reference.twell_ffn(x, act, w_act, w_up, w_down)
+            return ffn_reference.twell_ffn(x, act, w_act, w_up, w_down)
 
-        def blocked(x, act, w_act, w_up, w_down, w_up_t, max_entries, mma=False, down_union=False, up_union=False,
-                    fallback=False, down_stationary=False):
-            y = jnp.full(x.shape, BLOCKED_MARK, x.dtype) if mark else reference.twell_ffn(x, act, w_act, w_up, w_down)
+        def blocked(x, act, w_act, w_up, w_down, w_up_t, *, max_entries, tensor_cores=False, down_union=False,
+                    up_union=False, down_stationary=False, fallback=False):
+            y = jnp.full(x.shape, BLOCKED_MARK, x.dtype) if mark else ffn_reference.twell_ffn(x, act, w_act, w_up, w_down)
             if fallback:  # the handler's own row-kernel fallback, where the entries overflow the workspace
-                y = jnp.where(cuda.blocked_needed_entries(act) <= max_entries, y, row(x, act, w_act, w_up, w_down))
+                y = jnp.where(ffn_binding.blocked_needed_entries(act) <= max_entries, y, row(x, act, w_act, w_up, w_down))
             return (y,)
 
-        monkeypatch.setattr(cuda, "pack_twell", pack)
-        monkeypatch.setattr(cuda, "_twell_ffn_call", row)
-        monkeypatch.setattr(cuda, "_blocked_call", blocked)
-        return calls
+        def gate_pack(x, w, *, tile, capacity, variant=None):
+            return stand_in_gate(x, w, tile=tile, capacity=capacity)
+
+        return FFNKernels(pack=stand_in_pack, gate_pack=gate_pack, row=row, blocked=blocked)
 
     return install
 
 
 @pytest.fixture
-def decode_stand_ins(monkeypatch):
-    """The decode kernels replaced by the reference; returns the list each call appends
-    ``(path, M)`` to: "kernel gate" (decode_ffn_gate), "xla gate" (decode_ffn) or "rows"
-    (decode_ffn_rows)."""
+def decode_stand_ins():
+    """``install(kernels) -> (seen, kernels)``: ``kernels`` with the decode kernels replaced
+    by the reference; each call appends ``(path, M)`` to ``seen``: "kernel gate"
+    (decode_ffn_gate), "xla gate" (decode_ffn) or "rows" (decode_ffn_rows)."""
 
-    def install():
+    def install(kernels):
         seen = []
 
         def decode(x, g, w_up, w_down, *, w_up_t=None, workspace=False):
             seen.append(("xla gate", x.shape[0]))
-            return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+            return ffn_reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
 
         def decode_gate(x, w_act, w_up, w_down, *, w_up_t=None, workspace=False):
             seen.append(("kernel gate", x.shape[0]))
             g = relu_matmul(x, w_act)
-            return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+            return ffn_reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
 
         def decode_rows(x, w_act_t, w_down, *, w_up_t=None, workspace=False):
             seen.append(("rows", x.shape[0]))
             g = relu_matmul(x, w_act_t.T)
             w_up = None if w_up_t is None else w_up_t.T
-            return reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
+            return ffn_reference.twell_ffn(x, pack_twell_reference(g, tile=256, capacity=256), None, w_up, w_down)
 
-        monkeypatch.setattr(cuda, "decode_ffn", decode)
-        monkeypatch.setattr(cuda, "decode_ffn_gate", decode_gate)
-        monkeypatch.setattr(cuda, "decode_ffn_rows", decode_rows)
-        return seen
+        return seen, dataclasses.replace(kernels, decode=decode, decode_gate=decode_gate, decode_rows=decode_rows)
 
     return install
 
@@ -105,76 +115,74 @@ def test_gate_counts_match_the_packed_activation(tile, capacity, full, empty):
     inp = case(full=full, empty=empty, key=tile + full)
     g = relu_matmul(inp.x, inp.w_gate)
     act = pack_twell_reference(g, tile=tile, capacity=capacity)
-    nnz, n_over, needed = jax.jit(lambda g: cuda.gate_counts(g, tile=tile, capacity=capacity))(g)
+    nnz, n_over, needed = jax.jit(lambda g: stats.gate_counts(g, tile=tile, capacity=capacity))(g)
     assert int(nnz) == int(act.counts.sum()) == int((np.asarray(g, np.float32) != 0).sum())
     assert int(n_over) == int(act.overflowed.sum())
-    assert int(needed) == int(cuda.blocked_needed_entries(act))
+    assert int(needed) == int(ffn_binding.blocked_needed_entries(act))
     if full:
         assert int(n_over) >= full * act.n_tiles  # the adversarial rows did overflow
 
 
-@pytest.mark.parametrize("kernel", cuda.KERNELS)
+@pytest.mark.parametrize("kernel", FUSED_KERNELS)
 @pytest.mark.parametrize("gated", [True, False])
 def test_every_branch_computes_the_ffn(stand_ins, kernel, gated):
-    stand_ins(mark=False)
+    kernels = stand_ins(mark=False)
     inp = case(m=1100, key=3)  # above BLOCKED_MIN_TOKENS, two token blocks
     w_gate = inp.w_gate if gated else None
     want = xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down)
-    for margin in (0.0, 1.0, float("inf")):
-        rule = cuda.DenseCrossover(margin=margin, **NO_FIXED)
+    rule = DenseCrossover(**NO_FIXED)
+    for side in Side:
         got = jax.jit(
-            lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=8, crossover=rule, kernel=kernel)
+            lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=8, kernel=kernel, rule=rule, side=side,
+                                           kernels=kernels)
         )(inp.x, w_gate, inp.w_up, inp.w_down)
         assert got.shape == want.shape and got.dtype == want.dtype
-        assert_close(got, want, fused_tolerance(jnp.bfloat16, 700), f"kernel={kernel} margin={margin}")
+        assert_close(got, want, fused_tolerance(jnp.bfloat16, 700), f"kernel={kernel} side={side}")
 
 
-def run(rule, inp, kernel="row"):
-    return np.asarray(
-        jax.jit(lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, crossover=rule, kernel=kernel))(
-            inp.x
-        ),
-        np.float32,
-    )
+def run(rule, inp, kernel="row", side=Side.AUTO, *, kernels):
+    fn = lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, kernel=kernel, rule=rule,
+                            side=side, kernels=kernels)
+    return np.asarray(jax.jit(fn)(inp.x), np.float32)
 
 
 def test_the_rule_picks_the_branch_on_the_device(stand_ins):
-    stand_ins(mark=True)
+    kernels = stand_ins(mark=True)
     sparse_inp = case(m=1100, density=0.005, full=0, empty=0, key=5)
     dense_inp = case(m=1100, density=0.3, full=0, empty=0, key=6)
     nnz = {
-        name: int(cuda.gate_counts(relu_matmul(i.x, i.w_gate), tile=256, capacity=8)[0])
+        name: int(stats.gate_counts(relu_matmul(i.x, i.w_gate), tile=256, capacity=8)[0])
         for name, i in (("sparse", sparse_inp), ("dense", dense_inp))
     }
     assert nnz["sparse"] * 10 < nnz["dense"]
     # A rule whose threshold falls between the two: the row kernel's cost crosses the
     # dense cost at nnz = (dense - fixed) * pair_bandwidth / (2 d itemsize).
-    dense_cost = cuda.DenseCrossover(**NO_FIXED).dense_cost(1100, 128, 700, 2)
+    dense_cost = DenseCrossover(**NO_FIXED).dense_cost(1100, 128, 700, 2)
     threshold = (nnz["sparse"] * nnz["dense"]) ** 0.5
-    rule = cuda.DenseCrossover(pair_bandwidth=threshold * 2 * 128 * 2 / dense_cost, **NO_FIXED)
-    assert (run(rule, sparse_inp) == ROW_MARK).all()
-    y_dense = run(rule, dense_inp)
+    rule = DenseCrossover(pair_bandwidth=threshold * 2 * 128 * 2 / dense_cost, **NO_FIXED)
+    assert (run(rule, sparse_inp, kernels=kernels) == ROW_MARK).all()
+    y_dense = run(rule, dense_inp, kernels=kernels)
     assert not (y_dense == ROW_MARK).all()
     want = np.asarray(xla.ffn(dense_inp.x, dense_inp.w_gate, dense_inp.w_up, dense_inp.w_down), np.float32)
     np.testing.assert_array_equal(y_dense, want)  # the dense branch is XLA's FFN, bit for bit
     # Forced either way.
-    assert (run(cuda.DenseCrossover(margin=float("inf")), dense_inp) == ROW_MARK).all()
-    np.testing.assert_array_equal(run(cuda.DenseCrossover(margin=0.0), sparse_inp), np.asarray(
+    assert (run(DenseCrossover(), dense_inp, side=Side.SPARSE, kernels=kernels) == ROW_MARK).all()
+    np.testing.assert_array_equal(run(DenseCrossover(), sparse_inp, side=Side.DENSE, kernels=kernels), np.asarray(
         xla.ffn(sparse_inp.x, sparse_inp.w_gate, sparse_inp.w_up, sparse_inp.w_down), np.float32))
     # Blocked where its cost is lowest and its entries fit; the row kernel where they don't.
-    cheap_blocked = cuda.DenseCrossover(
+    cheap_blocked = DenseCrossover(
         blocked_pair_rate=1e30, blocked_fixed_overhead=0.0, blocked_weight_bandwidth=1e30, **NO_FIXED
     )
-    assert (run(cheap_blocked, sparse_inp, kernel="blocked") == BLOCKED_MARK).all()
-    assert (run(cuda.DenseCrossover(margin=float("inf")), sparse_inp, kernel="blocked") == BLOCKED_MARK).all()
+    assert (run(cheap_blocked, sparse_inp, kernel="blocked", kernels=kernels) == BLOCKED_MARK).all()
+    assert (run(DenseCrossover(), sparse_inp, kernel="blocked", side=Side.SPARSE, kernels=kernels) == BLOCKED_MARK).all()
     full_inp = case(m=1100, density=0.005, full=1100, empty=0, key=7)  # every tile overflows
     g = relu_matmul(full_inp.x, full_inp.w_gate)
-    assert int(cuda.gate_counts(g, tile=256, capacity=8)[2]) > cuda.blocked_max_entries(1100, 700, 256, 8)
-    assert (run(cuda.DenseCrossover(margin=float("inf")), full_inp, kernel="blocked") == ROW_MARK).all()
+    assert int(stats.gate_counts(g, tile=256, capacity=8)[2]) > layout.blocked_max_entries(1100, 700, 256, 8)
+    assert (run(DenseCrossover(), full_inp, kernel="blocked", side=Side.SPARSE, kernels=kernels) == ROW_MARK).all()
 
 
 def test_the_pack_runs_only_in_the_sparse_branches(stand_ins):
-    stand_ins(mark=True)
+    kernels = stand_ins(mark=True)
     inp = case(m=1100, key=8)
 
     def packs_in(eqns):
@@ -182,8 +190,7 @@ def test_the_pack_runs_only_in_the_sparse_branches(stand_ins):
 
     for kernel in ("row", "blocked"):
         jaxpr = jax.make_jaxpr(
-            lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
-                                      crossover=cuda.DenseCrossover(**NO_FIXED), kernel=kernel)
+            lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, kernel=kernel, rule=DenseCrossover(**NO_FIXED), kernels=kernels)
         )(inp.x).jaxpr
         assert packs_in(jaxpr.eqns) == 0, kernel  # a dense decision never packs
         conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
@@ -195,25 +202,18 @@ def test_the_pack_runs_only_in_the_sparse_branches(stand_ins):
             assert [len(e.params["branches"]) for e in sparse_eqns if e.primitive.name == "cond"] == [2]
     # Decode-sized and forced-dense calls are decided at trace time: no pack, no cond.
     jaxpr = jax.make_jaxpr(
-        lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
-                                  crossover=cuda.DenseCrossover(margin=0.0))
+        lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, side=Side.DENSE, kernels=kernels)
     )(inp.x).jaxpr
     assert packs_in(jaxpr.eqns) == 0 and not any(e.primitive.name == "cond" for e in jaxpr.eqns)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "capacity"))
-def stand_in_gate(x, w, *, tile, capacity):  # a named call, recognisable in a jaxpr
-    return pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity)
-
-
-def test_the_fused_gate_runs_where_the_sparse_side_is_expected(stand_ins, monkeypatch):
+def test_the_fused_gate_runs_where_the_sparse_side_is_expected(stand_ins):
     """Forced, or with a known fraction the rule sends to the kernels, calls of at least
     FUSED_GATE_MIN_TOKENS tokens take the gate from the fused kernel (no XLA gate matmul,
     no pack, exact counts); a call that then runs dense recomputes the FFN with XLA. The
     per-call rule, small M and shapes the kernel does not take keep XLA's matmul + pack."""
-    stand_ins(mark=False)
-    monkeypatch.setattr(cuda, "gate_pack", stand_in_gate)
-    monkeypatch.setattr(cuda, "FUSED_GATE_MIN_TOKENS", 1000)
+    kernels = stand_ins(mark=False)
+    assert plan.FUSED_GATE_MIN_TOKENS == 2048
 
     def names(fn, x):
         eqns = jax.make_jaxpr(fn)(x).jaxpr.eqns
@@ -229,65 +229,59 @@ def test_the_fused_gate_runs_where_the_sparse_side_is_expected(stand_ins, monkey
                         stack.extend(sub.eqns)
         return found
 
-    inp = case(m=1100, f=704, density=0.01, key=10)  # f a multiple of 8: the kernel takes it
+    inp = case(m=2100, f=704, density=0.01, key=10)  # f a multiple of 8: the kernel takes it
     want = xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)
-    forced = lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
-                                       crossover=cuda.DenseCrossover(margin=float("inf")))
-    known = lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
-                                      crossover=cuda.DenseCrossover(**NO_FIXED), active_fraction=1e-4)
-    per_call = lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8,
-                                         crossover=cuda.DenseCrossover(**NO_FIXED))
+    forced = lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, side=Side.SPARSE, kernels=kernels)
+    known = lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, active_fraction=1e-4, rule=DenseCrossover(**NO_FIXED), kernels=kernels)
+    per_call = lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, rule=DenseCrossover(**NO_FIXED), kernels=kernels)
     for fn in (forced, known):
         found = names(fn, inp.x)
         assert "stand_in_gate" in found and "stand_in_pack" not in found
         assert_close(jax.jit(fn)(inp.x), want, fused_tolerance(jnp.bfloat16, 704), "fused gate")
     assert "stand_in_gate" not in names(per_call, inp.x)
     # A known fraction the call's counts contradict: the dense side, XLA's FFN bit for bit.
-    dense_inp = case(m=1100, f=704, density=0.3, full=0, empty=0, key=11)
-    known_dense = lambda x: cuda.sparse_ffn(x, dense_inp.w_gate, dense_inp.w_up, dense_inp.w_down, tile=256,
-                                            capacity=8, crossover=cuda.DenseCrossover(**NO_FIXED), active_fraction=1e-4)
+    dense_inp = case(m=2100, f=704, density=0.3, full=0, empty=0, key=11)
+    known_dense = lambda x: cuda_ffn(x, dense_inp.w_gate, dense_inp.w_up, dense_inp.w_down, tile=256, capacity=8, active_fraction=1e-4, rule=DenseCrossover(**NO_FIXED), kernels=kernels)
     assert "stand_in_gate" in names(known_dense, dense_inp.x)
     np.testing.assert_array_equal(
         np.asarray(jax.jit(known_dense)(dense_inp.x), np.float32),
         np.asarray(xla.ffn(dense_inp.x, dense_inp.w_gate, dense_inp.w_up, dense_inp.w_down), np.float32),
     )
     # Below the token bound, or f not a multiple of 8: XLA's matmul + the pack.
-    small = case(m=900, f=704, key=12)
-    assert "stand_in_gate" not in names(lambda x: cuda.sparse_ffn(
-        x, small.w_gate, small.w_up, small.w_down, tile=256, capacity=8, crossover=cuda.DenseCrossover(margin=float("inf"))), small.x)
-    odd = case(m=1100, f=700, key=13)
-    assert "stand_in_gate" not in names(lambda x: cuda.sparse_ffn(
-        x, odd.w_gate, odd.w_up, odd.w_down, tile=256, capacity=8, crossover=cuda.DenseCrossover(margin=float("inf"))), odd.x)
+    small = case(m=2000, f=704, key=12)
+    assert "stand_in_gate" not in names(lambda x: cuda_ffn(x, small.w_gate, small.w_up, small.w_down, tile=256, capacity=8, side=Side.SPARSE, kernels=kernels), small.x)
+    odd = case(m=2100, f=700, key=13)
+    assert "stand_in_gate" not in names(lambda x: cuda_ffn(x, odd.w_gate, odd.w_up, odd.w_down, tile=256, capacity=8, side=Side.SPARSE, kernels=kernels), odd.x)
 
 
 def test_gate_twell_takes_the_fused_kernel_from_the_token_bound(monkeypatch):
-    """cuda.gate_twell decides as the FFN paths do: the fused gate from
+    """ffn_cuda.gate_twell decides as the FFN paths do: the fused gate from
     FUSED_GATE_MIN_TOKENS tokens (counted over leading dimensions), XLA + the pack below."""
     seen = []
-    monkeypatch.setattr(cuda, "gate_pack", lambda x, w, **k: seen.append("fused") or stand_in_gate(x, w, **k))
-    monkeypatch.setattr(cuda, "pack_twell", lambda a, **k: seen.append("pack") or stand_in_pack(a, **k))
+    monkeypatch.setattr(ffn_cuda.binding, "gate_pack", lambda x, w, **k: seen.append("fused") or stand_in_gate(x, w, **k))
+    monkeypatch.setattr(ffn_cuda.pack_binding, "pack_twell", lambda a, **k: seen.append("pack") or stand_in_pack(a, **k))
     w = jnp.ones((64, 520), jnp.bfloat16)
     for shape, path in [((2047, 64), "pack"), ((2048, 64), "fused"), ((2, 1024, 64), "fused"), ((2, 1000, 64), "pack")]:
         seen.clear()
-        act = cuda.gate_twell(jnp.ones(shape, jnp.bfloat16), w, tile=256, capacity=32)
+        act = ffn_cuda.gate_twell(jnp.ones(shape, jnp.bfloat16), w, tile=256, capacity=32)
         assert seen == [path], shape
         assert act.values.shape == (*shape[:-1], 3, 32)
     seen.clear()
-    cuda.gate_twell(jnp.ones((4096, 64), jnp.bfloat16), jnp.ones((64, 518), jnp.bfloat16), tile=256, capacity=32)
+    ffn_cuda.gate_twell(jnp.ones((4096, 64), jnp.bfloat16), jnp.ones((64, 518), jnp.bfloat16), tile=256, capacity=32)
     assert seen == ["pack"]  # f not a multiple of 8
 
 
 def test_fused_gate_choices():
-    assert cuda.fused_gate_supported(2048, 5632, 256, 32, jnp.bfloat16)
-    assert cuda.fused_gate_supported(136, 520, 256, 64, jnp.float16)
-    assert not cuda.fused_gate_supported(2048, 5632, 256, 32, jnp.float32)
-    assert not cuda.fused_gate_supported(2048, 5632, 128, 32, jnp.bfloat16)
-    assert not cuda.fused_gate_supported(2048, 5632, 256, 65, jnp.bfloat16)
-    assert not cuda.fused_gate_supported(2044, 5632, 256, 32, jnp.bfloat16)
-    assert not cuda.fused_gate_supported(2048, 5630, 256, 32, jnp.bfloat16)
-    assert cuda.fused_gate_preferred(cuda.FUSED_GATE_MIN_TOKENS, 2048, 5632, 256, 32, jnp.bfloat16)
-    assert not cuda.fused_gate_preferred(cuda.FUSED_GATE_MIN_TOKENS - 1, 2048, 5632, 256, 32, jnp.bfloat16)
-    assert cuda.fused_gate_variant(2048) == 1 and cuda.fused_gate_variant(4096) == 0
+    assert layout.fused_gate_supported(2048, 5632, 256, 32, jnp.bfloat16)
+    assert layout.fused_gate_supported(136, 520, 256, 64, jnp.float16)
+    assert not layout.fused_gate_supported(2048, 5632, 256, 32, jnp.float32)
+    assert not layout.fused_gate_supported(2048, 5632, 128, 32, jnp.bfloat16)
+    assert not layout.fused_gate_supported(2048, 5632, 256, 65, jnp.bfloat16)
+    assert not layout.fused_gate_supported(2044, 5632, 256, 32, jnp.bfloat16)
+    assert not layout.fused_gate_supported(2048, 5630, 256, 32, jnp.bfloat16)
+    assert plan.fused_gate_preferred(plan.FUSED_GATE_MIN_TOKENS, 2048, 5632, 256, 32, jnp.bfloat16)
+    assert not plan.fused_gate_preferred(plan.FUSED_GATE_MIN_TOKENS - 1, 2048, 5632, 256, 32, jnp.bfloat16)
+    assert layout.fused_gate_variant(2048) == 1 and layout.fused_gate_variant(4096) == 0
 
 
 def test_blocked_counts_agree_with_the_emulation():
@@ -295,15 +289,15 @@ def test_blocked_counts_agree_with_the_emulation():
     g = relu_matmul(inp.x, inp.w_gate)
     act = pack_twell_reference(g, tile=256, capacity=8)
     counts = np.asarray(act.counts)
-    assert int(cuda.gate_counts(g, tile=256, capacity=8)[2]) == bemu.needed_entries(counts, 8, 256, 700)
+    assert int(stats.gate_counts(g, tile=256, capacity=8)[2]) == bemu.needed_entries(counts, 8, 256, 700)
 
 
-def test_default_rule_matches_the_h200_measurements(monkeypatch):
+def test_default_rule_matches_the_h200_measurements():
     # ffi/notes/twell_ffn.md and twell_ffn_blocked.md: at M=16384, d=2048, f=5632 dense up +
     # down takes 1.10 ms, the row kernel 1.14 ms at 0.5% (461K pairs); after the gate matmul
     # the blocked kernel's path (tensor-core steps, version 4.1) takes ~1.38 ms at 0.5% and
     # ~3.1 ms at 2% (interleaved timing), so dense wins there.
-    rule = cuda.DenseCrossover()
+    rule = DenseCrossover()
     m, d, f = 16384, 2048, 5632
     pairs = lambda p: int(p * m * f)
     assert not bool(rule.use_sparse(pairs(0.005), 0, m, d, f, 2))
@@ -317,14 +311,14 @@ def test_default_rule_matches_the_h200_measurements(monkeypatch):
     for d2, f2 in ((2048, 8192), (4096, 11008)):
         assert float(rule.blocked_cost(int(0.005 * m * f2), m, d2, f2, 2)) > rule.margin * rule.dense_cost(m, d2, f2, 2)
     assert not rule.sparse_can_win(64, d, f, 2)  # decode: dense, decided at trace time
-    _union_rule_with_union_down(rule, monkeypatch)
+    _union_rule_with_union_down(rule)
     _union_rule_with_stationary_down(rule)
 
 
-def _union_rule_with_union_down(rule, monkeypatch):
-    """The "blocked_union" price with both steps as union products (cuda.STATIONARY_DOWN
-    off, or f past the stationary step's 7,264)."""
-    monkeypatch.setattr(cuda, "STATIONARY_DOWN", False)
+def _union_rule_with_union_down(rule):
+    """The "blocked_union" price with both steps as union products (the rule's
+    ``stationary_down`` off, or f past the stationary step's 7,264)."""
+    rule = dataclasses.replace(rule, stationary_down=False)
     m, d, f = 16384, 2048, 5632
     # With both steps as union products, refit at 2b4db29 (inference_union_sweep_2b4db29.json
     # and the acceptance run at b6d0b51): after the gate matmul, with w_up_t, 0.67 ms at 0.5%
@@ -361,7 +355,6 @@ def _union_rule_with_union_down(rule, monkeypatch):
     scaled, full = (float(rule.row_cost(nnz, 0, 4096, 11008, 2, True, m2)) for m2 in (128, None))
     assert scaled - rule.fixed_overhead == pytest.approx(4 * (full - rule.fixed_overhead), rel=1e-5)
     assert float(rule.row_cost(nnz, 0, 4096, 11008, 2, True, 4096)) == pytest.approx(full)
-    monkeypatch.undo()
 
 
 def _union_rule_with_stationary_down(rule):
@@ -394,7 +387,7 @@ def _union_rule_with_stationary_down(rule):
     assert not rule.sparse_predicted(m, 1024, 2816, 2, 0.01, True, "blocked_union")
     # the walk's pairs cost per wave of CTAs, one a SM: 16 columns a CTA up to f = 7,264,
     # 8 above (a constant of its own)
-    p, u = 0.005, _union.uniform_union(0.005)
+    p, u = 0.005, layout.uniform_union(0.005)
     walk = lambda d2, f2: rule._stationary_seconds(p * m * f2, m, d2, f2, 2, u, True) - 0.5 * rule.union_row_bytes(
         m, d2, f2, 2, u) / rule.stationary_up_bandwidth
     assert walk(2048, f) == pytest.approx(walk(1024, f), rel=1e-4)
@@ -417,10 +410,10 @@ def test_decode_sized_calls_take_the_decode_kernel(decode_stand_ins, stand_ins, 
     ``decode_fused_gate_max_tokens`` tokens and no device check is asked for, else XLA's
     gate then ``decode_ffn``; past the decode size, or with the device
     check on a dense call, the FFN is still right."""
-    stand_ins(mark=False)
-    seen = decode_stand_ins()
-    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check, decode_fused_gate=True, **NO_FIXED)
-    fn = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32, crossover=rule))
+    kernels = stand_ins(mark=False)
+    seen, kernels = decode_stand_ins(kernels)
+    rule = DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=check, decode_fused_gate=True, **NO_FIXED)
+    fn = jax.jit(lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=32, rule=rule, kernels=kernels))
     for m, density in ((1, 0.02), (64, 0.02), (64, 0.5)):
         inp = synthetic_ffn_inputs(jax.random.key(m), m, 128, f, density=density)
         w_gate = inp.w_gate if gated else None
@@ -442,16 +435,16 @@ def test_decode_sized_calls_take_the_decode_kernel(decode_stand_ins, stand_ins, 
 def test_decode_ffn_rejects_shapes_it_cannot_take():
     x = jnp.zeros((2, 12), jnp.bfloat16)
     with pytest.raises(ValueError, match="multiple of 8"):
-        cuda.decode_ffn(x, jnp.zeros((2, 40), jnp.bfloat16), None, jnp.zeros((40, 12), jnp.bfloat16))
+        ffn_binding.decode_ffn(x, jnp.zeros((2, 40), jnp.bfloat16), None, jnp.zeros((40, 12), jnp.bfloat16))
     with pytest.raises(ValueError, match="bf16 or f16"):
-        cuda.decode_ffn(x, jnp.zeros((2, 40), jnp.float32), None, jnp.zeros((40, 16), jnp.float32))
-    assert not cuda.decode_supported(16, 60000, jnp.bfloat16) and cuda.decode_supported(16, 50000, jnp.float16)
+        ffn_binding.decode_ffn(x, jnp.zeros((2, 40), jnp.float32), None, jnp.zeros((40, 16), jnp.float32))
+    assert not layout.decode_supported(16, 60000, jnp.bfloat16) and layout.decode_supported(16, 50000, jnp.float16)
     with pytest.raises(ValueError, match="at most 64 tokens"):
-        cuda.decode_ffn_gate(jnp.zeros((65, 16), jnp.bfloat16), jnp.zeros((16, 40), jnp.bfloat16), None,
+        ffn_binding.decode_ffn_gate(jnp.zeros((65, 16), jnp.bfloat16), jnp.zeros((16, 40), jnp.bfloat16), None,
                              jnp.zeros((40, 16), jnp.bfloat16))
-    assert not cuda.decode_gate_supported(4, 24, 64) and not cuda.decode_gate_supported(4, 32, 60)
+    assert not layout.decode_gate_supported(4, 24, 64) and not layout.decode_gate_supported(4, 32, 60)
     with pytest.raises(ValueError, match="splits must be in"):
-        cuda.decode_ffn_gate(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((128, 40), jnp.bfloat16), None,
+        ffn_binding.decode_ffn_gate(jnp.zeros((2, 128), jnp.bfloat16), jnp.zeros((128, 40), jnp.bfloat16), None,
                              jnp.zeros((40, 128), jnp.bfloat16), splits=3)
 
 
@@ -459,54 +452,37 @@ def test_decode_rows_rejects_shapes_it_cannot_take():
     x = jnp.zeros((5, 64), jnp.bfloat16)
     w = jnp.zeros((256, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="1 to 4 tokens"):
-        cuda.decode_ffn_rows(x, w, w, w_up_t=w)
+        ffn_binding.decode_ffn_rows(x, w, w, w_up_t=w)
     with pytest.raises(ValueError, match="w_up_t must be"):
-        cuda.decode_ffn_rows(x[:2], w, w, w_up_t=w.T)
+        ffn_binding.decode_ffn_rows(x[:2], w, w, w_up_t=w.T)
     with pytest.raises(ValueError, match="multiple of 8"):
-        cuda.decode_ffn_rows(x[:2, :60], w[:, :60], w[:, :60])
+        ffn_binding.decode_ffn_rows(x[:2, :60], w[:, :60], w[:, :60])
     with pytest.raises(ValueError, match="bf16 or f16"):
-        cuda.decode_ffn_rows(x[:2].astype(jnp.float32), w.astype(jnp.float32), w.astype(jnp.float32))
-    assert cuda.decode_rows_supported(4, 8192, 2**20, jnp.float16)
-    assert not cuda.decode_rows_supported(0, 64, 256, jnp.bfloat16) and not cuda.decode_rows_supported(1, 8200, 256, jnp.bfloat16)
+        ffn_binding.decode_ffn_rows(x[:2].astype(jnp.float32), w.astype(jnp.float32), w.astype(jnp.float32))
+    assert layout.decode_rows_supported(4, 8192, 2**20, jnp.float16)
+    assert not layout.decode_rows_supported(0, 64, 256, jnp.bfloat16) and not layout.decode_rows_supported(1, 8200, 256, jnp.bfloat16)
 
 
 def test_decode_gate_splits_fill_the_sms_within_a_cluster():
     # <= 3 CTAs per SM: 44 column blocks of f=5632 -> 8 K ranges (9 capped), 64 of f=8192 -> 6, 86 of f=11008 -> 4.
-    assert cuda.decode_gate_splits(1, 2048, 5632, sms=132) == 8
-    assert cuda.decode_gate_splits(64, 2048, 5632, sms=132) == 8  # m does not change it
-    assert cuda.decode_gate_splits(8, 2048, 8192, sms=132) == 6
-    assert cuda.decode_gate_splits(8, 4096, 11008, sms=132) == 4
-    assert cuda.decode_gate_splits(4, 128, 512, sms=132) == 2  # capped by d's 64-row stages
-    assert cuda.decode_gate_splits(4, 4096, 512, sms=132) == 8  # capped by the portable cluster size
+    assert ffn_binding.decode_gate_splits(1, 2048, 5632, sms=132) == 8
+    assert ffn_binding.decode_gate_splits(64, 2048, 5632, sms=132) == 8  # m does not change it
+    assert ffn_binding.decode_gate_splits(8, 2048, 8192, sms=132) == 6
+    assert ffn_binding.decode_gate_splits(8, 4096, 11008, sms=132) == 4
+    assert ffn_binding.decode_gate_splits(4, 128, 512, sms=132) == 2  # capped by d's 64-row stages
+    assert ffn_binding.decode_gate_splits(4, 4096, 512, sms=132) == 8  # capped by the portable cluster size
     for m, d, f in [(1, 16, 8), (64, 8192, 50000), (7, 16, 5632)]:
-        splits = cuda.decode_gate_splits(m, d, f, sms=132)
+        splits = ffn_binding.decode_gate_splits(m, d, f, sms=132)
         assert 1 <= splits <= min(8, -(-d // 64))
 
 
-def test_rule_setters_swap_and_check_the_type():
-    from jax_twell.ops import cuda_train
-
-    for get, put, kind, other in (
-        (cuda.dense_crossover, cuda.set_dense_crossover, cuda.DenseCrossover, cuda_train.TrainCrossover),
-        (cuda_train.train_crossover, cuda_train.set_train_crossover, cuda_train.TrainCrossover, cuda.DenseCrossover),
-    ):
-        before = get()
-        mine = kind(margin=0.5)
-        assert put(mine) is before and get() is mine
-        with pytest.raises(TypeError, match=kind.__name__):
-            put(other())
-        assert get() is mine  # a refused rule changes nothing
-        assert put(before) is mine and get() is before
-
-
 def test_decode_wins_follows_the_measured_bounds():
-    rule = cuda.DenseCrossover()
+    rule = DenseCrossover()
     assert rule.decode_wins(1, 0.02) and not rule.decode_wins(1, 0.03)
     assert rule.decode_wins(16, 0.01) and not rule.decode_wins(16, 0.02)
     assert rule.decode_wins(64, 0.003) and not rule.decode_wins(64, 0.005)
     assert rule.decode_wins(2, 0.01) and not rule.decode_wins(2, 0.02)  # M=2 takes M=16's bound
     assert not rule.decode_wins(65, 0.0) and not rule.decode_wins(0, 0.0)
-    assert not cuda.DenseCrossover(margin=0.0).decode_wins(1, 0.0)
     with pytest.raises(ValueError, match="active_fraction"):
         rule.decode_wins(1, 2.0)
 
@@ -516,9 +492,9 @@ def test_known_active_fraction_picks_decode_at_trace_time(decode_stand_ins, stan
     """With the layer's active fraction known, decode-sized calls take the decode kernels
     where they win, with no device check and no pack, under the default rule (decode off);
     elsewhere the usual paths; gated calls need w_up_t."""
-    stand_ins(mark=False)
-    seen = decode_stand_ins()
-    assert cuda.dense_crossover().decode_kernel_max_tokens == 0  # the default: decode off without knowledge
+    kernels = stand_ins(mark=False)
+    seen, kernels = decode_stand_ins(kernels)
+    assert DenseCrossover().decode_kernel_max_tokens == 0  # the default: decode off without knowledge
     for m, fraction, with_t, want in [
         (1, 0.005, True, "kernel gate"),
         (16, 0.01, True, "kernel gate"),
@@ -530,8 +506,7 @@ def test_known_active_fraction_picks_decode_at_trace_time(decode_stand_ins, stan
         inp = synthetic_ffn_inputs(jax.random.key(m), m, 128, 704, density=0.02)
         w_gate = inp.w_gate if gated else None
         w_up_t = inp.w_up.T if (with_t and gated) else None
-        fn = jax.jit(lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, w_up_t=wut, active_fraction=fraction))
+        fn = jax.jit(lambda x, wg, wu, wd, wut: cuda_ffn(x, wg, wu, wd, tile=256, capacity=32, w_up_t=wut, active_fraction=fraction, kernels=kernels))
         seen.clear()
         jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down, w_up_t))
         if want is not None:
@@ -544,27 +519,26 @@ def test_known_active_fraction_picks_decode_at_trace_time(decode_stand_ins, stan
         assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 704), f"m={m}")
 
 
-@pytest.mark.parametrize("rule", [cuda.DenseCrossover(margin=float("inf")), cuda.DenseCrossover()], ids=["forced", "default"])
-def test_no_tokens_give_an_empty_output(stand_ins, rule):
-    """M = 0 returns [0, d] under any rule, with nothing traced to count or pack."""
-    stand_ins(mark=True)
+@pytest.mark.parametrize("side", list(Side), ids=lambda s: s.value)
+def test_no_tokens_give_an_empty_output(stand_ins, side):
+    """M = 0 returns [0, d] on any side, with nothing traced to count or pack."""
+    kernels = stand_ins(mark=True)
     inp = case(m=4, key=2)
     x = jnp.zeros((0, inp.x.shape[1]), inp.x.dtype)
-    y = cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=32, crossover=rule)
+    y = cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=32, side=side, kernels=kernels)
     assert y.shape == x.shape and y.dtype == x.dtype
-    assert cuda.sampled_gate_counts(jnp.zeros((0, 700), jnp.bfloat16), tile=256, capacity=32, rows=8)[0] == 0
+    assert stats.sampled_gate_counts(jnp.zeros((0, 700), jnp.bfloat16), tile=256, capacity=32, rows=8)[0] == 0
 
 
 def test_known_fraction_past_the_decode_bound_runs_dense_at_decode_sizes(decode_stand_ins, stand_ins):
     """Decode-sized, the fraction known and above the decode kernels' bound: XLA's dense
     FFN at trace time, even where the rule's row-kernel costs (here without fixed costs)
     would send the call through the per-call check to the row kernel."""
-    stand_ins(mark=False)
-    seen = decode_stand_ins()
-    rule = cuda.DenseCrossover(**NO_FIXED)
+    kernels = stand_ins(mark=False)
+    seen, kernels = decode_stand_ins(kernels)
+    rule = DenseCrossover(**NO_FIXED)
     inp = synthetic_ffn_inputs(jax.random.key(4), 4, 128, 704, density=0.02)
-    fn = lambda p: jax.jit(lambda x, wg, wu, wd, wut: cuda.sparse_ffn(
-        x, wg, wu, wd, tile=256, capacity=32, w_up_t=wut, active_fraction=p, crossover=rule))
+    fn = lambda p: jax.jit(lambda x, wg, wu, wd, wut: cuda_ffn(x, wg, wu, wd, tile=256, capacity=32, w_up_t=wut, active_fraction=p, rule=rule, kernels=kernels))
     jaxpr = str(jax.make_jaxpr(fn(0.02))(inp.x, inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T))
     assert not seen and "cond" not in jaxpr and "stand_in_pack" not in jaxpr
     big = case(m=65, key=9)  # past decode sizes, at a fraction the rule calls sparse: the per-call check
@@ -576,12 +550,12 @@ def test_activation_weight_by_neuron_picks_the_rows_kernel(decode_stand_ins, sta
     """With the activation's weight also given as [f, d] (``w_act_t``), calls of at most
     ``decode_rows_max_tokens`` tokens that take the decode kernels run decode_ffn_rows;
     more tokens, no w_act_t, gated without w_up_t, or a fraction past the bound do not."""
-    stand_ins(mark=False)
-    seen = decode_stand_ins()
+    kernels = stand_ins(mark=False)
+    seen, kernels = decode_stand_ins(kernels)
     for m, fraction, with_t, with_act, rule, want in [
         (1, 0.005, True, True, None, "rows"),
         (2, 0.005, True, True, None, "kernel gate"),  # past decode_rows_max_tokens (1)
-        (2, 0.005, True, True, cuda.DenseCrossover(decode_rows_max_tokens=4), "rows"),
+        (2, 0.005, True, True, DenseCrossover(decode_rows_max_tokens=4), "rows"),
         (1, 0.005, True, False, None, "kernel gate"),
         (1, 0.005, False, True, None, None if gated else "rows"),  # gated needs w_up_t
         (1, 0.05, True, True, None, None),  # past the M=1 bound: dense
@@ -590,8 +564,7 @@ def test_activation_weight_by_neuron_picks_the_rows_kernel(decode_stand_ins, sta
         w_gate = inp.w_gate if gated else None
         w_up_t = inp.w_up.T if (with_t and gated) else None
         w_act_t = (inp.w_gate if gated else inp.w_up).T if with_act else None
-        fn = jax.jit(lambda x, wg, wu, wd, wut, wat: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=32, w_up_t=wut, active_fraction=fraction, w_act_t=wat, crossover=rule))
+        fn = jax.jit(lambda x, wg, wu, wd, wut, wat: cuda_ffn(x, wg, wu, wd, tile=256, capacity=32, w_up_t=wut, active_fraction=fraction, w_act_t=wat, rule=rule, kernels=kernels))
         seen.clear()
         jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down, w_up_t, w_act_t))
         if want is not None:
@@ -602,27 +575,23 @@ def test_activation_weight_by_neuron_picks_the_rows_kernel(decode_stand_ins, sta
         assert_close(y, xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down), 2 * fused_tolerance(jnp.bfloat16, 704), f"m={m}")
 
 
-@pytest.mark.parametrize("kernel", cuda.KERNELS)
+@pytest.mark.parametrize("kernel", FUSED_KERNELS)
 @pytest.mark.parametrize("gated", [True, False])
 def test_known_active_fraction_past_decode_sizes(stand_ins, kernel, gated):
     """Past decode sizes a known fraction where the rule predicts dense gives XLA's dense FFN
     itself (same jaxpr: no counts, no pack, no device branch); where it predicts sparse, the
     per-call device choice still runs on the true counts."""
-    stand_ins(mark=False)
-    rule = cuda.DenseCrossover(**NO_FIXED)
+    kernels = stand_ins(mark=False)
+    rule = DenseCrossover(**NO_FIXED)
     inp = case(m=1100, key=5)
     w_gate = inp.w_gate if gated else None
     assert rule.sparse_predicted(1100, 128, 700, 2, 0.0, kernel=kernel)
     assert not rule.sparse_predicted(1100, 128, 700, 2, 1.0, kernel=kernel)
-    assert cuda.DenseCrossover(margin=float("inf")).sparse_predicted(1100, 128, 700, 2, 1.0)
-    assert not cuda.DenseCrossover(margin=0.0).sparse_predicted(1100, 128, 700, 2, 0.0)
     with pytest.raises(ValueError, match="active_fraction"):
         rule.sparse_predicted(1100, 128, 700, 2, -0.1)
     dense_jaxpr = str(jax.make_jaxpr(lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd))(inp.x, w_gate, inp.w_up, inp.w_down))
     for fraction, dense in [(1.0, True), (0.0, False)]:
-        fn = lambda x, wg, wu, wd: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=256, capacity=8, crossover=rule, kernel=kernel, active_fraction=fraction
-        )
+        fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=8, kernel=kernel, active_fraction=fraction, rule=rule, kernels=kernels)
         jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down))
         assert (jaxpr == dense_jaxpr) == dense, fraction
         if not dense:
@@ -634,9 +603,9 @@ def test_known_active_fraction_past_decode_sizes(stand_ins, kernel, gated):
 def test_per_call_sample_rows():
     """An eighth of the tokens, at least count_sample_min_rows, never past count_sample_rows
     (the cap a user sets wins over the floor)."""
-    rule = cuda.DenseCrossover()
+    rule = DenseCrossover()
     assert [rule.sample_rows(m) for m in (256, 2048, 4096, 8192, 65536)] == [256, 256, 512, 1024, 1024]
-    assert cuda.DenseCrossover(count_sample_rows=64).sample_rows(4096) == 64
+    assert DenseCrossover(count_sample_rows=64).sample_rows(4096) == 64
 
 
 @pytest.mark.parametrize("pattern", ["uniform", "heavy"])
@@ -645,21 +614,20 @@ def test_sampled_gate_counts(pattern):
     percent of the true counts on 2% uniform and heavy-tailed activations."""
     inp = synthetic_ffn_inputs(jax.random.key(11), 4500, 128, 704, density=0.02, pattern=pattern)
     g = relu_matmul(inp.x, inp.w_gate)
-    nnz, n_over, _ = cuda.gate_counts(g, tile=256, capacity=8)
-    exact = cuda.sampled_gate_counts(g, tile=256, capacity=8, rows=4000)
+    nnz, n_over, _ = stats.gate_counts(g, tile=256, capacity=8)
+    exact = stats.sampled_gate_counts(g, tile=256, capacity=8, rows=4000)
     assert float(exact[0]) == int(nnz) and float(exact[1]) == int(n_over)
-    est_nnz, est_over = jax.jit(lambda g: cuda.sampled_gate_counts(g, tile=256, capacity=8, rows=1000))(g)
+    est_nnz, est_over = jax.jit(lambda g: stats.sampled_gate_counts(g, tile=256, capacity=8, rows=1000))(g)
     assert abs(float(est_nnz) / int(nnz) - 1) < 0.1, (float(est_nnz), int(nnz))
     assert est_nnz.dtype == jnp.float32 and est_over.dtype == jnp.float32
     with pytest.raises(ValueError, match="rows"):
-        cuda.sampled_gate_counts(g, tile=256, capacity=8, rows=0)
+        stats.sampled_gate_counts(g, tile=256, capacity=8, rows=0)
 
 
 @pytest.fixture
 def cuda_ops_as_stand_ins(monkeypatch):
     """The public ops' "cuda" implementations with the kernels replaced by XLA and the
     reference; returns the list of token shapes each stand-in was traced with."""
-    from jax_twell.ops import api
 
     seen = []
 
@@ -673,12 +641,12 @@ def cuda_ops_as_stand_ins(monkeypatch):
 
     def twell(x, act, w_act, w_up, w_down):
         seen.append(x.shape)
-        return reference.twell_ffn(x, act, w_act, w_up, w_down)
+        return ffn_reference.twell_ffn(x, act, w_act, w_up, w_down)
 
-    monkeypatch.setattr(cuda, "sparse_ffn", ffn)
-    monkeypatch.setattr(cuda, "gate_twell", gate)
-    monkeypatch.setattr(cuda, "twell_ffn", twell)
-    monkeypatch.setattr(api._kernels, "kernels_available", lambda: True)
+    monkeypatch.setattr(ffn_cuda, "sparse_ffn", ffn)
+    monkeypatch.setattr(ffn_cuda, "gate_twell", gate)
+    monkeypatch.setattr(ffn_cuda, "twell_ffn", twell)
+    monkeypatch.setattr(common._kernels, "kernels_available", lambda: True)
     return seen
 
 
@@ -725,9 +693,9 @@ def test_vmap_over_tokens_runs_the_cuda_ops_once_on_the_whole_batch(cuda_ops_as_
     assert (3, 40, 64) not in seen
     for i in range(3):
         act_i = jax.tree.map(lambda a: a[i], act)
-        want = reference.twell_ffn(xb[i], act_i, inp.w_gate, inp.w_up, inp.w_down)
+        want = ffn_reference.twell_ffn(xb[i], act_i, inp.w_gate, inp.w_up, inp.w_down)
         np.testing.assert_allclose(y[i], want, rtol=1e-6, atol=1e-6)
-        want0 = reference.twell_ffn(xb[i], jax.tree.map(lambda a: a[0], act), inp.w_gate, inp.w_up, inp.w_down)
+        want0 = ffn_reference.twell_ffn(xb[i], jax.tree.map(lambda a: a[0], act), inp.w_gate, inp.w_up, inp.w_down)
         np.testing.assert_allclose(y_single_act[i], want0, rtol=1e-6, atol=1e-6)
 
 
@@ -766,7 +734,6 @@ def test_grad_through_the_cuda_ffn_is_the_dense_formulas(monkeypatch, gated):
     callback, which has none either): grad, and vmap of grad, give jax.grad of XLA's dense
     FFN; the transposed weight copies get zero cotangents."""
     import jax_twell as jt
-    from jax_twell.ops import api
 
     def opaque(x, wg, wu, wd, **kwargs):
         out = jax.ShapeDtypeStruct(x.shape, x.dtype)
@@ -774,14 +741,14 @@ def test_grad_through_the_cuda_ffn_is_the_dense_formulas(monkeypatch, gated):
         return jax.pure_callback(lambda x, wg, wu, wd: host(x, wg, wu, wd), out, x, wg, wu, wd) if wg is not None else \
             jax.pure_callback(lambda x, wu, wd: host(x, None, wu, wd), out, x, wu, wd)
 
-    monkeypatch.setattr(cuda, "sparse_ffn", opaque)
-    monkeypatch.setattr(api._kernels, "kernels_available", lambda: True)
+    monkeypatch.setattr(ffn_cuda, "sparse_ffn", opaque)
+    monkeypatch.setattr(common._kernels, "kernels_available", lambda: True)
     inp = synthetic_ffn_inputs(jax.random.key(5), 24, 32, 128, density=0.1, dtype=jnp.float32)
     w_gate = inp.w_gate if gated else None
     ct = jax.random.normal(jax.random.key(6), inp.x.shape, jnp.float32)
 
     def loss(impl, x, w_up, w_up_t=None):
-        y = jt.sparse_ffn(x, w_gate, w_up, inp.w_down, implementation=impl, w_up_t=w_up_t)
+        y = sparse_ffn_for_layer(x, w_gate, w_up, inp.w_down, implementation=impl, w_up_t=w_up_t)
         return jnp.sum(y * ct)
 
     want = jax.grad(lambda x, w: loss("xla", x, w), argnums=(0, 1))(inp.x, inp.w_up)
@@ -806,12 +773,12 @@ def test_sampled_block_union(pattern):
     g = relu_matmul(inp.x, inp.w_gate)
     mask = np.asarray(g) > 0
     exact = mask[: m // 64 * 64].reshape(m // 64, 64, f).any(axis=1).mean()
-    assert float(cuda.sampled_block_union(g, rows=4000)) == pytest.approx(exact, rel=1e-6)
-    est = float(jax.jit(lambda g: cuda.sampled_block_union(g, rows=1024))(g))
+    assert float(stats.sampled_block_union(g, rows=4000)) == pytest.approx(exact, rel=1e-6)
+    est = float(jax.jit(lambda g: stats.sampled_block_union(g, rows=1024))(g))
     assert abs(est / exact - 1) < 0.1, (est, exact)
     p = mask.mean()
     uniform = 1 - (1 - p) ** 64
-    rule = cuda.DenseCrossover()
+    rule = DenseCrossover()
     nnz = int(mask.sum())
     measured, formula = (float(rule.union_cost(nnz, m, 128, f, 2, u)) for u in (est, None))
     if pattern == "uniform":
@@ -819,10 +786,10 @@ def test_sampled_block_union(pattern):
     else:
         assert exact < 0.8 * uniform and measured < formula
     # Under one block: the union of the rows themselves; nothing: 0.
-    assert float(cuda.sampled_block_union(g[:10], rows=64)) == pytest.approx(mask[:10].any(axis=0).mean())
-    assert float(cuda.sampled_block_union(g[:0], rows=64)) == 0.0
+    assert float(stats.sampled_block_union(g[:10], rows=64)) == pytest.approx(mask[:10].any(axis=0).mean())
+    assert float(stats.sampled_block_union(g[:0], rows=64)) == 0.0
     with pytest.raises(ValueError, match="positive"):
-        cuda.sampled_block_union(g, rows=0)
+        stats.sampled_block_union(g, rows=0)
 
 
 def test_block_union_fraction_and_known_union():
@@ -838,11 +805,11 @@ def test_block_union_fraction_and_known_union():
     g = relu_matmul(inp.x, inp.w_gate)
     mask = np.asarray(g) > 0
     want = mask[:192].reshape(3, 64, f).any(axis=1).mean()
-    assert float(cuda.block_union_fraction(g)) == pytest.approx(want, rel=1e-6)
-    assert float(jax.jit(cuda.block_union_fraction)(g)) == pytest.approx(want, rel=1e-6)
-    assert float(cuda.block_union_fraction(g[:10])) == pytest.approx(mask[:10].any(axis=0).mean(), rel=1e-6)
-    assert float(cuda.block_union_fraction(g[:0])) == 0.0
-    rule = cuda.DenseCrossover()
+    assert float(stats.block_union_fraction(g)) == pytest.approx(want, rel=1e-6)
+    assert float(jax.jit(stats.block_union_fraction)(g)) == pytest.approx(want, rel=1e-6)
+    assert float(stats.block_union_fraction(g[:10])) == pytest.approx(mask[:10].any(axis=0).mean(), rel=1e-6)
+    assert float(stats.block_union_fraction(g[:0])) == 0.0
+    rule = DenseCrossover()
     shape = (16384, 2048, 5632, 2, 0.015, True, "blocked_union")
     assert not rule.sparse_predicted(*shape)
     assert rule.sparse_predicted(*shape, 0.3)
@@ -851,9 +818,9 @@ def test_block_union_fraction_and_known_union():
         rule.sparse_predicted(*shape, 1.5)
     x, wg, wu, wd = inp
     with pytest.raises(ValueError, match="union_fraction"):
-        jt.sparse_ffn(x, wg, wu, wd, implementation="xla", union_fraction=-0.1)
+        LayerInfo(union_fraction=-0.1)
     np.testing.assert_array_equal(  # other implementations ignore it
-        jt.sparse_ffn(x, wg, wu, wd, implementation="xla", union_fraction=0.2),
+        sparse_ffn_for_layer(x, wg, wu, wd, implementation="xla", layer=LayerInfo(union_fraction=0.2)),
         jt.sparse_ffn(x, wg, wu, wd, implementation="xla"),
     )
 
@@ -880,18 +847,17 @@ def test_device_branches_of_the_blocked_paths(stand_ins, kernel):
     entry budget is the handler's own fallback); a known active fraction, one (dense or
     sparse on the call's counts; row or blocked at trace time); no fraction, two (then row
     or blocked on the device). All three compute the FFN."""
-    stand_ins(mark=False)
+    kernels = stand_ins(mark=False)
     inp = case(m=1100, key=9)
     want = xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)
-    for rule, fraction, conds in [(cuda.DenseCrossover(margin=float("inf")), None, 0),
-                                  (cuda.DenseCrossover(**NO_FIXED), 0.0, 1),
-                                  (cuda.DenseCrossover(**NO_FIXED), None, 2)]:
-        fn = lambda x: cuda.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, crossover=rule,
-                                       kernel=kernel, active_fraction=fraction)
-        assert _count_conds(jax.make_jaxpr(fn)(inp.x).jaxpr) == conds, (rule.margin, fraction)
+    rule = DenseCrossover(**NO_FIXED)
+    for side, fraction, conds in [(Side.SPARSE, None, 0), (Side.AUTO, 0.0, 1), (Side.AUTO, None, 2)]:
+        fn = lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, kernel=kernel,
+                                active_fraction=fraction, rule=rule, side=side, kernels=kernels)
+        assert _count_conds(jax.make_jaxpr(fn)(inp.x).jaxpr) == conds, (side, fraction)
         assert_close(jax.jit(fn)(inp.x), want, 2 * fused_tolerance(jnp.bfloat16, 700), f"{fraction}")
     # The static choice between the row and blocked kernels agrees with the costs it compares.
-    rule = cuda.DenseCrossover()
+    rule = DenseCrossover()
     for m, fraction in [(256, 0.0001), (16384, 0.005), (2048, 0.02)]:
         nnz = fraction * m * 5632
         row = float(rule.row_cost(nnz, 0, 2048, 5632, 2, False))

@@ -1,5 +1,5 @@
 """The token-blocked fused FFN kernels (ffi/twell_ffn_blocked.cu): bit for bit against their
-NumPy model (jax_twell/ops/blocked_emulation.py), and against the reference on every edge."""
+NumPy model (tests/blocked_emulation.py), and against the reference on every edge."""
 
 import jax
 import jax.numpy as jnp
@@ -8,15 +8,19 @@ import pytest
 
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import blocked_emulation as emu
-from jax_twell.ops import stationary_emulation as stat
-from jax_twell.ops import cuda, reference
+import blocked_emulation as emu
+import stationary_emulation as stat
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import GPU_SPECS, assert_close, fused_tolerance
+from jax_twell.ops.ffn import binding as ffn_binding
+from jax_twell.ops.ffn import cuda as ffn_cuda
+from jax_twell.ops import layout
+from jax_twell.ops.ffn import reference as ffn_reference
+from cuda_calls import cuda_ffn
+from jax_twell.ops.plan import Side
 
 pytestmark = pytest.mark.gpu
 
-ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
 
 
 
@@ -49,7 +53,7 @@ def test_blocked_matches_emulation_bitwise(case, gated, dtype):
         act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=tile, capacity=capacity)
         need = emu.needed_entries(np.asarray(act.counts), capacity, tile, f)
         max_entries = need + 5
-        got = cuda.blocked_ffn(x, act, inp.w_gate, w_up, inp.w_down, w_up_t=w_up_t, max_entries=max_entries, workspace=True)
+        got = ffn_binding.blocked_ffn(x, act, inp.w_gate, w_up, inp.w_down, w_up_t=w_up_t, max_entries=max_entries, workspace=True)
         y_emu, ws = emu.blocked_ffn(
             x, act.values, act.cols, act.counts, inp.w_gate, w_up, w_up_t, inp.w_down, tile=tile, max_entries=max_entries
         )
@@ -61,7 +65,7 @@ def test_blocked_matches_emulation_bitwise(case, gated, dtype):
             normal = (ws.entries[:need] & emu.RECOMPUTE_FLAG) == 0
             np.testing.assert_array_equal(np.asarray(got[4])[:, :need][:, normal], ws.partial[:, :need][:, normal], what)
         np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint16), np.asarray(y_emu).view(np.uint16), what)
-        want = reference.twell_ffn(x, act, inp.w_gate, w_up, inp.w_down)
+        want = ffn_reference.twell_ffn(x, act, inp.w_gate, w_up, inp.w_down)
         assert_close(got[0], want, fused_tolerance(dtype, f), what)
 
 
@@ -76,9 +80,9 @@ def test_blocked_mma_matches_emulation(case, dtype):
         act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=tile, capacity=capacity)
         need = emu.needed_entries(np.asarray(act.counts), capacity, tile, f)
         max_entries = need + 5
-        got = cuda.blocked_ffn(
+        got = ffn_binding.blocked_ffn(
             x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T, max_entries=max_entries, workspace=True,
-            mma=True,
+            tensor_cores=True,
         )
         _, ws = emu.blocked_ffn(
             x, act.values, act.cols, act.counts, inp.w_gate, inp.w_up, inp.w_up.T, inp.w_down, tile=tile,
@@ -92,7 +96,7 @@ def test_blocked_mma_matches_emulation(case, dtype):
         normal = (ws.entries[:need] & emu.RECOMPUTE_FLAG) == 0
         if normal.any():
             assert_close(np.asarray(got[4])[:, :need][:, normal], ws.partial[:, :need][:, normal], 2.0**-16, what)
-        want = reference.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down)
+        want = ffn_reference.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down)
         assert_close(got[0], want, fused_tolerance(dtype, f), what)
 
 
@@ -109,8 +113,8 @@ def test_blocked_union_down_matches_mma(case, dtype):
     for tile, capacity in [(256, 32), (64, 4)]:
         act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=tile, capacity=capacity)
         max_entries = emu.needed_entries(np.asarray(act.counts), capacity, tile, f) + 5
-        run = lambda union: cuda.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T,
-                                             max_entries=max_entries, workspace=True, mma=True, down_union=union)
+        run = lambda union: ffn_binding.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T,
+                                             max_entries=max_entries, workspace=True, tensor_cores=True, down_union=union)
         base, union = run(False), run(True)
         what = f"{case} tile={tile} cap={capacity}"
         need = int(base[1][-1])  # entries past seg_start[-1] are unwritten in both
@@ -147,11 +151,11 @@ def test_blocked_stationary_down_matches_emulation(case, dtype):
     for tile, capacity in [(256, 32), (64, 4), (32, 1)]:
         act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=tile, capacity=capacity)
         max_entries = emu.needed_entries(np.asarray(act.counts), capacity, tile, f) + 5
-        while not cuda.stationary_down_supported(m, d, f, max_entries):  # the walk's workspace in the partials
+        while not layout.stationary_down_supported(m, d, f, max_entries):  # the walk's workspace in the partials
             max_entries *= 2
-        run = lambda stationary: cuda.blocked_ffn(
+        run = lambda stationary: ffn_binding.blocked_ffn(
             x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T, max_entries=max_entries, workspace=True,
-            mma=True, up_union=True, down_union=True, down_stationary=stationary)
+            tensor_cores=True, up_union=True, down_union=True, down_stationary=stationary)
         base, got = run(False), run(True)
         what = f"{case} tile={tile} cap={capacity}"
         need = int(base[1][-1])
@@ -173,13 +177,13 @@ def test_blocked_stationary_down_over_budget(m):
     act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=256, capacity=8)
     need = emu.needed_entries(np.asarray(act.counts), 8, 256, f)
     max_entries = need // 2
-    assert cuda.stationary_down_supported(m, d, f, max_entries)
-    kw = dict(w_up_t=inp.w_up.T, max_entries=max_entries, mma=True, up_union=True, down_union=True,
+    assert layout.stationary_down_supported(m, d, f, max_entries)
+    kw = dict(w_up_t=inp.w_up.T, max_entries=max_entries, tensor_cores=True, up_union=True, down_union=True,
               down_stationary=True)
-    ws = cuda.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, workspace=True, **kw)
+    ws = ffn_binding.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, workspace=True, **kw)
     assert np.isnan(np.asarray(ws[0], np.float32)).all()
-    y = cuda.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, **kw)
-    want = reference.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down)
+    y = ffn_binding.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, **kw)
+    want = ffn_reference.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down)
     assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"m={m}")
 
 
@@ -197,10 +201,10 @@ def test_blocked_union_up_matches_mma(case, dtype):
     for tile, capacity in [(256, 32), (64, 4)]:
         act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=tile, capacity=capacity)
         max_entries = emu.needed_entries(np.asarray(act.counts), capacity, tile, f) + 5
-        assert cuda.union_up_supported(m, d, f, max_entries), (case, max_entries)
-        run = lambda up, down: cuda.blocked_ffn(
+        assert layout.union_up_supported(m, d, f, max_entries), (case, max_entries)
+        run = lambda up, down: ffn_binding.blocked_ffn(
             x, act, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T, max_entries=max_entries, workspace=True,
-            mma=True, up_union=up, down_union=down)
+            tensor_cores=True, up_union=up, down_union=down)
         base = run(False, False)
         need = int(base[1][-1])  # entries past seg_start[-1] are unwritten in both
         for up, down in [(True, False), (True, True)]:
@@ -229,8 +233,8 @@ def test_blocked_ffn_matches_reference(spec, dtype, gated, kernel):
     for tile, capacity in [(256, 32), (64, 4)]:
         act = jt.gate_twell(inp.x, inp.w_gate, tile=tile, capacity=capacity, implementation="reference")
         with jax.default_matmul_precision("highest"):
-            y = jax.jit(lambda x, a: cuda.twell_ffn(x, a, inp.w_gate, w_up, inp.w_down, kernel=kernel))(inp.x, act)
-            want = reference.twell_ffn(inp.x, act, inp.w_gate, w_up, inp.w_down)
+            y = jax.jit(lambda x, a: ffn_cuda.twell_ffn(x, a, inp.w_gate, w_up, inp.w_down, kernel=kernel))(inp.x, act)
+            want = ffn_reference.twell_ffn(inp.x, act, inp.w_gate, w_up, inp.w_down)
         assert y.dtype == dtype and y.shape == (spec.m, spec.d)
         assert_close(y, want, fused_tolerance(dtype, spec.f), f"{spec} {kernel} tile={tile} cap={capacity}")
 
@@ -243,11 +247,11 @@ def test_blocked_sparse_ffn_forced_and_auto():
         wg = inp.w_gate if gated else None
         wu = inp.w_up if gated else inp.w_gate
         want = jt.sparse_ffn(x, wg, wu, inp.w_down, implementation="reference")
-        forced = jax.jit(lambda x: cuda.sparse_ffn(x, wg, wu, inp.w_down, tile=256, capacity=32, crossover=ALWAYS_SPARSE, kernel="blocked"))
+        forced = jax.jit(lambda x: cuda_ffn(x, wg, wu, inp.w_down, tile=256, capacity=32, kernel="blocked", side=Side.SPARSE))
         hlo = forced.lower(x).as_text()
         assert "jax_twell_ffn_blocked" in hlo
         assert_close(forced(x), want, fused_tolerance(jnp.bfloat16, 1408), f"forced gated={gated}")
-        auto = cuda.sparse_ffn(x, wg, wu, inp.w_down, tile=256, capacity=32, kernel="blocked")
+        auto = cuda_ffn(x, wg, wu, inp.w_down, tile=256, capacity=32, kernel="blocked")
         assert_close(auto, want, fused_tolerance(jnp.bfloat16, 1408), f"auto gated={gated}")
 
 
@@ -255,10 +259,10 @@ def test_blocked_over_budget_falls_back_exactly_or_is_nan():
     x, inp = _inputs(300, 128, 700, 0.05, "heavy", jnp.bfloat16, 5, full=4)
     act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=128, capacity=8)
     need = emu.needed_entries(np.asarray(act.counts), 8, 128, 700)
-    want = reference.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down)
-    y = cuda.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, kernel="blocked", max_entries=need - 1)
+    want = ffn_reference.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down)
+    y = ffn_cuda.twell_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, kernel="blocked", max_entries=need - 1)
     assert_close(y, want, fused_tolerance(jnp.bfloat16, 700), "row-kernel fallback")
-    raw = cuda.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, max_entries=need - 1, workspace=True)
+    raw = ffn_binding.blocked_ffn(x, act, inp.w_gate, inp.w_up, inp.w_down, max_entries=need - 1, workspace=True)
     assert np.isnan(np.asarray(raw[0], np.float32)).all()
 
 
@@ -282,32 +286,33 @@ def test_blocked_handler_runs_the_row_kernel_only_past_its_budget(gated, variant
     act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
     need = emu.needed_entries(np.asarray(act.counts), 32, 256, f)
     mma, union = variant
-    call = lambda budget, fallback: cuda._blocked_call(
-        x, act, w_act, w_up, inp.w_down, w_up_t, budget, mma, union, union, fallback=fallback)[0]
+    call = lambda budget, fallback: ffn_binding.blocked_call(
+        x, act, w_act, w_up, inp.w_down, w_up_t, max_entries=budget, tensor_cores=mma, down_union=union, up_union=union,
+        fallback=fallback)[0]
     within = call(need, True)
     assert np.isfinite(np.asarray(within, np.float32)).all()
     np.testing.assert_array_equal(_bits(within), _bits(call(need, False)), "within the budget")
     assert np.isnan(np.asarray(call(need - 1, False), np.float32)).all()
-    row = cuda._twell_ffn_call(x, act, w_act, w_up, inp.w_down, w_up_t)
+    row = ffn_binding.twell_ffn(x, act, w_act, w_up, inp.w_down, w_up_t)
     np.testing.assert_array_equal(_bits(call(need - 1, True)), _bits(row), "past the budget")
-    want = reference.twell_ffn(x, act, w_act, w_up, inp.w_down)
+    want = ffn_reference.twell_ffn(x, act, w_act, w_up, inp.w_down)
     assert_close(row, want, fused_tolerance(dtype, f), "row kernel")
 
 
 def test_blocked_poisoned_output_fully_written_deterministic_leading_dims():
     x, inp = _inputs(1500, 256, 1000, 0.05, "heavy", jnp.bfloat16, 3, full=2)
     act = pack_twell_reference(relu_matmul(x, inp.w_gate), tile=128, capacity=8)
-    fn = jax.jit(lambda x, a: cuda.twell_ffn(x, a, inp.w_gate, inp.w_up, inp.w_down, kernel="blocked"))
+    fn = jax.jit(lambda x, a: ffn_cuda.twell_ffn(x, a, inp.w_gate, inp.w_up, inp.w_down, kernel="blocked"))
     y1, y2 = np.asarray(fn(x, act)), np.asarray(fn(x, act))
     assert np.isfinite(y1.astype(np.float32)).all()
     np.testing.assert_array_equal(y1.view(np.uint16), y2.view(np.uint16))
     x3 = x.reshape(3, 500, 256)
     act3 = jax.tree.map(lambda a: a.reshape(3, 500, *a.shape[1:]), act)
-    y3 = cuda.twell_ffn(x3, act3, inp.w_gate, inp.w_up, inp.w_down, kernel="blocked")
+    y3 = ffn_cuda.twell_ffn(x3, act3, inp.w_gate, inp.w_up, inp.w_down, kernel="blocked")
     np.testing.assert_array_equal(np.asarray(y3).reshape(1500, 256).view(np.uint16), y1.view(np.uint16))
     empty = jnp.zeros((0, 256), jnp.bfloat16)
     e_act = pack_twell_reference(relu_matmul(empty, inp.w_gate), tile=128, capacity=8)
-    assert cuda.twell_ffn(empty, e_act, inp.w_gate, inp.w_up, inp.w_down, kernel="blocked").shape == (0, 256)
+    assert ffn_cuda.twell_ffn(empty, e_act, inp.w_gate, inp.w_up, inp.w_down, kernel="blocked").shape == (0, 256)
 
 
 def test_blocked_clear_errors():
@@ -315,11 +320,11 @@ def test_blocked_clear_errors():
     w = jnp.ones((96, 300), jnp.bfloat16)
     act = pack_twell_reference(relu_matmul(x, w), tile=64, capacity=4)
     with pytest.raises(ValueError, match="multiple of 64"):
-        cuda.twell_ffn(x, act, w, w, w.T, kernel="blocked")
+        ffn_cuda.twell_ffn(x, act, w, w, w.T, kernel="blocked")
     x = jnp.ones((4, 64), jnp.bfloat16)
     w = jnp.ones((64, 1024), jnp.bfloat16)
     act = pack_twell_reference(relu_matmul(x, w), tile=512, capacity=4)
     with pytest.raises(ValueError, match="tile <= 256"):
-        cuda.twell_ffn(x, act, w, w, w.T, kernel="blocked")
+        ffn_cuda.twell_ffn(x, act, w, w, w.T, kernel="blocked")
     with pytest.raises(ValueError, match="kernel must be one of"):
-        cuda.twell_ffn(x, act, w, w, w.T, kernel="warp")
+        ffn_cuda.twell_ffn(x, act, w, w, w.T, kernel="warp")

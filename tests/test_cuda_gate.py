@@ -8,9 +8,15 @@ import pytest
 
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import cuda, cuda_train, reference, xla
 from jax_twell.testing import synthetic_ffn_inputs
 from specs import assert_close, fused_tolerance, tolerance
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops.ffn import binding as ffn_binding
+from jax_twell.ops.ffn import reference as ffn_reference
+from jax_twell.ops import xla
+from cuda_calls import cuda_ffn
+from cuda_calls import cuda_ffn_train
+from jax_twell.ops.plan import Side
 
 pytestmark = pytest.mark.gpu
 
@@ -74,7 +80,7 @@ def test_fused_gate_is_the_pack_of_the_exact_activation(m, d, f, active, capacit
     if dtype == jnp.float16 and d > 512:
         pytest.skip("row 1's values pass f16's range at this d")
     x, w = integer_gate_inputs(m + d + f, m, d, f, active, dtype)
-    got = jax.jit(lambda x, w: cuda.gate_pack(x, w, tile=TILE, capacity=capacity, variant=variant))(x, w)
+    got = jax.jit(lambda x, w: ffn_binding.gate_pack(x, w, tile=TILE, capacity=capacity, variant=variant))(x, w)
     want = pack_twell_reference(exact_relu_matmul(x, w), tile=TILE, capacity=capacity)
     assert_same_twell(got, want, f"m={m} d={d} f={f} cap={capacity}")
     if m > 2:  # the adversarial rows are what the inputs promise
@@ -90,7 +96,7 @@ def test_fused_gate_matches_xla_gate_on_random_inputs(m, d, f):
     """Normal inputs: the kernel's f32 sum runs in another order than XLA's, so g agrees to
     the last bit of bf16, and an element can flip to zero only where |g| is that small."""
     inp = synthetic_ffn_inputs(jax.random.key(m), m, d, f, density=0.02, dtype=jnp.bfloat16)
-    got = cuda.gate_pack(inp.x, inp.w_gate, tile=TILE, capacity=64)
+    got = ffn_binding.gate_pack(inp.x, inp.w_gate, tile=TILE, capacity=64)
     g_xla = relu_matmul(inp.x, inp.w_gate)
     dense = np.asarray(got.to_dense(inp.x, inp.w_gate), np.float32)  # overflowed tiles from XLA's g
     want = np.asarray(g_xla, np.float32)
@@ -119,7 +125,7 @@ def test_fused_gate_packs_tiny_and_non_finite_values_as_xla_and_the_pack(dtype):
     x[2, :2] = np.inf  # inf - inf = NaN where the signs of w[0] and w[1] differ
     x[3] = np.arange(1, d + 1) * sx
     x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
-    got = cuda.gate_pack(x, w, tile=TILE, capacity=8)
+    got = ffn_binding.gate_pack(x, w, tile=TILE, capacity=8)
     want = pack_twell_reference(relu_matmul(x, w), tile=TILE, capacity=8)
     np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(want.counts))
     np.testing.assert_array_equal(np.asarray(got.cols), np.asarray(want.cols))
@@ -147,7 +153,7 @@ def test_fused_gate_packs_no_padding_column_of_a_partial_last_tile(f, variant):
     w = np.ones((d, f), np.float32)
     w[1, ::2] = -1.0
     x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    got = cuda.gate_pack(x, w, tile=TILE, capacity=64, variant=variant)
+    got = ffn_binding.gate_pack(x, w, tile=TILE, capacity=64, variant=variant)
     want = pack_twell_reference(relu_matmul(x, w), tile=TILE, capacity=64)
     np.testing.assert_array_equal(np.asarray(got.counts), np.asarray(want.counts))
     np.testing.assert_array_equal(np.asarray(got.cols), np.asarray(want.cols))
@@ -158,33 +164,35 @@ def test_fused_gate_packs_no_padding_column_of_a_partial_last_tile(f, variant):
     assert int(np.asarray(want.counts)[1, -1]) == last  # the inf row: every column inf or NaN
 
 
-def test_fused_gate_leading_dims_and_vmap(monkeypatch):
+def test_fused_gate_leading_dims_and_vmap():
     x, w = integer_gate_inputs(5, 2 * 150, 64, 520, 0.05)
     x3 = x.reshape(2, 150, 64)
     want = pack_twell_reference(exact_relu_matmul(x3, w), tile=TILE, capacity=32)
-    assert_same_twell(cuda.gate_pack(x3, w, tile=TILE, capacity=32), want, "leading dims")
-    got_v = jax.vmap(lambda xi: cuda.gate_pack(xi, w, tile=TILE, capacity=32))(x3)
+    assert_same_twell(ffn_binding.gate_pack(x3, w, tile=TILE, capacity=32), want, "leading dims")
+    got_v = jax.vmap(lambda xi: ffn_binding.gate_pack(xi, w, tile=TILE, capacity=32))(x3)
     assert_same_twell(got_v, want, "vmap")
-    # The public op: the fused kernel from FUSED_GATE_MIN_TOKENS tokens (counted over the
-    # leading dimensions), XLA's matmul + the pack below; the same result either way.
-    for min_tokens in (300, 301):
-        monkeypatch.setattr(cuda, "FUSED_GATE_MIN_TOKENS", min_tokens)
+    # The public op: the fused kernel from FUSED_GATE_MIN_TOKENS (2048) tokens, counted over
+    # the leading dimensions; XLA's matmul + the pack below; the same result either way.
+    xb, _ = integer_gate_inputs(5, 2048, 64, 520, 0.05)
+    for lead in ((2, 1024), (2, 1023)):
+        xl = xb[: lead[0] * lead[1]].reshape(*lead, 64)
         fn = lambda x: jt.gate_twell(x, w, implementation="cuda")
-        assert ("jax_twell_gate_pack" in _custom_calls(fn, x3)) == (min_tokens == 300)
-        assert_same_twell(fn(x3), want, f"gate_twell, fused from {min_tokens} tokens")
+        assert ("jax_twell_gate_pack" in _custom_calls(fn, xl)) == (lead[1] == 1024)
+        want_l = pack_twell_reference(exact_relu_matmul(xl, w), tile=TILE, capacity=32)
+        assert_same_twell(fn(xl), want_l, f"gate_twell, {lead} tokens")
 
 
 def test_fused_gate_refuses_what_it_cannot_tile():
     x, w = integer_gate_inputs(1, 16, 12, 256, 0.5)
     with pytest.raises(Exception, match="multiples of 8"):
-        jax.block_until_ready(cuda.gate_pack(x, w, tile=TILE, capacity=32))
+        jax.block_until_ready(ffn_binding.gate_pack(x, w, tile=TILE, capacity=32))
     x, w = integer_gate_inputs(1, 16, 64, 256, 0.5)
     with pytest.raises(Exception, match="tiles of 256"):
-        jax.block_until_ready(cuda.gate_pack(x, w, tile=128, capacity=32))
+        jax.block_until_ready(ffn_binding.gate_pack(x, w, tile=128, capacity=32))
     with pytest.raises(Exception, match="variant"):
-        jax.block_until_ready(cuda.gate_pack(x, w, tile=TILE, capacity=32, variant=3))
+        jax.block_until_ready(ffn_binding.gate_pack(x, w, tile=TILE, capacity=32, variant=3))
     with pytest.raises(Exception, match="bf16 or f16"):
-        jax.block_until_ready(cuda.gate_pack(x.astype(jnp.float32), w.astype(jnp.float32), tile=TILE, capacity=32))
+        jax.block_until_ready(ffn_binding.gate_pack(x.astype(jnp.float32), w.astype(jnp.float32), tile=TILE, capacity=32))
     # The public op runs XLA's matmul + the pack kernel where the fused kernel does not fit.
     x, w = integer_gate_inputs(2, 16, 12, 256, 0.5)
     assert_same_twell(jt.gate_twell(x, w, implementation="cuda"), pack_twell_reference(exact_relu_matmul(x, w)), "d=12")
@@ -196,30 +204,25 @@ def _custom_calls(fn, *args) -> str:
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("how", ["forced", "known_fraction"])
-def test_sparse_ffn_with_the_fused_gate(gated, how, monkeypatch):
-    monkeypatch.setattr(cuda, "FUSED_GATE_MIN_TOKENS", 1024)
-    m, d, f = 1100, 256, 1032
+def test_sparse_ffn_with_the_fused_gate(gated, how):
+    m, d, f = 2100, 256, 1032  # from FUSED_GATE_MIN_TOKENS (2048) tokens
     inp = synthetic_ffn_inputs(jax.random.key(3), m, d, f, density=0.01, pattern="heavy", dtype=jnp.bfloat16)
     w_gate, w_up = (inp.w_gate, inp.w_up) if gated else (None, inp.w_gate)
     if how == "forced":
-        fn = lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=TILE, capacity=32, crossover=cuda.DenseCrossover(margin=float("inf")))
+        fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=TILE, capacity=32, side=Side.SPARSE)
     else:
-        rule = cuda.DenseCrossover(margin=1e9)  # a known fraction the rule sends to the kernels
-        fn = lambda x, wg, wu, wd: cuda.sparse_ffn(
-            x, wg, wu, wd, tile=TILE, capacity=32, crossover=rule, active_fraction=1e-4, w_up_t=None if wg is None else wu.T
-        )
+        rule = DenseCrossover(margin=1e9)  # a known fraction the rule sends to the kernels
+        fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=TILE, capacity=32, active_fraction=1e-4, w_up_t=None if wg is None else wu.T, rule=rule)
     args = (inp.x, w_gate, w_up, inp.w_down)
     assert "jax_twell_gate_pack" in _custom_calls(fn, *args)
     y = jax.jit(fn)(*args)
-    want = reference.ffn(inp.x, w_gate, w_up, inp.w_down, tile=TILE, capacity=32)
+    want = ffn_reference.ffn(inp.x, w_gate, w_up, inp.w_down, tile=TILE, capacity=32)
     assert_close(y, want, 2 * fused_tolerance(jnp.bfloat16, f), f"{how} gated={gated}")
 
 
-def test_training_ffn_with_the_fused_gate(monkeypatch):
-    monkeypatch.setattr(cuda, "FUSED_GATE_MIN_TOKENS", 1024)
-    m, d, f = 1100, 256, 1032
+def test_training_ffn_with_the_fused_gate():
+    m, d, f = 2100, 256, 1032  # from FUSED_GATE_MIN_TOKENS (2048) tokens
     inp = synthetic_ffn_inputs(jax.random.key(4), m, d, f, density=0.01, pattern="heavy", dtype=jnp.bfloat16)
-    rule = cuda_train.TrainCrossover(margin=float("inf"))
 
     def loss(fn):
         def scalar(x, wg, wu, wd):
@@ -228,7 +231,7 @@ def test_training_ffn_with_the_fused_gate(monkeypatch):
 
         return jax.value_and_grad(scalar, argnums=(0, 1, 2, 3))
 
-    kernels = loss(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=rule))
+    kernels = loss(lambda *a: cuda_ffn_train(*a, width=128, side=Side.SPARSE))
     args = (inp.x, inp.w_gate, inp.w_up, inp.w_down)
     assert "jax_twell_gate_pack" in _custom_calls(kernels, *args)
     (value, grads) = jax.jit(kernels)(*args)

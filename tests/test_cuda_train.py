@@ -1,5 +1,5 @@
 """The CUDA training FFN kernels (ffi/twell_train.cu): bit for bit against their NumPy model
-(jax_twell/ops/train_emulation.py), gradients against jax.grad of the dense formula on the
+(tests/train_emulation.py), gradients against jax.grad of the dense formula on the
 adversarial set, determinism, and the op's branches (sparse, dense rule, over budget)."""
 
 import functools
@@ -11,17 +11,21 @@ import numpy as np
 import pytest
 
 import jax_twell as jt
+from jax_twell.ops.ffn_train.api import sparse_ffn_train_for_layer
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import blocked_emulation as bemu
-from jax_twell.ops import cuda_train, reference
-from jax_twell.ops import stationary_emulation as stat
-from jax_twell.ops import train_emulation as emu
+import blocked_emulation as bemu
+import stationary_emulation as stat
+import train_emulation as emu
 from specs import GPU_SPECS, assert_close
 from test_train_emulation import GRAD_TOL, L1, dense_ffn, grads_of, make_case
+from jax_twell.ops import layout
+from jax_twell.ops.ffn_train import binding as train_binding
+from jax_twell.ops.ffn_train import reference as train_reference
+from cuda_calls import cuda_ffn_train
+from jax_twell.ops.plan import LayerInfo, Side, TrainOptions
 
 pytestmark = pytest.mark.gpu
 
-ALWAYS_SPARSE = cuda_train.TrainCrossover(margin=float("inf"))
 
 # m, d, f, density, pattern, full rows, empty rows
 ADVERSARIAL = [
@@ -44,8 +48,8 @@ def _raw(x, w_gate, w_up, w_down, dy, tile, capacity):
     need = bemu.needed_entries(np.asarray(act.counts), capacity, tile, act.f)
     e = need + 5
     m = x.shape[0]
-    y, res, h_source = cuda_train.train_forward(x, act, w_act, w_up if gated else None, w_down, max_entries=e)
-    bwd = cuda_train.train_backward(x, dy, w_gate, w_up, w_down, res, jnp.float32(L1 / m), tile=tile, workspace=True)
+    y, res, h_source = train_binding.train_forward(x, act, w_act, w_up if gated else None, w_down, max_entries=e)
+    bwd = train_binding.train_backward(x, dy, w_gate, w_up, w_down, res, jnp.float32(L1 / m), tile=tile, workspace=True)
     y_e, res_e, h_e, _, _ = emu.train_forward(
         x, act.values, act.cols, act.counts, w_act, w_up if gated else None, w_up.T if gated else None, w_down,
         tile=tile, max_entries=e,
@@ -104,7 +108,7 @@ def test_weight_grads_past_32_blocks_match_emulation_bitwise():
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("case", ADVERSARIAL, ids=lambda c: f"m{c[0]}_d{c[1]}_f{c[2]}_{c[4]}")
 def test_dx_on_tensor_cores_matches_cuda_cores(case, gated):
-    """dx on tensor cores (``train_backward(dx_mma=True)``): the weight gradients,
+    """dx on tensor cores (``train_backward(dx_tensor_cores=True)``): the weight gradients,
     partial sums and coefficients equal the CUDA-core backward's bit for bit; dx equals it to
     the rounding of its coefficients to bf16 (XLA's dense backward rounds dg and du so too)."""
     m, d, f, density, pattern, full, empty = case
@@ -112,10 +116,10 @@ def test_dx_on_tensor_cores_matches_cuda_cores(case, gated):
     w_act = wg if gated else wu
     act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
     need = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f)
-    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=need + 5)
+    _, res, _ = train_binding.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=need + 5)
     l1 = jnp.float32(L1 / m)
-    cc = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, tile=256, workspace=True)
-    tc = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, tile=256, workspace=True, dx_mma=True)
+    cc = train_binding.train_backward(x, dy, wg, wu, wd, res, l1, tile=256, workspace=True)
+    tc = train_binding.train_backward(x, dy, wg, wu, wd, res, l1, tile=256, workspace=True, dx_tensor_cores=True)
     for i in range(1, len(cc) - 2):  # the weight gradients
         np.testing.assert_array_equal(_bits(tc[i]), _bits(cc[i]), f"result {i}")
     for i in (-2, -1):  # partials and coefficients: defined for the first `need` entries only
@@ -158,12 +162,12 @@ def test_dx_union_matches_tensor_cores(case, gated, dtype):
     m, d, f = case[:3]
     x, wg, wu, wd, dy, w_act, act, need = _packed_case(case, gated, dtype, key=m + d + 9)
     budget = need + 5  # a tight budget: the union layout is placed by the entries
-    assert cuda_train.union_dx_supported(m, d, f, budget, gated)
-    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget)
+    assert layout.union_dx_supported(m, d, f, budget, gated)
+    _, res, _ = train_binding.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget)
     l1 = jnp.float32(L1 / m)
-    kw = dict(tile=256, workspace=True, mma=True, dx_mma=True)
-    tc = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, **kw)
-    un = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, dx_union=True, **kw)
+    kw = dict(tile=256, workspace=True, tensor_cores=True, dx_tensor_cores=True)
+    tc = train_binding.train_backward(x, dy, wg, wu, wd, res, l1, **kw)
+    un = train_binding.train_backward(x, dy, wg, wu, wd, res, l1, dx_union=True, **kw)
     for i in range(1, len(tc) - 2):  # the weight gradients
         np.testing.assert_array_equal(_bits(un[i]), _bits(tc[i]), f"result {i}")
     np.testing.assert_array_equal(_bits(un[-1][:, :need]), _bits(tc[-1][:, :need]), "coefficients")
@@ -182,10 +186,10 @@ def test_down_union_matches_down_step(case, dtype):
     x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + d + 11, dtype=dtype)
     act = pack_twell_reference(relu_matmul(x, wg), tile=256, capacity=32)
     budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
-    if not cuda_train.union_down_supported(m, d, f, budget):
+    if not layout.union_down_supported(m, d, f, budget):
         pytest.skip("the layout does not fit the up step's workspace at this budget (d / 64 words per entry)")
-    y0, res0, h0 = cuda_train.train_forward(x, act, wg, wu, wd, max_entries=budget, mma=True)
-    y1, res1, h1 = cuda_train.train_forward(x, act, wg, wu, wd, max_entries=budget, mma=True, down_union=True)
+    y0, res0, h0 = train_binding.train_forward(x, act, wg, wu, wd, max_entries=budget, tensor_cores=True)
+    y1, res1, h1 = train_binding.train_forward(x, act, wg, wu, wd, max_entries=budget, tensor_cores=True, down_union=True)
     need = int(res0.seg_start[-1])  # entries past it are unwritten in both
     for name in ("seg_start", "tok_off", "col_off"):
         np.testing.assert_array_equal(_bits(getattr(res1, name)), _bits(getattr(res0, name)), name)
@@ -214,13 +218,13 @@ def test_dx_stationary_matches_emulation(case, gated, dtype):
     m, d, f = case[:3]
     x, wg, wu, wd, dy, w_act, act, need = _packed_case(case, gated, dtype, key=m + d + 19)
     budget = need + 5
-    while not cuda_train.stationary_dx_supported(m, d, f, budget, gated):  # the walk's workspace in the partials
+    while not layout.walk_supported(m, d, f, budget, 2 if gated else 1):  # the walk's workspace in the partials
         budget *= 2
-    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget)
+    _, res, _ = train_binding.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget)
     l1 = jnp.float32(L1 / m)
-    kw = dict(tile=256, workspace=True, mma=True, dx_mma=True, dx_union=True)
-    un = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, **kw)
-    st = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, dx_stationary=True, **kw)
+    kw = dict(tile=256, workspace=True, tensor_cores=True, dx_tensor_cores=True, dx_union=True)
+    un = train_binding.train_backward(x, dy, wg, wu, wd, res, l1, **kw)
+    st = train_binding.train_backward(x, dy, wg, wu, wd, res, l1, dx_stationary=True, **kw)
     for i in range(1, len(un) - 2):  # the weight gradients
         np.testing.assert_array_equal(_bits(st[i]), _bits(un[i]), f"result {i}")
     coef = np.asarray(st[-1])
@@ -229,12 +233,12 @@ def test_dx_stationary_matches_emulation(case, gated, dtype):
                    capacity=32, tile=256, f=f, dtype=dtype)
     np.testing.assert_array_equal(_bits(st[0]), want.view(np.uint16), f"dx {case} gated={gated}")
     assert_close(st[0], un[0], 2.0**-7, f"dx {case} gated={gated}")
-    if gated and cuda_train.stationary_down_supported(m, d, f, budget):
+    if gated and layout.stationary_down_supported(m, d, f, budget):
         # The forward's stationary down walk keeps its token order, and the dx walk takes it
         # instead of computing it again: every result the same, bit for bit.
-        _, res_kept, _ = cuda_train.train_forward(x, act, w_act, wu, wd, max_entries=budget, down_stationary=True)
+        _, res_kept, _ = train_binding.train_forward(x, act, w_act, wu, wd, max_entries=budget, down_stationary=True)
         assert res_kept.stat_order is not None and res.stat_order is None
-        kept = cuda_train.train_backward(x, dy, wg, wu, wd, res_kept, l1, dx_stationary=True, **kw)
+        kept = train_binding.train_backward(x, dy, wg, wu, wd, res_kept, l1, dx_stationary=True, **kw)
         for i in range(len(st) - 2):  # dx and the weight gradients (the partials hold the sort's histograms)
             np.testing.assert_array_equal(_bits(kept[i]), _bits(st[i]), f"result {i} with the forward's token order")
         np.testing.assert_array_equal(_bits(kept[-1][:, :need]), _bits(st[-1][:, :need]), "coefficients")
@@ -257,11 +261,11 @@ def test_down_stationary_matches_emulation(case, dtype):
     x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + d + 17, dtype=dtype)
     act = pack_twell_reference(relu_matmul(x, wg), tile=256, capacity=32)
     budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
-    while not cuda_train.stationary_down_supported(m, d, f, budget):  # the walk's workspace in the partials
+    while not layout.stationary_down_supported(m, d, f, budget):  # the walk's workspace in the partials
         budget *= 2
-    kw = dict(max_entries=budget, mma=True, up_union=True)
-    y0, res0, h0 = cuda_train.train_forward(x, act, wg, wu, wd, down_union=True, **kw)
-    y1, res1, h1 = cuda_train.train_forward(x, act, wg, wu, wd, down_union=True, down_stationary=True, **kw)
+    kw = dict(max_entries=budget, tensor_cores=True, up_union=True)
+    y0, res0, h0 = train_binding.train_forward(x, act, wg, wu, wd, down_union=True, **kw)
+    y1, res1, h1 = train_binding.train_forward(x, act, wg, wu, wd, down_union=True, down_stationary=True, **kw)
     need = int(res0.seg_start[-1])  # entries past it are unwritten in both
     for name in ("seg_start", "tok_off", "col_off"):
         np.testing.assert_array_equal(_bits(getattr(res1, name)), _bits(getattr(res0, name)), name)
@@ -278,10 +282,10 @@ def test_down_stationary_refused_where_unsupported():
     x, wg, wu, wd, dy = make_case(200, 256, 300, 0.05, "heavy", False, key=5)
     act = pack_twell_reference(relu_matmul(x, wu), tile=256, capacity=32)
     budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
-    y0 = cuda_train.train_forward(x, act, wu, None, wd, max_entries=budget, mma=True)[0]
-    y1 = cuda_train.train_forward(x, act, wu, None, wd, max_entries=budget, mma=True, down_stationary=True)[0]
+    y0 = train_binding.train_forward(x, act, wu, None, wd, max_entries=budget, tensor_cores=True)[0]
+    y1 = train_binding.train_forward(x, act, wu, None, wd, max_entries=budget, tensor_cores=True, down_stationary=True)[0]
     np.testing.assert_array_equal(_bits(y1), _bits(y0))
-    assert not cuda_train.stationary_down_supported(64, 2048, 14528, 10**6)
+    assert not layout.stationary_down_supported(64, 2048, 14528, 10**6)
 
 
 UP_UNION_CASES = [
@@ -304,12 +308,12 @@ def test_up_union_matches_up_step(case, dtype):
     x, wg, wu, wd, dy = make_case(m, d, f, density, pattern, True, full=full, empty=empty, key=m + d + 13, dtype=dtype)
     act = pack_twell_reference(relu_matmul(x, wg), tile=256, capacity=32)
     budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
-    assert cuda_train.union_up_supported(m, d, f, budget), case
-    y0, res0, h0 = cuda_train.train_forward(x, act, wg, wu, wd, max_entries=budget, mma=True)
+    assert layout.union_up_supported(m, d, f, budget), case
+    y0, res0, h0 = train_binding.train_forward(x, act, wg, wu, wd, max_entries=budget, tensor_cores=True)
     need = int(res0.seg_start[-1])  # entries past it are unwritten
     value = lambda bits: np.asarray(bits).astype(np.uint16).view(np.dtype(dtype)).astype(np.float32)
     for down in (False, True):
-        y1, res1, h1 = cuda_train.train_forward(x, act, wg, wu, wd, max_entries=budget, mma=True, up_union=True,
+        y1, res1, h1 = train_binding.train_forward(x, act, wg, wu, wd, max_entries=budget, tensor_cores=True, up_union=True,
                                                 down_union=down)
         what = f"{case} down_union={down}"
         for name in ("seg_start", "tok_off", "col_off"):
@@ -340,13 +344,13 @@ def test_dh_union_matches_dh_step(case, gated, dtype):
     w_act = wg if gated else wu
     act = pack_twell_reference(relu_matmul(x, w_act), tile=256, capacity=32)
     budget = bemu.needed_entries(np.asarray(act.counts), 32, 256, act.f) + 5
-    assert cuda_train.union_up_supported(m, d, f, budget), case
-    _, res, _ = cuda_train.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget, mma=True)
+    assert layout.union_up_supported(m, d, f, budget), case
+    _, res, _ = train_binding.train_forward(x, act, w_act, wu if gated else None, wd, max_entries=budget, tensor_cores=True)
     need = int(res.seg_start[-1])
     l1 = jnp.float32(L1 / m)
-    kw = dict(tile=256, workspace=True, mma=True, dx_mma=True, dx_union=d % 256 == 0)
-    step = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, **kw)
-    union = cuda_train.train_backward(x, dy, wg, wu, wd, res, l1, dh_union=True, **kw)
+    kw = dict(tile=256, workspace=True, tensor_cores=True, dx_tensor_cores=True, dx_union=d % 256 == 0)
+    step = train_binding.train_backward(x, dy, wg, wu, wd, res, l1, **kw)
+    union = train_binding.train_backward(x, dy, wg, wu, wd, res, l1, dh_union=True, **kw)
     words = np.asarray(res.entries)[:need]
     fired = ((words >> 16) & 0x7FFF) != 0
     if full:
@@ -374,9 +378,7 @@ def test_train_gradients_with_union_dx_match_dense(stationary):
     forward's down step and dx stationary or not) through jit and grad: the dense formula's
     gradients."""
     x, wg, wu, wd, dy = make_case(3000, 512, 1408, 0.01, "heavy", True, full=2, empty=3, key=23)
-    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, dx_union=True,
-                                                    down_union=True, up_union=True, dh_union=True,
-                                                    down_stationary=stationary, dx_stationary=stationary)[:2])
+    fn = jax.jit(lambda *a: cuda_ffn_train(*a, width=128, dx_union=True, down_union=True, up_union=True, dh_union=True, down_stationary=stationary, dx_stationary=stationary, side=Side.SPARSE)[:2])
     step = jax.jit(lambda *a: grads_of(fn, *a))
     bits = [int(b) for b in re.findall(r"mma = (\d+) : i32", step.lower(x, wg, wu, wd, dy).as_text())]
     assert len(bits) == 2 and all(((b & 16) != 0) == stationary for b in bits), bits  # both calls' bit 4
@@ -394,7 +396,7 @@ def test_train_gradients_match_dense(spec, gated, mma):
     if spec.d % 64:
         pytest.skip("d not a multiple of 64 (a documented constraint of the training kernels)")
     x, wg, wu, wd, dy = make_case(spec.m, spec.d, spec.f, spec.density, spec.pattern, gated, key=spec.m + 3)
-    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, mma=mma)[:2])
+    fn = jax.jit(lambda *a: cuda_ffn_train(*a, width=128, side=Side.SPARSE, tensor_cores=mma)[:2])
     (y, l1), grads = grads_of(fn, x, wg, wu, wd, dy)
     with jax.default_matmul_precision("highest"):
         (y_d, l1_d), g_d = grads_of(dense_ffn, x, wg, wu, wd, dy)
@@ -408,7 +410,7 @@ def test_train_gradients_match_dense(spec, gated, mma):
 
 def test_train_deterministic_and_sparse_path_taken():
     x, wg, wu, wd, dy = make_case(3000, 512, 1408, 0.01, "heavy", True, full=2, empty=3, key=21)
-    fn = jax.jit(lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE)[:2])
+    fn = jax.jit(lambda *a: cuda_ffn_train(*a, width=128, side=Side.SPARSE)[:2])
     hlo = jax.jit(jax.grad(lambda *a: fn(*a)[1], (0, 1, 2, 3))).lower(x, wg, wu, wd).as_text()
     assert "jax_twell_train_fwd_gated" in hlo and "jax_twell_train_bwd_gated" in hlo
     grad = jax.jit(lambda *a: grads_of(fn, *a)[1])
@@ -424,18 +426,15 @@ def test_public_op_branches_and_leading_dims(gated):
     x, wg, wu, wd, dy = make_case(1500, 256, 1000, 0.02, "heavy", gated, full=2, empty=2, key=5)
     x3, dy3 = x.reshape(3, 500, 256), dy.reshape(3, 500, 256)
 
-    def op(width, *a):
-        y, aux = jt.sparse_ffn_train(*a, implementation="cuda", width=width)
+    def op(width, layer, *a):
+        y, aux = sparse_ffn_train_for_layer(*a, implementation="cuda", layer=layer, options=TrainOptions(width=width))
         return y, aux.l1
 
-    (y_r, l1_r), g_r = grads_of(lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
-    previous = cuda_train.set_train_crossover(ALWAYS_SPARSE)
-    try:
-        runs = {"forced": grads_of(functools.partial(op, 128), x3, wg, wu, wd, dy3)}
-        runs["over_budget"] = grads_of(functools.partial(op, 1), x3, wg, wu, wd, dy3)
-    finally:
-        cuda_train.set_train_crossover(previous)
-    runs["default_rule"] = grads_of(functools.partial(op, 128), x3, wg, wu, wd, dy3)
+    (y_r, l1_r), g_r = grads_of(lambda *a: train_reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
+    forced = LayerInfo(side=Side.SPARSE)
+    runs = {"forced": grads_of(functools.partial(op, 128, forced), x3, wg, wu, wd, dy3)}
+    runs["over_budget"] = grads_of(functools.partial(op, 1, forced), x3, wg, wu, wd, dy3)
+    runs["default_rule"] = grads_of(functools.partial(op, 128, LayerInfo()), x3, wg, wu, wd, dy3)
     for name, ((y, l1), grads) in runs.items():
         assert y.shape == x3.shape
         assert_close(y.reshape(x.shape), y_r, GRAD_TOL, f"{name} y")

@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_twell.ops import cuda, xla
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops import xla
+from cuda_calls import cuda_ffn
+from jax_twell.ops.plan import Side
 
 POISON = 1.0e4  # finite, so a zero h times it is exactly zero; any use of it shows
 
@@ -73,13 +76,13 @@ def test_dispatch_switch():
     inp = inputs(8, key=5)
     want = xla.ffn(*inp)
 
-    def prims(rule):
-        jaxpr = jax.make_jaxpr(lambda x: cuda.sparse_ffn(x, *inp[1:], tile=256, capacity=32, crossover=rule))(inp.x)
+    def prims(rule, side=Side.AUTO):
+        jaxpr = jax.make_jaxpr(lambda x: cuda_ffn(x, *inp[1:], tile=256, capacity=32, rule=rule, side=side))(inp.x)
         return {e.primitive.name for e in jaxpr.jaxpr.eqns}
 
-    on = cuda.DenseCrossover(decode_gather_max_tokens=64)
+    on = DenseCrossover(decode_gather_max_tokens=64)
     assert "cond" in prims(on)  # gather_ffn's device-side fallback
-    assert "cond" not in prims(cuda.DenseCrossover())  # off by default: dense at decode sizes
-    assert "cond" not in prims(cuda.DenseCrossover(decode_gather_max_tokens=64, margin=0.0))  # forced dense
-    got = jax.jit(lambda x: cuda.sparse_ffn(x, *inp[1:], tile=256, capacity=32, crossover=on))(inp.x)
+    assert "cond" not in prims(DenseCrossover())  # off by default: dense at decode sizes
+    assert "cond" not in prims(on, Side.DENSE)  # forced dense
+    got = jax.jit(lambda x: cuda_ffn(x, *inp[1:], tile=256, capacity=32, rule=on))(inp.x)
     assert_close(got, want, fused_tolerance(jnp.bfloat16, 1024), "dispatch")

@@ -9,12 +9,15 @@ import numpy as np
 import pytest
 
 import jax_twell as jt
-from jax_twell.ops import cuda, cuda_train, reference
 from jax_twell.testing import inference_benchmark_grid, synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
+from jax_twell.ops.ffn import reference as ffn_reference
+from cuda_calls import cuda_ffn
+from cuda_calls import cuda_ffn_train
+from cuda_calls import FUSED_KERNELS
+from jax_twell.ops.plan import Side
 
 pytestmark = pytest.mark.gpu
-ALWAYS_SPARSE = cuda.DenseCrossover(margin=float("inf"))
 
 
 @pytest.mark.parametrize("config", inference_benchmark_grid(), ids=lambda c: "-".join(map(str, c)))
@@ -28,16 +31,14 @@ def assert_every_kernel_matches_reference(inp, f, what):
     """Every kernel forced sparse, and the default rule (whatever it picks), against the
     reference, on bf16 inputs ``inp`` (x ``[M, d]``) with f neurons. Returns the reference."""
     with jax.default_matmul_precision("highest"):
-        want = jax.jit(lambda x, wg, wu, wd: reference.ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
+        want = jax.jit(lambda x, wg, wu, wd: ffn_reference.ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
     tol = fused_tolerance(jnp.bfloat16, f)
-    for kernel in cuda.KERNELS:
+    for kernel in FUSED_KERNELS:
         op = jax.jit(
-            lambda x, wg, wu, wd: cuda.sparse_ffn(
-                x, wg, wu, wd, tile=256, capacity=32, crossover=ALWAYS_SPARSE, kernel=kernel
-            )
+            lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=32, kernel=kernel, side=Side.SPARSE)
         )
         assert_close(op(*inp), want, tol, f"{what} kernel={kernel}")
-    auto = jax.jit(lambda x, wg, wu, wd: cuda.sparse_ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
+    auto = jax.jit(lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=32))(*inp)
     assert_close(auto, want, tol, f"{what} default rule")
     return want
 
@@ -69,9 +70,7 @@ def test_training_op_at_65536_tokens():
 
         return jax.jit(jax.value_and_grad(fn, (0, 1, 2, 3), has_aux=True))
 
-    cuda_op = lambda x, wg, wu, wd: cuda_train.ffn_with_aux(
-        x, wg, wu, wd, width=128, crossover=cuda_train.TrainCrossover(margin=float("inf"))
-    )[:2]
+    cuda_op = lambda x, wg, wu, wd: cuda_ffn_train(x, wg, wu, wd, width=128, side=Side.SPARSE)[:2]
 
     def dense_op(x, wg, wu, wd):  # the formula in f32 (docs/design.md, section 1, The job)
         x, wg, wu, wd = (a.astype(jnp.float32) for a in (x, wg, wu, wd))

@@ -10,27 +10,23 @@ import pytest
 from flax import nnx
 
 from jax_twell.models import PRESETS, TransformerLM, generate
-from jax_twell.ops import cuda
 from specs import assert_close
+from jax_twell.ops.plan import Side
 
 pytestmark = pytest.mark.gpu
 
 
 def tiny_model(implementation):
+    """The tiny model is too small for the kernels to win, so the default rule runs it
+    dense; each layer's side is set sparse to check the kernels inside the model."""
     cfg = dataclasses.replace(PRESETS["tiny"], dtype=jnp.bfloat16, ffn_implementation=implementation)
-    return TransformerLM(cfg, rngs=nnx.Rngs(0))
+    model = TransformerLM(cfg, rngs=nnx.Rngs(0))
+    for layer in model.layers:
+        layer.ffn.side = Side.SPARSE
+    return model
 
 
-@pytest.fixture
-def always_sparse():
-    """The tiny model is too small for the kernels to win, so the default crossover rule
-    runs it dense; this forces the sparse path to check the kernels inside the model."""
-    previous = cuda.set_dense_crossover(cuda.DenseCrossover(margin=float("inf")))
-    yield
-    cuda.set_dense_crossover(previous)
-
-
-def test_model_hlo_has_sparse_ffn_calls_and_matches_reference(always_sparse):
+def test_model_hlo_has_sparse_ffn_calls_and_matches_reference():
     tokens = jax.random.randint(jax.random.key(1), (2, 48), 0, 256)
     auto, ref = tiny_model(None), tiny_model("reference")
 

@@ -7,9 +7,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_twell as jt
-from jax_twell.ops import cuda, cuda_train
 from jax_twell.testing import synthetic_ffn_inputs
 from specs import assert_close, fused_tolerance
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops.ffn.api import sparse_ffn_for_layer
+from jax_twell.ops.ffn_train.api import sparse_ffn_train_for_layer
+from jax_twell.ops.plan import FFNOptions, LayerInfo, Side
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,21 +20,17 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def always_sparse():
-    previous = cuda.set_dense_crossover(cuda.DenseCrossover(margin=float("inf")))
-    yield
-    cuda.set_dense_crossover(previous)
+FORCED = LayerInfo(side=Side.SPARSE)  # small shapes run dense under the default rule: the kernels
 
 
 @pytest.mark.parametrize("layout", ["data", "tensor"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_sharded_kernels_equal_single_device(always_sparse, layout, gated):
+def test_sharded_kernels_equal_single_device(layout, gated):
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
     sharding = jt.FFNSharding(token_axes=("x",), mesh=mesh) if layout == "data" else jt.FFNSharding(tensor_axis="x", mesh=mesh)
     inp = synthetic_ffn_inputs(jax.random.key(0), 4096, 1024, 2816, density=0.01, pattern="heavy")
     w_gate = inp.w_gate if gated else None
-    want = jt.sparse_ffn(inp.x, w_gate, inp.w_up, inp.w_down, implementation="cuda")
+    want = sparse_ffn_for_layer(inp.x, w_gate, inp.w_up, inp.w_down, implementation="cuda", layer=FORCED)
     tok = NamedSharding(mesh, P(sharding.token_axes or None, None))
     col = NamedSharding(mesh, P(None, sharding.tensor_axis))
     row = NamedSharding(mesh, P(sharding.tensor_axis, None))
@@ -41,7 +40,8 @@ def test_sharded_kernels_equal_single_device(always_sparse, layout, gated):
         jax.device_put(inp.w_up, col),
         jax.device_put(inp.w_down, row),
     )
-    fn = jax.jit(lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd, implementation="cuda", sharding=sharding))
+    fn = jax.jit(lambda x, wg, wu, wd: sparse_ffn_for_layer(x, wg, wu, wd, implementation="cuda", sharding=sharding,
+                                                            layer=FORCED))
     hlo = fn.lower(*args).compile().as_text()
     assert "jax_twell_ffn" in hlo and "all-gather" not in hlo.split("ENTRY")[-1]
     assert_close(fn(*args), want, 2 * fused_tolerance(jnp.bfloat16, 2816), f"{layout} gated={gated}")
@@ -68,17 +68,13 @@ def test_sharded_training_kernels_equal_single_device(layout, gated):
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
     sharding = jt.FFNSharding(token_axes=("x",), mesh=mesh) if layout == "data" else jt.FFNSharding(tensor_axis="x", mesh=mesh)
     inp = synthetic_ffn_inputs(jax.random.key(1), 4096, 1024, 2816, density=0.01, pattern="heavy")
-    # The default rule decides this small shape dense at trace time: force the kernels.
-    previous = cuda_train.set_train_crossover(cuda_train.TrainCrossover(margin=float("inf")))
-    try:
-        _check_sharded_training(mesh, sharding, inp, layout, gated)
-    finally:
-        cuda_train.set_train_crossover(previous)
+    # The default rule decides this small shape dense at trace time: the kernels, forced.
+    _check_sharded_training(mesh, sharding, inp, layout, gated)
 
 
 def _check_sharded_training(mesh, sharding, inp, layout, gated):
     def loss(x, wg, wu, wd, shard):
-        y, aux = jt.sparse_ffn_train(x, wg, wu, wd, implementation="cuda", sharding=shard)
+        y, aux = sparse_ffn_train_for_layer(x, wg, wu, wd, implementation="cuda", sharding=shard, layer=FORCED)
         return (y.astype(jnp.float32) ** 2).mean() + 1e-3 * aux.l1, (y, aux.l1)
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3) if gated else (0, 2, 3), has_aux=True)
@@ -98,16 +94,13 @@ def _check_sharded_training(mesh, sharding, inp, layout, gated):
 
 def test_sharded_decode_kernel_equals_single_device():
     """Decode-sized calls per shard (tensor parallel, f split) with the decode kernel."""
-    rule = cuda.DenseCrossover(decode_kernel_max_tokens=64, margin=float("inf"))
-    previous = cuda.set_dense_crossover(rule)
-    try:
-        mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
-        sharding = jt.FFNSharding(tensor_axis="x", mesh=mesh)
-        inp = synthetic_ffn_inputs(jax.random.key(2), 16, 1024, 2816, density=0.01)
-        want = jt.sparse_ffn(*inp, implementation="cuda")
-        args = _sharded_args(mesh, sharding, inp, True)
-        fn = jax.jit(lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd, implementation="cuda", sharding=sharding))
-        assert "jax_twell_decode" in fn.lower(*args).compile().as_text()
-        assert_close(fn(*args), want, 2 * fused_tolerance(jnp.bfloat16, 2816), "decode tensor parallel")
-    finally:
-        cuda.set_dense_crossover(previous)
+    options = FFNOptions(rule=DenseCrossover(decode_kernel_max_tokens=64))
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = jt.FFNSharding(tensor_axis="x", mesh=mesh)
+    inp = synthetic_ffn_inputs(jax.random.key(2), 16, 1024, 2816, density=0.01)
+    want = sparse_ffn_for_layer(*inp, implementation="cuda", layer=FORCED, options=options)
+    args = _sharded_args(mesh, sharding, inp, True)
+    fn = jax.jit(lambda x, wg, wu, wd: sparse_ffn_for_layer(x, wg, wu, wd, implementation="cuda", sharding=sharding,
+                                                            layer=FORCED, options=options))
+    assert "jax_twell_decode" in fn.lower(*args).compile().as_text()
+    assert_close(fn(*args), want, 2 * fused_tolerance(jnp.bfloat16, 2816), "decode tensor parallel")

@@ -359,17 +359,17 @@ def test_calibrate_ffn_stores_each_layers_active_and_union_fractions_and_decode_
         np.testing.assert_array_equal(layer.ffn.w_act_t[...], layer.ffn.w_gate[...].T.astype(TINY.dtype))
 
     seen = []  # what the inference path passes to the op
-    real = modules_lib.sparse_ffn
+    real = modules_lib.sparse_ffn_for_layer
 
     def spy(x, *weights, **kwargs):
         seen.append(kwargs)
         return real(x, *weights, **kwargs)
 
-    monkeypatch.setattr(modules_lib, "sparse_ffn", spy)
+    monkeypatch.setattr(modules_lib, "sparse_ffn_for_layer", spy)
     logits, _ = model.prefill(tokens, 20)
     assert len(seen) == TINY.n_layers
     for kwargs, layer, p in zip(seen, model.layers, fractions):
-        assert kwargs["active_fraction"] == pytest.approx(p) and kwargs["w_up_t"].shape == (TINY.d_ff, TINY.d_model)
+        assert kwargs["layer"].active_fraction == pytest.approx(p) and kwargs["w_up_t"].shape == (TINY.d_ff, TINY.d_model)
         assert kwargs["w_act_t"].shape == (TINY.d_ff, TINY.d_model)
     assert np.isfinite(np.asarray(logits)).all()
     for layer in model.layers:

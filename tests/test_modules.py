@@ -253,18 +253,19 @@ def test_linen_matches_nnx(gated):
 
 
 def test_sparse_ffn_passes_its_layer_fractions(monkeypatch):
-    """``infer`` hands the layer's ``active_fraction`` and ``union_fraction`` to sparse_ffn
-    (the trace-time choices of the CUDA implementation read them)."""
+    """``infer`` hands the layer's ``active_fraction`` and ``union_fraction`` to the op's
+    internal entry point as a ``LayerInfo`` (the trace-time choices of the CUDA
+    implementation read it)."""
     import jax_twell.modules as modules
 
     seen = {}
-    real = modules.sparse_ffn
+    real = modules.sparse_ffn_for_layer
 
     def spy(*args, **kwargs):
-        seen.update(kwargs)
+        seen.update(kwargs["layer"].__dict__)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(modules, "sparse_ffn", spy)
+    monkeypatch.setattr(modules, "sparse_ffn_for_layer", spy)
     layer = SparseFFN(16, 48, implementation="xla", active_fraction=0.01, union_fraction=0.2, rngs=nnx.Rngs(0))
     y = layer.infer(jnp.ones((4, 16), jnp.float32))
     assert y.shape == (4, 16)
@@ -276,13 +277,13 @@ def test_sparse_ffn_passes_its_layer_fractions(monkeypatch):
     # The training forward too (the training rule prices the union products by it), and
     # only with the active fraction it belongs to.
     seen.clear()
-    real_train = modules.sparse_ffn_train
+    real_train = modules.sparse_ffn_train_for_layer
 
     def train_spy(*args, **kwargs):
-        seen.update(kwargs)
+        seen.update(kwargs["layer"].__dict__)
         return real_train(*args, **kwargs)
 
-    monkeypatch.setattr(modules, "sparse_ffn_train", train_spy)
+    monkeypatch.setattr(modules, "sparse_ffn_train_for_layer", train_spy)
     layer.union_fraction = 0.2
     layer(jnp.ones((4, 16), jnp.float32))
     assert seen["active_fraction"] == 0.01 and seen["union_fraction"] == 0.2

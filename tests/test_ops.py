@@ -1,5 +1,5 @@
-"""Public FFN ops: every implementation against an independent dense statement of the
-math, gradients against jax.grad of it, composition with jit/vmap/grad, bad inputs."""
+"""Public FFN ops beyond the shared contract (tests/test_ffn_contract.py): the hybrid
+format's row width and backup, statistics, bf16, composition, bad inputs."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 import jax_twell as jt
+from jax_twell.ops.ffn_train.api import sparse_ffn_train_for_layer
+from jax_twell.ops.plan import TrainOptions
 from jax_twell.testing import synthetic_ffn_inputs
 from specs import CPU_SPECS, assert_close, tolerance
 
@@ -30,18 +32,6 @@ def inputs_for(spec, gated, dtype=jnp.float32, seed=0):
     return inp._replace(w_gate=inp.w_gate if gated else None, w_up=inp.w_gate if not gated else inp.w_up)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("spec", CPU_SPECS, ids=str)
-def test_sparse_ffn_matches_dense(spec, gated, impl):
-    for dtype in (jnp.float32, jnp.bfloat16):
-        inp = inputs_for(spec, gated, dtype)
-        y = jt.sparse_ffn(*inp, implementation=impl, tile=64, capacity=4)
-        assert y.shape == inp.x.shape and y.dtype == dtype
-        want, _ = dense_ffn(*inp)
-        assert_close(y, want, tolerance(dtype, spec.d + spec.f), f"{impl} {dtype.__name__}")
-
-
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize(
     "spec,width,backup",
@@ -63,7 +53,7 @@ def test_train_gradients_match_dense(spec, width, backup, gated):
         return (y * cot).sum() + L1 * l1
 
     def sparse(x, w_gate, w_up, w_down):
-        y, aux = jt.sparse_ffn_train(x, w_gate, w_up, w_down, implementation="reference", width=width, backup_capacity=backup)
+        y, aux = sparse_ffn_train_for_layer(x, w_gate, w_up, w_down, implementation="reference", options=TrainOptions(width=width, backup_capacity=backup))
         return y, aux.l1
 
     argnums = (0, 1, 2, 3) if gated else (0, 2, 3)
@@ -72,7 +62,7 @@ def test_train_gradients_match_dense(spec, width, backup, gated):
     n = spec.d + spec.f + spec.m
     for name, g, w in zip(["dx", "dw_gate", "dw_up", "dw_down"] if gated else ["dx", "dw_up", "dw_down"], got, want):
         assert_close(g, w, tolerance(jnp.float32, n, grad=True), name)
-    y, aux = jt.sparse_ffn_train(*inp, implementation="reference", width=width, backup_capacity=backup)
+    y, aux = sparse_ffn_train_for_layer(*inp, implementation="reference", options=TrainOptions(width=width, backup_capacity=backup))
     y_want, l1_want = dense_ffn(*inp)
     assert_close(y, y_want, tolerance(jnp.float32, n), "y")
     assert_close(aux.l1, l1_want, tolerance(jnp.float32, n), "l1")
@@ -82,7 +72,7 @@ def test_train_gradients_match_dense(spec, width, backup, gated):
 def test_train_aux_statistics(impl):
     spec = CPU_SPECS[1]
     inp = inputs_for(spec, True, seed=3)
-    _, aux = jt.sparse_ffn_train(*inp, implementation=impl, width=8)
+    _, aux = sparse_ffn_train_for_layer(*inp, implementation=impl, options=TrainOptions(width=8))
     active = np.asarray(jax.nn.relu(inp.x @ inp.w_gate) > 0)
     counts = active.sum(-1)
     np.testing.assert_allclose(aux.nnz_mean, counts.mean(), rtol=1e-6)
@@ -95,7 +85,7 @@ def test_bf16_training_close_to_f32():
     spec = CPU_SPECS[1]
     inp32 = inputs_for(spec, True, seed=4)
     inp16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), inp32)
-    grad = lambda inp: jax.grad(lambda x, wu: jt.sparse_ffn_train(x, inp.w_gate, wu, inp.w_down, implementation="reference", width=8)[0].astype(jnp.float32).sum(), (0, 1))(inp.x, inp.w_up)
+    grad = lambda inp: jax.grad(lambda x, wu: sparse_ffn_train_for_layer(x, inp.w_gate, wu, inp.w_down, implementation="reference", options=TrainOptions(width=8))[0].astype(jnp.float32).sum(), (0, 1))(inp.x, inp.w_up)
     for g16, g32 in zip(grad(inp16), grad(inp32)):
         assert g16.dtype == jnp.bfloat16
         assert_close(g16, g32, tolerance(jnp.bfloat16, spec.d + spec.f, grad=True), "bf16 grad")
@@ -109,10 +99,10 @@ def test_leading_dims_jit_vmap_grad():
         y = jax.jit(lambda x: jt.sparse_ffn(x, *inp[1:], implementation=impl))(x)
         assert y.shape == x.shape
         assert_close(y[1, 2], want, tolerance(jnp.float32, 400), impl)
-        yv = jax.vmap(lambda x: jt.sparse_ffn_train(x, *inp[1:], implementation=impl, width=8)[0])(x.reshape(6, *inp.x.shape))
+        yv = jax.vmap(lambda x: sparse_ffn_train_for_layer(x, *inp[1:], implementation=impl, options=TrainOptions(width=8))[0])(x.reshape(6, *inp.x.shape))
         assert_close(yv[4], want, tolerance(jnp.float32, 400), impl + " vmap")
     # grad of a vmapped, jitted training loss through the custom_vjp
-    loss = lambda w_up: jax.vmap(lambda x: jt.sparse_ffn_train(x, inp.w_gate, w_up, inp.w_down, implementation="reference", width=8)[1].l1)(x.reshape(6, *inp.x.shape)).sum()
+    loss = lambda w_up: jax.vmap(lambda x: sparse_ffn_train_for_layer(x, inp.w_gate, w_up, inp.w_down, implementation="reference", options=TrainOptions(width=8))[1].l1)(x.reshape(6, *inp.x.shape)).sum()
     g = jax.jit(jax.grad(loss))(inp.w_up)
     g_want = jax.grad(lambda w_up: 6 * dense_ffn(inp.x, inp.w_gate, w_up, inp.w_down)[1])(inp.w_up)
     assert_close(g, g_want, tolerance(jnp.float32, 400, grad=True), "vmapped grad")
@@ -148,7 +138,7 @@ def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="implementation must be one of"):
         jt.sparse_ffn(*inp, implementation="fast")
     with pytest.raises(ValueError, match="width must be a positive int"):
-        jt.sparse_ffn_train(*inp, width=0)
+        sparse_ffn_train_for_layer(*inp, options=TrainOptions(width=0))
     with pytest.raises(ValueError, match=r"w must have shape \[d, f\]"):
         jt.gate_twell(x, wd)
     act = jt.gate_twell(x, wg)

@@ -8,6 +8,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_twell as jt
+from jax_twell.ops.ffn.api import sparse_ffn_for_layer
+from jax_twell.ops.ffn_train.api import sparse_ffn_train_for_layer
+from jax_twell.ops.plan import FFNOptions, TrainOptions
 from jax_twell.testing import synthetic_ffn_inputs
 from specs import assert_close, tolerance
 
@@ -42,7 +45,7 @@ def test_sharded_training_equals_unsharded(mesh, layout, gated):
     argnums = (0, 1, 2, 3) if gated else (0, 2, 3)
     for impl in ("reference", "xla"):
         def loss(sh, *a):
-            y, aux = jt.sparse_ffn_train(*a, implementation=impl, width=8, sharding=sh)
+            y, aux = sparse_ffn_train_for_layer(*a, implementation=impl, sharding=sh, options=TrainOptions(width=8))
             return (y * cot).sum() + 0.3 * aux.l1, (y, aux)
 
         (_, (y0, aux0)), g0 = jax.value_and_grad(lambda *a: loss(None, *a), argnums, has_aux=True)(*args)
@@ -67,7 +70,7 @@ def test_sharded_inference_equals_unsharded(mesh, layout):
     x = inp.x.reshape(2, 24, 32)  # leading batch dimensions are kept
     for impl in ("reference", "xla"):
         placed = place(mesh, sharding, inp.x, *inp[1:])
-        fn = jax.jit(lambda x, *w: jt.sparse_ffn(x, *w, implementation=impl, tile=64, capacity=4, sharding=sharding))
+        fn = jax.jit(lambda x, *w: sparse_ffn_for_layer(x, *w, implementation=impl, sharding=sharding, options=FFNOptions(tile=64, capacity=4)))
         y = fn(placed[0].reshape(x.shape), *placed[1:])
         assert y.shape == x.shape
         assert_close(y.reshape(want.shape), want, tolerance(jnp.bfloat16, 600), impl)
@@ -78,7 +81,7 @@ def test_tensor_parallel_never_gathers_weights(mesh):
     sharding = jt.FFNSharding(token_axes=("data",), tensor_axis="tensor", mesh=mesh)
 
     def loss(*a):
-        y, aux = jt.sparse_ffn_train(*a, implementation="reference", width=8, sharding=sharding)
+        y, aux = sparse_ffn_train_for_layer(*a, implementation="reference", sharding=sharding, options=TrainOptions(width=8))
         return (y.astype(jnp.float32) ** 2).sum() + aux.l1
 
     hlo = jax.jit(jax.grad(loss, (1, 2, 3))).lower(*place(mesh, sharding, *inp)).compile().as_text()

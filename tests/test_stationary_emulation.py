@@ -3,10 +3,12 @@ ffi/twell_stationary.cuh): its walk order and its y, on CPU."""
 
 import ml_dtypes
 import numpy as np
+
+from jax_twell.ops import layout
 import pytest
 
-from jax_twell.ops import blocked_emulation as emu
-from jax_twell.ops import stationary_emulation as stat
+import blocked_emulation as emu
+import stationary_emulation as stat
 
 
 def _workspace(rng, m, f, tile, capacity, density, full=0, empty=0):
@@ -127,14 +129,14 @@ def test_dx_matches_the_exact_sum(m, f, tile, capacity, density, full, empty, ga
     assert (err <= np.abs(want) * 2.0**-8 + mag * 2.0**-20 + 1e-30).all()
     assert (got[full:full + empty] == 0).all()
     # two walks of f rows each: the columns a CTA owns follow f, up to 14,524 rows
-    assert not stat.walk_supported(16384, 2040, 7264, 10**7, 2)  # 16 columns: 2040 is not a multiple
-    assert stat.walk_supported(16384, 2040, 7265, 10**7, 2)  # 8 columns
-    assert not stat.walk_supported(64, 2048, 14525, 10**6, 2) and stat.walk_supported(64, 2048, 14524, 10**6, 2)
+    assert not layout.walk_supported(16384, 2040, 7264, 10**7, 2)  # 16 columns: 2040 is not a multiple
+    assert layout.walk_supported(16384, 2040, 7265, 10**7, 2)  # 8 columns
+    assert not layout.walk_supported(64, 2048, 14525, 10**6, 2) and layout.walk_supported(64, 2048, 14524, 10**6, 2)
     # gated, the first walk's f32 sums [m, d] need room in the partials [d / 64, max_entries]:
     # there at 128 entries a token (the default), not at 64
-    assert stat.walk_supported(16384, 2048, 5632, 16384 * 128, 2)
-    assert not stat.walk_supported(16384, 2048, 5632, 16384 * 64, 2)
-    assert stat.walk_supported(16384, 2048, 5632, 16384 * 64, 1)
+    assert layout.walk_supported(16384, 2048, 5632, 16384 * 128, 2)
+    assert not layout.walk_supported(16384, 2048, 5632, 16384 * 64, 2)
+    assert layout.walk_supported(16384, 2048, 5632, 16384 * 64, 1)
 
 
 def test_layout_bound_holds():
@@ -149,16 +151,16 @@ def test_layout_bound_holds():
 
 
 def test_supported():
-    assert stat.supported(16384, 2048, 5632, 600_000)
-    assert stat.supported(16384, 4096, 11008, 1_200_000)  # 8 columns a CTA past 7,264
-    assert not stat.supported(16384, 2048, stat.MAX_F + 1, 600_000)  # slice or sort counts past shared memory
-    assert not stat.supported(16384, 2056, 5632, 600_000)  # d not a multiple of 16
-    assert stat.supported(4096, 2056, 8000, 600_000)  # ... of 8 where the CTA owns 8 columns
-    assert not stat.supported(16384, 64, 5632, 600_000)  # one row of partials cannot hold it
-    assert stat.MAX_F16 == 7264 and stat.MAX_F == 14524
-    assert (stat.cols(7264), stat.cols(7265), stat.classes(7264), stat.classes(7265)) == (16, 8, 4, 8)
+    assert layout.stationary_down_supported(16384, 2048, 5632, 600_000)
+    assert layout.stationary_down_supported(16384, 4096, 11008, 1_200_000)  # 8 columns a CTA past 7,264
+    assert not layout.stationary_down_supported(16384, 2048, layout.WALK_MAX_F + 1, 600_000)  # slice or sort counts past shared memory
+    assert not layout.stationary_down_supported(16384, 2056, 5632, 600_000)  # d not a multiple of 16
+    assert layout.stationary_down_supported(4096, 2056, 8000, 600_000)  # ... of 8 where the CTA owns 8 columns
+    assert not layout.stationary_down_supported(16384, 64, 5632, 600_000)  # one row of partials cannot hold it
+    assert layout.WALK_MAX_F16 == 7264 and layout.WALK_MAX_F == 14524
+    assert (layout.walk_cols(7264), layout.walk_cols(7265), stat.classes(7264), stat.classes(7265)) == (16, 8, 4, 8)
     # the sort's per-warp counts at the largest f fill shared memory exactly
-    assert stat.keys(stat.MAX_F) * 2 * stat.CHUNK // 32 == stat.SMEM_LIMIT
+    assert layout.walk_keys(layout.WALK_MAX_F) * 2 * stat.CHUNK // 32 == stat.SMEM_LIMIT
 
 
 def test_steps_with_eight_classes_rotate_over_residues_mod_8():

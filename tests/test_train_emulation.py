@@ -1,5 +1,5 @@
 """The training FFN kernels' algorithm (NumPy model of ffi/twell_train.cu) on CPU: gradients
-against reference.ffn_with_aux and the dense formula on adversarial inputs, the residual
+against train_reference.ffn_with_aux and the dense formula on adversarial inputs, the residual
 layout, and the op's glue (custom_vjp, dense crossover, statistics) with the model standing
 in for the kernels."""
 
@@ -13,13 +13,22 @@ import pytest
 
 import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import blocked_emulation as bemu
-from jax_twell.ops import stationary_emulation as stat
-from jax_twell.ops import cuda, cuda_train, reference, xla
-from jax_twell.ops import train_emulation as emu
+import blocked_emulation as bemu
+import train_emulation as emu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close
 from test_ops import dense_ffn  # the statement of the math (docs/design.md, section 1, The job)
+from jax_twell.ops.costs import DenseCrossover
+from jax_twell.ops.costs import TrainCrossover
+from jax_twell.ops import costs
+from jax_twell.ops import layout
+from jax_twell.ops.ffn_train import binding as train_binding
+from jax_twell.ops.ffn_train import reference as train_reference
+from jax_twell.ops import xla
+from cuda_calls import cuda_ffn_train
+from jax_twell.ops.ffn_train import vjp as train_cuda
+from jax_twell.ops.ffn_train.vjp import TrainKernels
+from jax_twell.ops.plan import LayerInfo, Side, TrainOptions, default_train_rule, plan_ffn_train
 
 pytestmark = pytest.mark.slow  # the NumPy model of the training kernels: CI runs it (-m slow)
 
@@ -68,7 +77,7 @@ def check_against_reference(x, w_gate, w_up, w_down, dy, act, fwd, bwd, what):
         got.update(dw_gate=dw_act_t.T, dw_up=dw_up_t.T)
     else:
         got.update(dw_up=dw_act_t.T)
-    ref_fn = lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2]
+    ref_fn = lambda *a: train_reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2]
     (y_ref, l1_ref), g_ref = grads_of(ref_fn, x, w_gate, w_up, w_down, dy)
     (y_dense, l1_dense), g_dense = grads_of(dense_ffn, x, w_gate, w_up, w_down, dy)
     names = ["dx", "dw_gate", "dw_up", "dw_down"]
@@ -172,14 +181,14 @@ def _emulated_pack(g, *, tile, capacity):
     return pack_twell_reference(g, tile=tile, capacity=capacity)
 
 
-def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, down_union=False, up_union=False,
+def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, tensor_cores=False, down_union=False, up_union=False,
                       down_stationary=False):
     gated = w_up is not None
     # the token order the kernels' stationary down walk keeps (zeros here: the model's dx
     # computes its own order)
-    stationary = cuda_train.forward_down_stationary(x.shape[0], x.shape[1], w_down.shape[0], max_entries, gated,
+    stationary = train_binding.forward_down_stationary(x.shape[0], x.shape[1], w_down.shape[0], max_entries, gated,
                                                     down_stationary)
-    shapes = cuda_train.residual_shapes(x.shape[0], act.n_tiles, act.tile, max_entries, gated, stationary)
+    shapes = train_binding.residual_shapes(x.shape[0], act.n_tiles, act.tile, max_entries, gated, stationary)
     out_shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), shapes, jax.ShapeDtypeStruct((max_entries,), jnp.uint32))
 
     def run(x, values, cols, counts, w_act, w_down, *w_up):
@@ -189,14 +198,14 @@ def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, mma=False, do
             tile=act.tile, max_entries=max_entries,
         )
         order = np.zeros(shapes.stat_order.shape, np.int32) if stationary else None
-        res = cuda_train.Residuals(r.seg_start, r.tok_off, r.entries, r.up, r.col_off, r.by_col, order)
+        res = train_binding.Residuals(r.seg_start, r.tok_off, r.entries, r.up, r.col_off, r.by_col, order)
         return np.asarray(y), res, h_source
 
     extra = (w_up,) if gated else ()
     return _callback(run, out_shapes, x, act.values, act.cols, act.counts, w_act, w_down, *extra)
 
 
-def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=False, dx_mma=False, dx_union=False,
+def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, tensor_cores=False, dx_tensor_cores=False, dx_union=False,
                        dh_union=False, dx_stationary=False):
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -221,31 +230,29 @@ def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, mma=F
     return dx, None, dw_up, dw_down
 
 
+EMULATED = TrainKernels(pack=_emulated_pack, forward=_emulated_forward, backward=_emulated_backward)
+
+
 @pytest.fixture
-def emulated_kernels(monkeypatch):
-    monkeypatch.setattr(cuda_train, "_pack", _emulated_pack)
-    monkeypatch.setattr(cuda_train, "_forward_call", _emulated_forward)
-    monkeypatch.setattr(cuda_train, "_backward_call", _emulated_backward)
+def emulated_kernels():
+    """The NumPy model standing in for the pack and both handlers (passed as ``kernels``)."""
     KERNEL_CALLS.clear()
-
-
-ALWAYS_SPARSE = cuda_train.TrainCrossover(margin=float("inf"))
-ALWAYS_DENSE = cuda_train.TrainCrossover(margin=0.0)
+    return EMULATED
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize(
-    "rule,width,backup",
-    [(ALWAYS_SPARSE, 128, None), (ALWAYS_DENSE, 128, None), (ALWAYS_SPARSE, 2, None), (ALWAYS_SPARSE, 128, 0)],
-    ids=["sparse", "dense_rule", "over_budget", "backup_exceeded"],
+    "side,width,backup",
+    [(Side.SPARSE, 128, None), (Side.DENSE, 128, None), (Side.SPARSE, 2, None), (Side.SPARSE, 128, 0)],
+    ids=["sparse", "dense_side", "over_budget", "backup_exceeded"],
 )
-def test_op_glue_with_emulated_kernels(emulated_kernels, rule, width, backup, gated):
+def test_op_glue_with_emulated_kernels(emulated_kernels, side, width, backup, gated):
     x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", gated, full=2, empty=3, key=11)
-    fn = functools.partial(cuda_train.ffn_with_aux, width=width, backup_capacity=backup, crossover=rule)
+    fn = functools.partial(cuda_ffn_train, width=width, backup_capacity=backup, side=side, kernels=emulated_kernels)
     (y, l1), grads = grads_of(jax.jit(lambda *a: fn(*a)[:2]), x, wg, wu, wd, dy)
-    (y_ref, l1_ref), g_ref = grads_of(lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
+    (y_ref, l1_ref), g_ref = grads_of(lambda *a: train_reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
     jax.block_until_ready(grads)
-    assert KERNEL_CALLS == (["forward", "backward"] if rule is ALWAYS_SPARSE and width > 2 and backup is None else [])
+    assert KERNEL_CALLS == (["forward", "backward"] if side == Side.SPARSE and width > 2 and backup is None else [])
     for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
         if r is None:
             assert g is None
@@ -262,31 +269,36 @@ def test_op_glue_with_emulated_kernels(emulated_kernels, rule, width, backup, ga
 
 def test_sparse_path_runs_the_kernels_and_keeps_no_dense_residual(emulated_kernels):
     x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", True, key=12)
-    fn = lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE)[:2]
+    fn = lambda *a: cuda_ffn_train(*a, width=128, side=Side.SPARSE, kernels=emulated_kernels)[:2]
     _, residuals = jax.vjp(fn, x, wg, wu, wd)
     leaves = jax.tree.leaves(residuals)
     assert not any(a.ndim == 2 and a.shape[1] == 520 and a.shape[0] >= 300 for a in leaves)
 
 
 @pytest.mark.parametrize("width", [128, 2], ids=["sparse", "over_budget"])
-def test_fused_gate_in_the_training_forward(emulated_kernels, monkeypatch, width):
-    """Decided for the kernels (margin inf) and at least FUSED_GATE_MIN_TOKENS tokens, the
-    forward takes TwELL from the fused gate kernel instead of XLA's matmul + the pack; past
+def test_fused_gate_in_the_training_forward(emulated_kernels, width):
+    """A plan with the fused gate (decided for the kernels, from FUSED_GATE_MIN_TOKENS
+    tokens) takes TwELL from the fused gate kernel instead of XLA's matmul + the pack; past
     the entry budget the dense branch recomputes the gate. Gradients and statistics as
-    the reference's either way."""
+    the reference's either way. (The plan for 300 tokens, given the fused gate.)"""
     gates = []
 
     def gate(x, w, *, tile, capacity):
         gates.append(x.shape)
         return pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity)
 
-    monkeypatch.setattr(cuda, "gate_pack", gate)
-    monkeypatch.setattr(cuda, "FUSED_GATE_MIN_TOKENS", 256)
-    monkeypatch.setattr(cuda_train, "_pack", lambda *a, **k: pytest.fail("the pack ran"))
+    def no_pack(*a, **k):
+        pytest.fail("the pack ran")
+
+    kernels = dataclasses.replace(emulated_kernels, gate_pack=gate, pack=no_pack)
     x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", True, full=2, empty=3, key=14)
-    fn = functools.partial(cuda_train.ffn_with_aux, width=width, crossover=ALWAYS_SPARSE)
+    plan = plan_ffn_train(300, 64, 520, jnp.bfloat16, gated=True, layer=LayerInfo(side=Side.SPARSE),
+                          options=TrainOptions(width=width))
+    assert not plan.fused_gate  # under FUSED_GATE_MIN_TOKENS
+    plan = dataclasses.replace(plan, fused_gate=True)
+    fn = lambda *a: train_cuda.run(plan, *a, kernels)
     (y, l1), grads = grads_of(jax.jit(lambda *a: fn(*a)[:2]), x, wg, wu, wd, dy)
-    (y_ref, l1_ref), g_ref = grads_of(lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
+    (y_ref, l1_ref), g_ref = grads_of(lambda *a: train_reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
     jax.block_until_ready(grads)
     assert gates and KERNEL_CALLS == (["forward", "backward"] if width > 2 else [])
     for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
@@ -299,19 +311,22 @@ def test_fused_gate_in_the_training_forward(emulated_kernels, monkeypatch, width
     np.testing.assert_array_equal(fired, active.any(0))
 
 
-def test_api_default_stays_xla_and_cuda_entry_exists():
-    assert cuda_train.TRAINING_KERNELS_DEFAULT is False
+def test_api_default_takes_the_kernels_where_available():
+    """implementation=None: the kernels on a Hopper GPU with the library (the per-call
+    device choice when nothing is known about the layer), else XLA; here on CPU, XLA."""
     x, wg, wu, wd, _ = make_case(64, 64, 256, 0.05, "uniform", True, key=13)
     y_default, aux = jt.sparse_ffn_train(x, wg, wu, wd)
     y_xla, _ = jt.sparse_ffn_train(x, wg, wu, wd, implementation="xla")
-    np.testing.assert_array_equal(np.asarray(y_default, np.float32), np.asarray(y_xla, np.float32))
     if not jt.kernels_available():
+        np.testing.assert_array_equal(np.asarray(y_default, np.float32), np.asarray(y_xla, np.float32))
+        jaxpr = str(jax.make_jaxpr(lambda *a: jt.sparse_ffn_train(*a)[0])(x, wg, wu, wd))
+        assert "platform_index" not in jaxpr  # no kernels here: XLA only
         with pytest.raises(RuntimeError, match="kernels are unavailable"):
             jt.sparse_ffn_train(x, wg, wu, wd, implementation="cuda")
 
 
 def test_crossover_rule_predictions():
-    rule = cuda_train.TrainCrossover()
+    rule = TrainCrossover()
     m, d, f = 16384, 2048, 5632
     assert rule.sparse_can_win(m, d, f, 2) and not rule.sparse_can_win(64, d, f, 2)
     pairs = lambda p: int(p * m * f)
@@ -347,12 +362,12 @@ def test_crossover_rule_predictions():
     with pytest.raises(ValueError, match="union_fraction"):
         rule.prefers_sparse(m, d, f, 2, 0.01, 1.2)
     with pytest.raises(ValueError, match="multiple of 64"):
-        cuda_train.check_supported(96, jnp.bfloat16)
+        layout.check_train_supported(96)
 
 
 # Crosses over at 0.5% active for d=64 (no fixed costs): dense is 16 M d f / rate, sparse
 # 0.005 M f (8 d + 4 d) / 1e12 at the crossover.
-CROSSES_AT_HALF_PERCENT = cuda_train.TrainCrossover(
+CROSSES_AT_HALF_PERCENT = TrainCrossover(
     matmul_rate=16 * 64 / (0.005 * 12 * 64 / 1e12), hbm_bandwidth=1e30, union_bandwidth=1e30,
     transpose_bandwidth=1e30, pair_rate=1e12, grad_stream_bandwidth=1e12, fixed_overhead=0.0, min_tokens=1,
 )
@@ -365,7 +380,7 @@ def test_active_fraction_decides_at_trace_time(emulated_kernels, fraction, spars
     rule = CROSSES_AT_HALF_PERCENT
     assert rule.prefers_sparse(300, 64, 520, 2, fraction) == sparse
     x, wg, wu, wd, dy = make_case(300, 64, 520, 0.03, "heavy", True, full=2, empty=3, key=15)
-    fn = lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=rule, active_fraction=fraction)[:2]
+    fn = lambda *a: cuda_ffn_train(*a, width=128, active_fraction=fraction, rule=rule, kernels=emulated_kernels)[:2]
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: fn(*a)[0].astype(jnp.float32).sum(), (0, 1, 2, 3)))(x, wg, wu, wd))
     assert ("cond" in jaxpr) == sparse  # sparse: only the entry-budget check remains
     assert ("callback" in jaxpr) == sparse
@@ -373,7 +388,7 @@ def test_active_fraction_decides_at_trace_time(emulated_kernels, fraction, spars
         xla_jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: xla.ffn_with_aux(*a)[0].astype(jnp.float32).sum(), (0, 1, 2, 3)))(x, wg, wu, wd))
         assert jaxpr == xla_jaxpr  # the dense formula's autodiff, nothing added
     (y, l1), grads = grads_of(jax.jit(fn), x, wg, wu, wd, dy)
-    (y_ref, l1_ref), g_ref = grads_of(lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
+    (y_ref, l1_ref), g_ref = grads_of(lambda *a: train_reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2], x, wg, wu, wd, dy)
     jax.block_until_ready(grads)
     assert KERNEL_CALLS == (["forward", "backward"] if sparse else [])
     for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
@@ -382,41 +397,36 @@ def test_active_fraction_decides_at_trace_time(emulated_kernels, fraction, spars
     np.testing.assert_allclose(l1, l1_ref, rtol=2e-2)
 
 
-def test_crossover_for_prices_the_steps_that_run():
+def test_default_rule_prices_the_steps_that_run():
     """The default rule holds where the stationary walks run (fitted there); where they do
     not (f past 7,264, where dx's walks would hold 8 columns, or the walks off), the union steps'
-    constants of the fit before them; a rule the user set is returned as set."""
-    default = cuda_train.TrainCrossover()
-    assert cuda_train.crossover_for(16384, 2048, 5632, 2) == default
-    unions = dataclasses.replace(default, **cuda_train.UNION_STEPS_CONSTANTS)
-    assert cuda_train.crossover_for(16384, 2048, 8192, 2) == unions  # 16,384 table rows
-    assert cuda_train.crossover_for(16384, 2048, 5632, 2, walks=False) == unions
+    constants of the fit before them; a rule passed in the options is used as given."""
+    default = TrainCrossover()
+    assert default_train_rule(16384, 2048, 5632, 2) == default
+    unions = dataclasses.replace(default, **costs.UNION_STEPS_CONSTANTS)
+    assert default_train_rule(16384, 2048, 8192, 2) == unions  # 16,384 table rows
+    off = TrainOptions(dx_stationary=False)
+    assert plan_ffn_train(16384, 2048, 5632, jnp.bfloat16, gated=True, options=off).rule == unions
     # the union steps cost more: the crossover moves down where the walks do not run
     assert default.prefers_sparse(16384, 2048, 5632, 2, 0.01) and not unions.prefers_sparse(16384, 2048, 5632, 2, 0.01)
     custom = dataclasses.replace(default, margin=0.9)
-    previous = cuda_train.set_train_crossover(custom)
-    try:
-        assert cuda_train.crossover_for(16384, 2048, 8192, 2) == custom
-    finally:
-        cuda_train.set_train_crossover(previous)
+    plan = plan_ffn_train(16384, 2048, 8192, jnp.bfloat16, gated=True, options=TrainOptions(rule=custom))
+    assert plan.rule == custom
 
 
 def test_active_fraction_is_checked_and_follows_the_rule():
     rule = CROSSES_AT_HALF_PERCENT
     assert rule.prefers_sparse(300, 64, 520, 2, 0.0) and not rule.prefers_sparse(300, 64, 520, 2, 1.0)
-    assert not cuda_train.TrainCrossover(margin=0.0).prefers_sparse(300, 64, 520, 2, 0.0)
-    assert cuda_train.TrainCrossover(margin=float("inf")).prefers_sparse(300, 64, 520, 2, 1.0)
     assert not dataclasses.replace(rule, min_tokens=301).prefers_sparse(300, 64, 520, 2, 0.0)
     # The fitted H200 rule at the benchmark shape: dense from ~1.5% active.
-    h200 = cuda_train.TrainCrossover()
+    h200 = TrainCrossover()
     assert h200.prefers_sparse(16384, 2048, 5632, 2, 0.0145) and not h200.prefers_sparse(16384, 2048, 5632, 2, 0.015)
     with pytest.raises(ValueError, match="active_fraction"):
         rule.prefers_sparse(300, 64, 520, 2, 1.5)
-    x, wg, wu, wd, _ = make_case(64, 64, 256, 0.05, "uniform", True, key=16)
     with pytest.raises(ValueError, match="active_fraction"):
-        jt.sparse_ffn_train(x, wg, wu, wd, active_fraction=-0.1)
+        LayerInfo(active_fraction=-0.1)
     with pytest.raises(ValueError, match="union_fraction"):
-        jt.sparse_ffn_train(x, wg, wu, wd, active_fraction=0.01, union_fraction=2.0)
+        LayerInfo(active_fraction=0.01, union_fraction=2.0)
 
 
 def test_union_fraction_decides_with_the_active_fraction(emulated_kernels):
@@ -432,13 +442,13 @@ def test_union_fraction_decides_with_the_active_fraction(emulated_kernels):
     assert rule.prefers_sparse(m, d, f, 2, 0.01, 0.9 * at_cost)
     assert not rule.prefers_sparse(m, d, f, 2, 0.01, 1.1 * at_cost)
     x, wg, wu, wd, _ = make_case(m, d, f, 0.03, "heavy", True, key=17)
-    fn = lambda u: lambda *a: cuda_train.ffn_with_aux(*a, width=128, crossover=rule, active_fraction=0.01,
-                                                      union_fraction=u)[0]
+    fn = lambda u: lambda *a: cuda_ffn_train(*a, width=128, active_fraction=0.01, union_fraction=u, rule=rule,
+                                             kernels=emulated_kernels)[0]
     for union, kernels in ((0.9 * at_cost, True), (1.1 * at_cost, False)):
         jaxpr = str(jax.make_jaxpr(fn(union))(x, wg, wu, wd))
         assert ("callback" in jaxpr) == kernels, union
     with pytest.raises(ValueError, match="with active_fraction"):
-        cuda_train.ffn_with_aux(x, wg, wu, wd, width=128, union_fraction=0.1)
+        cuda_ffn_train(x, wg, wu, wd, width=128, union_fraction=0.1)
 
 
 @pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 host devices")
@@ -454,7 +464,7 @@ def test_op_glue_under_a_mesh(emulated_kernels, layout):
     token_axes, tensor_axis = {"data": (("data", "tensor"), None), "tensor": ((), "tensor"), "data+tensor": (("data",), "tensor")}[layout]
     sharding = jt.FFNSharding(token_axes=token_axes, tensor_axis=tensor_axis, mesh=mesh)
     x, wg, wu, wd, dy = make_case(256, 64, 512, 0.03, "heavy", True, full=2, empty=3, key=14)
-    fn = functools.partial(cuda_train.ffn_with_aux, width=128, crossover=ALWAYS_SPARSE)
+    fn = functools.partial(cuda_ffn_train, width=128, side=Side.SPARSE, kernels=emulated_kernels)
 
     def loss(*a):
         y, aux = shard_ffn_train(fn, sharding, 128, *a)
@@ -465,82 +475,78 @@ def test_op_glue_under_a_mesh(emulated_kernels, layout):
     placed = (jax.device_put(x, tok), jax.device_put(wg, col), jax.device_put(wu, col), jax.device_put(wd, row))
     grads = jax.block_until_ready(jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*placed))
     assert "forward" in KERNEL_CALLS and "backward" in KERNEL_CALLS
-    ref = lambda *a: reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2]
+    ref = lambda *a: train_reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2]
     _, g_ref = grads_of(ref, x, wg, wu, wd, dy)
     for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
         assert_close(g, r, GRAD_TOL, f"{layout} {name}")
 
 
-def _backward_options_seen(monkeypatch, keys, calls, key=14, d=64):
-    """The backward call's options ``keys`` for each ``ffn_with_aux`` keyword set in
-    ``calls`` (the NumPy model standing in for the kernels)."""
+def _backward_options_seen(keys, calls, key=14, d=64):
+    """The backward call's options ``keys`` for each set of ``TrainOptions`` fields in
+    ``calls`` (the NumPy model standing in for the kernels, passed in)."""
     seen = []
 
     def backward(*args, **kwargs):
         seen.append(tuple(kwargs[k] for k in keys))
         return _emulated_backward(*args, **kwargs)
 
-    monkeypatch.setattr(cuda_train, "_backward_call", backward)
+    kernels = dataclasses.replace(EMULATED, backward=backward)
     x, wg, wu, wd, dy = make_case(300, d, 520, 0.03, "heavy", True, key=key)
     for kw in calls:
-        fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
+        fn = lambda *a, kw=kw: cuda_ffn_train(*a, width=128, side=Side.SPARSE, kernels=kernels, **kw)[:2]
         grads_of(jax.jit(fn), x, wg, wu, wd, dy)
     return seen
 
 
-def test_dx_mma_follows_mma_unless_given(emulated_kernels, monkeypatch):
-    """``ffn_with_aux`` asks the backward call for dx on tensor cores when ``dx_mma`` says
-    so, and by default exactly when ``mma`` does (the default: both on)."""
-    calls = ({}, dict(mma=False), dict(dx_mma=False), dict(mma=False, dx_mma=True))
-    seen = _backward_options_seen(monkeypatch, ("mma", "dx_mma"), calls)
+def test_dx_tensor_cores_follow_tensor_cores_unless_given(emulated_kernels):
+    """The plan asks the backward call for dx on tensor cores when ``dx_tensor_cores`` says
+    so, and by default exactly when ``tensor_cores`` does (the default: both on)."""
+    calls = ({}, dict(tensor_cores=False), dict(dx_tensor_cores=False), dict(tensor_cores=False, dx_tensor_cores=True))
+    seen = _backward_options_seen(("tensor_cores", "dx_tensor_cores"), calls)
     assert seen == [(True, True), (False, False), (True, False), (False, True)]
 
 
-@pytest.mark.parametrize("option, needs, d, key", [("dx_union", "dx_mma", 256, 15), ("dh_union", "mma", 384, 16)])
-def test_backward_union_steps_follow_their_defaults(emulated_kernels, monkeypatch, option, needs, d, key):
-    """``ffn_with_aux`` asks the backward call for dx (dh) as a union product by default as
-    ``DX_UNION_DEFAULT`` (``DH_UNION_DEFAULT``) says, or when told, and never without dx on
-    tensor cores (the tensor-core steps)."""
+@pytest.mark.parametrize("option, needs, d, key", [("dx_union", "dx_tensor_cores", 256, 15),
+                                                   ("dh_union", "tensor_cores", 384, 16)])
+def test_backward_union_steps_follow_their_options(emulated_kernels, option, needs, d, key):
+    """The plan asks the backward call for dx (dh) as a union product by default (on), or
+    as told, and never without dx on tensor cores (the tensor-core steps)."""
     calls = ({}, {option: True}, {option: False}, {needs: False, option: True})
-    seen = []
-    for default in (False, True):
-        monkeypatch.setattr(cuda_train, option.upper() + "_DEFAULT", default)
-        seen += _backward_options_seen(monkeypatch, (needs, option), calls, key=key, d=d)
-    assert seen == [(True, False), (True, True), (True, False), (False, False),
-                    (True, True), (True, True), (True, False), (False, False)]
+    seen = _backward_options_seen((needs, option), calls, key=key, d=d)
+    assert seen == [(True, True), (True, True), (True, False), (False, False)]
 
 
-def test_dx_stationary_reaches_the_backward_call(emulated_kernels, monkeypatch):
-    """``ffn_with_aux`` asks the backward call for dx by the stationary walk when told, by
-    default where ``DX_STATIONARY_DEFAULT`` and the inference rule's price of the walk say
-    so, and never without dx on tensor cores."""
-    calls = ({}, dict(dx_stationary=True), dict(dx_stationary=False), dict(dx_mma=False, dx_stationary=True))
-    default = cuda_train.DX_STATIONARY_DEFAULT and cuda.dense_crossover().down_stationary(300, 256, 520, 2)
-    seen = _backward_options_seen(monkeypatch, ("dx_mma", "dx_stationary"), calls, key=18, d=256)
+def test_dx_stationary_reaches_the_backward_call(emulated_kernels):
+    """The plan asks the backward call for dx by the stationary walk when told, by default
+    where the inference rule's price of the walk says so, and never without dx on tensor
+    cores."""
+    calls = ({}, dict(dx_stationary=True), dict(dx_stationary=False), dict(dx_tensor_cores=False, dx_stationary=True))
+    default = DenseCrossover().down_stationary(300, 256, 520, 2)
+    seen = _backward_options_seen(("dx_tensor_cores", "dx_stationary"), calls, key=18, d=256)
     assert seen == [(True, default), (True, True), (True, False), (False, False)]
 
 
 @pytest.mark.parametrize("option", ["up_union", "down_union", "down_stationary"])
-def test_union_steps_reach_the_forward_call(emulated_kernels, monkeypatch, option):
-    """``ffn_with_aux`` asks the forward call for the up or down step as a union product, or
-    the down step with the weight stationary, when told (default ``UP_UNION_DEFAULT`` /
-    ``DOWN_UNION_DEFAULT``; ``DOWN_STATIONARY_DEFAULT`` where the inference rule prices it
-    below the union product), never without ``mma``."""
+def test_union_steps_reach_the_forward_call(emulated_kernels, option):
+    """The plan asks the forward call for the up or down step as a union product, or the
+    down step with the weight stationary, when told (default: on; the stationary step where
+    the inference rule prices it below the union product), never without tensor cores."""
     seen = []
 
     def forward(*args, **kwargs):
         seen.append(kwargs[option])
         return _emulated_forward(*args, **kwargs)
 
-    monkeypatch.setattr(cuda_train, "_forward_call", forward)
+    kernels = dataclasses.replace(emulated_kernels, forward=forward)
     x, wg, wu, wd, dy = make_case(300, 384, 520, 0.03, "heavy", True, key=17)
-    default = getattr(cuda_train, option.upper() + "_DEFAULT")
+    default = True
     if option == "down_stationary":
-        default = default and cuda.dense_crossover().down_stationary(300, 384, 520, 2)
-    cases = (({}, default), ({option: True}, True), ({option: False}, False), ({option: True, "mma": False}, False))
+        default = DenseCrossover().down_stationary(300, 384, 520, 2)
+    cases = (({}, default), ({option: True}, True), ({option: False}, False),
+             ({option: True, "tensor_cores": False}, False))
     for kw, expected in cases:
         seen.clear()
-        fn = lambda *a, kw=kw: cuda_train.ffn_with_aux(*a, width=128, crossover=ALWAYS_SPARSE, **kw)[:2]
+        fn = lambda *a, kw=kw: cuda_ffn_train(*a, width=128, side=Side.SPARSE, kernels=kernels, **kw)[:2]
         grads_of(jax.jit(fn), x, wg, wu, wd, dy)
         assert seen and all(v == expected for v in seen), (kw, seen)
 
@@ -548,27 +554,27 @@ def test_union_steps_reach_the_forward_call(emulated_kernels, monkeypatch, optio
 def test_union_steps_state_their_constraints():
     """The forward's union steps: the down step needs d a multiple of 256, the up step ~4
     words per entry after u's row (d at least 320); both f at most 65536."""
-    e = cuda_train.max_entries_for(16384, 5632, 128)
-    assert cuda_train.union_down_supported(16384, 2048, 5632, e)
-    assert not cuda_train.union_down_supported(16384, 128 + 64, 5632, 10**6)  # d not a multiple of 256
-    assert cuda_train.union_up_supported(16384, 2048, 5632, e)
-    assert not cuda_train.union_up_supported(16384, 256, 5632, e)
-    assert not cuda_train.union_up_supported(64, 2048, 70000, 10**6)  # f past 65536
+    e = layout.train_max_entries(16384, 5632, 128)
+    assert layout.union_down_supported(16384, 2048, 5632, e)
+    assert not layout.union_down_supported(16384, 128 + 64, 5632, 10**6)  # d not a multiple of 256
+    assert layout.union_up_supported(16384, 2048, 5632, e)
+    assert not layout.union_up_supported(16384, 256, 5632, e)
+    assert not layout.union_up_supported(64, 2048, 70000, 10**6)  # f past 65536
 
 
 def test_union_dx_supported_states_its_constraints():
     """The union dx's constraints: d a multiple of 256, f at most 65536, its layout below
     2^31 words; the layout is ~2 words per coefficient (R per entry), whatever the budget."""
-    e = cuda_train.max_entries_for(16384, 5632, 128)
-    assert cuda_train.union_dx_supported(16384, 2048, 5632, e, True)
-    assert cuda_train.union_dx_supported(16384, 2048, 5632, e, False)
-    assert not cuda_train.union_dx_supported(16384, 2048 + 64, 5632, e, True)  # d not a multiple of 256
-    assert not cuda_train.union_dx_supported(64, 2048, 70000, 10**6, True)  # f past 65536
-    assert not cuda_train.union_dx_supported(2**20, 2048, 5632, 2**29, True)  # layout past 2^31 words
-    assert cuda_train.union_dx_supported(1, 256, 260, 6, True)  # a tight budget is fine
+    e = layout.train_max_entries(16384, 5632, 128)
+    assert layout.union_dx_supported(16384, 2048, 5632, e, True)
+    assert layout.union_dx_supported(16384, 2048, 5632, e, False)
+    assert not layout.union_dx_supported(16384, 2048 + 64, 5632, e, True)  # d not a multiple of 256
+    assert not layout.union_dx_supported(64, 2048, 70000, 10**6, True)  # f past 65536
+    assert not layout.union_dx_supported(2**20, 2048, 5632, 2**29, True)  # layout past 2^31 words
+    assert layout.union_dx_supported(1, 256, 260, 6, True)  # a tight budget is fine
     for gated in (True, False):
         r = 2 if gated else 1
-        assert 2 * r * e < cuda_train.union_workspace_ints(16384, e, gated) < 2.1 * r * e + 16384
+        assert 2 * r * e < layout.union_workspace_ints(16384, e, gated) < 2.1 * r * e + 16384
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
@@ -587,16 +593,16 @@ def test_backward_hands_the_weights_in_the_layout_its_dx_step_reads(monkeypatch,
             return [jnp.zeros(r.shape, r.dtype) for r in result_types]
         return call
 
-    monkeypatch.setattr(cuda_train, "kernel_call", fake_kernel_call)
+    monkeypatch.setattr(train_binding, "kernel_call", fake_kernel_call)
     key = jax.random.split(jax.random.key(3), 4)
     x = jax.random.normal(key[0], (m, d), jnp.bfloat16)
     wg = jax.random.normal(key[1], (d, f), jnp.bfloat16) if gated else None
     wu = jax.random.normal(key[2], (d, f), jnp.bfloat16)
     wd = jax.random.normal(key[3], (f, d), jnp.bfloat16)
     res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                       cuda_train.residual_shapes(m, f // tile, tile, e, gated))
-    assert cuda_train.stationary_dx_supported(m, d, f, e, gated)
-    cuda_train.train_backward(x, x, wg, wu, wd, res, jnp.float32(0.0), tile=tile, mma=True, dx_mma=True,
+                       train_binding.residual_shapes(m, f // tile, tile, e, gated))
+    assert layout.walk_supported(m, d, f, e, 2 if gated else 1)
+    train_binding.train_backward(x, x, wg, wu, wd, res, jnp.float32(0.0), tile=tile, tensor_cores=True, dx_tensor_cores=True,
                               dx_union=True, dx_stationary=stationary)
     (target, shapes, attrs), = calls
     assert target == ("jax_twell_train_bwd_gated" if gated else "jax_twell_train_bwd")
@@ -611,17 +617,17 @@ def test_kept_token_order_composes_with_vmap_and_grad(emulated_kernels):
     op still composes: under jit and vmap over a batch of token sets its gradients equal
     those of each set alone, and the residual is there (an array, not None) to be kept."""
     m, d, f = 300, 256, 520
-    assert cuda_train.forward_down_stationary(m, d, f, cuda_train.max_entries_for(m, f, 128), True, True)
+    assert train_binding.forward_down_stationary(m, d, f, layout.train_max_entries(m, f, 128), True, True)
     cases = [make_case(m, d, f, 0.03, "heavy", True, full=2, empty=3, key=k) for k in (31, 32)]
     wg, wu, wd = cases[0][1:4]
-    fn = functools.partial(cuda_train.ffn_with_aux, width=128, crossover=ALWAYS_SPARSE, down_stationary=True,
+    fn = functools.partial(cuda_ffn_train, width=128, side=Side.SPARSE, kernels=emulated_kernels, down_stationary=True,
                            dx_stationary=True)
 
     def grads(x, dy):
         return grads_of(lambda *a: fn(*a)[:2], x, wg, wu, wd, dy)
 
     _, res_shapes = jax.eval_shape(lambda x: jax.vjp(lambda *a: fn(*a)[:2], x, wg, wu, wd), cases[0][0])
-    kept = [leaf for leaf in jax.tree.leaves(res_shapes) if leaf.shape == (stat.order_words(m),)]
+    kept = [leaf for leaf in jax.tree.leaves(res_shapes) if leaf.shape == (layout.walk_order_words(m),)]
     assert kept and all(leaf.dtype == jnp.int32 for leaf in kept)
     xs = jnp.stack([c[0] for c in cases])
     dys = jnp.stack([c[4] for c in cases])

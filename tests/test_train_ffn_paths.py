@@ -14,41 +14,34 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_twell.ops import cuda_train
 from jax_twell.train import config, ffn_paths, optimizer, sharding
 from jax_twell.train.state import setup_model
 from jax_twell.train.step import make_train_step
 from test_train_step import CFG, _batch
+from jax_twell.ops.costs import TrainCrossover
+from jax_twell.ops.plan import Side
 
 # Crosses over at 0.5% active for m=300, d=64, f=520 (see test_train_emulation).
-HALF_PERCENT = cuda_train.TrainCrossover(
+HALF_PERCENT = TrainCrossover(
     matmul_rate=16 * 64 / (0.005 * 12 * 64 / 1e12), hbm_bandwidth=1e30, union_bandwidth=1e30,
     transpose_bandwidth=1e30, pair_rate=1e12, grad_stream_bandwidth=1e12, fixed_overhead=0.0, min_tokens=1,
 )
 
 
-@pytest.fixture
-def rule():
-    def use(r):
-        previous = cuda_train.set_train_crossover(r)
-        restore.append(previous)
-
-    restore = []
-    yield use
-    for previous in restore[::-1]:
-        cuda_train.set_train_crossover(previous)
+# Numeric margins: every layer prefers the kernels (inf) or dense (0), whatever its density.
+KERNELS_WIN = TrainCrossover(margin=float("inf"), min_tokens=0)
+DENSE_WINS = TrainCrossover(margin=0.0)
 
 
-def test_sides_change_with_hysteresis(rule):
-    rule(HALF_PERCENT)
-    paths = ffn_paths.PathRule(m=300, d=64, f=520)
+def test_sides_change_with_hysteresis():
+    paths = ffn_paths.PathRule(m=300, d=64, f=520, rule=HALF_PERCENT)
     sparse = jnp.asarray([False, False, True, True, False])
     fraction = jnp.asarray([0.001, 0.0048, 0.0052, 0.02, 0.0])
     # dense -> sparse only when 10% denser would still win; sparse -> dense only when 10%
     # sparser would lose: 0.48% stays dense, 0.52% stays sparse.
     np.testing.assert_array_equal(paths.next(sparse, fraction), [True, False, True, False, True])
-    rule(dataclasses.replace(HALF_PERCENT, min_tokens=301))  # the kernels never run for 300 tokens
-    np.testing.assert_array_equal(paths.next(sparse, fraction), [False] * 5)
+    paths = dataclasses.replace(paths, rule=dataclasses.replace(HALF_PERCENT, min_tokens=301))
+    np.testing.assert_array_equal(paths.next(sparse, fraction), [False] * 5)  # the kernels never run for 300 tokens
     with pytest.raises(ValueError, match="one value per layer"):
         paths.next(sparse, fraction[:4])
 
@@ -58,11 +51,10 @@ def test_sides_change_with_hysteresis(rule):
 UNION_ONLY = dataclasses.replace(HALF_PERCENT, pair_rate=1e30, grad_stream_bandwidth=1e30, union_bandwidth=1e12)
 
 
-def test_sides_follow_the_measured_union(rule):
-    rule(UNION_ONLY)
+def test_sides_follow_the_measured_union():
     crossing = UNION_ONLY.dense_cost(300, 64, 520) * 1e12 / (5 * 520 * 5 * 64 * 2)
     assert 0.3 < crossing < 0.4
-    paths = ffn_paths.PathRule(m=300, d=64, f=520)
+    paths = ffn_paths.PathRule(m=300, d=64, f=520, rule=UNION_ONLY)
     # 1% active: the uniform pattern's union (47% of f) loses; a trained layer's smaller one wins
     fraction = [0.01] * 4
     union = [0.2, 0.6, np.nan, 1.05 * crossing]
@@ -89,9 +81,8 @@ def _setup(cfg):
 
 
 @pytest.mark.slow
-def test_the_loop_moves_layers_by_probe_and_the_traced_sides_follow(monkeypatch, rule):
+def test_the_loop_moves_layers_by_probe_and_the_traced_sides_follow(monkeypatch):
     monkeypatch.setattr(ffn_paths, "enabled", lambda model_cfg: True)  # reference FFN, choice on
-    rule(cuda_train.TrainCrossover(margin=float("inf")))  # every layer prefers the kernels
     cfg = dataclasses.replace(CFG, log_every=3)
     mesh, tx, schedule = _setup(cfg)
     with sharding.mesh_context(mesh):
@@ -109,11 +100,12 @@ def test_the_loop_moves_layers_by_probe_and_the_traced_sides_follow(monkeypatch,
         _, direct = setup.bind(state.params).measure_ffn(tokens[:, :-1])
         np.testing.assert_allclose(unions, np.asarray(direct), rtol=1e-6)
         assert unions.shape == (setup.num_layers,) and ((unions > 0) & (unions <= 1)).all()
-        path_rule = ffn_paths.PathRule(m=tokens.shape[0] * (tokens.shape[1] - 1), d=cfg.model.d_model, f=setup.d_ff)
+        path_rule = ffn_paths.PathRule(m=tokens.shape[0] * (tokens.shape[1] - 1), d=cfg.model.d_model, f=setup.d_ff,
+                                       rule=KERNELS_WIN)
         state, sides, measured = ffn_paths.update_sides(state, setup, path_rule, probe, tokens, metrics["nnz_mean"])
         assert sides == (True, True) and tuple(np.asarray(state.ffn_sparse)) == sides
         assert measured is None  # every union gives the same sides: not measured
-        rule(cuda_train.TrainCrossover(margin=0.0))  # every layer prefers dense
+        path_rule = dataclasses.replace(path_rule, rule=DENSE_WINS)  # every layer prefers dense
         state, sides, _ = ffn_paths.update_sides(state, setup, path_rule, probe, tokens, metrics["nnz_mean"])
         assert sides == (False, False) and not np.asarray(state.ffn_sparse).any()
         state = state._replace(ffn_sparse=jnp.asarray([True, True]))
@@ -122,8 +114,8 @@ def test_the_loop_moves_layers_by_probe_and_the_traced_sides_follow(monkeypatch,
         # loss is the same whichever side each layer is on.
         mixed = ffn_paths.with_paths(setup, (True, False))
         model = mixed.bind(state.params)
-        assert [layer.ffn.active_fraction for layer in model.layers] == [0.0, 1.0]
-        assert setup.bind(state.params).layers[0].ffn.active_fraction is None
+        assert [layer.ffn.side for layer in model.layers] == [Side.SPARSE, Side.DENSE]
+        assert setup.bind(state.params).layers[0].ffn.side == Side.AUTO
         losses = [  # the step donates its state: each gets a copy
             float(make_train_step(cfg, s, tx, schedule)(jax.tree.map(jnp.copy, state), _batch(5, cfg))[1]["loss"])
             for s in (setup, mixed)
@@ -144,7 +136,7 @@ def test_the_register_stays_off_without_the_cuda_ffn():
 
 
 @pytest.mark.slow
-def test_the_loop_re_jits_when_layers_change_side(monkeypatch, rule, tmp_path):
+def test_the_loop_re_jits_when_layers_change_side(monkeypatch, tmp_path):
     """In the bundled loop: the layers start dense, move to the kernels' side at the first
     log step where the rule says so, the loop says it re-jits, and the run goes on."""
     import io
@@ -158,7 +150,8 @@ def test_the_loop_re_jits_when_layers_change_side(monkeypatch, rule, tmp_path):
     for i in range(40):  # the split is by file (a hash of its name)
         (corpus / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n" * 200)
     monkeypatch.setattr(ffn_paths, "enabled", lambda model_cfg: True)
-    rule(cuda_train.TrainCrossover(margin=float("inf")))
+    path_rule = ffn_paths.path_rule  # the trainer's rule, with every layer preferring the kernels
+    monkeypatch.setattr(ffn_paths, "path_rule", lambda *a: dataclasses.replace(path_rule(*a), rule=KERNELS_WIN))
     cfg = dataclasses.replace(
         CFG, workdir=str(tmp_path / "run"), steps=6, log_every=2, eval_every=100, eval_batches=1,
         checkpoint_every=100, data=dataclasses.replace(CFG.data, source=str(corpus), eval_percent=20),
@@ -179,14 +172,13 @@ class _State(typing.NamedTuple):
     params: dict
 
 
-def test_the_probe_runs_only_where_a_union_could_move_a_layer(rule):
+def test_the_probe_runs_only_where_a_union_could_move_a_layer():
     """update_sides measures unions only when the sides with no union and with the uniform
     pattern's differ; then the measured union decides. Rule: pairs cross over at 0.5% alone
     (HALF_PERCENT), plus union rows (a union of 0.36 of f costs as much as dense)."""
-    rule(dataclasses.replace(HALF_PERCENT, union_bandwidth=1e12))
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     setup = types.SimpleNamespace(d_ff=520, state_shardings=_State(one_device, None))
-    path_rule = ffn_paths.PathRule(m=300, d=64, f=520)
+    path_rule = ffn_paths.PathRule(m=300, d=64, f=520, rule=dataclasses.replace(HALF_PERCENT, union_bandwidth=1e12))
     calls = []
 
     def probe(measured):

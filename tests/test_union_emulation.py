@@ -1,4 +1,4 @@
-"""The union products' layouts and products (NumPy model, jax_twell/ops/union_emulation.py) on the
+"""The union products' layouts and products (NumPy model, tests/union_emulation.py) on the
 training model's blocked entries: every sub-block's words, rows and chunk offsets inside the
 workspace the handler allocates and disjoint from every other's, tight entry budgets and
 overflowed tiles included; dx from the layout equals the model's dx to the rounding of the
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import blocked_emulation as bemu
-from jax_twell.ops import cuda_train
-from jax_twell.ops import train_emulation as emu
-from jax_twell.ops import union_emulation as uemu
+import blocked_emulation as bemu
+import train_emulation as emu
+import union_emulation as uemu
 from specs import assert_close
 from test_train_emulation import L1, make_case
+from jax_twell.ops import layout
 
 pytestmark = pytest.mark.slow  # the NumPy model of the union kernels: CI runs it (-m slow)
 
@@ -42,7 +42,7 @@ def test_union_layout_fits_and_gives_dx(case, gated):
     dx, *_, coef = emu.train_backward(x, dy, w_act.T, wu.T if gated else None, wd, res, L1 / m, tile=tile)
     lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, coef, m=m, f=f, tile=tile, max_entries=e,
                             gated=gated, dtype=jnp.bfloat16)  # asserts: in bounds, no word written twice
-    assert lay["ws"].size == cuda_train.union_workspace_ints(m, e, gated)
+    assert lay["ws"].size == layout.union_workspace_ints(m, e, gated)
     r = 2 if gated else 1
     nonzero = sum(int((np.asarray(coef[1 + i], np.float32).astype(jnp.bfloat16) != 0).sum()) for i in range(r))
     written = (lay["owner"][lay["ent0"]: lay["rows0"]] >= 0).sum()
@@ -83,7 +83,7 @@ def test_union_layout_of_the_forward_down_step(case):
     h = (np.asarray(h_words, np.uint32) >> 16).astype(np.uint16).view(jnp.bfloat16).astype(np.float32)
     lay = uemu.union_layout(res.seg_start, res.tok_off, h_words, np.stack([np.zeros_like(h), h]), m=m, f=f,
                             tile=tile, max_entries=e, gated=False, dtype=jnp.bfloat16)
-    assert lay["ws"].size <= (d // bemu.UP_COLS) * e or not cuda_train.union_down_supported(m, d, f, e)
+    assert lay["ws"].size <= (d // bemu.UP_COLS) * e or not layout.union_down_supported(m, d, f, e)
     got = uemu.union_dx(lay, wd, None, m, jnp.bfloat16)
     assert_close(got, y, 2.0**-7, f"{case}")
 
@@ -106,7 +106,7 @@ def _gated_up_layout(case, *, key: int, fired: bool):
                                         max_entries=e)
     lay = uemu.union_layout(res.seg_start, res.tok_off, res.entries, None, m=m, f=f, tile=tile, max_entries=e,
                             gated=True, dtype=jnp.bfloat16, up=True, fired=fired)
-    assert lay["ws"].size == uemu.up_workspace_ints(m, e)
+    assert lay["ws"].size == layout.union_up_workspace_ints(m, e)
     return x, wg, wu, wd, dy, res, need, e, lay
 
 
@@ -118,7 +118,7 @@ def test_union_layout_of_the_up_step(case):
     rounding, for every such entry exactly once."""
     m, d, f, density, pattern, full, empty, tile, capacity = case
     x, wg, wu, wd, dy, res, need, e, lay = _gated_up_layout(case, key=m + f + 2, fired=False)
-    assert uemu.up_supported(m, 64 * 8, f, e) == (e + e % 2 + lay["ws"].size <= 8 * e)
+    assert layout.union_up_supported(m, 64 * 8, f, e) == (e + e % 2 + lay["ws"].size <= 8 * e)
     normal = (np.asarray(res.entries)[:need] & bemu.RECOMPUTE_FLAG) == 0
     assert (lay["owner"][lay["ent0"]: lay["rows0"]] >= 0).sum() == 2 * normal.sum(), "one pair per entry"
     u = uemu.union_up(lay, x, wu.T, e)

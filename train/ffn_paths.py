@@ -2,7 +2,7 @@
 
 With ``ffn_implementation="cuda"`` each layer's FFN either runs the training kernels or
 plain XLA autodiff, chosen per layer from the layer's measured active fraction by the
-training rule (``jax_twell.ops.cuda_train.TrainCrossover``). Deciding inside the step (a
+training rule (``jax_twell.ops.costs.TrainCrossover``). Deciding inside the step (a
 per-call ``lax.cond``) would cost the dense side ~15% (ffi/notes/training_kernels.md);
 deciding before tracing costs a re-jit each time a layer's choice flips, which happens
 once or twice per layer in a run (dense from initialisation, sparse after the L1 warm-up).
@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_twell.ops import cuda_train
+from jax_twell.ops.costs import TrainCrossover
+from jax_twell.ops.plan import Side, default_train_rule
 from jax_twell.train import sharding
 from jax_twell.train.sharding import BATCH_AXES
 
@@ -45,6 +46,7 @@ class PathRule:
     d: int
     f: int
     itemsize: int = 2  # bf16
+    rule: TrainCrossover | None = None  # the training rule; None: the default for this shape
 
     def next(self, sparse: Sequence[bool], active_fraction: Sequence[float],
              union_fraction: Sequence[float] | None = None) -> tuple[bool, ...]:
@@ -52,7 +54,7 @@ class PathRule:
         (where given; NaN or None: unknown, the uniform pattern's is assumed) each layer's
         mean 64-token union ``union_fraction`` ``[L]``, from the current ``sparse`` ``[L]``.
         Host values (numbers, NumPy or fetched arrays)."""
-        rule = cuda_train.crossover_for(self.m, self.d, self.f, self.itemsize)
+        rule = self.rule or default_train_rule(self.m, self.d, self.f, self.itemsize)
         sparse = [bool(v) for v in np.asarray(sparse).reshape(-1)]
         fractions = np.asarray(active_fraction, np.float64).reshape(-1)
         unions = (np.full(len(sparse), np.nan) if union_fraction is None
@@ -95,13 +97,13 @@ def path_rule(model_cfg, mesh, micro_batch: int, seq_len: int) -> PathRule:
 
 def with_paths(setup, sparse: tuple[bool, ...]):
     """``setup`` whose model traces layer ``i``'s FFN on the kernels where ``sparse[i]``,
-    as plain XLA autodiff elsewhere (``SparseFFN.active_fraction`` 0 or 1: the training
-    op's trace-time choice). Call inside ``sharding.mesh_context(setup.mesh)``."""
+    as plain XLA autodiff elsewhere (``SparseFFN.side``: the training op's trace-time
+    choice). Call inside ``sharding.mesh_context(setup.mesh)``."""
     if len(sparse) != setup.num_layers:
         raise ValueError(f"one side per layer: got {len(sparse)} for {setup.num_layers} layers")
     model = nnx.merge(setup.graphdef, setup.abstract_state.params, setup.rest)
     for layer, is_sparse in zip(model.layers, sparse):
-        layer.ffn.active_fraction = 0.0 if is_sparse else 1.0
+        layer.ffn.side = Side.SPARSE if is_sparse else Side.DENSE
     graphdef = nnx.split(model, nnx.Param, ...)[0]
     return dataclasses.replace(setup, graphdef=graphdef)
 

@@ -1,81 +1,29 @@
-"""Pieces shared by every implementation of the FFN ops: argument checks and statistics."""
+"""Pieces shared by the ops: argument checks, the choice of an implementation, vmap
+folding and shard_map helpers."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["RuleSlot", "FFNAux", "check_ffn_args", "check_activation", "check_projection_args", "hidden_stats", "make_aux", "IMPLEMENTATIONS"]
+from jax_twell import _kernels
+from jax_twell.ops import layout
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "check_ffn_args",
+    "check_activation",
+    "check_projection_args",
+    "check_tiling",
+    "choose",
+    "fold_vmap_into_tokens",
+    "flatten_tokens",
+    "sum_over_shards",
+    "varying_axes",
+]
 
 IMPLEMENTATIONS = ("reference", "xla", "cuda")
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-class RuleSlot:
-    """The process-wide dispatch rule of one op (a crossover dataclass), read at trace time.
-
-    ``get()`` returns it; ``set(rule)`` replaces it for later traces (a rule of the same
-    type, else TypeError) and returns the previous one.
-    """
-
-    def __init__(self, rule):
-        self._rule = rule
-
-    def get(self):
-        """The rule now in force."""
-        return self._rule
-
-    def set(self, rule):
-        """Replaces the rule for later traces; returns the previous one."""
-        kind = type(self._rule)
-        if not isinstance(rule, kind):
-            raise TypeError(f"rule must be a {kind.__name__}, got {type(rule).__name__}")
-        previous, self._rule = self._rule, rule
-        return previous
-
-
-class FFNAux(NamedTuple):
-    """Side outputs of the training FFN.
-
-    Attributes:
-      l1: ``[]`` f32, the L1 term: mean over tokens of ``sum_f |h|`` (the per-token sum,
-        as in the public training code; the paper's text writes a per-element mean,
-        which is ``f`` times weaker). Differentiable; multiply by the coefficient.
-      nnz_mean: ``[]`` f32, mean active neurons per token (``relu`` gate > 0).
-      nnz_max: ``[]`` int32, max active neurons of any token.
-      rows_over_capacity: ``[]`` int32, tokens with more active neurons than the sparse
-        format's row width (they take the dense-backup path).
-      neuron_fired: ``[f]`` bool, neuron active for at least one token.
-    """
-
-    l1: jax.Array
-    nnz_mean: jax.Array
-    nnz_max: jax.Array
-    rows_over_capacity: jax.Array
-    neuron_fired: jax.Array
-
-
-def hidden_stats(h: jax.Array, active: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Local statistics of ``h [M, f]`` with pattern ``active [M, f]`` bool.
-
-    Returns ``(l1 [] f32, counts [M] int32, fired [f] bool)``: the L1 term (mean over
-    tokens of sum_f |h|), active neurons per token, neurons active for any token.
-    """
-    l1 = jnp.abs(h.astype(jnp.float32)).sum() / max(h.shape[0], 1)
-    return l1, active.sum(axis=-1, dtype=jnp.int32), active.any(axis=0)
-
-
-def make_aux(l1: jax.Array, counts: jax.Array, fired: jax.Array, width: int) -> FFNAux:
-    """FFNAux from the L1 term, per-token active counts ``[M]`` and fired neurons ``[f]``."""
-    return FFNAux(
-        l1=l1,
-        nnz_mean=counts.astype(jnp.float32).mean() if counts.shape[0] else jnp.float32(0),
-        nnz_max=counts.max(initial=0),
-        rows_over_capacity=(counts > width).sum(dtype=jnp.int32),
-        neuron_fired=fired,
-    )
 
 
 def _check_float(name: str, a) -> None:
@@ -93,7 +41,7 @@ def check_ffn_args(x, w_gate, w_up, w_down) -> tuple[int, int]:
     """
     _check_float("x", x)
     if x.ndim < 1:
-        raise ValueError(f"x must have shape [..., d], got a scalar")
+        raise ValueError("x must have shape [..., d], got a scalar")
     d = x.shape[-1]
     _check_float("w_up", w_up)
     if w_up.ndim != 2 or w_up.shape[0] != d:
@@ -129,3 +77,92 @@ def check_activation(name: str, a) -> None:
     _check_float(name, a)
     if a.ndim < 1:
         raise ValueError(f"{name} must have shape [..., f], got a scalar")
+
+
+def check_tiling(tile: int, capacity: int) -> None:
+    if not isinstance(tile, int) or tile <= 0 or tile % 32 or tile > layout.MAX_TWELL_TILE:
+        raise ValueError(f"tile must be a positive multiple of 32 and at most {layout.MAX_TWELL_TILE}, got {tile!r}")
+    if not isinstance(capacity, int) or not 1 <= capacity <= tile:
+        raise ValueError(f"capacity must be an int in [1, tile={tile}], got {capacity!r}")
+
+
+def flatten_tokens(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+def choose(op: str, implementation: str | None, kernels: dict, portable: str):
+    """Returns the callable for ``implementation`` among ``kernels`` (name -> fn)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    if implementation is None:
+        fallback = kernels[portable]
+        if "cuda" in kernels and _kernels.kernels_available():
+            cuda_fn = kernels["cuda"]
+
+            def auto(*args):
+                return jax.lax.platform_dependent(*args, cuda=cuda_fn, default=fallback)
+
+            return auto
+        return fallback
+    if implementation not in kernels:
+        raise NotImplementedError(f"{op}: no {implementation!r} implementation; available: {sorted(kernels)}")
+    if implementation == "cuda" and not _kernels.kernels_available():
+        raise RuntimeError(f"{op}: implementation='cuda' but the kernels are unavailable: {_kernels.kernel_status().reason}")
+    return kernels[implementation]
+
+
+def fold_vmap_into_tokens(fn, *, flatten: bool, n_tokens: int = 1):
+    """``fn(x, *weights)`` whose outputs carry x's tokens on their leading dimensions, made
+    to run once per ``jax.vmap`` when only x is batched: the batch becomes more tokens (one
+    kernel launch, one device-side dense/sparse choice for the whole batch). vmap's default
+    for the CUDA kernels would launch them once per element (``vmap_method="sequential"``)
+    and turn the per-call choice (``lax.cond``) into a select that runs both sides. With a
+    batched weight, ``fn`` is mapped as plain vmap would. ``flatten``: fn takes x as
+    ``[M, d]`` only, so the batch is folded into M and unfolded from every output leaf;
+    otherwise fn takes leading dimensions and the batch is one more. ``n_tokens``: how many
+    leading arguments carry the tokens (x, and a packed activation of x); all of them must
+    be batched to fold.
+
+    ``custom_vmap`` has no reverse-mode derivative: a caller that needs gradients wraps the
+    result in a ``custom_vjp`` (as :func:`sparse_ffn` does with
+    :func:`jax_twell.ops.ffn.vjp.dense_formula_gradients`)."""
+
+    if flatten and n_tokens != 1:
+        raise ValueError("folding into M flattens one token argument")
+
+    @jax.custom_batching.custom_vmap
+    def folded(*args):
+        return fn(*args)
+
+    @folded.def_vmap
+    def rule(axis_size, in_batched, *args):
+        tokens_batched = all(all(jax.tree.leaves(b)) for b in in_batched[:n_tokens])
+        if not tokens_batched or any(jax.tree.leaves(in_batched[n_tokens:])):
+            axes = [jax.tree.map(lambda b: 0 if b else None, b) for b in in_batched]
+            out = jax.vmap(fn, in_axes=axes)(*args)
+        elif not flatten:
+            out = folded(*args)
+        else:
+            x, *rest = args
+            m = x.shape[1]
+            out = folded(x.reshape(axis_size * m, *x.shape[2:]), *rest)
+            out = jax.tree.map(lambda a: a.reshape(axis_size, m, *a.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return folded
+
+
+def sum_over_shards(grad: jax.Array | None, primal: jax.Array | None) -> jax.Array | None:
+    """Under shard_map, a cotangent of an operand replicated over mesh axes is the sum of
+    the per-shard contributions over those axes (what JAX's own transposes produce)."""
+    if grad is None:
+        return None
+    axes = tuple(sorted(varying_axes(grad) - varying_axes(primal)))
+    return jax.lax.psum(grad, axes) if axes else grad
+
+
+def varying_axes(a: jax.Array) -> frozenset:
+    """Manual mesh axes over which ``a`` varies (empty outside shard_map)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "mat", None)  # jax 0.10 keeps them here, later versions in .vma
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_twell.ops.common import FFNAux
+from jax_twell.ops.stats import FFNAux
 
 __all__ = ["FFNSharding", "shard_ffn", "shard_ffn_train"]
 

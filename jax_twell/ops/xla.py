@@ -6,9 +6,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_twell.ops.common import hidden_stats
+from jax_twell.ops.stats import hidden_stats
 
-__all__ = ["ffn", "ffn_with_aux", "up_down", "gather_ffn", "gather_width"]
+__all__ = ["ffn", "ffn_with_aux", "ffn_with_aux_vjp", "up_down", "gather_ffn", "gather_width"]
 
 
 def _hidden(x, w_gate, w_up):
@@ -44,11 +44,24 @@ def ffn_with_aux(x, w_gate, w_up, w_down):
     """Dense ReLU FFN with its local statistics; differentiable by JAX's own autodiff.
 
     x: ``[M, d]``; returns ``(y [M, d], l1 [], counts [M] int32, fired [f] bool)``
-    (see :func:`jax_twell.ops.common.hidden_stats`).
+    (see :func:`jax_twell.ops.stats.hidden_stats`).
     """
     h, active = _hidden(x, w_gate, w_up)
     y = jnp.matmul(h, w_down)
     return (y, *hidden_stats(h, active))
+
+
+def ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1):
+    """Cotangents ``(dx, dw_gate, dw_up, dw_down)`` of :func:`ffn_with_aux`'s ``(y, l1)``
+    for ``(dy [M, d], dl1 [])``, by XLA autodiff of the dense formula (recomputing g and u):
+    the dense side of the sparse training ops' custom VJPs."""
+
+    def loss_terms(x, w_gate, w_up, w_down):
+        y, l1, _, _ = ffn_with_aux(x, w_gate, w_up, w_down)
+        return y, l1
+
+    _, vjp = jax.vjp(loss_terms, x, w_gate, w_up, w_down)
+    return vjp((dy, dl1.astype(jnp.float32)))
 
 
 def gather_width(m: int, f: int, active_per_token: float = 0.01) -> int:

@@ -1,0 +1,189 @@
+"""The CUDA implementation of the inference ops: it runs a plan's kernels.
+
+:func:`sparse_ffn` plans the call (:func:`jax_twell.ops.plan.plan_ffn`) and runs it with
+the bindings of :mod:`jax_twell.ops.ffn.binding` (or the stand-ins a test passes as
+``kernels``). The one choice a plan may leave to the device, sparse or dense per call, is
+made here from counts of the gate activation (:mod:`jax_twell.ops.stats`) priced by the
+plan's rule: a ``lax.cond``, so a call pays only its side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_twell.formats import TwELL, relu_matmul
+from jax_twell.ops import stats, xla
+from jax_twell.ops.ffn import binding
+from jax_twell.ops.pack import binding as pack_binding
+from jax_twell.ops.plan import FFNOptions, FFNPlan, Kernel, LayerInfo, Path, fused_gate_preferred, plan_ffn
+
+__all__ = ["FFNKernels", "BINDINGS", "sparse_ffn", "run", "twell_ffn", "gate_twell"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FFNKernels:
+    """The device steps a plan runs, by name (the bindings by default; tests pass stand-ins).
+
+    pack(a, *, tile, capacity) -> TwELL; gate_pack(x, w, *, tile, capacity, variant) -> TwELL;
+    row(x, act, w_act, w_up, w_down, w_up_t) -> y; blocked(x, act, w_act, w_up, w_down,
+    w_up_t, *, max_entries, tensor_cores, down_union, up_union, down_stationary, fallback)
+    -> (y, ...); decode(x, g, w_up, w_down, *, w_up_t) -> y; decode_gate(x, w_act, w_up,
+    w_down, *, w_up_t) -> y; decode_rows(x, w_act_t, w_down, *, w_up_t) -> y.
+    """
+
+    pack: Callable = pack_binding.pack_twell
+    gate_pack: Callable = binding.gate_pack
+    row: Callable = binding.twell_ffn
+    blocked: Callable = binding.blocked_call
+    decode: Callable = binding.decode_ffn
+    decode_gate: Callable = binding.decode_ffn_gate
+    decode_rows: Callable = binding.decode_ffn_rows
+
+
+BINDINGS = FFNKernels()
+
+
+def sparse_ffn(x, w_gate, w_up, w_down, *, layer: LayerInfo = LayerInfo(), options: FFNOptions = FFNOptions(),
+               w_up_t=None, w_act_t=None, kernels: FFNKernels = BINDINGS):
+    """Inference FFN ``y [M, d]`` for ``x [M, d]`` (bf16, f16 or f32) on the CUDA kernels,
+    as planned by :func:`jax_twell.ops.plan.plan_ffn` for this shape, ``layer`` and
+    ``options``. Weights as in :func:`jax_twell.sparse_ffn`; ``w_up_t``, ``w_act_t``:
+    optional ``[f, d]`` copies of ``w_up.T`` and of the activation's weight transposed
+    (the layouts the decode kernels read)."""
+    w_act = w_gate if w_gate is not None else w_up
+    m, d = x.shape
+    plan = plan_ffn(m, d, w_act.shape[1], x.dtype, gated=w_gate is not None, layer=layer, options=options,
+                    w_up_t=w_up_t is not None, w_act_t=w_act_t is not None)
+    return run(plan, x, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t, kernels=kernels)
+
+
+def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, kernels: FFNKernels = BINDINGS):
+    """Runs ``plan`` on ``x [M, d]``: ``y [M, d]`` x's dtype."""
+    gated = w_gate is not None
+    w_act = w_gate if gated else w_up
+    w_up_k = w_up if gated else None  # the up weight the kernels take (None: non-gated)
+    m, d = x.shape
+    f = w_act.shape[1]
+    rule = plan.options.rule
+    if plan.path == Path.EMPTY:
+        return jnp.zeros((0, d), x.dtype)
+    if plan.path == Path.DENSE:
+        return xla.ffn(x, w_gate, w_up, w_down)
+    if plan.path == Path.GATHER:
+        return xla.gather_ffn(x, w_gate, w_up, w_down, width=plan.gather_width, w_up_t=w_up_t)
+    if plan.path == Path.DECODE_ROWS:
+        return kernels.decode_rows(x, w_act_t, w_down, w_up_t=w_up_t if gated else None)
+    if plan.path == Path.DECODE_GATE:
+        return kernels.decode_gate(x, w_act, w_up_k, w_down, w_up_t=w_up_t)
+    if plan.path == Path.DECODE:
+        g = relu_matmul(x, w_act)
+        decode = lambda: kernels.decode(x, g, w_up_k, w_down, w_up_t=w_up_t)
+        if not plan.decode_check:
+            return decode()
+        few = jnp.count_nonzero(g) <= rule.decode_dense_above * m * f
+        return jax.lax.cond(few, decode, lambda: xla.up_down(x, g, w_up_k, w_down))
+    return _run_tiles(plan, x, w_gate, w_up, w_down, w_up_t, kernels)
+
+
+def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKernels):
+    """The TwELL path: the gate as TwELL, then the row or blocked kernel, with sparse or
+    dense (and row or blocked) chosen on the device where the plan leaves it."""
+    gated = w_gate is not None
+    w_act = w_gate if gated else w_up
+    w_up_k = w_up if gated else None
+    m, d = x.shape
+    f = w_act.shape[1]
+    rule, tile, capacity = plan.options.rule, plan.options.tile, plan.options.capacity
+    itemsize = x.dtype.itemsize
+    if plan.fused_gate:  # exact counts from the packed gate; g is never written
+        g = None
+        gate = kernels.gate_pack(x, w_act, tile=tile, capacity=capacity, variant=plan.gate_variant)
+        nnz = gate.counts.sum(dtype=jnp.int32).astype(jnp.float32)
+        n_over = gate.overflowed.sum(dtype=jnp.int32).astype(jnp.float32)
+    else:
+        g = relu_matmul(x, w_act)
+        nnz, n_over = stats.sampled_gate_counts(g, tile=tile, capacity=capacity, rows=plan.sample_rows)
+    use_row = rule.use_sparse(nnz, n_over, m, d, f, itemsize, plan.transposed)
+
+    def packed():
+        return gate if g is None else kernels.pack(g, tile=tile, capacity=capacity)
+
+    def row_kernel(act):
+        return kernels.row(x, act, w_act, w_up_k, w_down, w_up_t)
+
+    def dense(_):
+        if g is None:
+            return xla.ffn(x, w_gate, w_up, w_down)
+        return xla.up_down(x, g, w_up_k, w_down)
+
+    if not plan.blocked:
+        if not plan.device_choice:
+            return row_kernel(packed())
+        return jax.lax.cond(use_row, lambda _: row_kernel(packed()), dense, None)
+
+    prefer_blocked, any_sparse = plan.prefer_blocked, use_row
+    if plan.device_choice:
+        row_cost = rule.row_cost(nnz, n_over, d, f, itemsize, plan.transposed, m)
+        union = None
+        if plan.union_priced:  # the union measured on a sample of g's blocks where g exists
+            union = plan.layer.union_fraction if g is None else stats.sampled_block_union(g, rows=plan.sample_rows)
+        blocked_cost = rule.kernel_cost(nnz, m, d, f, itemsize, plan.union_priced, union, plan.transposed,
+                                        plan.layer.active_fraction)
+        any_sparse = use_row | (blocked_cost < rule.margin * rule.dense_cost(m, d, f, itemsize))
+        if prefer_blocked is None:
+            prefer_blocked = blocked_cost < row_cost
+
+    def blocked_kernel(act):
+        # The handler falls back to the row kernel by itself where the entries overflow.
+        s = plan.steps
+        return kernels.blocked(x, act, w_act, w_up_k, w_down, w_up_t, max_entries=plan.max_entries,
+                               tensor_cores=s.tensor_cores, down_union=s.down_union, up_union=s.up_union,
+                               down_stationary=s.down_stationary, fallback=True)[0]
+
+    def sparse(_):
+        act = packed()
+        if isinstance(prefer_blocked, bool):
+            return blocked_kernel(act) if prefer_blocked else row_kernel(act)
+        return jax.lax.cond(prefer_blocked, blocked_kernel, row_kernel, act)
+
+    if not plan.device_choice:
+        return sparse(None)
+    return jax.lax.cond(any_sparse, sparse, dense, None)
+
+
+def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: Kernel | str = Kernel.ROW,
+              max_entries: int | None = None, options: FFNOptions = FFNOptions()):
+    """FFN output from a packed activation by one kernel (no dense side: the caller chose
+    the format). ``kernel``: :class:`~jax_twell.ops.plan.Kernel` ROW (default), BLOCKED,
+    BLOCKED_MMA (tensor cores) or BLOCKED_UNION (union products; the down step on the
+    stationary weight where ``options.rule`` prices it so). x: ``[..., M, d]``; act: TwELL
+    of ``relu(x @ w_act)``; weights as in :func:`jax_twell.twell_ffn`. Returns ``y [..., M, d]``.
+    """
+    names = tuple(k.value for k in Kernel if k is not Kernel.AUTO)
+    if getattr(kernel, "value", kernel) not in names:
+        raise ValueError(f"kernel must be one of {names}, got {kernel!r}")
+    kernel = Kernel(kernel)
+    if kernel == Kernel.ROW:
+        return binding.twell_ffn(x, act, w_act, w_up, w_down, w_up_t)
+    union = kernel == Kernel.BLOCKED_UNION
+    m = int(np.prod(x.shape[:-1]))
+    stationary = union and options.rule.down_stationary(m, x.shape[-1], act.f, x.dtype.itemsize, None,
+                                                        w_up_t is not None)
+    return binding.blocked_ffn(x, act, w_act, w_up, w_down, w_up_t=w_up_t, max_entries=max_entries,
+                               tensor_cores=kernel != Kernel.BLOCKED, down_union=union, up_union=union,
+                               down_stationary=stationary)
+
+
+def gate_twell(x, w, *, tile: int, capacity: int) -> TwELL:
+    """``relu(x @ w)`` as TwELL (x ``[..., M, d]``, w ``[d, f]``): the fused gate kernel
+    where :func:`jax_twell.ops.plan.fused_gate_preferred` holds, as in the FFN paths, else
+    XLA's matmul then the pack kernel."""
+    m = int(np.prod(x.shape[:-1])) if x.ndim > 1 else 1
+    if fused_gate_preferred(m, w.shape[0], w.shape[1], tile, capacity, x.dtype):
+        return binding.gate_pack(x, w, tile=tile, capacity=capacity)
+    return pack_binding.pack_twell(relu_matmul(x, w), tile=tile, capacity=capacity)

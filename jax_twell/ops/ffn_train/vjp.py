@@ -1,0 +1,179 @@
+"""The CUDA implementation of the training FFN: a custom_vjp that runs a training plan.
+
+Forward: the gate as TwELL, then (where the plan leaves it to the device, by the rule;
+always, by the entry budget) the sparse forward kernel keeping sparse residuals, or the
+dense formula. Backward: the sparse backward kernel on those residuals, or XLA's
+autodiff of the dense formula (recomputing g and u: nothing ``[M, f]`` was kept). The
+device steps are the bindings of :mod:`jax_twell.ops.ffn_train.binding`, or the stand-ins
+a test passes as ``kernels`` (tests/test_train_emulation.py stands the NumPy model in).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jax_twell.formats import relu_matmul
+from jax_twell.ops import layout, xla
+from jax_twell.ops.common import sum_over_shards, varying_axes
+from jax_twell.ops.ffn import binding as ffn_binding
+from jax_twell.ops.ffn_train import binding
+from jax_twell.ops.pack import binding as pack_binding
+from jax_twell.ops.plan import LayerInfo, TrainOptions, TrainPlan, plan_ffn_train
+
+__all__ = ["TrainKernels", "BINDINGS", "ffn_with_aux", "run", "h_l1", "fired_from_columns"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainKernels:
+    """The device steps a training plan runs, by name (the bindings by default).
+
+    pack(g, *, tile, capacity) -> TwELL; gate_pack(x, w, *, tile, capacity) -> TwELL;
+    forward(x, act, w_act, w_up, w_down, *, max_entries, tensor_cores, down_union, up_union,
+    down_stationary) -> (y, Residuals, h_source); backward(x, dy, w_gate, w_up, w_down, res,
+    l1_grad, *, tile, tensor_cores, dx_tensor_cores, dx_union, dh_union, dx_stationary)
+    -> (dx, dw_gate, dw_up, dw_down).
+    """
+
+    pack: Callable = pack_binding.pack_twell
+    gate_pack: Callable = ffn_binding.gate_pack
+    forward: Callable = binding.train_forward
+    backward: Callable = binding.train_backward
+
+
+BINDINGS = TrainKernels()
+
+
+def h_l1(h_source: jax.Array, total: jax.Array, dtype, m: int) -> jax.Array:
+    """``sum |h| / M`` over the first ``total`` words (h in the high half) of ``h_source``."""
+    h = jax.lax.bitcast_convert_type((h_source >> 16).astype(jnp.uint16), dtype).astype(jnp.float32)
+    valid = jnp.arange(h_source.shape[0]) < total
+    return jnp.where(valid, jnp.abs(h), 0.0).sum() / max(m, 1)
+
+
+def fired_from_columns(col_off: jax.Array, f: int) -> jax.Array:
+    """``[f]`` bool: neurons with an entry (g != 0) in any block."""
+    nonempty = (jnp.diff(col_off, axis=-1) > 0).any(axis=0)  # [n_tiles, tile]
+    return nonempty.reshape(-1)[:f]
+
+
+def _mesh_axes(*arrays) -> frozenset:
+    """Manual mesh axes over which any of ``arrays`` varies (empty outside shard_map)."""
+    axes = frozenset()
+    for a in arrays:
+        if a is not None:
+            axes |= varying_axes(a)
+    return axes
+
+
+def _as_varying(tree, axes: frozenset):
+    """``tree`` typed as varying over ``axes`` (under shard_map). Custom-call results need
+    not carry the varying axes of their operands, and both lax.cond branches must agree;
+    per-shard weight gradients must be typed varying to be summed over the token shards."""
+
+    def one(a):
+        missing = tuple(sorted(axes - varying_axes(a)))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(one, tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _train_ffn(x, w_gate, w_up, w_down, plan, kernels):
+    out, _ = _train_fwd(x, w_gate, w_up, w_down, plan, kernels)
+    return out
+
+
+def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
+    m, d = x.shape
+    gated = w_gate is not None
+    w_act = w_gate if gated else w_up
+    f = w_act.shape[1]
+    tile, capacity = layout.TRAIN_TILE, layout.TRAIN_CAPACITY
+    # Decided for the kernels, the fused gate packs in the matmul's epilogue and g is never
+    # written; the dense branch, then taken only past the budget, recomputes it.
+    g = None if plan.fused_gate else relu_matmul(x, w_act)
+    if plan.fused_gate:
+        act = kernels.gate_pack(x, w_act, tile=tile, capacity=capacity)
+    else:
+        act = kernels.pack(g, tile=tile, capacity=capacity)
+    counts = act.counts.sum(axis=-1, dtype=jnp.int32)
+    use = ffn_binding.blocked_needed_entries(act) <= plan.max_entries
+    if plan.device_choice:
+        use = use & plan.rule.use_sparse(
+            act.counts.sum(dtype=jnp.int32), act.overflowed.sum(dtype=jnp.int32), m, d, f, x.dtype.itemsize)
+    if plan.backup_capacity is not None:
+        use = use & ((counts > plan.width).sum(dtype=jnp.int32) <= plan.backup_capacity)
+    steps = plan.steps
+    axes = _mesh_axes(x, w_gate, w_up, w_down)
+
+    def sparse(_):
+        y, res, h_source = kernels.forward(
+            x, act, w_act, w_up if gated else None, w_down, max_entries=plan.max_entries,
+            tensor_cores=steps.tensor_cores, down_union=steps.down_union, up_union=steps.up_union,
+            down_stationary=steps.down_stationary,
+        )
+        l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
+        return _as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
+
+    def dense(_):
+        gate = relu_matmul(x, w_act) if g is None else g
+        h = gate * jnp.matmul(x, w_up) if gated else gate
+        y = jnp.matmul(h, w_down)
+        l1 = jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1)
+        stationary = binding.forward_down_stationary(m, d, f, plan.max_entries, gated, steps.down_stationary)
+        shapes = binding.residual_shapes(m, act.n_tiles, tile, plan.max_entries, gated, stationary)
+        res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # not read by the dense backward
+        return _as_varying((y, l1, (gate != 0).any(axis=0), res), axes)
+
+    y, l1, fired, res = jax.lax.cond(use, sparse, dense, None)
+    return (y, l1, counts, fired), (x, w_gate, w_up, w_down, use, res)
+
+
+def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
+    x, w_gate, w_up, w_down, use, res = saved
+    dy, dl1, _, _ = cotangents
+    m = max(x.shape[0], 1)
+    l1_grad = dl1.astype(jnp.float32) / m
+    steps = plan.steps
+    axes = _mesh_axes(x, w_gate, w_up, w_down, dy)
+
+    def sparse(_):
+        grads = kernels.backward(
+            x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=layout.TRAIN_TILE,
+            tensor_cores=steps.tensor_cores, dx_tensor_cores=steps.dx_tensor_cores, dx_union=steps.dx_union,
+            dh_union=steps.dh_union, dx_stationary=steps.dx_stationary,
+        )
+        grads = _as_varying(grads, axes)
+        return tuple(sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
+
+    def dense(_):  # nothing M x f was kept: the dense backward recomputes g and u (2 matmuls)
+        return xla.ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1)
+
+    return jax.lax.cond(use, sparse, dense, None)
+
+
+_train_ffn.defvjp(_train_fwd, _train_bwd)
+
+
+def run(plan: TrainPlan, x, w_gate, w_up, w_down, kernels: TrainKernels = BINDINGS):
+    """Runs ``plan`` on ``x [M, d]``: ``(y [M, d], l1 [], counts [M] int32, fired [f] bool)``,
+    differentiable with the gradients of the dense formula."""
+    if not plan.kernels:
+        return xla.ffn_with_aux(x, w_gate, w_up, w_down)
+    return _train_ffn(x, w_gate, w_up, w_down, plan, kernels)
+
+
+def ffn_with_aux(x, w_gate, w_up, w_down, *, layer: LayerInfo = LayerInfo(), options: TrainOptions = TrainOptions(),
+                 kernels: TrainKernels = BINDINGS):
+    """Training FFN through the CUDA kernels, as planned by
+    :func:`jax_twell.ops.plan.plan_ffn_train`. x: ``[M, d]`` bf16, f16 or f32 (f32 runs
+    XLA autodiff); weights as in :func:`jax_twell.sparse_ffn_train`. Returns ``(y [M, d],
+    l1 [], counts [M] int32, fired [f] bool)``, differentiable (custom_vjp)."""
+    m, d = x.shape
+    plan = plan_ffn_train(m, d, w_up.shape[1], x.dtype, gated=w_gate is not None, layer=layer, options=options)
+    return run(plan, x, w_gate, w_up, w_down, kernels)

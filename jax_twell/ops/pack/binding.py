@@ -1,0 +1,29 @@
+"""CUDA binding of the TwELL pack kernel (ffi/twell_pack.cu): a thin ``jax.ffi.ffi_call`` wrapper."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_twell._kernels import kernel_call
+from jax_twell.formats import TwELL
+
+__all__ = ["pack_twell"]
+
+
+def pack_twell(a: jax.Array, *, tile: int, capacity: int) -> TwELL:
+    """TwELL packing of ``a [..., f]`` (bf16, f16 or f32) by ``jax_twell_pack``; the same
+    arrays as :func:`jax_twell.formats.pack_twell_reference`, bit for bit."""
+    f = a.shape[-1]
+    n_tiles = -(-f // tile)
+    lead = a.shape[:-1]
+    out_types = (
+        jax.ShapeDtypeStruct((*lead, n_tiles, capacity), a.dtype),
+        jax.ShapeDtypeStruct((*lead, n_tiles, capacity), jnp.int16),
+        jax.ShapeDtypeStruct((*lead, n_tiles), jnp.int32),
+    )
+    # The handler flattens leading dimensions, so a vmapped call is one launch.
+    call = kernel_call("jax_twell_pack", out_types, vmap_method="broadcast_all")
+    values, cols, counts = call(a, tile=np.int32(tile), capacity=np.int32(capacity))
+    return TwELL(values, cols, counts, f=f, tile=tile)

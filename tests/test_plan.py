@@ -1,0 +1,113 @@
+"""The plans on CPU: what a call runs, decided from shapes, dtype, what is known about the
+layer and the options (jax_twell.ops.plan), with no kernel and no device."""
+
+import dataclasses
+import inspect
+
+import jax.numpy as jnp
+import pytest
+
+import jax_twell as jt
+from jax_twell.ops import layout
+from jax_twell.ops.ffn import cuda as ffn_cuda
+from jax_twell.ops.costs import DenseCrossover, TrainCrossover
+from jax_twell.ops.plan import (
+    FFNOptions,
+    Kernel,
+    LayerInfo,
+    Path,
+    Side,
+    TrainOptions,
+    plan_ffn,
+    plan_ffn_train,
+)
+
+BF16 = jnp.bfloat16
+HEADLINE = (16384, 2048, 5632)
+
+
+def test_public_signatures_have_no_knobs():
+    for fn in (jt.sparse_ffn, jt.sparse_ffn_train):
+        assert list(inspect.signature(fn).parameters) == ["x", "w_gate", "w_up", "w_down", "implementation", "sharding"]
+
+
+def test_sides_given_and_no_tokens():
+    assert plan_ffn(0, 2048, 5632, BF16, gated=True).path == Path.EMPTY
+    assert plan_ffn(4096, 2048, 5632, BF16, gated=True, layer=LayerInfo(side=Side.DENSE)).path == Path.DENSE
+    forced = plan_ffn(300, 128, 704, BF16, gated=True, layer=LayerInfo(side=Side.SPARSE))
+    assert forced.path == Path.TILES and not forced.device_choice and forced.prefer_blocked is True
+    # a small call the rule prices dense at trace time
+    assert plan_ffn(64, 2048, 5632, BF16, gated=True).path == Path.DENSE
+
+
+def test_decode_sizes_with_a_known_fraction():
+    known = LayerInfo(active_fraction=0.005)
+    assert plan_ffn(1, 2048, 5632, BF16, gated=True, layer=known, w_up_t=True).path == Path.DECODE_GATE
+    assert plan_ffn(1, 2048, 5632, BF16, gated=True, layer=known, w_up_t=True, w_act_t=True).path == Path.DECODE_ROWS
+    assert plan_ffn(4, 2048, 5632, BF16, gated=True, layer=known, w_up_t=True, w_act_t=True).path == Path.DECODE_GATE
+    assert plan_ffn(64, 2048, 5632, BF16, gated=True, layer=known, w_up_t=True).path == Path.DENSE  # past 0.4%
+    assert plan_ffn(1, 2048, 5632, BF16, gated=True, layer=known).path == Path.DENSE  # w_up not transposed
+    assert plan_ffn(1, 2048, 5632, BF16, gated=False, layer=known).path == Path.DECODE_GATE
+    checked = FFNOptions(rule=DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=0.02))
+    plan = plan_ffn(64, 2048, 5632, BF16, gated=True, options=checked, w_up_t=True)
+    assert plan.path == Path.DECODE and plan.decode_check
+    gather = FFNOptions(rule=DenseCrossover(decode_gather_max_tokens=64))
+    assert plan_ffn(8, 2048, 5632, BF16, gated=True, options=gather).gather_width == 128 * 4
+
+
+def test_the_headline_shape():
+    m, d, f = HEADLINE
+    per_call = plan_ffn(m, d, f, BF16, gated=True)
+    assert per_call.path == Path.TILES and per_call.device_choice and per_call.prefer_blocked is None
+    assert per_call.blocked and per_call.union_priced and not per_call.fused_gate
+    assert per_call.steps.tensor_cores and per_call.steps.up_union and per_call.steps.down_union
+    assert per_call.steps.down_stationary == DenseCrossover().down_stationary(m, d, f, 2, None, False)
+    assert per_call.max_entries == layout.blocked_max_entries(m, f, 256, 32)
+    known = plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.005, 0.2), w_up_t=True)
+    assert known.fused_gate and isinstance(known.prefer_blocked, bool) and known.gate_variant == 1
+    assert not plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.005), options=FFNOptions(fused_gate=False)).fused_gate
+    assert plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.3)).path == Path.DENSE
+    unstationary = FFNOptions(rule=dataclasses.replace(DenseCrossover(), stationary_down=False))
+    assert not plan_ffn(m, d, f, BF16, gated=True, options=unstationary).steps.down_stationary
+    row = plan_ffn(m, d, f, BF16, gated=True, options=FFNOptions(kernel="row"))
+    assert row.path == Path.TILES and not row.blocked
+    # f32 runs the row kernel; non-gated, the blocked kernel has no union steps
+    assert not plan_ffn(m, d, f, jnp.float32, gated=True).blocked
+    assert not plan_ffn(m, d, f, BF16, gated=False).steps.up_union
+    with pytest.raises(ValueError, match="multiple of 64"):
+        plan_ffn(m, 2056, f, BF16, gated=True, options=FFNOptions(kernel=Kernel.BLOCKED))
+
+
+def test_plans_are_values():
+    a = plan_ffn(*HEADLINE, BF16, gated=True, layer=LayerInfo(0.005))
+    b = plan_ffn(*HEADLINE, BF16, gated=True, layer=LayerInfo(0.005))
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.fused_gate = False
+    with pytest.raises(ValueError, match="active_fraction"):
+        LayerInfo(active_fraction=1.5)
+    with pytest.raises(ValueError):
+        FFNOptions(kernel="warp")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        ffn_cuda.twell_ffn(None, None, None, None, None, kernel="auto")  # one kernel, named
+
+
+def test_training_plans():
+    m, d, f = HEADLINE
+    for dtype, layer in ((BF16, LayerInfo(side=Side.DENSE)), (jnp.float32, LayerInfo()), (BF16, LayerInfo(0.3))):
+        assert not plan_ffn_train(m, d, f, dtype, gated=True, layer=layer).kernels
+    assert not plan_ffn_train(0, d, f, BF16, gated=True).kernels
+    per_call = plan_ffn_train(m, d, f, BF16, gated=True)
+    assert per_call.kernels and per_call.device_choice and not per_call.fused_gate
+    assert per_call.steps.down_stationary and per_call.steps.dx_stationary and per_call.rule == TrainCrossover()
+    known = plan_ffn_train(m, d, f, BF16, gated=True, layer=LayerInfo(0.005))
+    assert known.kernels and not known.device_choice and known.fused_gate
+    forced = plan_ffn_train(300, 64, 520, BF16, gated=True, layer=LayerInfo(side=Side.SPARSE))
+    assert forced.kernels and not forced.device_choice  # below the rule's min_tokens, forced
+    cuda_cores = plan_ffn_train(m, d, f, BF16, gated=True, options=TrainOptions(tensor_cores=False)).steps
+    assert not (cuda_cores.up_union or cuda_cores.down_union or cuda_cores.dh_union or cuda_cores.down_stationary)
+    assert not cuda_cores.dx_tensor_cores and not cuda_cores.dx_union  # dx follows tensor_cores
+    with pytest.raises(ValueError, match="multiple of 64"):
+        plan_ffn_train(m, 96, f, BF16, gated=True)
+    with pytest.raises(ValueError, match="with active_fraction"):
+        plan_ffn_train(m, d, f, BF16, gated=True, layer=LayerInfo(union_fraction=0.2))
