@@ -189,15 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)
     from rich.console import Console
 
-    from jax_twell.train.sharding import maybe_initialize_distributed
+    from jax_twell.train.sharding import is_lead, maybe_initialize_distributed
 
     if args.command in ("train", "eval", "generate", "sweep"):
         maybe_initialize_distributed()
-    console = Console()
+    console = Console(quiet=not is_lead())  # several processes: process 0 reports (errors: all)
     handler = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "sweep": _sweep}[args.command]
     try:
         return handler(args, console)
     except (KeyError, ValueError, FileNotFoundError) as e:
+        console.quiet = False
         console.print(f"[red]error:[/] {e}", markup=True, highlight=False)
         return 2
 

@@ -86,6 +86,7 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console
     """
     console = console or Console()
     lead = jax.process_index() == 0
+    sharding.assert_same_across_processes({"config": config_lib.to_dict(cfg), "resume": resume}, "config or --resume")
     workdir = Path(cfg.workdir)
     mesh = sharding.make_mesh(cfg.mesh)
     _validate(cfg, mesh)
@@ -114,7 +115,7 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
     workdir, seq_len = Path(cfg.workdir), seq_len_of(cfg)
     tx = make_optimizer(cfg.optim, cfg.steps)
     schedule = learning_rate_schedule(cfg.optim, cfg.steps)
-    rows = sharding.process_rows(cfg.batch_size)
+    rows = sharding.process_rows(cfg.batch_size, mesh, cfg.grad_accum)
     micro = cfg.batch_size // cfg.grad_accum
     batch_sharding = sharding.batch_sharding(mesh, 3)
     with sharding.mesh_context(mesh):
