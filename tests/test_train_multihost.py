@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 
 def _start(num_processes: int, workdir: Path, extra: list[str] = (), resume: bool = False,
-           rank_extra: dict[int, list[str]] | None = None, sample_tokens: int = 0) -> list:
+           rank_extra: dict[int, list[str]] | None = None) -> list:
     """Starts `jax-twell train` as `num_processes` processes of one job (4 devices in all);
     `rank_extra` adds overrides to single processes."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
@@ -66,7 +66,7 @@ def _start(num_processes: int, workdir: Path, extra: list[str] = (), resume: boo
                        JAX_PROCESS_ID=str(rank))
         env["JAX_TWELL_ROWS_LOG"] = str(workdir.parent / f"{workdir.name}.rows{rank}.json")
         log = open(workdir.parent / f"{workdir.name}.out{rank}.txt", "w")
-        args = ["train", "--sample-tokens", str(sample_tokens), *(["--resume"] if resume else []), *RUN, *extra,
+        args = ["train", "--sample-tokens", "0", *(["--resume"] if resume else []), *RUN, *extra,
                 *(rank_extra or {}).get(rank, []), f"workdir={workdir}"]
         procs.append((subprocess.Popen([sys.executable, str(WORKER), *args], env=dict(env), stdout=log,
                                        stderr=subprocess.STDOUT), log))
@@ -125,53 +125,49 @@ def corpus(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, corpus):
-    """Workdirs of: one process (4 devices), two processes (2 + 2 devices), and each
-    resumed at step 2 from the other's checkpoint with the other process count."""
-    root = tmp_path_factory.mktemp("multihost")
+def test_two_processes_train_like_one_and_share_checkpoints(tmp_path, corpus):
+    # One test, not several on a shared fixture: under pytest-xdist (-n auto) tests of a
+    # module may land on different workers, and each would start the four jobs again.
     data = [f"data.source={corpus}"]
-    one, two = root / "one", root / "two"
+    one, two = tmp_path / "one", tmp_path / "two"
     jobs = [(_start(1, one, data), one), (_start(2, two, data), two)]
     for procs, workdir in jobs:
         _check(procs, workdir)
-    _resumable_copy(two, root / "two_then_one", 2)
-    _resumable_copy(one, root / "one_then_two", 2)
-    jobs = [(_start(1, root / "two_then_one", data, resume=True), root / "two_then_one"),
-            (_start(2, root / "one_then_two", data, resume=True), root / "one_then_two")]
+    # Each resumes at step 2 from the other's checkpoint, with the other process count.
+    two_then_one, one_then_two = tmp_path / "two_then_one", tmp_path / "one_then_two"
+    _resumable_copy(two, two_then_one, 2)
+    _resumable_copy(one, one_then_two, 2)
+    jobs = [(_start(1, two_then_one, data, resume=True), two_then_one),
+            (_start(2, one_then_two, data, resume=True), one_then_two)]
     for procs, workdir in jobs:
         _check(procs, workdir)
-    return {"one": one, "two": two, "two_then_one": root / "two_then_one", "one_then_two": root / "one_then_two"}
 
+    # The same losses, step for step, bit for bit (float32 values, exact in JSON).
+    reference = _losses(one)
+    assert sorted(reference) == list(range(1, STEPS + 1))
+    assert reference[STEPS] < reference[1], "the model learns"
+    assert _losses(two) == reference
 
-def test_two_processes_train_like_one(runs):
-    one, two = _losses(runs["one"]), _losses(runs["two"])
-    assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
-    assert two == one  # bit for bit (float32 losses, exactly representable in JSON)
-    assert one[STEPS] < one[1], "the model learns"
-    # process 0 alone writes the log and reports; process 1 prints nothing but JAX's own lines
-    for text in ("jax-twell train", "step      4", "run directory"):
-        assert text in _output(runs["two"], 0) and text not in _output(runs["two"], 1), text
-    assert "mesh={'data': 1, 'fsdp': 2, 'tensor': 2}" in _output(runs["two"], 0)
-
-
-def test_each_process_loads_a_disjoint_half_of_every_batch(runs):
-    rows = [_rows(runs["two"], rank) for rank in range(2)]
+    # Every global batch split into disjoint halves, one per process, together all of it.
+    rows = [_rows(two, rank) for rank in range(2)]
     assert sorted(rows[0]) == sorted(rows[1]) == list(range(STEPS))
     for step in range(STEPS):
         first, second = set(rows[0][step]), set(rows[1][step])
         assert len(first) == len(second) == BATCH // 2 and not first & second, step
         assert first | second == set(range(BATCH)), step
-    assert _rows(runs["one"], 0) == {step: list(range(BATCH)) for step in range(STEPS)}
+    assert _rows(one, 0) == {step: list(range(BATCH)) for step in range(STEPS)}
 
+    # Checkpoints resume across process counts with the uninterrupted run's next losses.
+    for resumed in (two_then_one, one_then_two):
+        losses = _losses(resumed)
+        assert "resumed at step 2" in _output(resumed, 0), resumed.name
+        assert sorted(s for s in losses if s > 2) == [3, 4], resumed.name
+        assert [losses[3], losses[4]] == [reference[3], reference[4]], resumed.name
 
-@pytest.mark.parametrize("resumed", ["two_then_one", "one_then_two"])
-def test_checkpoints_resume_across_process_counts(runs, resumed):
-    reference, losses = _losses(runs["one"]), _losses(runs[resumed])
-    after = [s for s in sorted(losses) if s > 2]
-    assert after == [3, 4]
-    assert [losses[s] for s in after] == [reference[s] for s in after]  # bit for bit
-    assert "resumed at step 2" in _output(runs[resumed], 0)
+    # Process 0 alone writes the log and reports; process 1 prints only JAX's own lines.
+    assert "mesh={'data': 1, 'fsdp': 2, 'tensor': 2}" in _output(two, 0)
+    for text in ("jax-twell train", "step      4", "run directory"):
+        assert text in _output(two, 0) and text not in _output(two, 1), text
 
 
 def test_processes_with_different_configs_stop_with_a_clear_error(tmp_path, corpus):

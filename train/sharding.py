@@ -156,3 +156,18 @@ def assert_same_across_processes(value, what: str = "config") -> None:
             f"the {jax.process_count()} processes disagree on the {what}: process(es) {differ} differ from "
             "process 0; start every process with the same preset, overrides and flags"
         )
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process (all processes must call this together).
+
+    The training loop asks it each step whether a stop was requested (SIGTERM, Ctrl-C), so
+    that all processes save the same checkpoint and stop at the same step even when the
+    signal reached only some of them, or reached them during different steps. One process:
+    returns `flag` at no cost; several: one tiny all-gather, which waits for the step.
+    """
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())

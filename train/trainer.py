@@ -213,10 +213,11 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                         log.write(last["eval"])
                         progress.console.print(metrics.format_eval_record(last["eval"]), soft_wrap=True)
                     timer_step, timer = done, time.perf_counter()  # keep evaluation out of tokens/s
-                if done % cfg.checkpoint_every == 0 or done == cfg.steps or stop.signal is not None:
+                stopping = sharding.any_process(stop.signal is not None)  # all processes stop together
+                if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
                     checkpointer.save(done, state)
                 progress.update(task, completed=done)
-                if stop.signal is not None:
+                if stopping:
                     if lead:
                         progress.console.print(f"stopping on signal {stop.signal}: checkpoint saved at step {done}")
                     break
