@@ -5,6 +5,12 @@ all global devices, parameters are placed by mapping the model's logical axis na
 (`embed`, `mlp`, `heads`, ...) through `jax_twell.models.LOGICAL_AXIS_RULES` (see
 `jax_twell.models.param_shardings`), and batches
 are split over (data, fsdp).
+
+Several processes (hosts) form one job through `jax.distributed`
+(`maybe_initialize_distributed`); each loads only the batch rows its devices hold
+(`process_rows`), the processes check that they run the same config
+(`assert_same_across_processes`) and stop together (`any_process`), and process 0 alone
+reports (`is_lead`). docs/multihost.md describes launching and what is tested.
 """
 
 from __future__ import annotations
