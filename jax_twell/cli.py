@@ -191,9 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from jax_twell.train.sharding import is_lead, maybe_initialize_distributed
 
-    if args.command in ("train", "eval", "generate", "sweep"):
-        maybe_initialize_distributed()
-    console = Console(quiet=not is_lead())  # several processes: process 0 reports (errors: all)
+    several = args.command in ("train", "eval", "generate", "sweep") and maybe_initialize_distributed()
+    console = Console(quiet=several and not is_lead())  # several processes: process 0 reports (errors: all)
     handler = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "sweep": _sweep}[args.command]
     try:
         return handler(args, console)

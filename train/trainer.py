@@ -219,7 +219,7 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                 progress.update(task, completed=done)
                 if stopping:
                     if lead:
-                        progress.console.print(f"stopping on signal {stop.signal or 'to another process'}: checkpoint saved at step {done}")
+                        progress.console.print(f"stopping on signal {stop.signal}: checkpoint saved at step {done}")
                     break
     return last
 
