@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
+
+from rich.markup import escape
 
 TRAIN_EPILOG = """\
 Any config field can be overridden as key=value, nested fields with dots:
@@ -15,8 +18,14 @@ Any config field can be overridden as key=value, nested fields with dots:
   jax-twell train model.n_layers=2 batch_size=32 grad_accum=2 mesh.tensor=2
   jax-twell train --resume                          continue runs/tiny from its last checkpoint
 Presets: {presets}. Fields (defaults of the chosen preset): jax-twell train --show-config
+Presets and the hardware they are meant for: {hardware}.
 The run directory (workdir=, default runs/<preset>) receives config.json, metrics.jsonl,
-checkpoints/ and, with `jax-twell plot`, plots/. SIGTERM or Ctrl-C saves a checkpoint and stops.
+checkpoints/ and, with `jax-twell plot`, plots/. One run at a time per directory (train.lock).
+A non-finite loss or gradient stops the run (nonfinite=skip drops such steps instead);
+no non-finite state is ever checkpointed. keep_checkpoints=0 keeps every checkpoint.
+Exit status: 0 done; 2 refused (bad config value, directory in use or holding another run,
+no checkpoint that loads, unreadable file); 3 diverged (non-finite loss or gradient);
+143 / 130 stopped by SIGTERM / Ctrl-C after saving a checkpoint (continue with --resume).
 """
 
 
@@ -26,7 +35,7 @@ def _add_workdir(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from jax_twell.train.config import PRESETS
+    from jax_twell.train.config import PRESET_HARDWARE, PRESETS
 
     parser = argparse.ArgumentParser(
         prog="jax-twell",
@@ -36,10 +45,13 @@ def _parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser(
         "train",
-        help="train a model (default: tiny preset on the Python standard library, a few minutes on CPU)",
-        description="Train a language model with a sparse FFN; logs loss, CE, L1 term, tokens/s, MFU, "
-        "non-zeros per token per layer and dead neurons.",
-        epilog=TRAIN_EPILOG.format(presets=", ".join(PRESETS)),
+        help="train a model (default: tiny preset on the Python standard library, a few minutes on a CPU; "
+        "--preset small and larger are meant for GPUs)",
+        description="Train a language model with a sparse FFN; logs loss, CE, L1 term, tokens/s, MFU (on "
+        "accelerators with a known peak), non-zeros per token per layer and dead neurons.",
+        epilog=TRAIN_EPILOG.format(
+            presets=", ".join(PRESETS), hardware="; ".join(f"{k}: {v}" for k, v in PRESET_HARDWARE.items())
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--preset", default="tiny", choices=list(PRESETS), help="configuration preset (default: %(default)s)")
@@ -50,11 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--sample-tokens", type=int, default=200, help="print a sample of this many tokens at the end (0: none)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
-    evaluate = commands.add_parser("eval", help="held-out cross-entropy and bits per byte of a trained run")
+    evaluate = commands.add_parser(
+        "eval", help="held-out cross-entropy and bits per byte of a trained run (on the hardware it trained on; "
+        "seconds for tiny on a CPU)"
+    )
     _add_workdir(evaluate)
     evaluate.add_argument("--batches", type=int, default=None, help="held-out batches (default: the run's eval_batches)")
 
-    generate = commands.add_parser("generate", help="sample text from a trained run")
+    generate = commands.add_parser(
+        "generate", help="sample text from a trained run (seconds for tiny on a CPU; GPU for the larger presets)"
+    )
     _add_workdir(generate)
     generate.add_argument("--prompt", default="def ", help="text to continue (default: %(default)r)")
     generate.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: %(default)s)")
@@ -62,13 +79,16 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens, 0: all (default: %(default)s)")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
 
-    plot = commands.add_parser("plot", help="write PNG plots (loss, sparsity curves, sparsity per layer) of a run")
+    plot = commands.add_parser(
+        "plot", help="write PNG plots (loss, sparsity curves, sparsity per layer) of a run (any machine, seconds)"
+    )
     plot.add_argument("--workdir", default="runs/tiny", help="run directory (default: %(default)s)")
     plot.add_argument("--out", default=None, help="output folder (default: <workdir>/plots)")
 
     sweep = commands.add_parser(
         "sweep",
-        help="train once per L1 coefficient; write a table (sweep.md, sweep.json) and sweep.png",
+        help="train once per L1 coefficient; write a table (sweep.md, sweep.json) and sweep.png "
+        "(as train: tiny on a CPU, small and larger on a GPU)",
         epilog="Example: jax-twell sweep --preset small --l1 0,2e-5,1e-4,3e-4,1e-3,3e-3 steps=2000\n"
         "Runs trained separately (e.g. in parallel, workdir=runs/sweep/l1_X l1_coef=X):\n"
         "  jax-twell sweep --report --workdir runs/sweep",
@@ -82,6 +102,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_REFUSED = 2  # the command cannot run as asked: bad value, locked or occupied directory, unreadable file
+EXIT_DIVERGED = 3  # training stopped on non-finite steps
+
+
 def _train(args, console) -> int:
     from jax_twell.train import config as config_lib
     from jax_twell.train import trainer
@@ -92,13 +116,16 @@ def _train(args, console) -> int:
     if args.show_config:
         console.print_json(data=config_lib.to_dict(cfg))
         return 0
-    if args.fresh:
-        trainer.clear_run(cfg.workdir)
     try:
-        trainer.train(cfg, resume=args.resume, console=console)
+        trainer.train(cfg, resume=args.resume, fresh=args.fresh, console=console)
     except trainer.RunExistsError as e:
-        console.print(f"[red]{e}[/] (or start over with --fresh)")
-        return 2
+        console.print(f"[red]{escape(str(e))}[/] (or start over with --fresh)")
+        return EXIT_REFUSED
+    except trainer.Interrupted as e:
+        console.print(
+            f"{escape(str(e))}; continue with: jax-twell train --resume workdir={cfg.workdir}", soft_wrap=True
+        )
+        return 128 + e.signal
     console.print(
         f"run directory: {cfg.workdir}  (next: jax-twell plot --workdir {cfg.workdir}; "
         f"jax-twell generate --workdir {cfg.workdir})",
@@ -114,11 +141,29 @@ def _print_sample(cfg, step, prompt, max_new_tokens, temperature, top_k, seed, c
     from jax_twell.train.evaluate import sample
     from jax_twell.train.tokenizer import load_tokenizer
 
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.workdir)
     if tokenizer is None:
         raise SystemExit(f"{cfg.workdir}: no tokenizer to encode the prompt (set data.tokenizer to a tokenizer.json)")
-    setup, state = trainer.restore_run(cfg, step, shard_tokens=False)
-    max_new_tokens = min(max_new_tokens, cfg.model.max_seq_len - len(tokenizer.encode(prompt.encode("utf-8"))))
+    prompt_len, context = len(tokenizer.encode(prompt.encode("utf-8"))), cfg.model.max_seq_len
+    if prompt_len >= context:
+        raise ValueError(
+            f"the prompt is {prompt_len} tokens; the model's context is max_seq_len={context} tokens, "
+            f"so a prompt can have at most {context - 1}"
+        )
+    if prompt_len + max_new_tokens > context:
+        console.print(
+            f"[yellow]note:[/] --max-new-tokens {max_new_tokens} cut to {context - prompt_len}: the prompt "
+            f"({prompt_len} tokens) and the new tokens must fit the model's context of {context} tokens",
+            highlight=False,
+        )
+        max_new_tokens = context - prompt_len
+    setup, state = trainer.restore_run(
+        cfg, step, shard_tokens=False, report=lambda m: console.print(f"[yellow]{escape(m)}[/]", highlight=False)
+    )
     with sharding.mesh_context(setup.mesh):
         text = sample(
             setup, state.params, tokenizer, prompt,
@@ -135,8 +180,12 @@ def _eval(args, console) -> int:
     from jax_twell.train.metrics import format_eval_record
     from jax_twell.train.step import make_eval_step
 
+    if args.batches is not None and args.batches < 1:
+        raise ValueError(f"--batches must be >= 1, got {args.batches}")
     cfg = trainer.load_run_config(args.workdir)
-    setup, state = trainer.restore_run(cfg, args.step)
+    setup, state = trainer.restore_run(
+        cfg, args.step, report=lambda m: console.print(f"[yellow]{escape(m)}[/]", highlight=False)
+    )
     corpus = data.load_corpus(cfg.data, cfg.workdir, cfg.model.vocab_size, save_tokenizer=False)
     with sharding.mesh_context(setup.mesh):
         result = evaluate(
@@ -184,7 +233,13 @@ def _sweep(args, console) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jax-twell` console script."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    # key=value overrides may follow options too (`train steps=10 --resume optim.lr=1e-3`).
+    if rest and hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     # orbax reports routine events (read-only managers, async saves) as absl warnings.
     logging.getLogger("absl").setLevel(logging.ERROR)
     from rich.console import Console
@@ -194,12 +249,23 @@ def main(argv: list[str] | None = None) -> int:
     several = args.command in ("train", "eval", "generate", "sweep") and maybe_initialize_distributed()
     console = Console(quiet=several and not is_lead())  # several processes: process 0 reports (errors: all)
     handler = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "sweep": _sweep}[args.command]
+    from jax_twell.train.checkpoint import RestoreError
+    from jax_twell.train.lock import RunLockedError
+    from jax_twell.train.trainer import DivergedError, Interrupted
+
     try:
         return handler(args, console)
-    except (KeyError, ValueError, FileNotFoundError) as e:
-        console.quiet = False
-        console.print(f"[red]error:[/] {e}", markup=True, highlight=False)
-        return 2
+    except Interrupted as e:  # a sweep's run (train handles its own)
+        console.print(f"{escape(str(e))}; run the same command again to continue", soft_wrap=True)
+        return 128 + e.signal
+    except DivergedError as e:
+        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True, highlight=False)
+        return EXIT_DIVERGED
+    except (KeyError, ValueError, OSError, RestoreError, RunLockedError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        console.quiet = False  # every process reports its own error
+        console.print(f"[red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+        return EXIT_REFUSED
 
 
 if __name__ == "__main__":

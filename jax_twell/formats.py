@@ -15,6 +15,12 @@ a result.
 The functions here are the pure-JAX reference implementations: they define what the
 CUDA kernels must produce, bit for bit for the packing (entries in ascending column
 order, unused slots zero).
+
+Building a format by hand checks it: the constructors reject inconsistent static fields
+and array shapes always, and, when every array is concrete (not traced under ``jit`` or
+``vmap``), inconsistent contents too (``validate()`` runs the checks on demand). JAX
+rebuilding a format from its leaves (tree maps, ``jit`` outputs) checks nothing, so the
+checks cost nothing on a hot path.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "TwELL",
@@ -31,7 +38,75 @@ __all__ = [
     "pack_hybrid_reference",
     "hybrid_from_row_twell",
     "relu_matmul",
+    "TILE_LIMIT",
 ]
+
+TILE_LIMIT = 32768  # column offsets within a tile are int16
+
+
+def _register(cls):
+    """Registers the frozen dataclass `cls` as a pytree (static fields as metadata) whose
+    unflattening bypasses the constructor's checks: JAX rebuilds formats with tracers,
+    shape structs or arbitrary leaves, which are not user input."""
+    data = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("static")]
+    meta = [f.name for f in dataclasses.fields(cls) if f.metadata.get("static")]
+
+    def flatten_with_keys(obj):
+        return [(jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data], tuple(getattr(obj, n) for n in meta)
+
+    def flatten(obj):
+        return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in meta)
+
+    def unflatten(static, leaves):
+        obj = object.__new__(cls)
+        for name, value in (*zip(data, leaves), *zip(meta, static)):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+def _array_like(*xs) -> bool:
+    return all(hasattr(x, "shape") and hasattr(x, "dtype") for x in xs)
+
+
+def _concrete(*xs) -> bool:
+    return all(isinstance(x, (np.ndarray, jax.Array)) and not isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _require(ok, what: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"inconsistent {what}: {message}")
+
+
+def _require_int_dtype(what: str, **arrays) -> None:
+    for name, x in arrays.items():
+        _require(jnp.issubdtype(x.dtype, jnp.integer), what, f"{name} must be integers, got {x.dtype}")
+
+
+class _Checked:
+    """The formats' construction-time checks: `_check(contents)` of the subclass runs on
+    every direct construction, with `contents` only when all arrays are concrete."""
+
+    def __post_init__(self):
+        self._check(contents=_concrete(*(getattr(self, f.name) for f in dataclasses.fields(self)
+                                         if not f.metadata.get("static"))))
+
+    def validate(self):
+        """Checks every field (contents included, so the arrays must be concrete); returns
+        self. Raises ValueError naming the first inconsistency."""
+        self._check(contents=True)
+        return self
+
+    def _check(self, contents: bool) -> None:
+        raise NotImplementedError
+
+
+def _ascending(cols: np.ndarray, used: np.ndarray) -> bool:
+    """Whether the used slots (a prefix of each row) hold strictly ascending columns."""
+    both = used[..., 1:] & used[..., :-1]
+    return bool(np.all(np.where(both, np.diff(cols, axis=-1) > 0, True)))
 
 
 def relu_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -48,9 +123,9 @@ def relu_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.nn.relu(jnp.matmul(x, w))
 
 
-@jax.tree_util.register_dataclass
+@_register
 @dataclasses.dataclass(frozen=True)
-class TwELL:
+class TwELL(_Checked):
     """Tile-wise ELLPACK: per (row, tile of ``tile`` columns) up to ``capacity`` non-zeros.
 
     The ``f`` columns are cut into ``n_tiles = ceil(f / tile)`` tiles (the last may be
@@ -77,6 +152,42 @@ class TwELL:
     counts: jax.Array
     f: int = dataclasses.field(metadata=dict(static=True))
     tile: int = dataclasses.field(metadata=dict(static=True))
+
+    def _check(self, contents: bool) -> None:
+        what = "TwELL"
+        _require(isinstance(self.f, int) and self.f >= 1, what, f"f must be a positive int, got {self.f!r}")
+        _require(
+            isinstance(self.tile, int) and self.tile >= 32 and self.tile % 32 == 0 and self.tile <= TILE_LIMIT,
+            what, f"tile must be a positive multiple of 32 and at most {TILE_LIMIT}, got {self.tile!r}",
+        )
+        if not _array_like(self.values, self.cols, self.counts):
+            return  # pytree stand-ins (specs, shardings): nothing to check
+        shape = tuple(self.values.shape)
+        _require(len(shape) >= 2, what, f"values must be [..., n_tiles, capacity], got shape {shape}")
+        _require(tuple(self.cols.shape) == shape, what, f"cols shape {tuple(self.cols.shape)} != values shape {shape}")
+        _require(
+            tuple(self.counts.shape) == shape[:-1], what,
+            f"counts shape {tuple(self.counts.shape)} != values shape without capacity {shape[:-1]}",
+        )
+        n_tiles = -(-self.f // self.tile)
+        _require(
+            shape[-2] == n_tiles, what,
+            f"f={self.f} with tile={self.tile} needs {n_tiles} tiles, values hold {shape[-2]}",
+        )
+        _require(shape[-1] >= 1, what, "capacity must be at least 1")
+        _require_int_dtype(what, cols=self.cols, counts=self.counts)
+        if not contents:
+            return
+        cols, counts = np.asarray(self.cols).astype(np.int64), np.asarray(self.counts).astype(np.int64)
+        widths = np.minimum(self.tile, self.f - np.arange(n_tiles) * self.tile)  # the last tile may be partial
+        _require(counts.min(initial=0) >= 0, what, "counts must be >= 0")
+        _require(np.all(counts <= widths), what, f"counts exceed the columns of their tile (tile={self.tile}, f={self.f})")
+        used = np.arange(shape[-1]) < counts[..., None]
+        _require(
+            np.all(np.where(used, (cols >= 0) & (cols < widths[:, None]), True)), what,
+            f"cols of stored entries must be in [0, tile) (and < f in the last tile), tile={self.tile}, f={self.f}",
+        )
+        _require(_ascending(cols, used), what, "stored entries must be in strictly ascending column order")
 
     @property
     def capacity(self) -> int:
@@ -125,9 +236,9 @@ class TwELL:
         return dense_tiles.reshape(*lead[:-1], self.n_tiles * self.tile)[..., : self.f]
 
 
-@jax.tree_util.register_dataclass
+@_register
 @dataclasses.dataclass(frozen=True)
-class Hybrid:
+class Hybrid(_Checked):
     """Row-wise ELL with a dense backup for rows past the ELL width (training format).
 
     Fields:
@@ -153,6 +264,46 @@ class Hybrid:
     backup_values: jax.Array
     backup_rows: jax.Array
     f: int = dataclasses.field(metadata=dict(static=True))
+
+    def _check(self, contents: bool) -> None:
+        what = "Hybrid"
+        _require(isinstance(self.f, int) and self.f >= 1, what, f"f must be a positive int, got {self.f!r}")
+        if not _array_like(self.values, self.cols, self.counts, self.backup_values, self.backup_rows):
+            return
+        shape = tuple(self.values.shape)
+        _require(len(shape) >= 2 and shape[-1] >= 1, what, f"values must be [..., M, width >= 1], got shape {shape}")
+        _require(tuple(self.cols.shape) == shape, what, f"cols shape {tuple(self.cols.shape)} != values shape {shape}")
+        _require(tuple(self.counts.shape) == shape[:-1], what, f"counts shape {tuple(self.counts.shape)} != {shape[:-1]}")
+        backup = tuple(self.backup_values.shape)
+        _require(
+            len(backup) == len(shape) and backup[:-2] == shape[:-2] and backup[-1] == self.f, what,
+            f"backup_values must be [..., B, f={self.f}] with the leading axes of values {shape[:-2]}, got {backup}",
+        )
+        _require(
+            tuple(self.backup_rows.shape) == backup[:-1], what,
+            f"backup_rows shape {tuple(self.backup_rows.shape)} != {backup[:-1]}",
+        )
+        _require_int_dtype(what, cols=self.cols, counts=self.counts, backup_rows=self.backup_rows)
+        if not contents:
+            return
+        m, width = shape[-2], shape[-1]
+        cols, counts = np.asarray(self.cols).astype(np.int64), np.asarray(self.counts).astype(np.int64)
+        rows = np.asarray(self.backup_rows).astype(np.int64)
+        _require(counts.min(initial=0) >= 0 and counts.max(initial=0) <= self.f, what, f"counts must be in [0, f={self.f}]")
+        used = (np.arange(width) < counts[..., None]) & (counts <= width)[..., None]
+        _require(
+            np.all(np.where(used, (cols >= 0) & (cols < self.f), True)), what,
+            f"cols of stored entries must be in [0, f={self.f})",
+        )
+        _require(_ascending(cols, used), what, "stored entries must be in strictly ascending column order")
+        _require(rows.min(initial=0) >= 0 and rows.max(initial=0) <= m, what, f"backup_rows must be in [0, M={m}] (M: unused)")
+        slot_used = rows < m
+        _require(
+            _ascending(rows, slot_used) and np.all(slot_used[..., 1:] <= slot_used[..., :-1]), what,
+            f"backup_rows must list rows in ascending order, then M={m} for unused slots",
+        )
+        over = np.take_along_axis(counts > width, np.clip(rows, 0, max(m - 1, 0)), axis=-1) if m else slot_used
+        _require(np.all(over | ~slot_used), what, f"backup_rows may only hold rows whose count exceeds width={width}")
 
     @property
     def width(self) -> int:

@@ -15,6 +15,8 @@ over tokens).
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -40,6 +42,7 @@ class SparseFFN(nn.Module):
       width: ELL row width of the training format (see ``sparse_ffn_train``).
       sharding: ``jax_twell.FFNSharding`` for operands sharded over a mesh, else None.
       param_dtype: parameter dtype; compute runs in ``x.dtype``.
+      deterministic: default of the call's ``deterministic`` (True: inference path).
     """
 
     d_ff: int
@@ -48,14 +51,31 @@ class SparseFFN(nn.Module):
     width: int = DEFAULT_WIDTH
     sharding: FFNSharding | None = None
     param_dtype: jnp.dtype = jnp.float32
+    deterministic: bool | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array, *, inference: bool = False) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, *, deterministic: bool | None = None, inference: bool | None = None
+    ) -> jax.Array:
         """``x [..., d]`` bf16/f32 -> ``y [..., d]`` of ``x.dtype``.
 
-        ``inference=True`` takes ``sparse_ffn`` (no statistics, nothing sown); otherwise
-        ``sparse_ffn_train``, sowing ``FFNAux`` as ``intermediates/ffn_stats``.
+        ``deterministic=True`` (the call argument, else the attribute, as for Flax's
+        ``Dropout``; default False) takes ``sparse_ffn``: the inference path, no
+        statistics, nothing sown. Otherwise ``sparse_ffn_train``, sowing ``FFNAux`` as
+        ``intermediates/ffn_stats``. ``inference=`` is the former name of
+        ``deterministic=`` (deprecated; it still works).
         """
+        if inference is not None:
+            warnings.warn(
+                "SparseFFN(...)(x, inference=...) is deprecated: pass deterministic=... (same meaning)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if deterministic is not None and bool(deterministic) != bool(inference):
+                raise ValueError(f"deterministic={deterministic} and inference={inference} disagree; pass deterministic only")
+            deterministic = inference
+        if deterministic is None:
+            deterministic = bool(self.deterministic)
         d, f = x.shape[-1], self.d_ff
         w_gate = (
             self.param("w_gate", _init(d**-0.5, ("embed", "mlp")), (d, f), self.param_dtype).astype(x.dtype)
@@ -64,7 +84,7 @@ class SparseFFN(nn.Module):
         )
         w_up = self.param("w_up", _init(d**-0.5, ("embed", "mlp")), (d, f), self.param_dtype).astype(x.dtype)
         w_down = self.param("w_down", _init(f**-0.5, ("mlp", "embed")), (f, d), self.param_dtype).astype(x.dtype)
-        if inference:
+        if deterministic:
             return sparse_ffn(x, w_gate, w_up, w_down, implementation=self.implementation, sharding=self.sharding)
         y, aux = sparse_ffn_train(
             x, w_gate, w_up, w_down, width=self.width, implementation=self.implementation, sharding=self.sharding

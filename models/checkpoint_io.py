@@ -39,6 +39,7 @@ import json
 import math
 import pathlib
 import re
+import warnings
 from typing import Callable, Mapping, NamedTuple
 
 import jax
@@ -132,7 +133,8 @@ def load_hf_tensors(model: TransformerLM, tensors: Mapping[str, np.ndarray]) -> 
     """Sets every parameter of ``model`` from Hugging Face-named ``tensors``, in place.
 
     Everything is validated before any parameter changes. Tensors are cast to
-    ``model.cfg.param_dtype``.
+    ``model.cfg.param_dtype``, with a ``UserWarning`` naming both dtypes when they differ
+    (a bfloat16 checkpoint loads as float32 unless the model keeps bfloat16).
 
     Args:
       model: ``TransformerLM`` (concrete, or abstract from ``nnx.eval_shape``).
@@ -187,6 +189,14 @@ def load_hf_tensors(model: TransformerLM, tensors: Mapping[str, np.ndarray]) -> 
     if problems:
         raise CheckpointError("checkpoint does not fit the model: " + " | ".join(problems))
     dtype = jnp.dtype(model.cfg.param_dtype)
+    stored = sorted({str(np.asarray(tensors[name]).dtype) for name in entries} - {str(dtype)})
+    if stored:
+        warnings.warn(
+            f"checkpoint tensors stored as {', '.join(stored)} are cast to {dtype} (the model's param_dtype); "
+            f"build the model with param_dtype={stored[0]!r} to keep them as stored",
+            UserWarning,
+            stacklevel=2,
+        )
     for name, entry in entries.items():
         entry.param.set_value(jnp.asarray(entry.from_hf(np.asarray(tensors[name])), dtype))
 
@@ -200,7 +210,9 @@ def load_safetensors(model: TransformerLM, path: str | pathlib.Path) -> None:
     """Loads a safetensors file, or every ``*.safetensors`` shard of a folder, into ``model``.
 
     Raises:
-      CheckpointError: no files, a tensor name in two shards, or see ``load_hf_tensors``.
+      CheckpointError: no files, a file that is not safetensors (empty, truncated,
+        garbage; named in the message), a tensor name in two shards, or see
+        ``load_hf_tensors``.
     """
     path = pathlib.Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
@@ -208,7 +220,10 @@ def load_safetensors(model: TransformerLM, path: str | pathlib.Path) -> None:
         raise CheckpointError(f"no .safetensors files in {path}")
     tensors: dict[str, np.ndarray] = {}
     for file in files:
-        shard = safetensors.numpy.load_file(str(file))
+        try:
+            shard = safetensors.numpy.load_file(str(file))
+        except Exception as e:  # noqa: BLE001  (the parser's errors do not name the file)
+            raise CheckpointError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from None
         repeated = shard.keys() & tensors.keys()
         if repeated:
             raise CheckpointError(f"tensors stored in more than one shard: {_listing(repeated)}")
@@ -302,7 +317,16 @@ def from_hf_checkpoint(directory: str | pathlib.Path, **overrides) -> Transforme
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"no config.json in {directory}")
-    cfg = config_from_hf(json.loads(config_path.read_text()), **overrides)
+    try:
+        hf_config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_path}: not a readable JSON config ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{config_path}: expected a JSON object, got {type(hf_config).__name__}")
+    try:
+        cfg = config_from_hf(hf_config, **overrides)
+    except (ValueError, TypeError) as e:  # CheckpointError included: name the file
+        raise CheckpointError(f"{config_path}: {e}") from None
     model = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
     load_safetensors(model, directory)
     return model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ def generate(
       prompt_tokens: ``[B, T]`` int32, ``T >= 1``; ``T + max_new_tokens`` must not
         exceed ``model.cfg.max_seq_len``.
       max_new_tokens: tokens to generate, ``>= 1``.
-      temperature: softmax temperature; ``0`` means greedy (argmax).
+      temperature: softmax temperature, finite and ``>= 0``; ``0`` means greedy (argmax).
       top_k: sample among the ``top_k`` most likely tokens only (None: all).
       rng: ``jax.random`` key; required when ``temperature > 0``.
     Returns:
@@ -43,16 +44,22 @@ def generate(
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     if prompt_tokens.ndim != 2 or prompt_tokens.shape[1] < 1:
         raise ValueError(f"prompt_tokens must have shape [B, T] with T >= 1, got {prompt_tokens.shape}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    total = prompt_tokens.shape[1] + max_new_tokens
-    if total > model.cfg.max_seq_len:
+    context, prompt_len = model.cfg.max_seq_len, prompt_tokens.shape[1]
+    if prompt_len >= context:
         raise ValueError(
-            f"prompt ({prompt_tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) = {total} "
-            f"exceeds the model's max_seq_len={model.cfg.max_seq_len}"
+            f"the prompt is {prompt_len} tokens, which leaves no room in the model's context of "
+            f"max_seq_len={context} tokens (a prompt can have at most {context - 1})"
         )
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    total = prompt_len + max_new_tokens
+    if total > context:
+        raise ValueError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) = {total} exceeds the model's "
+            f"max_seq_len={context}: ask for at most {context - prompt_len} new tokens"
+        )
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
     if top_k is not None and not 1 <= top_k <= model.cfg.vocab_size:
         raise ValueError(f"top_k must be in [1, vocab_size={model.cfg.vocab_size}], got {top_k}")
     greedy = temperature == 0

@@ -2,8 +2,10 @@
 
 import dataclasses
 import json
+import warnings
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -163,8 +165,12 @@ def test_sharded_folder_and_bf16(tmp_path):
         path = tmp_path / f"model-0000{i + 1}-of-00002.safetensors"
         safetensors.numpy.save_file({n: as_bf16[n] for n in shard}, str(path))
     (tmp_path / "config.json").write_text(json.dumps(hf_config(CFG)))
-    model = from_hf_checkpoint(tmp_path)
+    with pytest.warns(UserWarning, match="stored as bfloat16 are cast to float32"):
+        model = from_hf_checkpoint(tmp_path)
     assert model.layers[0].attn.wq.dtype == np.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # kept as stored: nothing to say
+        assert from_hf_checkpoint(tmp_path, param_dtype="bfloat16").layers[0].attn.wq.dtype == jnp.bfloat16
     np.testing.assert_array_equal(model.embed[...], as_bf16["model.embed_tokens.weight"].astype(np.float32))
 
     safetensors.numpy.save_file({names[0]: as_bf16[names[0]]}, str(tmp_path / "extra.safetensors"))
@@ -267,3 +273,20 @@ def test_missing_config_field_and_nongated_export():
         config_from_hf(config)
     with pytest.raises(CheckpointError, match="non-gated"):
         config_to_hf(dataclasses.replace(CFG, gated=False))
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage, not a header", None])
+def test_unreadable_safetensors_name_the_file(tmp_path, checkpoint_file, content):
+    good = checkpoint_file[0].read_bytes()
+    path = tmp_path / "broken.safetensors"
+    path.write_bytes(content if content is not None else good[: len(good) // 2])  # empty, garbage, or truncated
+    with pytest.raises(CheckpointError, match=f"{path}: not a readable safetensors file"):
+        load_safetensors(fresh_model(), path)
+
+
+@pytest.mark.parametrize("text, message", [("{not json", "not a readable JSON config"), ("[1, 2]", "expected a JSON object"),
+                                           ("{}", "unsupported architecture")])
+def test_bad_hf_config_names_the_file(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'config.json'}: {message}"):
+        from_hf_checkpoint(tmp_path)

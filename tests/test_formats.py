@@ -1,5 +1,7 @@
 """Reference packing and unpacking of TwELL and Hybrid: exact for every input."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,3 +145,78 @@ def test_hybrid_from_one_tile_per_row_twell(width, backup):
         g, w = getattr(got, name), getattr(want, name)
         assert g.shape == w.shape and g.dtype == w.dtype, name
         np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def _packed():
+    a = jnp.asarray(adversarial_activation(jax.random.key(3), 9, 200, tile=64))
+    return jt.formats.pack_twell_reference(a, tile=64, capacity=4), a
+
+
+def _first_used(counts, limit):
+    """Index of the first row (and tile) whose first slot is used and whose count fits `limit`."""
+    counts = np.asarray(counts)
+    return tuple(np.argwhere((counts >= 2) & (counts <= limit))[0])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t, i: dict(cols=t.cols.at[i + (0,)].set(64)), "cols of stored entries must be in \\[0, tile\\)"),
+        (lambda t, i: dict(cols=t.cols.at[i + (0,)].set(-3)), "cols of stored entries must be in \\[0, tile\\)"),
+        (lambda t, i: dict(cols=t.cols.at[i + (1,)].set(0)), "strictly ascending"),
+        (lambda t, i: dict(counts=t.counts.at[i].set(-1)), "counts must be >= 0"),
+        (lambda t, i: dict(counts=t.counts.at[i].set(65)), "counts exceed the columns of their tile"),
+        (lambda t, i: dict(f=1000), "f=1000 with tile=64 needs 16 tiles, values hold 4"),
+        (lambda t, i: dict(f=0), "f must be a positive int"),
+        (lambda t, i: dict(tile=0), "tile must be a positive multiple of 32 and at most 32768"),
+        (lambda t, i: dict(tile=65536), "tile must be a positive multiple of 32 and at most 32768"),
+        (lambda t, i: dict(counts=t.counts[:, :2]), "counts shape \\(9, 2\\) != values shape without capacity"),
+        (lambda t, i: dict(cols=t.cols[..., :2]), "cols shape .* != values shape"),
+        (lambda t, i: dict(cols=t.cols.astype(jnp.float32)), "cols must be integers"),
+    ],
+)
+def test_hand_built_twell_with_inconsistent_fields_is_rejected(change, message):
+    t, _ = _packed()
+    t.validate()  # the packed one is consistent
+    i = _first_used(t.counts, 4)
+    with pytest.raises(ValueError, match="inconsistent TwELL: .*" + message):
+        dataclasses.replace(t, **change(t, i))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda h, r: dict(cols=h.cols.at[r, 0].set(200)), "cols of stored entries must be in \\[0, f=200\\)"),
+        (lambda h, r: dict(cols=h.cols.at[r, 1].set(h.cols[r, 0])), "strictly ascending"),
+        (lambda h, r: dict(counts=h.counts.at[r].set(-2)), "counts must be in \\[0, f=200\\]"),
+        (lambda h, r: dict(backup_rows=h.backup_rows.at[0].set(-1)), "backup_rows must be in \\[0, M=9\\]"),
+        (lambda h, r: dict(backup_rows=h.backup_rows.at[0].set(10)), "backup_rows must be in \\[0, M=9\\]"),
+        (lambda h, r: dict(backup_rows=h.backup_rows[::-1]), "ascending order, then M=9"),
+        (lambda h, r: dict(backup_rows=jnp.full_like(h.backup_rows, 9).at[0].set(r)), "rows whose count exceeds width=8"),
+        (lambda h, r: dict(backup_values=h.backup_values[:, :5]), "backup_values must be \\[..., B, f=200\\]"),
+        (lambda h, r: dict(backup_rows=h.backup_rows[:2]), "backup_rows shape \\(2,\\) != \\(3,\\)"),
+        (lambda h, r: dict(f=0), "f must be a positive int"),
+    ],
+)
+def test_hand_built_hybrid_with_inconsistent_fields_is_rejected(change, message):
+    a = jnp.asarray(adversarial_activation(jax.random.key(3), 9, 200, tile=64))
+    h = jt.formats.pack_hybrid_reference(a, width=8, backup_capacity=3)
+    h.validate()
+    r = int(_first_used(h.counts, 8)[0])
+    with pytest.raises(ValueError, match="inconsistent Hybrid: .*" + message):
+        dataclasses.replace(h, **change(h, r))
+
+
+def test_checks_skip_contents_under_tracing_and_pytree_rebuilds():
+    t, a = _packed()
+    # Inside jit the arrays are tracers: only static fields and shapes are checked.
+    shifted = jax.jit(lambda t: dataclasses.replace(t, cols=t.cols + 100))(t)
+    assert int(shifted.cols.max()) >= 100, "a jit output is rebuilt without the constructor's checks"
+    specs = jax.tree.map(lambda x: None, t)  # pytree stand-ins never go through the checks
+    assert specs.tile == t.tile
+    abstract = jax.eval_shape(lambda a: jt.formats.pack_twell_reference(a, tile=64, capacity=4), a)
+    assert abstract.values.shape == t.values.shape
+    np.testing.assert_array_equal(jax.vmap(lambda t: t.to_dense())(jax.tree.map(lambda x: x[None], t))[0],
+                                  t.to_dense())
+    with pytest.raises(ValueError, match="tile must be"):
+        jax.jit(lambda t: dataclasses.replace(t, tile=48))(t)

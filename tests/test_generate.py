@@ -104,14 +104,18 @@ def test_sampling(model):
         (dict(max_new_tokens=12), "exceeds the model's max_seq_len=16"),
         (dict(max_new_tokens=0), "max_new_tokens must be a positive int"),
         (dict(temperature=1.0), "rng is required"),
-        (dict(temperature=-1.0), "temperature must be >= 0"),
+        (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("nan"), rng=jax.random.key(0)), "temperature must be a finite number >= 0"),
+        (dict(temperature=float("inf"), rng=jax.random.key(0)), "temperature must be a finite number >= 0"),
         (dict(temperature=0.0, top_k=0), "top_k must be in"),
+        (dict(length=16), "the prompt is 16 tokens, which leaves no room .* at most 15"),
+        (dict(length=20, max_new_tokens=1), "the prompt is 20 tokens"),
     ],
 )
 def test_generate_rejects_bad_arguments(model, kwargs, message):
-    args = dict(max_new_tokens=2, temperature=0.0) | kwargs
+    args = dict(max_new_tokens=2, temperature=0.0, length=5) | kwargs
     with pytest.raises(ValueError, match=message):
-        generate(model, tokens_for(CFG, length=5), args.pop("max_new_tokens"), **args)
+        generate(model, tokens_for(CFG, length=args.pop("length")), args.pop("max_new_tokens"), **args)
 
 
 def test_generate_nongated_dense_baseline():

@@ -4,12 +4,13 @@ import dataclasses
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jax_twell.models import PRESETS as MODEL_PRESETS
 from jax_twell.train import config, optimizer, sharding
-from jax_twell.train.checkpoint import Checkpointer
+from jax_twell.train.checkpoint import Checkpointer, NonFiniteStateError, RestoreError
 from jax_twell.train.state import setup_model
 
 MODEL = dataclasses.replace(MODEL_PRESETS["tiny"], d_model=32, d_ff=64, n_layers=2, n_heads=2, head_dim=16, max_seq_len=32)
@@ -57,8 +58,13 @@ def test_keeps_the_newest_checkpoints(tmp_path, setup_state):
     ckpt.close()
 
 
+def at_step(state, step):
+    return state._replace(step=jnp.asarray(step, state.step.dtype))
+
+
 def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path, setup_state):
     setup, state = setup_state
+    state = at_step(state, 5)
     ckpt = Checkpointer(tmp_path, keep=3)
     ckpt.save(5, state)
     ckpt.wait()
@@ -79,8 +85,64 @@ def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path, setup_state):
     restored = writer.restore(setup.abstract_state)
     np.testing.assert_array_equal(restored.since_fired, state.since_fired)
     np.testing.assert_array_equal(restored.ffn_sparse, state.ffn_sparse)
-    writer.save(6, restored)
+    writer.save(6, at_step(restored, 6))
     writer.wait()
     assert not partial.exists(), "the writer removes leftovers of interrupted saves"
     assert writer.latest_step() == 6
     writer.close()
+
+
+def test_keep_zero_keeps_every_checkpoint(tmp_path, setup_state):
+    _, state = setup_state
+    ckpt = Checkpointer(tmp_path, keep=0)
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, at_step(state, step))
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2, 3, 4]
+    ckpt.close()
+
+
+def test_a_non_finite_state_is_never_saved_so_never_rotates_good_ones_out(tmp_path, setup_state):
+    _, state = setup_state
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(1, at_step(state, 1))
+    ckpt.wait()
+    bad = at_step(state, 2)
+    bad = bad._replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), bad.params))
+    with pytest.raises(NonFiniteStateError, match="step 2 holds NaN or Inf"):
+        ckpt.save(2, bad)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1]
+    ckpt.close()
+
+
+def test_restore_verifies_and_falls_back_past_broken_checkpoints(tmp_path, setup_state):
+    setup, state = setup_state
+    ckpt = Checkpointer(tmp_path, keep=0)
+    for step in (1, 2, 3):
+        ckpt.save(step, at_step(state, step))
+    ckpt.wait()
+    root = tmp_path / "checkpoints"
+    for path in (root / "3").rglob("*"):  # newest: garbage data files
+        if path.is_file() and path.parent.name == "d":
+            path.write_bytes(b"garbage")
+    shutil.rmtree(root / "2" / "default")  # next: its arrays gone
+    messages = []
+    step, restored, failed = ckpt.restore_newest(setup.abstract_state, report=messages.append)
+    assert (step, failed, int(restored.step)) == (1, [3, 2], 1)
+    assert messages[0].startswith("checkpoint 3 does not load (") and messages[1].startswith("checkpoint 2 does not load")
+    assert messages[-1] == "falling back to checkpoint 1, the newest that loads"
+    with pytest.raises(RestoreError, match="no checkpoint of step 9 in .* \\(saved steps: 1, 2, 3\\)"):
+        ckpt.restore(setup.abstract_state, 9)
+    with pytest.raises(RestoreError, match="checkpoint 3 in .* does not load"):
+        ckpt.restore(setup.abstract_state, 3)
+    aside = ckpt.set_aside(failed)
+    assert ckpt.all_steps() == [1] and sorted(p.name for p in aside.iterdir()) == ["2", "3"]
+    ckpt.save(2, at_step(restored, 2))  # the set-aside step can be saved again
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    ckpt.close()
+    shutil.rmtree(root / "1")
+    shutil.rmtree(root / "2" / "default")
+    with pytest.raises(RestoreError, match="none of the checkpoints .* loads"):
+        Checkpointer(tmp_path, keep=0, read_only=True).restore(setup.abstract_state)

@@ -50,6 +50,27 @@ def test_eval_generate_plot(trained, capsys):
     assert sorted(p.name for p in (trained / "plots").iterdir()) == ["loss.png", "sparsity.png", "sparsity_per_layer.png"]
 
 
+def test_generate_says_when_it_cuts_max_new_tokens(trained, capsys):
+    args = ["generate", "--workdir", str(trained), "--prompt", "def", "--temperature", "0"]
+    assert main([*args, "--max-new-tokens", "1000"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--max-new-tokens 1000 cut to 45: the prompt (3 tokens) and the new tokens must fit" in out
+    assert main([*args, "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens must be >= 1" in capsys.readouterr().out
+
+
+def test_help_says_what_hardware_each_command_is_for(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "a few minutes on a CPU; --preset small and larger are meant for GPUs" in out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tiny: CPU, a few minutes; small: one GPU" in out and "143 / 130 stopped by SIGTERM" in out
+    assert "keep_checkpoints=0 keeps every checkpoint" in out
+
+
 def test_show_config_and_bad_override(capsys):
     assert main(["train", "--show-config", "steps=5", "optim.lr=0.01"]) == 0
     cfg = json.loads(capsys.readouterr().out)

@@ -23,7 +23,7 @@ def test_overrides_parse_by_field_type_and_reach_nested_fields():
     cfg = config.get_config(
         "tiny",
         ["steps=12", "l1_coef=3e-3", "dead_reinit=true", "optim.lr=2e-3", "model.n_layers=2",
-         "data.source=/x,/y", "mesh.tensor=2", "model.n_kv_heads=2", "grad_accum=1e1"],
+         "data.source=/x,/y", "mesh.tensor=2", "model.n_kv_heads=2", "grad_accum=1e1", "batch_size=20"],
     )
     assert cfg.steps == 12 and cfg.l1_coef == 3e-3 and cfg.dead_reinit is True
     assert cfg.optim.lr == 2e-3 and cfg.model.n_layers == 2 and cfg.data.source == "/x,/y"

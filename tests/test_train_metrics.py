@@ -30,8 +30,11 @@ def test_peak_flops_table(kind, tflops):
     assert metrics.peak_flops_per_device(device, override_tflops=123.0) == 123e12
 
 
-def test_cpu_gets_a_nominal_peak():
-    assert metrics.peak_flops_per_device(types.SimpleNamespace(platform="cpu", device_kind="cpu")) > 0
+def test_cpu_has_no_peak_so_no_mfu_unless_given():
+    cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+    assert metrics.peak_flops_per_device(cpu) is None
+    assert metrics.mfu(1e6, 1e6, metrics.peak_flops_per_device(cpu), 1) is None
+    assert metrics.peak_flops_per_device(cpu, override_tflops=2.0) == 2e12
 
 
 def _train_record(step, layers=3):
@@ -72,6 +75,31 @@ def test_plot_run_writes_pngs(tmp_path):
     metrics.MetricsLog(tmp_path / "empty")
     with pytest.raises(ValueError, match="no training records"):
         plot_run(tmp_path / "empty")
+
+
+def test_dead_neuron_plot_is_a_readable_percentage_axis(tmp_path, monkeypatch):
+    from jax_twell.train import plot
+
+    figures = {}
+
+    def keep(fig, path):
+        figures[path.name] = fig
+        return path
+
+    monkeypatch.setattr(plot, "save_figure", keep)
+    log = metrics.MetricsLog(tmp_path)
+    log.write(dict(_train_record(1), dead_fraction=[0.0, 0.0, 0.0]))
+    plot_run(tmp_path)
+    dead_axis = figures["sparsity_per_layer.png"].axes[1]
+    assert dead_axis.get_ylim() == (0.0, 1.0), "no +-0.04 axis around nothing"
+    assert [t.get_text() for t in dead_axis.texts] == ["no dead neurons"]
+    log.write(dict(_train_record(2), dead_fraction=[0.0, 0.5, 0.2]))
+    plot_run(tmp_path)
+    dead_axis = figures["sparsity_per_layer.png"].axes[1]
+    assert dead_axis.get_ylim()[0] == 0 and dead_axis.get_ylim()[1] >= 50 and not dead_axis.texts
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl not found: is .* a jax-twell training run"):
+        plot_run(tmp_path / "nothing")
+    plot.plt.close("all")
 
 
 def test_sweep_table_and_plot(tmp_path):

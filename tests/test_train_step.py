@@ -111,3 +111,16 @@ def test_dead_gate_columns_are_nudged_towards_fresh_init():
 def test_since_fired_counter():
     counts = update_since_fired(jnp.asarray([[0, 3, 7]], jnp.int32), jnp.asarray([[False, True, False]]))
     np.testing.assert_array_equal(counts, [[1, 0, 8]])
+
+
+def test_a_non_finite_step_keeps_the_state_it_started_from():
+    cfg = dataclasses.replace(CFG, optim=config.OptimConfig(lr=1e30, warmup_steps=0))
+    _, state, step = _trainer(cfg)
+    before = jax.tree.map(np.asarray, state)
+    new_state, metrics = step(state, _batch(0, cfg))
+    assert not bool(metrics["finite"]) and not np.isfinite(float(metrics["update_norm"]))
+    assert np.isfinite(float(metrics["loss"])), "the loss of the step itself was finite: the update was not"
+    assert int(new_state.step) == 1, "the step is consumed (skipped), not repeated"
+    for got, want in zip(jax.tree.leaves((new_state.params, new_state.opt_state, new_state.since_fired)),
+                         jax.tree.leaves((before.params, before.opt_state, before.since_fired))):
+        np.testing.assert_array_equal(got, want)

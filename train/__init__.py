@@ -9,10 +9,11 @@
     state        TrainState and its sharded initialisation
     dead_neurons dead-neuron tracking and gate re-initialisation
     step         the jitted train step (gradient accumulation) and eval step
-    checkpoint   orbax checkpoints
+    checkpoint   orbax checkpoints, verified on restore, never of a non-finite state
+    lock         one run per work directory (train.lock)
     metrics      FLOPs, MFU, JSONL log, console lines
     evaluate     held-out cross-entropy, bits per byte, sampling
-    trainer      the loop: train(cfg), resume, SIGTERM
+    trainer      the loop: train(cfg), resume, SIGTERM, the non-finite guard
     plot         PNG plots of a run
     sweep        one run per L1 coefficient, table and plots
 

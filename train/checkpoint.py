@@ -5,21 +5,52 @@ complete (orbax's atomic finalize, with a commit marker on filesystems without a
 rename), so killing the process at any moment, even with SIGKILL mid-write, leaves the
 previous checkpoints intact; leftover temporary folders are removed on the next start.
 Saves are asynchronous: training continues while the arrays are written.
+
+A state with a NaN or Inf anywhere is never saved (`save` raises instead), so rotation
+(`keep` newest) can only ever drop a good checkpoint for a newer good one. Restoring
+verifies what it read (it loads, holds the step it is named after, and is finite);
+`restore_newest` falls back from a checkpoint that fails to the next older one.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jax_twell.train.state import TrainState
 
 CHECKPOINT_DIR = "checkpoints"
+BROKEN_DIR = "broken_checkpoints"  # checkpoints that failed to restore, set aside by a resume
+
+
+class NonFiniteStateError(ValueError):
+    """A training state holding NaN or Inf was about to be checkpointed."""
+
+
+class RestoreError(RuntimeError):
+    """No checkpoint (or not the requested one) could be restored; the message says why."""
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(leaves).all() if leaves else jnp.bool_(True)
+
+
+def is_finite(state: TrainState) -> bool:
+    """Whether every floating-point value of `state` (parameters, optimizer moments) is finite."""
+    return bool(_all_finite(state))
 
 
 class Checkpointer:
-    """Periodic, atomic, asynchronous checkpoints of a `TrainState` under `workdir/checkpoints`."""
+    """Periodic, atomic, asynchronous checkpoints of a `TrainState` under `workdir/checkpoints`.
+
+    keep: how many of the newest checkpoints to keep; 0 keeps them all.
+    """
 
     def __init__(self, workdir: str | Path, keep: int, *, read_only: bool = False):
         # read_only: for readers (eval, generate) next to a live run; they must not clean up
@@ -28,7 +59,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=None if read_only else keep,
+                max_to_keep=None if read_only or keep == 0 else keep,
                 save_interval_steps=0 if read_only else 1,
                 enable_async_checkpointing=True,
                 cleanup_tmp_directories=not read_only,
@@ -41,18 +72,83 @@ class Checkpointer:
         """The step of the newest complete checkpoint, or None."""
         return self._manager.latest_step()
 
+    def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, oldest first."""
+        return sorted(self._manager.all_steps())
+
     def save(self, step: int, state: TrainState) -> None:
-        """Starts saving `state` as checkpoint `step` (no-op if that step is already saved)."""
+        """Starts saving `state` as checkpoint `step` (no-op if that step is already saved).
+
+        Raises NonFiniteStateError, saving nothing, when `state` holds NaN or Inf.
+        """
         if step in self._manager.all_steps():
             return
+        if not is_finite(state):
+            raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf values; it was not checkpointed")
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
 
+    def _restore_checked(self, abstract_state: TrainState, step: int) -> TrainState:
+        state = TrainState(*self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state)))
+        if int(state.step) != step:
+            raise ValueError(f"it holds the state of step {int(state.step)}")
+        if not is_finite(state):
+            raise ValueError("it holds NaN or Inf values")
+        return state
+
     def restore(self, abstract_state: TrainState, step: int | None = None) -> TrainState:
-        """Restores checkpoint `step` (default newest) into the shardings of `abstract_state`."""
-        step = self.latest_step() if step is None else step
+        """Restores checkpoint `step` (default newest) into the shardings of `abstract_state`.
+
+        An explicit `step` must exist and load; with `step=None` a newest checkpoint that
+        fails falls back to older ones (see `restore_newest`). Raises RestoreError.
+        """
         if step is None:
-            raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        return TrainState(*self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state)))
+            return self.restore_newest(abstract_state)[1]
+        if step not in self.all_steps():
+            saved = ", ".join(map(str, self.all_steps())) or "none"
+            raise RestoreError(f"no checkpoint of step {step} in {self.directory} (saved steps: {saved})")
+        try:
+            return self._restore_checked(abstract_state, step)
+        except Exception as e:  # noqa: BLE001  (orbax and tensorstore raise many kinds)
+            raise RestoreError(f"checkpoint {step} in {self.directory} does not load: {_reason(e)}") from e
+
+    def restore_newest(self, abstract_state: TrainState, report=None) -> tuple[int, TrainState, list[int]]:
+        """(step, state, failed steps) of the newest checkpoint that restores and verifies.
+
+        Every newer checkpoint that fails is reported through `report(message)` (when
+        given) by step and reason. Raises RestoreError when none restores.
+        """
+        steps = self.all_steps()
+        if not steps:
+            raise RestoreError(f"no checkpoint in {self.directory}")
+        failed = []
+        for step in reversed(steps):
+            try:
+                state = self._restore_checked(abstract_state, step)
+            except Exception as e:  # noqa: BLE001
+                failed.append(step)
+                if report is not None:
+                    report(f"checkpoint {step} does not load ({_reason(e)})")
+                continue
+            if failed and report is not None:
+                report(f"falling back to checkpoint {step}, the newest that loads")
+            return step, state, failed
+        raise RestoreError(
+            f"none of the checkpoints in {self.directory} loads (steps {', '.join(map(str, steps))}); "
+            "they may not match the configuration, or be damaged"
+        )
+
+    def set_aside(self, steps: list[int]) -> Path:
+        """Moves the checkpoints `steps` (ones that failed to restore) to `workdir/broken_checkpoints`,
+        so that the run can save those steps again; returns that folder."""
+        target = self.directory.parent / BROKEN_DIR
+        target.mkdir(exist_ok=True)
+        for step in steps:
+            destination = target / str(step)
+            if destination.exists():
+                shutil.rmtree(destination)
+            shutil.move(str(self.directory / str(step)), destination)
+        self._manager.reload()
+        return target
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are committed."""
@@ -61,3 +157,9 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for pending saves and releases the checkpoint manager."""
         self._manager.close()
+
+
+def _reason(error: Exception) -> str:
+    """A one-line account of why a restore failed (tensorstore appends long specs: cut)."""
+    text = " ".join(str(error).split()).split(" See full TensorStore details")[0]
+    return f"{type(error).__name__}: {text[:240]}"

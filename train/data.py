@@ -90,13 +90,16 @@ def is_held_out(name: str, eval_percent: float) -> bool:
 
 
 def _load_token_file(path: Path, cfg: DataConfig) -> np.ndarray:
-    if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"{path}: token files must hold a 1-D integer array, got {tokens.dtype}{tokens.shape}")
-        return tokens
-    dtype = TOKEN_SUFFIXES[path.suffix] or np.dtype(cfg.token_dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
+    try:
+        if path.suffix == ".npy":
+            tokens = np.load(path, mmap_mode="r")
+        else:
+            tokens = np.memmap(path, dtype=TOKEN_SUFFIXES[path.suffix] or np.dtype(cfg.token_dtype), mode="r")
+    except (OSError, ValueError, EOFError) as e:  # numpy's errors do not always name the file
+        raise ValueError(f"{path}: not a readable token file ({type(e).__name__}: {e})") from None
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{path}: token files must hold a 1-D integer array, got {tokens.dtype}{tokens.shape}")
+    return tokens
 
 
 def _concat(parts: list[np.ndarray], dtype) -> np.ndarray:
@@ -119,7 +122,7 @@ def _load_token_sources(paths: list[Path], cfg: DataConfig, tokenizer: Tokenizer
 
 
 def _read_documents(files: list[tuple[Path, str]]) -> list[bytes]:
-    return [path.read_bytes() for path, _ in files]
+    return [path.read_bytes() for path, _ in files]  # OSError names the file
 
 
 def load_corpus(cfg: DataConfig, workdir: str | Path, vocab_size: int, *, save_tokenizer: bool = True) -> Corpus:

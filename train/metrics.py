@@ -7,16 +7,15 @@ counting once for the output projection) plus 12 * L * T * d for attention score
 values (non-causal count).
 
 Peak throughput per device is looked up from the device kind (dense bf16 tensor-core
-numbers from the vendors' data sheets). CPUs get a nominal float32 peak of
-cores * 3 GHz * 32 FLOP/cycle (two 8-wide FMA units), an order of magnitude, not a
-measurement. `TrainConfig.peak_tflops` overrides the table.
+numbers from the vendors' data sheets). CPUs and unknown accelerators have no peak in
+the table, so MFU is not reported for them; `TrainConfig.peak_tflops` sets the peak
+where the table has none (or overrides it).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import jax
@@ -42,7 +41,6 @@ PEAK_TFLOPS = (
     ("TPU v5", 459.0),
     ("TPU v6 lite", 918.0),
 )
-CPU_NOMINAL_FLOPS_PER_CORE = 3e9 * 32
 
 
 def flops_per_token(num_params: int, num_layers: int, d_model: int, seq_len: int) -> float:
@@ -51,12 +49,11 @@ def flops_per_token(num_params: int, num_layers: int, d_model: int, seq_len: int
 
 
 def peak_flops_per_device(device: jax.Device, override_tflops: float = 0.0) -> float | None:
-    """Peak FLOP/s of one `device`; None for unknown accelerators (MFU is then not reported)."""
+    """Peak FLOP/s of one `device`; None for CPUs and unknown accelerators (MFU is then not reported)."""
     if override_tflops > 0:
         return override_tflops * 1e12
     if device.platform == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        return cores * CPU_NOMINAL_FLOPS_PER_CORE / jax.local_device_count()
+        return None
     for name, tflops in PEAK_TFLOPS:
         if name in device.device_kind:
             return tflops * 1e12
@@ -101,12 +98,17 @@ class MetricsLog:
 
 def read_log(path: str | Path) -> list[dict]:
     """Records of a JSONL metrics log (a truncated last line from a killed run is skipped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: is {path.parent} a jax-twell training run?")
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
     return records
 
 

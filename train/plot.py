@@ -66,9 +66,13 @@ def plot_run(workdir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     left.set(xlabel="layer", ylabel="non-zeros per token", yscale="log", title=f"step {last['step']}: per layer")
     left.set_xticks(layers)
     left.legend()
-    right.bar(layers, [100 * x for x in last["dead_fraction"]])
+    dead = [100 * x for x in last["dead_fraction"]]
+    right.bar(layers, dead)
     right.set(xlabel="layer", ylabel="dead neurons (%)", title="dead neurons per layer")
     right.set_xticks(layers)
+    right.set_ylim(0, max(1.0, 1.1 * max(dead)))  # a percentage: never below 0, never a +-0.04 axis
+    if not any(dead):
+        right.text(0.5, 0.5, "no dead neurons", transform=right.transAxes, ha="center", va="center")
     paths.append(save_figure(fig, out_dir / "sparsity_per_layer.png"))
     return paths
 

@@ -9,7 +9,7 @@ are split over (data, fsdp).
 Several processes (hosts) form one job through `jax.distributed`
 (`maybe_initialize_distributed`); each loads only the batch rows its devices hold
 (`process_rows`), the processes check that they run the same config
-(`assert_same_across_processes`) and stop together (`any_process`), and process 0 alone
+(`assert_same_across_processes`) and stop together (`job_stop_signal`), and process 0 alone
 reports (`is_lead`). docs/multihost.md describes launching and what is tested.
 """
 
@@ -164,16 +164,18 @@ def assert_same_across_processes(value, what: str = "config") -> None:
         )
 
 
-def any_process(flag: bool) -> bool:
-    """Whether `flag` is true on any process (all processes must call this together).
+def job_stop_signal(signum: int | None) -> int | None:
+    """The stop signal of the job: `signum` of this process, or one another process received.
 
-    The training loop asks it each step whether a stop was requested (SIGTERM, Ctrl-C), so
-    that all processes save the same checkpoint and stop at the same step even when the
-    signal reached only some of them, or reached them during different steps. One process:
-    returns `flag` at no cost; several: one tiny all-gather, which waits for the step.
+    All processes call this together after each step, so that all of them save the same
+    checkpoint and stop at the same step even when a SIGTERM / Ctrl-C reached only some of
+    them, or reached them during different steps. Returns the largest signal number any
+    process received, or None. One process: returns `signum` at no cost; several: one tiny
+    all-gather, which waits for the step to finish.
     """
     if jax.process_count() == 1:
-        return flag
+        return signum
     from jax.experimental import multihost_utils
 
-    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+    received = int(np.asarray(multihost_utils.process_allgather(np.int32(signum or 0))).max())
+    return received or None

@@ -6,6 +6,9 @@ in float32, so accumulation changes memory, not the result. Per-step metrics (al
 device arrays, fetched by the caller only when it logs):
 
     loss, ce, l1, l1_term, l1_coef, lr, grad_norm          [] f32
+    update_norm                                             [] f32, of the optimizer's update
+    finite                                                  [] bool: loss, gradient and update
+                                                            finite (else the state is unchanged)
     nnz_mean [L] f32, nnz_max [L] int32                     non-zeros per token per layer
     rows_over_capacity [L] int32                            summed over micro-batches
     fired_fraction [L] f32                                  neurons that fired this step
@@ -65,15 +68,27 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
             params = reinit_dead_gates(params, dead, jax.random.fold_in(base_key, state.step))
 
         ce, l1 = aux.ce.mean(), aux.l1.mean()
+        loss = ce + l1_coef * l1
+        # The non-finite guard: a step whose loss, gradient or update is not finite keeps
+        # the state it started from (the loop then stops or skips, cfg.nonfinite).
+        update_norm = optax.tree.norm(updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+        params, opt_state, since_fired = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (params, opt_state, since_fired),
+            (state.params, state.opt_state, state.since_fired),
+        )
         nnz_mean = aux.stats.nnz_mean.mean(axis=0)
         metrics = dict(
-            loss=ce + l1_coef * l1,
+            loss=loss,
+            finite=finite,
             ce=ce,
             l1=l1,
             l1_term=l1_coef * l1,
             l1_coef=l1_coef,
             lr=jnp.asarray(schedule(state.step), jnp.float32),
             grad_norm=grad_norm,
+            update_norm=update_norm,
             nnz_mean=nnz_mean,
             nnz_max=aux.stats.nnz_max.max(axis=0),
             rows_over_capacity=aux.stats.rows_over_capacity.sum(axis=0),

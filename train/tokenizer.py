@@ -74,8 +74,12 @@ class BPETokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> "BPETokenizer":
-        """Loads a `tokenizer.json` (any `tokenizers` tokenizer)."""
-        return cls(_import_tokenizers().Tokenizer.from_file(str(path)))
+        """Loads a `tokenizer.json` (any `tokenizers` tokenizer); errors name the file."""
+        tokenizers = _import_tokenizers()
+        try:
+            return cls(tokenizers.Tokenizer.from_file(str(path)))
+        except Exception as e:  # noqa: BLE001  (the library's errors do not name the file)
+            raise ValueError(f"{path}: not a readable tokenizer.json ({type(e).__name__}: {e})") from None
 
     def save(self, path: str | Path) -> None:
         """Writes the tokenizer to ``path`` (the tokenizers library's JSON)."""

@@ -6,14 +6,26 @@
     tokenizer.json    the BPE tokenizer, when data.tokenizer=bpe
     metrics.jsonl     one "train" record every log_every steps, one "eval" record per evaluation
     checkpoints/      orbax checkpoints every checkpoint_every steps, at the end, and on SIGTERM
+    train.lock        held while a run is live: a second run on the directory refuses
+    broken_checkpoints/  checkpoints that failed to restore, set aside by a resume
 
-Resuming (`resume=True`) restores the newest checkpoint; since the batch of step k is a
-pure function of (seed, k) and the only randomness (gate re-initialisation) is keyed the
-same way, the resumed run follows the uninterrupted one step for step.
+Resuming (`resume=True`) restores the newest checkpoint that loads (falling back past
+damaged ones, saying so); since the batch of step k is a pure function of (seed, k) and
+the only randomness (gate re-initialisation) is keyed the same way, the resumed run
+follows the uninterrupted one step for step. Nothing is written before the run is known
+to be able to go on: the config is validated (and, on resume, checked against the saved
+one) and the state restored before config.json is (re)written.
+
+A step whose loss, gradient norm or update is not finite never reaches a checkpoint: the
+step itself keeps the state it started from, and the loop stops with `DivergedError`
+(cfg.nonfinite="stop") or goes on without that step's update (cfg.nonfinite="skip", up to
+cfg.nonfinite_skip_limit such steps in a row).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import shutil
 import signal
@@ -24,13 +36,15 @@ from pathlib import Path
 import jax
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from jax_twell.train import config as config_lib
 from jax_twell.train import data, ffn_paths, metrics, sharding
-from jax_twell.train.checkpoint import CHECKPOINT_DIR, Checkpointer
+from jax_twell.train.checkpoint import BROKEN_DIR, CHECKPOINT_DIR, Checkpointer
 from jax_twell.train.config import seq_len_of
 from jax_twell.train.evaluate import evaluate
+from jax_twell.train.lock import WorkdirLock
 from jax_twell.train.optimizer import learning_rate_schedule, make_optimizer
 from jax_twell.train.state import setup_model
 from jax_twell.train.step import make_eval_step, make_train_step
@@ -39,8 +53,26 @@ from jax_twell.train.tokenizer import BPE_FILE
 CONFIG_FILE = "config.json"
 
 
+CPU_FLOPS_PER_STEP_HINT = 1e12  # above this, a run started on CPU is told it is meant for a GPU
+MAX_STEPS_IN_FLIGHT = 2  # dispatched, unfinished steps: the progress bar counts finished ones
+
+
 class RunExistsError(RuntimeError):
     """The work directory already holds checkpoints of another run."""
+
+
+class DivergedError(RuntimeError):
+    """The run stopped on non-finite steps (cfg.nonfinite); no such state was checkpointed."""
+
+
+class Interrupted(RuntimeError):
+    """The run stopped on SIGTERM or SIGINT after checkpointing step `step`; resume it with
+    `resume=True` (`jax-twell train --resume`)."""
+
+    def __init__(self, signum: int, step: int, workdir: str):
+        self.signal, self.step = signum, step
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped on {name}: checkpoint saved at step {step} in {workdir}")
 
 
 class _StopRequest:
@@ -68,21 +100,27 @@ class _StopRequest:
 
 
 def _validate(cfg: config_lib.TrainConfig, mesh) -> None:
-    if seq_len_of(cfg) > cfg.model.max_seq_len:
-        raise ValueError(f"seq_len={cfg.seq_len} exceeds the model's max_seq_len={cfg.model.max_seq_len}")
-    if cfg.batch_size % cfg.grad_accum:
-        raise ValueError(f"batch_size={cfg.batch_size} is not divisible by grad_accum={cfg.grad_accum}")
+    config_lib.validate(cfg)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if (cfg.batch_size // cfg.grad_accum) % shards:
-        raise ValueError(
-            f"micro-batch {cfg.batch_size // cfg.grad_accum} is not divisible by the {shards} data-parallel shards"
+        raise config_lib.ConfigError(
+            f"batch_size={cfg.batch_size}: the micro-batch batch_size / grad_accum = {cfg.batch_size // cfg.grad_accum} "
+            f"must be a multiple of the {shards} data-parallel shards (mesh.data x mesh.fsdp)"
         )
 
 
-def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
+def train(
+    cfg: config_lib.TrainConfig, *, resume: bool = False, fresh: bool = False, console: Console | None = None
+) -> dict:
     """Runs (or resumes) the training job `cfg`; returns the last train and eval records.
 
-    Raises RunExistsError when `cfg.workdir` holds checkpoints and `resume` is False.
+    fresh: delete the previous run in `cfg.workdir` first (`clear_run`), under the lock.
+    Raises (before writing anything): `config.ConfigError` for out-of-range values or,
+    on resume, overrides the saved run cannot take; `lock.RunLockedError` when another
+    live process trains in `cfg.workdir`; `RunExistsError` when it holds checkpoints and
+    `resume` is False; `checkpoint.RestoreError` when no checkpoint restores. During the
+    run: `DivergedError` on non-finite steps, `Interrupted` after a SIGTERM / SIGINT stop
+    (its checkpoint saved).
     """
     console = console or Console()
     lead = jax.process_index() == 0
@@ -90,27 +128,99 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, console: Console
     workdir = Path(cfg.workdir)
     mesh = sharding.make_mesh(cfg.mesh)
     _validate(cfg, mesh)
-    checkpointer = Checkpointer(workdir, cfg.keep_checkpoints)
-    restored_step = checkpointer.latest_step()
-    if restored_step is not None and not resume:
-        checkpointer.close()
-        raise RunExistsError(
-            f"{workdir} already holds checkpoints (step {restored_step}); resume with --resume, "
-            "or choose another workdir=..."
+    # One process writes the run's files; the lock keeps a second run out of the directory.
+    with WorkdirLock(workdir) if lead else contextlib.nullcontext() as lock:
+        if lock is not None and lock.taken_over:
+            console.print(escape(f"taking over the lock of {lock.taken_over}, which is no longer running"))
+        if fresh and lead:
+            clear_run(workdir)
+        if resume and (workdir / CONFIG_FILE).exists():
+            config_lib.check_resume(config_lib.load(workdir / CONFIG_FILE), cfg)
+        checkpointer = Checkpointer(workdir, cfg.keep_checkpoints)
+        try:
+            saved = checkpointer.all_steps()
+            if saved and not resume:
+                raise RunExistsError(
+                    f"{workdir} already holds checkpoints (step {saved[-1]}); resume with --resume, "
+                    "or choose another workdir=..."
+                )
+            if resume and not saved and lead:
+                console.print(f"{workdir} holds no checkpoint yet: starting from step 0")
+            corpus = data.load_corpus(cfg.data, workdir, cfg.model.vocab_size, save_tokenizer=lead)
+            return _loop(cfg, console, lead, mesh, checkpointer, bool(saved), corpus)
+        finally:
+            checkpointer.wait()
+            checkpointer.close()
+
+
+def hardware_hint(cfg: config_lib.TrainConfig, flops_per_step: float, platform: str) -> str | None:
+    """A note for runs started on hardware they are not meant for (a GPU-sized run on a CPU), else None."""
+    if platform != "cpu" or flops_per_step <= CPU_FLOPS_PER_STEP_HINT:
+        return None
+    return (
+        f"a step of this run is {flops_per_step:.1e} FLOP: tens of seconds or more on a CPU, so "
+        f"{cfg.steps:,} steps take hours. It is meant for a GPU (preset {cfg.preset}: "
+        f"{config_lib.PRESET_HARDWARE.get(cfg.preset, 'GPU')}); the tiny preset trains on a CPU in minutes."
+    )
+
+
+class _FinishedSteps:
+    """Steps dispatched but not yet known finished, with their metrics (device arrays).
+
+    `collect` takes finished steps off the queue in order (waiting for the oldest while
+    more than `limit` are in flight), checks each step's finiteness flag against the
+    non-finite policy and advances the progress bar; so the bar counts finished steps and
+    a non-finite step is noticed within `MAX_STEPS_IN_FLIGHT` steps.
+    """
+
+    def __init__(self, cfg, progress, task, print_line):
+        self._cfg, self._progress, self._task, self._print = cfg, progress, task, print_line
+        self._queue = collections.deque()
+        self.skipped_in_a_row = 0
+        self.skipped = 0
+        self.last_good_checkpoint: int | None = None
+
+    def add(self, step: int, step_metrics: dict) -> None:
+        self._queue.append((step, step_metrics))
+
+    def collect(self, limit: int = MAX_STEPS_IN_FLIGHT) -> None:
+        while self._queue and (len(self._queue) > limit or self._queue[0][1]["finite"].is_ready()):
+            step, step_metrics = self._queue.popleft()
+            if not bool(step_metrics["finite"]):
+                self._nonfinite(step, step_metrics)
+            else:
+                self.skipped_in_a_row = 0
+            self._progress.update(self._task, completed=step)
+
+    def _nonfinite(self, step: int, step_metrics: dict) -> None:
+        values = {k: float(step_metrics[k]) for k in ("loss", "grad_norm", "update_norm", "lr")}
+        what = (
+            f"step {step}: loss {values['loss']:.4g}, gradient norm {values['grad_norm']:.4g}, "
+            f"update norm {values['update_norm']:.4g} (lr {values['lr']:.3g})"
         )
-    if lead:
-        workdir.mkdir(parents=True, exist_ok=True)
-        config_lib.save(cfg, workdir / CONFIG_FILE)
+        self.skipped += 1
+        self.skipped_in_a_row += 1
+        if self._cfg.nonfinite == "skip" and self.skipped_in_a_row < self._cfg.nonfinite_skip_limit:
+            self._print(f"[yellow]{escape(what)}: not finite, update skipped (nonfinite=skip)[/]")
+            return
+        kept = (
+            f"the newest checkpoint is step {self.last_good_checkpoint}"
+            if self.last_good_checkpoint is not None
+            else "no checkpoint was saved"
+        )
+        cause = (
+            f"{self.skipped_in_a_row} non-finite steps in a row (nonfinite_skip_limit={self._cfg.nonfinite_skip_limit})"
+            if self._cfg.nonfinite == "skip"
+            else "not finite"
+        )
+        raise DivergedError(
+            f"{what}: {cause}; the run diverged and stops without checkpointing it ({kept}, untouched). "
+            "Lower optim.lr or optim.grad_clip, or lengthen optim.warmup_steps, then continue with --resume "
+            "and those overrides; nonfinite=skip drops isolated non-finite steps instead."
+        )
 
-    try:
-        corpus = data.load_corpus(cfg.data, workdir, cfg.model.vocab_size, save_tokenizer=lead)
-        return _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus)
-    finally:
-        checkpointer.wait()
-        checkpointer.close()
 
-
-def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict:
+def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> dict:
     """The loop proper of `train`, once the run is validated and its data loaded."""
     workdir, seq_len = Path(cfg.workdir), seq_len_of(cfg)
     tx = make_optimizer(cfg.optim, cfg.steps)
@@ -120,10 +230,19 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
     batch_sharding = sharding.batch_sharding(mesh, 3)
     with sharding.mesh_context(mesh):
         setup = setup_model(cfg.model, cfg.seed, tx, mesh)
-        if restored_step is not None:
-            state = checkpointer.restore(setup.abstract_state)
+        restored_step = None
+        if has_checkpoints:
+            restored_step, state, failed = checkpointer.restore_newest(
+                setup.abstract_state, report=lambda m: console.print(f"[yellow]{escape(m)}[/]") if lead else None
+            )
+            if failed and lead:
+                aside = checkpointer.set_aside(failed)
+                console.print(escape(f"set aside checkpoint(s) {', '.join(map(str, failed))} in {aside}"))
         else:
             state = setup.init()
+        if lead:  # the run can go on: only now is its configuration (re)written
+            workdir.mkdir(parents=True, exist_ok=True)
+            config_lib.save(cfg, workdir / CONFIG_FILE)
         eval_step = make_eval_step(setup)
         steps_by_paths = {}  # one jitted step per choice of sparse layers (ffn_paths)
 
@@ -149,6 +268,9 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                 + (f" | resumed at step {start}" if restored_step is not None else ""),
                 soft_wrap=True,
             )
+            hint = hardware_hint(cfg, flops_token * cfg.batch_size * seq_len, jax.devices()[0].platform)
+            if hint:
+                console.print(f"[yellow]note:[/] {escape(hint)}", soft_wrap=True)
 
         last = {"train": None, "eval": None}
         progress = Progress(
@@ -163,6 +285,8 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
         )
         with _StopRequest() as stop, progress:
             task = progress.add_task("training", total=cfg.steps, completed=start, status="compiling...")
+            finished = _FinishedSteps(cfg, progress, task, progress.console.print if lead else lambda _: None)
+            finished.last_good_checkpoint = restored_step
             timer_step, timer = start, time.perf_counter()
             for step in range(start, cfg.steps):
                 batch = data.batch_at(
@@ -172,14 +296,19 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                 tokens = sharding.put_batch(batch, batch_sharding)
                 state, step_metrics = train_step(state, tokens)
                 done = step + 1
+                finished.add(done, step_metrics)
                 if step == start:
                     # Throughput excludes the first step, which includes compilation.
-                    jax.block_until_ready(state.step)
+                    jax.block_until_ready(step_metrics)
                     if lead:
                         progress.console.print(f"first step (with compilation): {time.perf_counter() - timer:.1f} s")
+                    # Compilation done: the remaining-time estimate starts from here, on finished steps.
+                    progress.reset(task, total=cfg.steps, completed=done, status="")
                     timer_step, timer = done, time.perf_counter()
+                finished.collect()
                 if done % cfg.log_every == 0 or done == cfg.steps:
                     values = jax.device_get(step_metrics)
+                    finished.collect(0)
                     now = time.perf_counter()
                     steps_timed = done - timer_step
                     tokens_per_s = steps_timed * cfg.batch_size * seq_len / (now - timer) if steps_timed else 0.0
@@ -198,6 +327,7 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                     timer_step, timer = done, now
                     record = _train_record(done, values, tokens_per_s, setup.d_ff)
                     record["mfu"] = metrics.mfu(tokens_per_s, flops_token, peak, jax.device_count())
+                    record["skipped_steps"] = finished.skipped
                     last["train"] = record
                     if lead:
                         log.write(record)
@@ -213,16 +343,18 @@ def _loop(cfg, console, lead, mesh, checkpointer, restored_step, corpus) -> dict
                         log.write(last["eval"])
                         progress.console.print(metrics.format_eval_record(last["eval"]), soft_wrap=True)
                     timer_step, timer = done, time.perf_counter()  # keep evaluation out of tokens/s
-                stopping = sharding.any_process(stop.signal is not None)  # all processes stop together
-                if done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping:
-                    checkpointer.save(done, state)
-                progress.update(task, completed=done)
-                if stopping:
-                    if lead:
-                        progress.console.print(f"stopping on signal {stop.signal}: checkpoint saved at step {done}")
-                    break
+                stop_signal = sharding.job_stop_signal(stop.signal)  # the processes stop together
+                final = done == cfg.steps or stop_signal is not None
+                if done % cfg.checkpoint_every == 0 or final:
+                    finished.collect(0)  # every step up to `done` checked before its state is saved
+                    # Amid skipped steps (nonfinite=skip) the periodic save waits for a good step,
+                    # so a streak that ends the run never rotates out the checkpoints before it.
+                    if final or not finished.skipped_in_a_row:
+                        checkpointer.save(done, state)
+                        finished.last_good_checkpoint = done
+                if stop_signal is not None:
+                    raise Interrupted(stop_signal, done, str(workdir))
     return last
-
 
 def _train_record(step: int, values: dict, tokens_per_s: float, d_ff: int) -> dict:
     nnz_mean = np.asarray(values["nnz_mean"], np.float64)
@@ -241,15 +373,16 @@ def clear_run(workdir: str | Path) -> None:
     workdir = Path(workdir)
     for name in (CONFIG_FILE, metrics.METRICS_FILE, BPE_FILE):
         (workdir / name).unlink(missing_ok=True)
-    for name in (CHECKPOINT_DIR, metrics.PLOTS_DIR):
+    for name in (CHECKPOINT_DIR, BROKEN_DIR, metrics.PLOTS_DIR):
         shutil.rmtree(workdir / name, ignore_errors=True)
 
 
-def restore_run(cfg: config_lib.TrainConfig, step: int | None = None, *, shard_tokens: bool = True):
-    """(ModelSetup, TrainState) of checkpoint `step` (default newest) of the run `cfg`.
+def restore_run(cfg: config_lib.TrainConfig, step: int | None = None, *, shard_tokens: bool = True, report=None):
+    """(ModelSetup, TrainState) of checkpoint `step` (default: the newest that loads) of the run `cfg`.
 
-    shard_tokens: as in `setup_model` (False for generation). Use the returned state
-    inside `sharding.mesh_context(setup.mesh)`.
+    shard_tokens: as in `setup_model` (False for generation). report: called with a
+    message for each newer checkpoint that fails to load. Use the returned state inside
+    `sharding.mesh_context(setup.mesh)`. Raises `checkpoint.RestoreError`.
     """
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.mesh_context(mesh):
@@ -257,7 +390,10 @@ def restore_run(cfg: config_lib.TrainConfig, step: int | None = None, *, shard_t
         setup = setup_model(cfg.model, cfg.seed, tx, mesh, shard_tokens=shard_tokens)
         checkpointer = Checkpointer(cfg.workdir, cfg.keep_checkpoints, read_only=True)
         try:
-            state = checkpointer.restore(setup.abstract_state, step)
+            if step is None:
+                state = checkpointer.restore_newest(setup.abstract_state, report)[1]
+            else:
+                state = checkpointer.restore(setup.abstract_state, step)
         finally:
             checkpointer.close()
     return setup, state
@@ -269,4 +405,4 @@ def load_run_config(workdir: str | Path, overrides: list[str] = ()) -> config_li
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: is {workdir} a jax-twell training run?")
     cfg = config_lib.apply_overrides(config_lib.load(path), list(overrides))
-    return dataclasses.replace(cfg, workdir=str(workdir))
+    return config_lib.validate(dataclasses.replace(cfg, workdir=str(workdir)))
