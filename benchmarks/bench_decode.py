@@ -3,14 +3,14 @@
 Clock ("stack"): one jitted call runs a stack of LAYERS FFN layers, each with its own
 weights (so weights stream from HBM as in a model, not from L2), each layer's input
 depending on the previous layer's output (``x + 1e-30 * y``: numerically x, so every layer
-keeps the synthetic sparsity, but nothing can be hoisted, sliced or skipped). Time per
-layer = median call time / LAYERS, calls back to back (DESIGN.md §7: median of many runs
-after warm-up, synchronised), the variants of a configuration timed in interleaved rounds
-(each round times every variant once: a drift of the GPU clock falls on all of them alike;
-``<variant>_spread`` is the interquartile range over the rounds / the median). This is the
-device time of an FFN inside a decode step; the
-inference benchmark's "loop" clock also carries a fori_loop's per-iteration cost (~11 us
-on the H200, measured there as "empty loop").
+keeps the synthetic sparsity, but nothing can be hoisted, sliced or skipped). Time per layer
+= median call time / LAYERS, calls back to back (median of many runs after warm-up,
+synchronised: docs/design.md, section 7, Benchmark protocol), the variants of a
+configuration timed in interleaved rounds (each round times every variant once: a drift of
+the GPU clock falls on all of them alike; ``<variant>_spread`` is the interquartile range
+over the rounds / the median). This is the device time of an FFN inside a decode step; the
+inference benchmark's "loop" clock also carries a fori_loop's per-iteration cost (~11 us on
+the H200, measured there as "empty loop").
 
 Variants per configuration:
 - dense: jax_twell.ops.xla.ffn;

@@ -1,11 +1,11 @@
 """Inference FFN benchmark: the sparse op against XLA's dense FFN, same process, same inputs.
 
-Protocol (DESIGN.md §7): synthetic sparsity with a real gate matmul (one feature per row
-sets the firing rate), uniform and heavy-tailed row patterns; bf16; every timing is the
-median of many runs after warm-up, synchronised with block_until_ready; never on zeros.
-All variants of a configuration are timed in interleaved rounds (each round times every
-variant once, so a drift of the GPU clock falls on all alike; ``*_spread``: the
-interquartile range over the rounds / the median).
+Protocol (docs/design.md, section 7, Benchmark protocol): synthetic sparsity with a real
+gate matmul (one feature per row sets the firing rate), uniform and heavy-tailed row
+patterns; bf16; every timing is the median of many runs after warm-up, synchronised with
+block_until_ready; never on zeros. All variants of a configuration are timed in interleaved
+rounds (each round times every variant once, so a drift of the GPU clock falls on all alike;
+``*_spread``: the interquartile range over the rounds / the median).
 
 Two clocks:
 - "call": R back-to-back calls of the jitted op, then one block_until_ready, divided by R

@@ -1,5 +1,6 @@
 """Training FFN benchmark: forward + backward (with the L1 term) of the CUDA training op
-against XLA's dense autodiff, same process, same inputs (DESIGN.md §7).
+against XLA's dense autodiff, same process, same inputs: docs/design.md, section 7
+(Benchmark protocol).
 
 Per configuration (M=16384, d=2048, f=5632, bf16; densities 0.25/0.5/1/2/5%; uniform and heavy
 rows; synthetic sparsity through a real gate matmul), each timing the median of many

@@ -7,7 +7,8 @@ extension), so one build serves every Python version. It is looked up, in order,
 Before any handler is registered the library's build facts are checked: its handler ABI
 must match this Python package, and the XLA FFI API version of the headers it was
 compiled against must not be newer than the running jaxlib's (such a library would fail
-later with an opaque "no handler registered" or a crash).
+later with an opaque "no handler registered" or a crash). Where no library was built, the
+reason the build wrote beside it (``cuda_build.txt``) is the status's reason.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax
 __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", "HANDLERS"]
 
 LIBRARY_NAME = "libjax_twell_cuda.so"
+BUILD_NOTE = "cuda_build.txt"  # written by ffi/CMakeLists.txt: what the build did, and why
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
 ABI_VERSION = 14
 
@@ -79,6 +81,25 @@ def _candidate_paths() -> list[Path]:
     return [Path(p) / LIBRARY_NAME for p in jax_twell.__path__]
 
 
+def _not_built_reason() -> str:
+    env = os.environ.get("JAX_TWELL_CUDA_LIB")
+    if env:
+        return f"{LIBRARY_NAME} was not built at JAX_TWELL_CUDA_LIB={env}"
+    import jax_twell
+
+    # The build writes what it decided, and why, beside where the library would be.
+    for folder in jax_twell.__path__:
+        try:
+            note = (Path(folder) / BUILD_NOTE).read_text().strip()
+        except OSError:
+            continue
+        return f"{note}. The reference and XLA paths still run."
+    return (
+        f"{LIBRARY_NAME} was not built: it needs a CUDA GPU (or JAX_TWELL_CUDA=ON), nvcc and the "
+        "CUTLASS headers at install time; the reference and XLA paths still run"
+    )
+
+
 def _running_ffi_api() -> tuple[int, int] | None:
     header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
     try:
@@ -105,11 +126,7 @@ def _cuda_device():
 def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
     paths = [p for p in _candidate_paths() if p.is_file()]
     if not paths:
-        return KernelStatus(
-            False,
-            f"{LIBRARY_NAME} was not built: it needs nvcc and the CUTLASS headers (nvidia-cutlass) "
-            "at install time (and JAX_TWELL_CUDA not set to OFF); the reference ops still run",
-        ), None
+        return KernelStatus(False, _not_built_reason()), None
     path = paths[0]
     try:
         lib = ctypes.CDLL(str(path))

@@ -1,8 +1,9 @@
 """Inputs with controlled activation sparsity, shared by the tests and the benchmarks.
 
-Synthetic sparsity with a real gate matmul (DESIGN.md §7): one input feature is set to a
-per-row constant ``c_row`` and its gate weight row to -1, so the gate pre-activations are
-about ``N(0, 1) - c_row`` and each row fires at rate ``1 - Phi(c_row)``. The "skewed"
+Synthetic sparsity with a real gate matmul (docs/design.md, section 7, Benchmark
+protocol): one input feature is set to a per-row constant ``c_row`` and its gate weight row
+to -1, so the gate pre-activations are about ``N(0, 1) - c_row`` and each row fires at rate
+``1 - Phi(c_row)``. The "skewed"
 pattern sets that feature to 1 and its gate weight row to per-neuron thresholds instead,
 so each *neuron* fires at its own rate, as in a trained model.
 """
@@ -45,7 +46,8 @@ def row_rates(key: jax.Array, m: int, density: float, pattern: str) -> jax.Array
     """Per-row firing rates ``[m]`` f32 with mean about ``density``.
 
     "uniform": every row ``density``; "heavy": log-normal (sigma 1) around the mean,
-    clipped to 5% (DESIGN.md §7); "dense": 0.5 (a ReLU gate at initialisation).
+    clipped to 5% (docs/design.md, section 7, Benchmark protocol); "dense": 0.5 (a ReLU
+    gate at initialisation).
     """
     if pattern == "uniform":
         return jnp.full((m,), density, jnp.float32)
@@ -120,12 +122,12 @@ def with_extreme_rows(inp: FFNInputs, *, full: int = 0, empty: int = 0) -> FFNIn
 
 
 def inference_benchmark_grid(quick: bool = False) -> list[tuple[int, int, int, float, str]]:
-    """The inference benchmark's configurations ``(M, d, f, density, pattern)`` (DESIGN.md
-    §7): d=2048, f=5632 at M in {16384, 2048, 64, 1}, densities 0.5-5%, uniform and
-    heavy-tailed rows, plus (2048, 8192) and (4096, 11008) at M=16384 and 0.5%, and the
-    "skewed" pattern (per-neuron rates as in a trained model) at M=16384 and 0.5%.
-    ``quick``: M in {16384, 64}, densities 0.5% and 2%, and the skewed configuration. The
-    GPU tests check every one against the reference."""
+    """The inference benchmark's configurations ``(M, d, f, density, pattern)``
+    (docs/design.md, section 7, Benchmark protocol): d=2048, f=5632 at M in {16384, 2048,
+    64, 1}, densities 0.5-5%, uniform and heavy-tailed rows, plus (2048, 8192) and
+    (4096, 11008) at M=16384 and 0.5%, and the "skewed" pattern (per-neuron rates as in a
+    trained model) at M=16384 and 0.5%. ``quick``: M in {16384, 64}, densities 0.5% and 2%,
+    and the skewed configuration. The GPU tests check every one against the reference."""
     densities, ms = ([0.005, 0.02], [16384, 64]) if quick else ([0.005, 0.01, 0.02, 0.05], [16384, 2048, 64, 1])
     configs = [(m, 2048, 5632, p, pattern) for m in ms for p in densities for pattern in ("uniform", "heavy")]
     return configs + [(16384, 2048, 5632, 0.005, "skewed"), (16384, 2048, 8192, 0.005, "uniform"),

@@ -108,10 +108,10 @@ def _paper(n_layers: int) -> ModelConfig:
     )
 
 
-# Paper presets (DESIGN.md section 6) run in bf16; their non-gated variant uses f = 8192:
-# dataclasses.replace(PRESETS["1.5b"], gated=False, d_ff=8192). "tiny" and "small" are
-# byte-level (vocabulary of the 256 byte values, no special tokens) and train on CPU;
-# "small" is the calibration model of DESIGN.md section 6.
+# The paper's presets (docs/design.md, section 6, Model and training recipe) run in bf16;
+# their non-gated variant uses f = 8192: dataclasses.replace(PRESETS["1.5b"], gated=False,
+# d_ff=8192). "tiny" and "small" are byte-level (vocabulary of the 256 byte values, no
+# special tokens) and train on CPU; "small" is the calibration model of that section.
 PRESETS: dict[str, ModelConfig] = {
     "0.5b": _paper(8),
     "1b": _paper(18),

@@ -7,7 +7,9 @@ set -uo pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+# JAX_TWELL_CUDA=ON: a build that cannot make the library fails here instead of skipping it.
+JAX_TWELL_CUDA=ON python3 -m pip install -v --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+grep "jax-twell:" "$OUT/install.log"
 grep -E "registers|spill|error" "$OUT/install.log" | head -20
 python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); print(jt.kernel_status())"
 # Test processes share the GPU (no preallocation); compilation and the references dominate,

@@ -12,6 +12,8 @@ from jax_twell.ops import reference
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
 
+pytestmark = pytest.mark.slow  # the NumPy model of the blocked kernels: CI runs it (-m slow)
+
 
 
 def _case(m, d, f, density, pattern, dtype, key, *, full=0, empty=0):

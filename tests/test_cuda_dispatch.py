@@ -18,6 +18,8 @@ from jax_twell.ops import union_emulation as _union
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
 
+pytestmark = pytest.mark.slow  # about 5 CPU-minutes; CI runs it (-m slow)
+
 ROW_MARK, BLOCKED_MARK = 3.0, 5.0  # constant outputs of the stand-ins: which branch ran
 # Rules without fixed costs (nor the row kernel's small-M rate), so that the small test shapes
 # are not decided dense at trace time.

@@ -102,6 +102,7 @@ def test_hybrid_pack_exact(width, backup):
     np.testing.assert_array_equal(dense[~missing], np.asarray(a)[~missing])
 
 
+@pytest.mark.slow
 def test_hybrid_recompute_from_source_and_batch():
     inp = synthetic_ffn_inputs(jax.random.key(3), 40, 16, 100, density=0.1, pattern="heavy")
     a = relu_matmul(inp.x, inp.w_gate)

@@ -73,7 +73,7 @@ def test_training_op_at_65536_tokens():
         x, wg, wu, wd, width=128, crossover=cuda_train.TrainCrossover(margin=float("inf"))
     )[:2]
 
-    def dense_op(x, wg, wu, wd):  # the formula in f32 (DESIGN.md §1)
+    def dense_op(x, wg, wu, wd):  # the formula in f32 (docs/design.md, section 1, The job)
         x, wg, wu, wd = (a.astype(jnp.float32) for a in (x, wg, wu, wd))
         h = jax.nn.relu(x @ wg) * (x @ wu)
         return h @ wd, jnp.abs(h).sum() / x.shape[0]

@@ -25,6 +25,17 @@ def test_missing_library_is_reported(fresh_loader, monkeypatch, tmp_path):
     assert not status.available and "was not built" in status.reason
 
 
+def test_build_decision_is_the_reason(fresh_loader, monkeypatch, tmp_path):
+    import jax_twell
+
+    note = "the CUDA library was not built (JAX_TWELL_CUDA=OFF)"
+    (tmp_path / _kernels.BUILD_NOTE).write_text(note + "\n")
+    monkeypatch.delenv("JAX_TWELL_CUDA_LIB", raising=False)
+    monkeypatch.setattr(jax_twell, "__path__", [str(tmp_path)])
+    status = jt.kernel_status()
+    assert not status.available and status.reason.startswith(note)
+
+
 def test_newer_ffi_headers_are_refused(fresh_loader, monkeypatch):
     status = jt.kernel_status()
     if status.library is None or status.ffi_api is None:

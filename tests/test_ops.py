@@ -14,7 +14,9 @@ L1 = 0.37  # any non-zero coefficient; checks the L1 gradient is fused correctly
 
 
 def dense_ffn(x, w_gate, w_up, w_down):
-    """The FFN of DESIGN.md §1 in plain f32 JAX: (y, per-token-sum L1 averaged over tokens)."""
+    """The FFN of docs/design.md, section 1 (The job), in plain f32 JAX.
+
+    Returns (y, the per-token-sum L1 averaged over tokens)."""
     x, w_up, w_down = (a.astype(jnp.float32) for a in (x, w_up, w_down))
     if w_gate is None:
         h = jax.nn.relu(x @ w_up)

@@ -23,6 +23,7 @@ def _union(mask, block):
     return mask[: n * block].reshape(n, block, -1).any(axis=1).mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("density", [0.005, 0.02])
 def test_skewed_pattern_is_per_neuron(density):
     """"skewed": the requested density over all pairs, rows alike, the neurons' rates
@@ -51,6 +52,7 @@ def test_neuron_rates_mean_and_clip():
     assert (rates == 0).mean() == pytest.approx(SKEWED_DEAD, abs=0.01)
 
 
+@pytest.mark.slow
 def test_extreme_rows_refuse_the_skewed_pattern():
     inp = synthetic_ffn_inputs(jax.random.key(2), 64, 16, 100, density=0.05, pattern="skewed")
     with pytest.raises(ValueError, match="row pattern"):

@@ -33,6 +33,7 @@ def setup_state():
     return setup, state
 
 
+@pytest.mark.slow
 def test_round_trip_restores_state_exactly_with_shardings(tmp_path, setup_state):
     setup, state = setup_state
     ckpt = Checkpointer(tmp_path, keep=2)

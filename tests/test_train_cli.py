@@ -29,6 +29,7 @@ def trained(tmp_path_factory, corpus):
     return workdir
 
 
+@pytest.mark.slow
 def test_train_writes_a_run_and_refuses_to_overwrite_it(trained, corpus, capsys):
     assert (trained / "config.json").exists() and (trained / "checkpoints" / "6").is_dir()
     records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
@@ -40,6 +41,7 @@ def test_train_writes_a_run_and_refuses_to_overwrite_it(trained, corpus, capsys)
     assert "--resume" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_eval_generate_plot(trained, capsys):
     assert main(["eval", "--workdir", str(trained)]) == 0
     out = capsys.readouterr().out
@@ -87,6 +89,7 @@ def test_help(command, capsys):
     assert "usage: jax-twell" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_sweep_writes_table_and_plot(tmp_path, corpus):
     sweep_dir = tmp_path / "sweep"
     args = ["sweep", "--l1", "0,1e-2", "--workdir", str(sweep_dir), *RUN, "steps=3", "eval_every=3",

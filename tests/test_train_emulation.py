@@ -19,7 +19,9 @@ from jax_twell.ops import cuda, cuda_train, reference, xla
 from jax_twell.ops import train_emulation as emu
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close
-from test_ops import dense_ffn  # the statement of the math (DESIGN.md §1)
+from test_ops import dense_ffn  # the statement of the math (docs/design.md, section 1, The job)
+
+pytestmark = pytest.mark.slow  # the NumPy model of the training kernels: CI runs it (-m slow)
 
 L1 = 0.37
 # bf16 gradients against f32 math: g, u, h and the outputs are rounded to bf16 (2^-9

@@ -88,6 +88,7 @@ def _setup(cfg):
     return mesh, tx, schedule
 
 
+@pytest.mark.slow
 def test_the_loop_moves_layers_by_probe_and_the_traced_sides_follow(monkeypatch, rule):
     monkeypatch.setattr(ffn_paths, "enabled", lambda model_cfg: True)  # reference FFN, choice on
     rule(cuda_train.TrainCrossover(margin=float("inf")))  # every layer prefers the kernels
@@ -142,6 +143,7 @@ def test_the_register_stays_off_without_the_cuda_ffn():
     assert not np.asarray(state.ffn_sparse).any()
 
 
+@pytest.mark.slow
 def test_the_loop_re_jits_when_layers_change_side(monkeypatch, rule, tmp_path):
     """In the bundled loop: the layers start dense, move to the kernels' side at the first
     log step where the rule says so, the loop says it re-jits, and the run goes on."""

@@ -16,7 +16,10 @@ from jax_twell.train import config, data, optimizer, sharding
 from jax_twell.train.state import setup_model
 from jax_twell.train.step import make_train_step
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (XLA_FLAGS host device count)")
+pytestmark = [
+    pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (XLA_FLAGS host device count)"),
+    pytest.mark.slow,
+]
 
 D, F = 64, 192  # FFN weight shapes [64, 192] / [192, 64] occur nowhere else in the model
 MODEL = dataclasses.replace(

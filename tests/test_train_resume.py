@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow
+
 STEPS = 120
 # Tiny model, every step logged, frequent checkpoints; dead-neuron re-init and the L1
 # warm-up on, so resuming must also restore their state (counters, step-keyed noise).

@@ -74,6 +74,7 @@ def test_training_lowers_the_loss_and_sparsifies():
     assert int(count) == CFG.batch_size * CFG.seq_len and np.isfinite(float(ce_sum))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_the_full_batch():
     full_cfg = dataclasses.replace(CFG, dead_reinit=True, dead_window=1)
     accum_cfg = dataclasses.replace(full_cfg, grad_accum=4)

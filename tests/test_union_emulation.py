@@ -16,6 +16,8 @@ from jax_twell.ops import union_emulation as uemu
 from specs import assert_close
 from test_train_emulation import L1, make_case
 
+pytestmark = pytest.mark.slow  # the NumPy model of the union kernels: CI runs it (-m slow)
+
 # m, d, f, density, pattern, full rows, empty rows, tile, capacity
 CASES = [
     (1, 64, 260, 0.05, "uniform", 0, 0, 256, 32),

@@ -67,18 +67,19 @@ class MeshConfig:
 class TrainConfig:
     """One training run.
 
-    l1_coef multiplies the mean over layers of the per-token sum of |h| (DESIGN.md §1);
-    it ramps linearly from 0 over `l1_warmup_steps` (0: full strength from step 0).
-    batch_size counts sequences per optimizer step over all devices and hosts; with
-    `grad_accum` > 1 each step runs that many micro-batches of batch_size / grad_accum.
-    seq_len 0 means the model's context length. dead_reinit re-initialises gate columns
-    that have not fired for `dead_window` steps (DESIGN.md §6). peak_tflops overrides the
-    per-device peak used for MFU (0: look it up from the device kind; MFU is not reported
-    where the peak is unknown, CPUs included). keep_checkpoints 0 keeps every checkpoint.
-    nonfinite: what a step whose loss, gradient norm or update is not finite (NaN or Inf)
-    does: "stop" ends the run with an error, "skip" drops that step's update (the state
-    stays as before it) and ends the run only after `nonfinite_skip_limit` such steps in a
-    row. Either way no such state is ever checkpointed.
+    l1_coef multiplies the mean over layers of the per-token sum of |h| (docs/design.md,
+    section 1, The job); it ramps linearly from 0 over `l1_warmup_steps` (0: full strength
+    from step 0). batch_size counts sequences per optimizer step over all devices and hosts;
+    with `grad_accum` > 1 each step runs that many micro-batches of batch_size / grad_accum.
+    seq_len 0 means the model's context length. dead_reinit re-initialises gate columns that
+    have not fired for `dead_window` steps (docs/design.md, section 6, Model and training
+    recipe). peak_tflops overrides the per-device peak used for MFU (0: look it up from the
+    device kind; MFU is not reported where the peak is unknown, CPUs included).
+    keep_checkpoints 0 keeps every checkpoint. nonfinite: what a step whose loss, gradient
+    norm or update is not finite (NaN or Inf) does: "stop" ends the run with an error,
+    "skip" drops that step's update (the state stays as before it) and ends the run only
+    after `nonfinite_skip_limit` such steps in a row. Either way no such state is ever
+    checkpointed.
     """
 
     model: ModelConfig

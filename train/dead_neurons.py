@@ -1,4 +1,6 @@
-"""Dead-neuron tracking and gate re-initialisation (DESIGN.md §6, from the paper's appendix).
+"""Dead-neuron tracking and gate re-initialisation, from the paper's appendix.
+
+See docs/design.md, section 6 (Model and training recipe).
 
 Every step records, per layer and FFN neuron, how many steps have passed since it last
 fired (was non-zero for any token). A neuron silent for `dead_window` steps counts as

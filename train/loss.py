@@ -3,8 +3,8 @@
     loss = CE + l1_coef * mean_over_layers(l1)
 
 where a layer's l1 is the per-token SUM over the f hidden units of |h|, averaged over
-tokens (DESIGN.md §1; the public training code's convention, f times stronger than a
-per-element mean).
+tokens: docs/design.md, section 1 (The job); the public training code's convention, f
+times stronger than a per-element mean.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ config. Written into the sweep dir:
 
     sweep.json   one row per L1: held-out CE, bits per byte, active %, non-zeros per
                  token (mean over layers, and per layer mean / max), dead %
-    sweep.md     the same as a Markdown table (the DESIGN.md §6 calibration format)
+    sweep.md     the same as a Markdown table, the calibration table of docs/design.md,
+                 section 6 (Model and training recipe)
     sweep.png    held-out CE and active fraction against L1; non-zeros per layer
 """
 
