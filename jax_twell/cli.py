@@ -244,11 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("absl").setLevel(logging.ERROR)
     from rich.console import Console
 
-    from jax_twell.train.sharding import maybe_initialize_distributed
+    from jax_twell.train.sharding import is_lead, maybe_initialize_distributed
 
-    if args.command in ("train", "eval", "generate", "sweep"):
-        maybe_initialize_distributed()
-    console = Console()
+    several = args.command in ("train", "eval", "generate", "sweep") and maybe_initialize_distributed()
+    console = Console(quiet=several and not is_lead())  # several processes: process 0 reports (errors: all)
     handler = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "sweep": _sweep}[args.command]
     from jax_twell.train.checkpoint import RestoreError
     from jax_twell.train.lock import RunLockedError
@@ -264,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_DIVERGED
     except (KeyError, ValueError, OSError, RestoreError, RunLockedError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        console.quiet = False  # every process reports its own error
         console.print(f"[red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
         return EXIT_REFUSED
 

@@ -24,3 +24,17 @@ def test_bad_mesh_shapes_raise(cfg):
 
 def test_single_process_loads_every_row():
     assert sharding.process_rows(8) == slice(0, 8)
+
+
+def test_process_rows_follow_the_mesh():
+    """One process holds every row; with grad_accum the rows come micro-batch by micro-batch."""
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=1, tensor=-1))
+    assert sharding.process_rows(8, mesh).tolist() == list(range(8))
+    assert sharding.process_rows(8, mesh, grad_accum=2).tolist() == list(range(8))
+    with pytest.raises(ValueError, match="grad_accum"):
+        sharding.process_rows(8, mesh, grad_accum=3)
+
+
+def test_config_agreement_is_a_no_op_for_one_process():
+    assert sharding.is_lead()
+    sharding.assert_same_across_processes({"steps": 1})

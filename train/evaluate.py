@@ -21,7 +21,7 @@ def evaluate(eval_step, params: dict, corpus: Corpus, *, num_batches: int, batch
     float or None, "tokens": int}. The batches are the same at every call, so numbers
     from different steps and runs compare directly.
     """
-    rows = sharding.process_rows(batch_size)
+    rows = sharding.process_rows(batch_size, mesh)
     batch_sharding = sharding.batch_sharding(mesh, 2)
     ce_sum, count = 0.0, 0
     for i in range(num_batches):

@@ -124,6 +124,7 @@ def train(
     """
     console = console or Console()
     lead = jax.process_index() == 0
+    sharding.assert_same_across_processes({"config": config_lib.to_dict(cfg), "resume": resume}, "config or --resume")
     workdir = Path(cfg.workdir)
     mesh = sharding.make_mesh(cfg.mesh)
     _validate(cfg, mesh)
@@ -224,7 +225,7 @@ def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> di
     workdir, seq_len = Path(cfg.workdir), seq_len_of(cfg)
     tx = make_optimizer(cfg.optim, cfg.steps)
     schedule = learning_rate_schedule(cfg.optim, cfg.steps)
-    rows = sharding.process_rows(cfg.batch_size)
+    rows = sharding.process_rows(cfg.batch_size, mesh, cfg.grad_accum)
     micro = cfg.batch_size // cfg.grad_accum
     batch_sharding = sharding.batch_sharding(mesh, 3)
     with sharding.mesh_context(mesh):
@@ -342,7 +343,8 @@ def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> di
                         log.write(last["eval"])
                         progress.console.print(metrics.format_eval_record(last["eval"]), soft_wrap=True)
                     timer_step, timer = done, time.perf_counter()  # keep evaluation out of tokens/s
-                final = done == cfg.steps or stop.signal is not None
+                stop_signal = sharding.job_stop_signal(stop.signal)  # the processes stop together
+                final = done == cfg.steps or stop_signal is not None
                 if done % cfg.checkpoint_every == 0 or final:
                     finished.collect(0)  # every step up to `done` checked before its state is saved
                     # Amid skipped steps (nonfinite=skip) the periodic save waits for a good step,
@@ -350,8 +352,8 @@ def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> di
                     if final or not finished.skipped_in_a_row:
                         checkpointer.save(done, state)
                         finished.last_good_checkpoint = done
-                if stop.signal is not None:
-                    raise Interrupted(stop.signal, done, str(workdir))
+                if stop_signal is not None:
+                    raise Interrupted(stop_signal, done, str(workdir))
     return last
 
 def _train_record(step: int, values: dict, tokens_per_s: float, d_ff: int) -> dict:
