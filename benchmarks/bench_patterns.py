@@ -12,9 +12,9 @@ Families (per-row firing rates; the gate's control feature sets each row's rate)
       [--density 0.005] [--npz-dir DIR] [--out FILE]
 
 Each configuration times, interleaved: "xla" (XLA's dense FFN), "default" (``sparse_ffn``
-with no arguments), "warp" (the gate packed as TwELL, then the warp-per-token kernel with
-the dense backup, ``w_up.T`` taken in the call) and "warp_cached" (the same with ``w_up.T``
-given, as a serving model keeps it). With ``--npz-dir`` each configuration's inputs are
+with no arguments), "blocked_union" (the union/stationary kernels with their per-call
+choice, the default before the warp path). With ``--variants``: "warp_cached" (the fused
+gate, then the warp kernel with the dense backup, ``w_up.T`` given) and each kernel variant. With ``--npz-dir`` each configuration's inputs are
 written there (x, w_gate, w_up, w_down as bf16 bits) for the published kernels' script.
 """
 
@@ -32,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import run_metadata, time_interleaved, write_result  # noqa: E402
 
 import jax_twell as jt  # noqa: E402
-from jax_twell.ops import cuda, warp, xla  # noqa: E402
+from jax_twell.ops import xla  # noqa: E402
+from jax_twell.ops.ffn import cuda, sparse_ffn_for_layer, warp  # noqa: E402
+from jax_twell.ops.plan import FFNOptions, Kernel  # noqa: E402
 from jax_twell.testing import synthetic_ffn_inputs  # noqa: E402
 
 FAMILIES = ("uniform", "tail", "pareto", "lognormal", "full16")
@@ -85,22 +87,21 @@ def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | No
     g = jax.jit(lambda x, w: jnp.maximum(jnp.matmul(x, w, preferred_element_type=jnp.float32), 0))(x, w_gate)
     row_active = np.asarray((g > 0).sum(axis=1))
     w_up_t = jnp.asarray(w_up.T)
+    union = FFNOptions(kernel=Kernel.BLOCKED_UNION)
     fns = {
         "xla": jax.jit(lambda x, wg, wu, wd, wut: xla.ffn(x, wg, wu, wd)),
         "default": jax.jit(lambda x, wg, wu, wd, wut: jt.sparse_ffn(x, wg, wu, wd)),
+        "blocked_union": jax.jit(lambda x, wg, wu, wd, wut: sparse_ffn_for_layer(x, wg, wu, wd, options=union)),
     }
     args = (x, w_gate, w_up, w_down, w_up_t)
-    if warp.supported(d, x.dtype):
-        fns["warp"] = jax.jit(lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd))
+    if warp.supported(d, x.dtype) and variants:
         fns["warp_cached"] = jax.jit(warp_ffn)
-        fns["warp_per_call"] = jax.jit(lambda x, wg, wu, wd, wut: warp.sparse_ffn(x, wg, wu, wd))
         for v in variants:
             fns[f"warp_v{v}"] = jax.jit(lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v))
-        if variants:  # with the default variant: a smaller backup, an empty backup skipped
-            v = warp.VARIANT
-            fns[f"warp_v{v}_b128"] = jax.jit(
-                lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, backup=max(8, m // 128)))
-            fns[f"warp_v{v}_skip"] = jax.jit(lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, skip=True))
+        v = warp.VARIANT  # with the default variant: a smaller backup, an empty backup skipped
+        fns[f"warp_v{v}_b128"] = jax.jit(
+            lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, backup=max(8, m // 128)))
+        fns[f"warp_v{v}_skip"] = jax.jit(lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, skip=True))
     want = np.asarray(fns["xla"](*args), np.float32)
     errors = {}
     for name, fn in fns.items():

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import reference, warp
+from jax_twell.ops.ffn import reference
+from jax_twell.ops.ffn import warp
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import GPU_SPECS, assert_close, fused_tolerance
 

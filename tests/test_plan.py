@@ -55,25 +55,42 @@ def test_decode_sizes_with_a_known_fraction():
     assert plan_ffn(8, 2048, 5632, BF16, gated=True, options=gather).gather_width == 128 * 4
 
 
-def test_the_headline_shape():
+def test_the_headline_shape_takes_the_warp_path():
     m, d, f = HEADLINE
     per_call = plan_ffn(m, d, f, BF16, gated=True)
+    assert per_call.path == Path.WARP and per_call.device_choice and not per_call.fused_gate
+    known = plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.005))
+    assert known.path == Path.WARP and not known.device_choice and known.fused_gate
+    forced = plan_ffn(300, 128, 704, BF16, gated=True, layer=LayerInfo(side=Side.SPARSE),
+                      options=FFNOptions(kernel=Kernel.WARP))
+    assert forced.path == Path.WARP and not forced.device_choice
+    # below WARP_MIN_TOKENS, past WARP_MAX_D and in f32 the other kernels plan as before
+    assert plan_ffn(layout.WARP_MIN_TOKENS - 1, d, f, BF16, gated=True, layer=LayerInfo(side=Side.SPARSE)).path == Path.TILES
+    assert plan_ffn(m, 4096, 11008, BF16, gated=True).path == Path.TILES
+    assert plan_ffn(m, d, f, jnp.float32, gated=True).path == Path.TILES
+    assert plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.3)).path == Path.DENSE
+
+
+def test_the_headline_shape_on_the_blocked_kernel():
+    m, d, f = HEADLINE
+    union = FFNOptions(kernel=Kernel.BLOCKED_UNION)
+    per_call = plan_ffn(m, d, f, BF16, gated=True, options=union)
     assert per_call.path == Path.TILES and per_call.device_choice and per_call.prefer_blocked is None
     assert per_call.blocked and per_call.union_priced and not per_call.fused_gate
     assert per_call.steps.tensor_cores and per_call.steps.up_union and per_call.steps.down_union
     assert per_call.steps.down_stationary == DenseCrossover().down_stationary(m, d, f, 2, None, False)
     assert per_call.max_entries == layout.blocked_max_entries(m, f, 256, 32)
-    known = plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.005, 0.2), w_up_t=True)
+    known = plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.005, 0.2), w_up_t=True, options=union)
     assert known.fused_gate and isinstance(known.prefer_blocked, bool) and known.gate_variant == 1
     assert not plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.005), options=FFNOptions(fused_gate=False)).fused_gate
-    assert plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.3)).path == Path.DENSE
-    unstationary = FFNOptions(rule=dataclasses.replace(DenseCrossover(), stationary_down=False))
+    unstationary = FFNOptions(kernel=Kernel.BLOCKED_UNION,
+                              rule=dataclasses.replace(DenseCrossover(), stationary_down=False))
     assert not plan_ffn(m, d, f, BF16, gated=True, options=unstationary).steps.down_stationary
     row = plan_ffn(m, d, f, BF16, gated=True, options=FFNOptions(kernel="row"))
     assert row.path == Path.TILES and not row.blocked
     # f32 runs the row kernel; non-gated, the blocked kernel has no union steps
     assert not plan_ffn(m, d, f, jnp.float32, gated=True).blocked
-    assert not plan_ffn(m, d, f, BF16, gated=False).steps.up_union
+    assert not plan_ffn(m, d, f, BF16, gated=False, options=union).steps.up_union
     with pytest.raises(ValueError, match="multiple of 64"):
         plan_ffn(m, 2056, f, BF16, gated=True, options=FFNOptions(kernel=Kernel.BLOCKED))
 
@@ -87,7 +104,7 @@ def test_plans_are_values():
     with pytest.raises(ValueError, match="active_fraction"):
         LayerInfo(active_fraction=1.5)
     with pytest.raises(ValueError):
-        FFNOptions(kernel="warp")
+        FFNOptions(kernel="no such kernel")
     with pytest.raises(ValueError, match="kernel must be one of"):
         ffn_cuda.twell_ffn(None, None, None, None, None, kernel="auto")  # one kernel, named
 

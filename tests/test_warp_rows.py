@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax_twell.formats import pack_twell_reference
-from jax_twell.ops import warp
+from jax_twell.ops.ffn import warp
 
 
 def test_backed_up_rows_are_those_past_capacity_or_budget():

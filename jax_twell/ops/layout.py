@@ -261,3 +261,23 @@ def fused_gate_variant(d: int) -> int:
     """The fused gate GEMM's configuration for width ``d`` (ffi/twell_gate.cu, attribute
     ``variant``): ping-pong 64 x 256 tiles (1) below d=4096, cooperative 128 x 256 (0) from it."""
     return 0 if d >= 4096 else 1
+
+
+# --- the warp-per-token FFN (ffi/twell_ffn_warp.cu) ----------------------------------------
+WARP_MAX_D = 2048  # kMaxChunks * kChunk: a row's x and y stay in registers
+WARP_MAX_ENTRIES = 128  # kMaxList: the pipelined forms list a row's entries in shared memory
+WARP_ROW_BUDGET = 64  # entries a row may hold and stay on the kernel (past it: the dense backup)
+WARP_MIN_TOKENS = 2048  # from here the warp path measured at least XLA's dense FFN (M=2,048: 1.00x)
+
+
+def warp_supported(d: int, dtype) -> bool:
+    """True where the warp kernel takes rows of width ``d`` in ``dtype`` (bf16/f16, d a
+    multiple of 8 up to :data:`WARP_MAX_D`)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and d % 8 == 0 and 0 < d <= WARP_MAX_D
+
+
+def warp_backup_size(m: int) -> int:
+    """Static number of dense-backup rows of an M-token warp call: 1/32 of the tokens,
+    rounded up to a multiple of 8, at least 8, at most M."""
+    rows = -(-m // 32)
+    return min(m, max(8, -(-rows // 8) * 8))

@@ -79,6 +79,7 @@ class Kernel(enum.Enum):
     BLOCKED = "blocked"  # 1024-token blocks sharing each weight slab, CUDA-core steps (ffi/twell_ffn_blocked.cu)
     BLOCKED_MMA = "blocked_mma"  # the same, up and down steps on tensor cores
     BLOCKED_UNION = "blocked_union"  # the same, up and down steps as products over each 64-token block's union
+    WARP = "warp"  # one warp a token row, rows past the layout to a dense backup (ffi/twell_ffn_warp.cu)
 
 
 class Path(enum.Enum):
@@ -91,6 +92,7 @@ class Path(enum.Enum):
     DECODE_GATE = "decode_gate"  # our split-K gate kernel, then the decode kernel
     DECODE = "decode"  # XLA's gate matmul, then the decode kernel
     TILES = "tiles"  # the gate as TwELL, then the row or blocked kernel (or dense per call)
+    WARP = "warp"  # the gate as TwELL, then the warp kernel and the dense backup (or dense per call)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +242,14 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
                                                         layer.union_fraction):
             return FFNPlan(Path.DENSE, **base)
     tile, capacity = options.tile, options.capacity
+    warp = layout.warp_supported(d, dtype) and (
+        options.kernel == Kernel.WARP or (options.kernel == Kernel.AUTO and m >= layout.WARP_MIN_TOKENS))
+    if warp:
+        # Known or forced: the fused gate and no device check (the backup's overflow still
+        # runs dense); otherwise XLA's gate, so a call that turns out dense reuses g.
+        fused = options.fused_gate and (forced or af is not None) and fused_gate_preferred(m, d, f, tile, capacity, dtype)
+        return FFNPlan(Path.WARP, fused_gate=fused, gate_variant=fused_gate_variant(d) if options.gate_variant is None
+                       else options.gate_variant, device_choice=not forced and af is None, **base)
     # Where the sparse side is expected the fused gate packs in the matmul's epilogue; a call
     # that then runs dense recomputes the gate. Otherwise XLA's matmul writes g and the
     # device choice reads a sample of its rows.

@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import stats, xla
-from jax_twell.ops.ffn import binding
+from jax_twell.ops.ffn import binding, warp
 from jax_twell.ops.pack import binding as pack_binding
 from jax_twell.ops.plan import FFNOptions, FFNPlan, Kernel, LayerInfo, Path, fused_gate_preferred, plan_ffn
 
@@ -87,6 +87,15 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, ke
             return decode()
         few = jnp.count_nonzero(g) <= rule.decode_dense_above * m * f
         return jax.lax.cond(few, decode, lambda: xla.up_down(x, g, w_up_k, w_down))
+    if plan.path == Path.WARP:
+        tile, capacity = plan.options.tile, plan.options.capacity
+        if plan.device_choice:
+            return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=tile, capacity=capacity, w_up_t=w_up_t)
+        if plan.fused_gate:
+            act = kernels.gate_pack(x, w_act, tile=tile, capacity=capacity, variant=plan.gate_variant)
+        else:
+            act = kernels.pack(relu_matmul(x, w_act), tile=tile, capacity=capacity)
+        return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t)
     return _run_tiles(plan, x, w_gate, w_up, w_down, w_up_t, kernels)
 
 

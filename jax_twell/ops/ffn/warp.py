@@ -15,27 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_twell._kernels import kernel_call
-from jax_twell.formats import TwELL
+from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import xla
+from jax_twell.ops.layout import WARP_MAX_D as MAX_D  # noqa: F401  (the names the tests use)
+from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
+from jax_twell.ops.layout import warp_backup_size as backup_size
+from jax_twell.ops.layout import warp_supported as supported  # noqa: F401
+from jax_twell.ops.pack.binding import pack_twell
 
-MAX_D = 2048  # the kernel keeps x and y's lane-owned columns in registers
-ROW_BUDGET = 64  # entries a row may hold and stay on the kernel (past it: the backup)
 # The kernel form (ffi/twell_ffn_warp.cu, LaunchChunks; ffi/notes/twell_ffn_warp.md): 7, two
 # warps a row with two shared-memory stages, measured fastest of 0-8 on an H200.
 VARIANT = 7
-
-
-def supported(d: int, dtype) -> bool:
-    """True where the warp kernel takes rows of width ``d`` in ``dtype`` (bf16/f16, d a
-    multiple of 8 up to :data:`MAX_D`)."""
-    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and d % 8 == 0 and 0 < d <= MAX_D
-
-
-def backup_size(m: int) -> int:
-    """Static number of backup rows for an M-token call: 1/32 of the tokens (rounded up to
-    8, at least 8, at most M)."""
-    rows = -(-m // 32)
-    return min(m, max(8, -(-rows // 8) * 8))
 
 
 def backed_up(act: TwELL, row_budget: int) -> jax.Array:
@@ -120,9 +110,6 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     is cheaper than the dense up and down products it runs, else the dense products run
     from the same g (no gate recompute). x: ``[M, d]``; weights as in
     :func:`jax_twell.sparse_ffn`; :func:`supported` must hold."""
-    from jax_twell.formats import relu_matmul
-    from jax_twell.ops import cuda
-
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -131,7 +118,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
         w_up_t = w_up.T
     backup = backup_size(m)
     g = relu_matmul(x, w_act)
-    act = cuda.pack_twell(g, tile=tile, capacity=capacity)
+    act = pack_twell(g, tile=tile, capacity=capacity)
     rows = backed_up(act, row_budget)
     n_rows = jnp.sum(rows, dtype=jnp.int32)
     kept = jnp.sum(jnp.where(rows, 0, jnp.sum(act.counts, axis=-1)), dtype=jnp.int32)
