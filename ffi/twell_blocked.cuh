@@ -1,7 +1,7 @@
 // Device code of the token-blocked TwELL kernels (layout, recompute, up, finish, down),
 // shared by the inference handlers (twell_ffn_blocked.cu) and the training handlers
 // (twell_train.cu). The layout and arithmetic are those described at the top of
-// twell_ffn_blocked.cu and modelled in jax_twell/ops/blocked_emulation.py.
+// twell_ffn_blocked.cu and modelled in tests/blocked_emulation.py.
 #pragma once
 
 #include <cuda_bf16.h>

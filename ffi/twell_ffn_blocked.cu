@@ -4,7 +4,7 @@
 //   gated:      y[t] = sum_j  bf16(g[t,j] * bf16(x[t] . Wu[:, j])) * Wd[j, :]
 //   non-gated:  y[t] = sum_j  a[t,j] * Wd[j, :]
 //
-// Layout and arithmetic are modelled step by step in jax_twell/ops/blocked_emulation.py
+// Layout and arithmetic are modelled step by step in tests/blocked_emulation.py
 // (same constants, same f32 operation order); read its docstring first. Launches, in order:
 //   K0a Layout    grid (tile, block): entries reserved per token of the (block, tile)
 //                 segment (the stored count, or the tile width for an overflowed tile),

@@ -1,5 +1,5 @@
 // TwellPackEpilogue: the fused gate kernel's epilogue (ffi/twell_gate.cu), in a header so
-// that benchmarks/gemm_probe.cu can time it, and its parts, in stock CUTLASS kernels.
+// that lab/gemm_probe.cu can time it, and its parts, in stock CUTLASS kernels.
 #pragma once
 
 #include <cstdint>

@@ -40,7 +40,7 @@
 //                   a token (16 columns) or half a warp per group and a thread a token (8),
 //                   8 columns a thread, four steps per 128-bit load of the layout, f32 FMAs
 //                   in step order; y rounded once. Deterministic; no atomics in any output.
-// jax_twell/ops/stationary_emulation.py models S1-S6 (order, layout and arithmetic).
+// tests/stationary_emulation.py models S1-S6 (order, layout and arithmetic).
 #pragma once
 
 #include <cstdint>

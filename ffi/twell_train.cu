@@ -2,7 +2,7 @@
 // residuals, and the custom_vjp backward, both on the blocked TwELL layout of
 // twell_ffn_blocked.cu (device code in twell_blocked.cuh). Notes: ffi/notes/training_kernels.md;
 // NumPy model of every step (same indexing, same f32 operation order):
-// jax_twell/ops/train_emulation.py.
+// tests/train_emulation.py.
 //
 //   gated:      g = relu(x Wg) (TwELL), u = x Wu, h = bf16(g * bf16(u)), y = h Wd
 //   non-gated:  h = g = relu(x Wu), y = h Wd
@@ -60,7 +60,7 @@ constexpr int kGradThreads = 256;
 #ifndef TWELL_GRAD_LANES
 #define TWELL_GRAD_LANES 8
 #endif
-// lanes of a weight-gradient group, 8 columns each (jax_twell/ops/train_emulation.py's
+// lanes of a weight-gradient group, 8 columns each (tests/train_emulation.py's
 // GRAD_LANES models the sums' order for 8; other values are timing builds)
 constexpr int kGradLanes = TWELL_GRAD_LANES;
 constexpr int kGradCols = 8 * kGradLanes;     // a CTA's model columns

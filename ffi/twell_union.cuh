@@ -5,7 +5,7 @@
 // R = 1 or 2 weight rows per neuron) and W_U the rows of U gathered from one or two [f, d]
 // tables, Y[block] = A @ W_U is a dense product over the union: no per-entry work beyond
 // writing each entry once into A. ffi/notes/training_kernels.md, "Dense products over a
-// block's union", has the design, the probe (benchmarks/union_gemm_probe.cu) and its
+// block's union", has the design, the probe (lab/union_gemm_probe.cu) and its
 // measurements.
 //
 // The layout a caller builds per block (UnionMeta):
@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(Config<Elem, kConsumers>::kThreads, 1)
 //
 // Producer warp groups of the up product. One group's 16-byte copies move its rows at
 // ~8 TB/s, near the ~8.5 TB/s gathered rows reach from L2 by any means; a second group
-// gains ~3% (benchmarks/row_copy_probe.cu; ffi/notes/training_kernels.md, "The up product
+// gains ~3% (lab/row_copy_probe.cu; ffi/notes/training_kernels.md, "The up product
 // with two producer groups").
 constexpr int kUpProducers = 2;
 
