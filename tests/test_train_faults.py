@@ -36,9 +36,12 @@ TRAINED_STEPS = 6  # the shared run: checkpoints 3 and 6
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    """Environment of the child processes: one CPU device, a shared compilation cache."""
+    """Environment of the child processes: one CPU device, a shared compilation cache, and
+    a console wide enough that no message the tests look for is wrapped (long temporary
+    paths would break a line in the middle of one)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(
+        COLUMNS="1000",
         JAX_PLATFORMS="cpu",
         JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
@@ -271,7 +274,9 @@ def test_kill9_at_random_moments_sigterm_and_a_concurrent_run_lose_nothing(tmp_p
             assert (f"resumed at step {newest}" if newest else "holds no checkpoint yet") in out, out
         assert f"pid={proc.pid}" in (workdir / LOCK_FILE).read_text(), "a killed holder leaves its lock file"
         steps = verify_checkpoints(workdir)  # everything listed loads and verifies
-        assert len(steps) <= 3 and (steps or [0])[-1] >= newest, (seed, moment, steps, newest)
+        # keep_checkpoints=3, plus one where the kill fell between a save and the rotation
+        # that follows it (the next save rotates it out).
+        assert len(steps) <= 4 and (steps or [0])[-1] >= newest, (seed, moment, steps, newest)
         newest, killed_pid = (steps or [0])[-1], proc.pid
     assert newest > 0, "the runs got far enough to checkpoint"
 
