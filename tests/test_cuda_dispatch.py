@@ -22,6 +22,7 @@ from jax_twell.ops import stats
 from jax_twell.ops import layout
 from jax_twell.ops import plan
 from jax_twell.ops.ffn import reference as ffn_reference
+from jax_twell.ops.ffn import warp
 from jax_twell.ops import xla
 from cuda_calls import cuda_ffn
 from jax_twell.ops import common
@@ -32,7 +33,7 @@ from jax_twell.ops.plan import LayerInfo, Side
 
 pytestmark = pytest.mark.slow  # about 5 CPU-minutes; CI runs it (-m slow)
 
-ROW_MARK, BLOCKED_MARK = 3.0, 5.0  # constant outputs of the stand-ins: which branch ran
+ROW_MARK, BLOCKED_MARK, WARP_MARK = 3.0, 5.0, 7.0  # constant outputs of the stand-ins: which branch ran
 # Rules without fixed costs (nor the row kernel's small-M rate), so that the small test shapes
 # are not decided dense at trace time.
 NO_FIXED = dict(fixed_overhead=0.0, transpose_bandwidth=float("inf"), row_full_tokens=1)
@@ -69,7 +70,12 @@ def stand_ins():
         def gate_pack(x, w, *, tile, capacity, variant=None):
             return stand_in_gate(x, w, tile=tile, capacity=capacity)
 
-        return FFNKernels(pack=stand_in_pack, gate_pack=gate_pack, row=row, blocked=blocked)
+        def warp_rows(x, act, w_up_t, w_down, *, row_budget):
+            y = jnp.full(x.shape, WARP_MARK, x.dtype) if mark else ffn_reference.twell_ffn(
+                x, act, None, None if w_up_t is None else w_up_t.T, w_down)
+            return jnp.where(warp.backed_up(act, row_budget)[:, None], jnp.zeros((), x.dtype), y)
+
+        return FFNKernels(pack=stand_in_pack, gate_pack=gate_pack, row=row, blocked=blocked, warp_rows=warp_rows)
 
     return install
 

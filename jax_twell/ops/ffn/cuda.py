@@ -33,7 +33,8 @@ class FFNKernels:
     row(x, act, w_act, w_up, w_down, w_up_t) -> y; blocked(x, act, w_act, w_up, w_down,
     w_up_t, *, max_entries, tensor_cores, down_union, up_union, down_stationary, fallback)
     -> (y, ...); decode(x, g, w_up, w_down, *, w_up_t) -> y; decode_gate(x, w_act, w_up,
-    w_down, *, w_up_t) -> y; decode_rows(x, w_act_t, w_down, *, w_up_t) -> y.
+    w_down, *, w_up_t) -> y; decode_rows(x, w_act_t, w_down, *, w_up_t) -> y;
+    warp_rows(x, act, w_up_t, w_down, *, row_budget) -> y (zeros on the rows left to the backup).
     """
 
     pack: Callable = pack_binding.pack_twell
@@ -43,6 +44,7 @@ class FFNKernels:
     decode: Callable = binding.decode_ffn
     decode_gate: Callable = binding.decode_ffn_gate
     decode_rows: Callable = binding.decode_ffn_rows
+    warp_rows: Callable = warp.ffn_rows
 
 
 BINDINGS = FFNKernels()
@@ -90,12 +92,13 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, ke
     if plan.path == Path.WARP:
         tile, capacity = plan.options.tile, plan.options.capacity
         if plan.device_choice:
-            return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=tile, capacity=capacity, w_up_t=w_up_t)
+            return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=tile, capacity=capacity, w_up_t=w_up_t,
+                                   pack=kernels.pack, rows_kernel=kernels.warp_rows)
         if plan.fused_gate:
             act = kernels.gate_pack(x, w_act, tile=tile, capacity=capacity, variant=plan.gate_variant)
         else:
             act = kernels.pack(relu_matmul(x, w_act), tile=tile, capacity=capacity)
-        return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t)
+        return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t, rows_kernel=kernels.warp_rows)
     return _run_tiles(plan, x, w_gate, w_up, w_down, w_up_t, kernels)
 
 

@@ -10,6 +10,8 @@ runs dense from the start (XLA's FFN), so a call never loses entries.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,11 +55,14 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, var
 
 
 def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budget: int = ROW_BUDGET,
-                  backup: int | None = None, variant: int = VARIANT, skip_empty_backup: bool = False):
+                  backup: int | None = None, variant: int = VARIANT, skip_empty_backup: bool = False,
+                  rows_kernel=None):
     """The FFN from the packed gate ``act``: the warp kernel for the rows that fit, the
     dense backup for the rest (at most ``backup`` rows, default :func:`backup_size`); past
     that many, XLA's dense FFN for the whole call. ``skip_empty_backup``: a device branch
-    skips the backup's products when no row needs them. x: ``[M, d]``; weights as in
+    skips the backup's products when no row needs them. ``rows_kernel``: the row step,
+    ``(x, act, w_up_t, w_down, *, row_budget) -> y`` (default :func:`ffn_rows` with
+    ``variant``; tests pass stand-ins). x: ``[M, d]``; weights as in
     :func:`jax_twell.sparse_ffn`. Returns y ``[M, d]``."""
     m, _ = x.shape
     gated = w_gate is not None
@@ -74,7 +79,8 @@ def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budge
         return y.at[idx].set(yb, mode="drop")
 
     def sparse(_):
-        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, variant=variant)
+        run_rows = rows_kernel or functools.partial(ffn_rows, variant=variant)
+        y = run_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget)
         if skip_empty_backup:
             return jax.lax.cond(n_rows > 0, with_backup, lambda y: y, y)
         return with_backup(y)
@@ -104,12 +110,13 @@ def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int) ->
 
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
-               row_budget: int = ROW_BUDGET, variant: int = VARIANT):
+               row_budget: int = ROW_BUDGET, variant: int = VARIANT, pack=pack_twell, rows_kernel=None):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
     g, the pack kernel gives its TwELL and counts; where the warp kernel (plus the backup)
     is cheaper than the dense up and down products it runs, else the dense products run
     from the same g (no gate recompute). x: ``[M, d]``; weights as in
-    :func:`jax_twell.sparse_ffn`; :func:`supported` must hold."""
+    :func:`jax_twell.sparse_ffn`; :func:`supported` must hold. ``pack``, ``rows_kernel``:
+    the pack and row steps (defaults: the kernels; tests pass stand-ins)."""
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -118,14 +125,15 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
         w_up_t = w_up.T
     backup = backup_size(m)
     g = relu_matmul(x, w_act)
-    act = pack_twell(g, tile=tile, capacity=capacity)
+    act = pack(g, tile=tile, capacity=capacity)
     rows = backed_up(act, row_budget)
     n_rows = jnp.sum(rows, dtype=jnp.int32)
     kept = jnp.sum(jnp.where(rows, 0, jnp.sum(act.counts, axis=-1)), dtype=jnp.int32)
     use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize)
 
     def sparse(_):
-        y = ffn_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget, variant=variant)
+        run_rows = rows_kernel or functools.partial(ffn_rows, variant=variant)
+        y = run_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget)
         (idx,) = jnp.nonzero(rows, size=backup, fill_value=m)
         yb = xla.up_down(x.at[idx].get(mode="fill", fill_value=0), g.at[idx].get(mode="fill", fill_value=0),
                          w_up if gated else None, w_down)
