@@ -13,8 +13,9 @@ Families (per-row firing rates; the gate's control feature sets each row's rate)
 
 Each configuration times, interleaved: "xla" (XLA's dense FFN), "default" (``sparse_ffn``
 with no arguments), "blocked_union" (the union/stationary kernels with their per-call
-choice, the default before the warp path). With ``--variants``: "warp_cached" (the fused
-gate, then the warp kernel with the dense backup, ``w_up.T`` given) and each kernel variant. With ``--npz-dir`` each configuration's inputs are
+choice, the default before the warp path) and, where the warp kernel takes d,
+"warp_cached" (the fused gate, then the warp kernel with the dense backup, ``w_up.T``
+given, as a serving model keeps it). With ``--npz-dir`` each configuration's inputs are
 written there (x, w_gate, w_up, w_down as bf16 bits) for the published kernels' script.
 """
 
@@ -74,14 +75,12 @@ def save_npz(path: Path, x, w_gate, w_up, w_down) -> None:
     np.savez(path, x_bf16=bits(x), w_gate_bf16=bits(w_gate), w_up_bf16=bits(w_up), w_down_bf16=bits(w_down))
 
 
-def warp_ffn(x, w_gate, w_up, w_down, w_up_t=None, variant=warp.VARIANT, backup=None, skip=False):
+def warp_ffn(x, w_gate, w_up, w_down, w_up_t=None):
     act = cuda.gate_twell(x, w_gate, tile=256, capacity=32)
-    return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t, variant=variant, backup=backup,
-                              skip_empty_backup=skip)
+    return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t)
 
 
-def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float,
-               variants=()) -> dict:
+def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float) -> dict:
     key = jax.random.key(m * 7 + d + f + FAMILIES.index(family))
     x, w_gate, w_up, w_down = family_inputs(key, m, d, f, p, family)
     g = jax.jit(lambda x, w: jnp.maximum(jnp.matmul(x, w, preferred_element_type=jnp.float32), 0))(x, w_gate)
@@ -94,14 +93,8 @@ def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | No
         "blocked_union": jax.jit(lambda x, wg, wu, wd, wut: sparse_ffn_for_layer(x, wg, wu, wd, options=union)),
     }
     args = (x, w_gate, w_up, w_down, w_up_t)
-    if warp.supported(d, x.dtype) and variants:
+    if warp.supported(d, x.dtype):
         fns["warp_cached"] = jax.jit(warp_ffn)
-        for v in variants:
-            fns[f"warp_v{v}"] = jax.jit(lambda x, wg, wu, wd, wut, v=v: warp_ffn(x, wg, wu, wd, wut, variant=v))
-        v = warp.VARIANT  # with the default variant: a smaller backup, an empty backup skipped
-        fns[f"warp_v{v}_b128"] = jax.jit(
-            lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, backup=max(8, m // 128)))
-        fns[f"warp_v{v}_skip"] = jax.jit(lambda x, wg, wu, wd, wut: warp_ffn(x, wg, wu, wd, wut, variant=v, skip=True))
     want = np.asarray(fns["xla"](*args), np.float32)
     errors = {}
     for name, fn in fns.items():
@@ -135,14 +128,12 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.005, help="mean (bulk) rate p")
     ap.add_argument("--npz-dir", type=Path, default=None)
     ap.add_argument("--min-seconds", type=float, default=0.05)
-    ap.add_argument("--variants", default="", help="comma-separated warp kernel variants to time too")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = []
     for spec in a.configs.split(","):
         m, d, f, family = spec.split(":")
-        variants = [int(v) for v in a.variants.split(",") if v]
-        rows.append(run_config(int(m), int(d), int(f), family, a.density, a.npz_dir, a.min_seconds, variants))
+        rows.append(run_config(int(m), int(d), int(f), family, a.density, a.npz_dir, a.min_seconds))
     result = dict(run_metadata("bench_patterns"), density=a.density, rows=rows)
     print("wrote", write_result(result, a.out, "patterns"))
 

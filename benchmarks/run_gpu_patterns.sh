@@ -30,7 +30,7 @@ if [ -n "${SANITIZE:-}" ]; then
   done
 fi
 npz=$(mktemp -d)
-timeout ${BENCH_SECONDS:-240} python3 benchmarks/bench_patterns.py --configs "$CONFIGS" --npz-dir "$npz" ${VARIANTS:+--variants $VARIANTS} \
+timeout ${BENCH_SECONDS:-240} python3 benchmarks/bench_patterns.py --configs "$CONFIGS" --npz-dir "$npz" \
   --out "$OUT/patterns.json" 2>&1 | grep -v "^WARNING" | tail -20
 if [ -d "${ANCHOR:-.anchor}" ]; then
   wait $anchor_build; echo "anchor build rc=$?"

@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import pytest
 
 from jax_twell.cli import main
@@ -11,15 +10,6 @@ MODEL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.head_
          "model.max_seq_len=48"]
 RUN = [*MODEL, "steps=6", "batch_size=8", "seq_len=32", "log_every=2", "eval_every=6", "checkpoint_every=3",
        "eval_batches=1", "data.eval_percent=20"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    for i in range(20):
-        (root / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {j}\n" for j in rng.integers(0, 99, 60)))
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.multihost
@@ -114,15 +113,6 @@ def _resumable_copy(src: Path, dst: Path, step: int) -> None:
     for ckpt in (dst / "checkpoints").iterdir():
         if ckpt.is_dir() and ckpt.name.isdigit() and int(ckpt.name) != step:
             shutil.rmtree(ckpt)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    for i in range(20):
-        (root / f"m{i}.py").write_text("".join(f"def f{j}(x):\n    return x * {j}\n" for j in rng.integers(0, 99, 60)))
-    return root
 
 
 def test_two_processes_train_like_one_and_share_checkpoints(tmp_path, corpus):

@@ -10,8 +10,6 @@ runs dense from the start (XLA's FFN), so a call never loses entries.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,19 +23,29 @@ from jax_twell.ops.layout import warp_backup_size as backup_size
 from jax_twell.ops.layout import warp_supported as supported  # noqa: F401
 from jax_twell.ops.pack.binding import pack_twell
 
-# The kernel form (ffi/twell_ffn_warp.cu, LaunchChunks; ffi/notes/twell_ffn_warp.md): 7, two
-# warps a row with two shared-memory stages, measured fastest of 0-8 on an H200.
-VARIANT = 7
 
-
-def backed_up(act: TwELL, row_budget: int) -> jax.Array:
+def backed_up(act: TwELL, row_budget: int, row_entries: jax.Array | None = None) -> jax.Array:
     """``[M]`` bool: the rows the warp kernel leaves to the backup (the kernel's own rule:
-    a tile past capacity, or more than ``row_budget`` entries)."""
+    a tile past capacity, or more than ``row_budget`` entries). ``row_entries``: the rows'
+    entry counts where the caller has them already."""
     counts = act.counts
-    return jnp.any(counts > act.capacity, axis=-1) | (jnp.sum(counts, axis=-1) > row_budget)
+    entries = jnp.sum(counts, axis=-1) if row_entries is None else row_entries
+    return jnp.any(counts > act.capacity, axis=-1) | (entries > row_budget)
 
 
-def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, variant: int = VARIANT):
+def _fill_backup(y, rows, backup: int, dense_rows):
+    """``y`` with its ``rows`` (``[M]`` bool, at most ``backup`` of them) replaced by
+    ``dense_rows(idx)``, the dense FFN of the rows ``idx`` (``[backup]``; M where unused)."""
+    m = y.shape[0]
+    (idx,) = jnp.nonzero(rows, size=backup, fill_value=m)
+    return y.at[idx].set(dense_rows(idx), mode="drop")
+
+
+def _rows_of(a, idx):
+    return a.at[idx].get(mode="fill", fill_value=0)
+
+
+def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET):
     """``jax_twell_ffn_warp[_gated]``: y for the rows that fit, zeros for the others.
 
     x: ``[M, d]`` bf16/f16; act: TwELL ``[M, n_tiles, capacity]`` of the activation;
@@ -46,7 +54,7 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, var
     """
     m, d = x.shape
     out = jax.ShapeDtypeStruct((m, d), x.dtype)
-    attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget), variant=np.int32(variant))
+    attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget))
     if w_up_t is None:
         return kernel_call("jax_twell_ffn_warp", out, vmap_method="sequential")(
             x, act.values, act.cols, act.counts, w_down, **attrs)
@@ -55,14 +63,12 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, var
 
 
 def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budget: int = ROW_BUDGET,
-                  backup: int | None = None, variant: int = VARIANT, skip_empty_backup: bool = False,
-                  rows_kernel=None):
+                  backup: int | None = None, rows_kernel=ffn_rows):
     """The FFN from the packed gate ``act``: the warp kernel for the rows that fit, the
     dense backup for the rest (at most ``backup`` rows, default :func:`backup_size`); past
-    that many, XLA's dense FFN for the whole call. ``skip_empty_backup``: a device branch
-    skips the backup's products when no row needs them. ``rows_kernel``: the row step,
-    ``(x, act, w_up_t, w_down, *, row_budget) -> y`` (default :func:`ffn_rows` with
-    ``variant``; tests pass stand-ins). x: ``[M, d]``; weights as in
+    that many, XLA's dense FFN for the whole call. ``rows_kernel``: the row step,
+    ``(x, act, w_up_t, w_down, *, row_budget) -> y`` (default :func:`ffn_rows`; tests pass
+    stand-ins). x: ``[M, d]``; weights as in
     :func:`jax_twell.sparse_ffn`. Returns y ``[M, d]``."""
     m, _ = x.shape
     gated = w_gate is not None
@@ -72,18 +78,9 @@ def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budge
     rows = backed_up(act, row_budget)
     n_rows = jnp.sum(rows, dtype=jnp.int32)
 
-    def with_backup(y):
-        (idx,) = jnp.nonzero(rows, size=backup, fill_value=m)
-        xb = x.at[idx].get(mode="fill", fill_value=0)
-        yb = xla.ffn(xb, w_gate, w_up, w_down)
-        return y.at[idx].set(yb, mode="drop")
-
     def sparse(_):
-        run_rows = rows_kernel or functools.partial(ffn_rows, variant=variant)
-        y = run_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget)
-        if skip_empty_backup:
-            return jax.lax.cond(n_rows > 0, with_backup, lambda y: y, y)
-        return with_backup(y)
+        y = rows_kernel(x, act, w_up_t if gated else None, w_down, row_budget=row_budget)
+        return _fill_backup(y, rows, backup, lambda idx: xla.ffn(_rows_of(x, idx), w_gate, w_up, w_down))
 
     def dense(_):
         return xla.ffn(x, w_gate, w_up, w_down)
@@ -110,7 +107,7 @@ def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int) ->
 
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
-               row_budget: int = ROW_BUDGET, variant: int = VARIANT, pack=pack_twell, rows_kernel=None):
+               row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
     g, the pack kernel gives its TwELL and counts; where the warp kernel (plus the backup)
     is cheaper than the dense up and down products it runs, else the dense products run
@@ -126,18 +123,16 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     backup = backup_size(m)
     g = relu_matmul(x, w_act)
     act = pack(g, tile=tile, capacity=capacity)
-    rows = backed_up(act, row_budget)
+    row_entries = jnp.sum(act.counts, axis=-1)
+    rows = backed_up(act, row_budget, row_entries)
     n_rows = jnp.sum(rows, dtype=jnp.int32)
-    kept = jnp.sum(jnp.where(rows, 0, jnp.sum(act.counts, axis=-1)), dtype=jnp.int32)
+    kept = jnp.sum(jnp.where(rows, 0, row_entries), dtype=jnp.int32)
     use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize)
 
     def sparse(_):
-        run_rows = rows_kernel or functools.partial(ffn_rows, variant=variant)
-        y = run_rows(x, act, w_up_t if gated else None, w_down, row_budget=row_budget)
-        (idx,) = jnp.nonzero(rows, size=backup, fill_value=m)
-        yb = xla.up_down(x.at[idx].get(mode="fill", fill_value=0), g.at[idx].get(mode="fill", fill_value=0),
-                         w_up if gated else None, w_down)
-        return y.at[idx].set(yb, mode="drop")
+        y = rows_kernel(x, act, w_up_t if gated else None, w_down, row_budget=row_budget)
+        return _fill_backup(y, rows, backup,
+                            lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down))
 
     def dense(_):
         return xla.up_down(x, g, w_up if gated else None, w_down)
