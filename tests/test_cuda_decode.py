@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_twell as jt
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance
@@ -17,6 +16,8 @@ from jax_twell.ops import layout
 from jax_twell.ops.ffn import reference as ffn_reference
 from jax_twell.ops import xla
 from cuda_calls import cuda_ffn
+from jax_twell.ops.ffn.api import sparse_ffn_for_layer
+from jax_twell.ops.plan import LayerInfo
 
 pytestmark = pytest.mark.gpu
 
@@ -155,14 +156,15 @@ def test_sparse_ffn_takes_the_gate_kernel_when_asked():
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_public_op_runs_the_rows_kernel_for_one_token(gated):
-    """jax_twell.sparse_ffn with a known active fraction and the activation's weight stored
+    """The inference op with a known active fraction and the activation's weight stored
     by neuron: one token (leading dims [1, 1]) runs the rows kernel and matches dense."""
     inp = synthetic_ffn_inputs(jax.random.key(21), 1, 2048, 5632, density=0.005)
     # Non-gated, the sparse-firing gate weight serves as the activation's (w_up) weight.
     w_gate, w_up = (inp.w_gate, inp.w_up) if gated else (None, inp.w_gate)
     w_act = inp.w_gate
-    kw = dict(implementation="cuda", active_fraction=0.005, w_act_t=w_act.T, w_up_t=w_up.T if gated else None)
-    fn = jax.jit(lambda x, wg, wu, wd: jt.sparse_ffn(x, wg, wu, wd, **kw))
+    kw = dict(implementation="cuda", layer=LayerInfo(active_fraction=0.005), w_act_t=w_act.T,
+              w_up_t=w_up.T if gated else None)
+    fn = jax.jit(lambda x, wg, wu, wd: sparse_ffn_for_layer(x, wg, wu, wd, **kw))
     x = inp.x.reshape(1, 1, 2048)
     target = "jax_twell_decode_rows_gated" if gated else "jax_twell_decode_rows"
     assert target in fn.lower(x, w_gate, w_up, inp.w_down).as_text()

@@ -19,8 +19,9 @@ L1 = 0.37  # any non-zero coefficient: the L1 term's gradient is part of the con
 def dense_ffn(x, w_gate, w_up, w_down):
     """The FFN in plain f32 JAX: ``(y, L1 term)`` (docs/design.md, section 1, The job)."""
     x, w_up, w_down = (a.astype(jnp.float32) for a in (x, w_up, w_down))
-    h = jax.nn.relu(x @ w_up) if w_gate is None else jax.nn.relu(x @ w_gate.astype(jnp.float32)) * (x @ w_up)
-    return h @ w_down, jnp.abs(h).sum(-1).mean()
+    with jax.default_matmul_precision("highest"):  # f32 products, not TF32's, on GPUs
+        h = jax.nn.relu(x @ w_up) if w_gate is None else jax.nn.relu(x @ w_gate.astype(jnp.float32)) * (x @ w_up)
+        return h @ w_down, jnp.abs(h).sum(-1).mean()
 
 
 def inputs(spec, gated, dtype, seed=0):

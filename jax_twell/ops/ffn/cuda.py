@@ -176,7 +176,7 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: Kernel
     stationary weight where ``options.rule`` prices it so). x: ``[..., M, d]``; act: TwELL
     of ``relu(x @ w_act)``; weights as in :func:`jax_twell.twell_ffn`. Returns ``y [..., M, d]``.
     """
-    names = tuple(k.value for k in Kernel if k is not Kernel.AUTO)
+    names = tuple(k.value for k in (Kernel.ROW, Kernel.BLOCKED, Kernel.BLOCKED_MMA, Kernel.BLOCKED_UNION))
     if getattr(kernel, "value", kernel) not in names:
         raise ValueError(f"kernel must be one of {names}, got {kernel!r}")
     kernel = Kernel(kernel)
