@@ -4,8 +4,10 @@
 # bench_patterns.py over CONFIGS with the published kernels (the anchor folder, when
 # present) timed on the same inputs. Results under $OUT.
 # Usage: CONFIGS=2048:2048:5632:uniform,... [TESTS="tests/test_cuda_ffn_warp.py"] [SANITIZE=test-file
-#        SANITIZE_K=expr] [ANCHOR=.anchor]
+#        SANITIZE_K=expr] [ANCHOR=.anchor] [EXTRA_CONFIGS=1:2048:5632:uniform,...] [NPZ="file.npz ..."]
 #        benchmarks/run_gpu_patterns.sh
+# EXTRA_CONFIGS are timed too (patterns_extra.json) but not given to the published kernels
+# (shapes they do not take); NPZ inputs (trained-model activations) are timed and given to them.
 set -uo pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -32,6 +34,15 @@ fi
 npz=$(mktemp -d)
 timeout ${BENCH_SECONDS:-240} python3 benchmarks/bench_patterns.py --configs "$CONFIGS" --npz-dir "$npz" \
   --out "$OUT/patterns.json" 2>&1 | grep -v "^WARNING" | tail -20
+if [ -n "${EXTRA_CONFIGS:-}" ]; then
+  timeout ${EXTRA_BENCH_SECONDS:-150} python3 benchmarks/bench_patterns.py --configs "$EXTRA_CONFIGS" \
+    --out "$OUT/patterns_extra.json" 2>&1 | grep -v "^WARNING" | tail -20
+fi
+if [ -n "${NPZ:-}" ]; then
+  timeout ${NPZ_BENCH_SECONDS:-150} python3 benchmarks/bench_patterns.py --npz $NPZ \
+    --out "$OUT/patterns_trained.json" 2>&1 | grep -v "^WARNING" | tail -20
+  cp $NPZ "$npz"/
+fi
 if [ -d "${ANCHOR:-.anchor}" ]; then
   wait $anchor_build; echo "anchor build rc=$?"
   for f in "$npz"/*.npz; do

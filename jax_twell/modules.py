@@ -55,6 +55,7 @@ from flax import nnx
 
 from jax_twell.formats import relu_matmul
 from jax_twell.ops import FFNAux, FFNSharding
+from jax_twell.ops.common import finite_columns
 from jax_twell.ops.ffn.api import sparse_ffn_for_layer
 from jax_twell.ops.ffn_train.api import sparse_ffn_train_for_layer
 from jax_twell.ops.plan import LayerInfo, Side, TrainOptions
@@ -256,6 +257,7 @@ class SparseFFN(_FFN):
         self.side = side
         self.w_up_t: InferenceCache | None = nnx.data(None)  # data, not structure: set later
         self.w_act_t: InferenceCache | None = nnx.data(None)
+        self.weights_finite: InferenceCache | None = nnx.data(None)
 
     def cache_transposed_up_weight(self, dtype=jnp.bfloat16) -> None:
         """Keeps ``w_up.T`` ``[f, d]`` in ``dtype`` (an ``InferenceCache``) for ``infer``:
@@ -265,6 +267,7 @@ class SparseFFN(_FFN):
         :meth:`clear_inference_cache`. No effect on the training forward."""
         if self.gated:
             self.w_up_t = nnx.data(InferenceCache(self.w_up[...].T.astype(dtype)))
+        self._cache_finite(dtype)
 
     def cache_transposed_activation_weight(self, dtype=jnp.bfloat16) -> None:
         """Keeps the activation's weight transposed (``w_gate.T`` gated, ``w_up.T``
@@ -276,12 +279,21 @@ class SparseFFN(_FFN):
         up weight's."""
         w_act = self.w_gate if self.gated else self.w_up
         self.w_act_t = nnx.data(InferenceCache(w_act[...].T.astype(dtype)))
+        self._cache_finite(dtype)
+
+    def _cache_finite(self, dtype) -> None:
+        """Keeps which output columns the up and down weights (in ``dtype``) leave finite
+        (``jax_twell.ops.common.finite_columns``), so that inference checks only x for the
+        dense formula's NaN and Inf."""
+        w_up = self.w_up[...].astype(dtype) if self.gated else None
+        self.weights_finite = nnx.data(InferenceCache(finite_columns(w_up, self.w_down[...].astype(dtype))))
 
     def clear_inference_cache(self) -> None:
         """Drops what :meth:`cache_transposed_up_weight` and
         :meth:`cache_transposed_activation_weight` kept."""
         self.w_up_t = nnx.data(None)
         self.w_act_t = nnx.data(None)
+        self.weights_finite = nnx.data(None)
 
     def forward_with_stats(self, x: jax.Array) -> tuple[jax.Array, FFNAux]:
         """Training forward: ``x [..., d]`` bf16/f32 -> ``(y [..., d] x.dtype, FFNAux)``."""
@@ -314,6 +326,7 @@ class SparseFFN(_FFN):
             layer=LayerInfo(self.active_fraction, self.union_fraction, self.side),
             w_up_t=cached(self.w_up_t),
             w_act_t=cached(self.w_act_t),
+            weights_finite=None if self.weights_finite is None else self.weights_finite[...],
             implementation=self.implementation,
             sharding=self.sharding,
         )

@@ -873,3 +873,45 @@ def test_device_branches_of_the_blocked_paths(stand_ins, kernel):
     assert not rule.blocked_preferred(255, 2048, 5632, 2, 0.005, False, kernel)  # below BLOCKED_MIN_TOKENS
     with pytest.raises(ValueError, match="active_fraction"):
         rule.blocked_preferred(4096, 2048, 5632, 2, 1.5)
+
+
+@pytest.mark.parametrize("kernel", FUSED_KERNELS)
+def test_non_finite_operands_run_dense_and_a_kept_weight_check_is_used(stand_ins, kernel):
+    """A NaN or Inf in x or the weights gives the dense formula's NaN: a forced side marks
+    y's rows and columns, a device choice takes the dense side; a caller's
+    ``weights_finite`` replaces the weights' check, not x's."""
+    kernels = stand_ins(mark=True)
+    inp = case(m=1100, density=0.005, full=0, empty=0, key=5)
+    options = plan.FFNOptions(tile=256, capacity=8, kernel=kernel, rule=DenseCrossover(**NO_FIXED))
+    sparse_ran = lambda y: np.isin(y, [ROW_MARK, BLOCKED_MARK, WARP_MARK]).mean() > 0.5  # dense y hits a mark rarely
+
+    def call(x, w_down, **kw):
+        fn = lambda x, wd: ffn_cuda.sparse_ffn(x, inp.w_gate, inp.w_up, wd, layer=LayerInfo(side=Side.SPARSE),
+                                               options=options, kernels=kernels, **kw)
+        return np.asarray(jax.jit(fn)(x, w_down), np.float32)
+
+    assert sparse_ran(call(inp.x, inp.w_down)), "finite operands: the sparse side"
+    bad_w = inp.w_down.at[0, 3].set(jnp.inf)
+    assert not np.isfinite(call(inp.x, bad_w)[:, 3]).any(), "Inf in w_down: column 3 not finite, as dense"
+    kept = jnp.ones(inp.x.shape[1], bool)
+    assert np.isfinite(call(inp.x, bad_w, weights_finite=kept)[:, 3]).all(), "the kept check replaces the call's"
+    bad_x = inp.x.at[4, 0].set(jnp.nan)
+    y = call(bad_x, inp.w_down, weights_finite=kept)
+    assert np.isnan(y[4]).all() and np.isfinite(np.delete(y, 4, axis=0)).all(), "x is checked in every call"
+
+
+def test_the_module_keeps_its_weights_check_with_the_decode_layout():
+    from flax import nnx
+
+    from jax_twell.modules import SparseFFN
+
+    ffn = SparseFFN(64, 256, rngs=nnx.Rngs(0))
+    ffn.cache_transposed_up_weight(jnp.float32)
+    assert np.asarray(ffn.weights_finite[...]).all()
+    ffn.w_down[...] = ffn.w_down[...].at[0, 5].set(jnp.nan)
+    ffn.cache_transposed_up_weight(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ffn.weights_finite[...]), np.arange(64) != 5)
+    y = ffn.infer(jnp.ones((3, 64), jnp.float32))
+    assert np.isnan(np.asarray(y)[:, 5]).all()
+    ffn.clear_inference_cache()
+    assert ffn.weights_finite is None

@@ -4,6 +4,7 @@ tolerances of tests/specs.py. A new backend gets every test by subclassing."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_twell as jt
@@ -113,6 +114,72 @@ class FFNContract:
         y_want, l1_want = dense_ffn(*inp)
         assert_close(y, y_want, self.tolerance_factor * tolerance(jnp.float32, n), "train y")
         assert_close(l1, l1_want, self.tolerance_factor * tolerance(jnp.float32, n), "l1")
+
+
+    @staticmethod
+    def _poisoned(inp, case):
+        """The operands with one NaN or Inf placed as ``case`` names (module docstring of
+        tests: what the dense formula makes of it is the contract)."""
+        x, w_gate, w_up, w_down = inp
+        w_act = w_up if w_gate is None else w_gate
+        fired = (jax.nn.relu(x.astype(jnp.float32) @ w_act.astype(jnp.float32)) > 0).sum(0)
+        quiet = int(jnp.argmin(fired))  # the neuron that fires least (never, where one exists)
+        if case == "nan_w_up_quiet":
+            return x, w_gate, w_up.at[3, quiet].set(jnp.nan), w_down
+        if case == "inf_w_down_quiet":
+            return x, w_gate, w_up, w_down.at[quiet, 1].set(jnp.inf)
+        if case == "nan_x_row":
+            return x.at[0, 2].set(jnp.nan), w_gate, w_up, w_down
+        if case == "inf_x_row":
+            return x.at[-1, 0].set(-jnp.inf), w_gate, w_up, w_down
+        if case == "nan_w_act":
+            return (x, w_gate.at[1, quiet].set(jnp.nan), w_up, w_down) if w_gate is not None else \
+                (x, w_gate, w_up.at[1, quiet].set(jnp.nan), w_down)
+        raise ValueError(case)
+
+    NONFINITE = ("nan_w_up_quiet", "inf_w_down_quiet", "nan_x_row", "inf_x_row", "nan_w_act")
+
+    @staticmethod
+    def _assert_same_nonfinite(got, want, tol, what):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        bad = ~np.isfinite(want)
+        assert bad.any(), f"{what}: the case must make the dense formula non-finite somewhere"
+        np.testing.assert_array_equal(~np.isfinite(got), bad, err_msg=f"{what}: NaN/Inf where the dense formula has them")
+        if (~bad).any():
+            assert_close(np.where(bad, 0, got), np.where(bad, 0, want), tol, what)
+
+    @pytest.mark.parametrize("case", NONFINITE)
+    @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+    def test_inference_nan_and_inf_as_the_dense_formula(self, spec, gated, case):
+        if case == "nan_w_up_quiet" and not gated:
+            pytest.skip("non-gated: w_up is the activation's weight (nan_w_act)")
+        dtype = self.dtypes[-1]
+        inp = self._poisoned(inputs(spec, gated, dtype, seed=11), case)
+        y = jax.jit(self.ffn)(*inp)
+        tol = self.tolerance_factor * tolerance(dtype, spec.d + spec.f)
+        self._assert_same_nonfinite(y, dense_ffn(*inp)[0], tol, f"{self.implementation} {case}")
+
+    @pytest.mark.parametrize("case", NONFINITE + ("nan_cotangent",))
+    def test_training_nan_and_inf_as_the_dense_formula(self, case):
+        spec = next(s for s in self.specs if self.trains(s))
+        dtype = self.dtypes[-1]
+        inp = inputs(spec, True, dtype, seed=12)
+        cot = jax.random.normal(jax.random.key(13), inp.x.shape, jnp.float32)
+        if case == "nan_cotangent":
+            cot = cot.at[1, 3].set(jnp.nan)
+        else:
+            inp = self._poisoned(inp, case)
+        objective = lambda fn: lambda *a: (fn(*a)[0].astype(jnp.float32) * cot).sum() + L1 * fn(*a)[1]
+        got = jax.jit(jax.grad(objective(self.ffn_train), (0, 1, 2, 3)))(*inp)
+        want = jax.grad(objective(dense_ffn), (0, 1, 2, 3))(*inp)
+        for name, g, w in zip(("dx", "dw_gate", "dw_up", "dw_down"), got, want):
+            mask_got, mask_want = ~np.isfinite(np.asarray(g, np.float64)), ~np.isfinite(np.asarray(w, np.float64))
+            np.testing.assert_array_equal(mask_got, mask_want, err_msg=f"{self.implementation} {case} {name}")
+        if case != "nan_cotangent":
+            y, _ = jax.jit(self.ffn_train)(*inp)
+            n = spec.d + spec.f + spec.m
+            self._assert_same_nonfinite(y, dense_ffn(*inp)[0], self.tolerance_factor * tolerance(dtype, n),
+                                        f"{self.implementation} {case} train y")
 
 
 class TestReference(FFNContract):

@@ -11,6 +11,9 @@ from jax_twell.ops import layout
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "all_finite",
+    "as_dense_nonfinite",
+    "finite_columns",
     "check_ffn_args",
     "check_activation",
     "check_projection_args",
@@ -31,6 +34,42 @@ def _check_float(name: str, a) -> None:
         raise TypeError(f"{name} must be an array, got {type(a).__name__}")
     if a.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be bf16, f16 or f32, got {a.dtype}")
+
+
+def all_finite(*arrays) -> jax.Array:
+    """``[]`` bool on the device: every element of ``arrays`` (None skipped) is finite.
+
+    The sparse paths skip the products of inactive neurons, where the dense formula
+    multiplies zeros by the weights and the inputs: a NaN or Inf there reaches y only
+    through those products. Where a path already chooses its side on the device, it takes
+    the dense side whenever this is false (docs/design.md, section 1, Guarantees).
+    """
+    ok = jnp.ones((), bool)
+    for a in arrays:
+        if a is not None and a.size:
+            ok = ok & jnp.isfinite(a).all()
+    return ok
+
+
+def finite_columns(w_up: jax.Array | None, w_down: jax.Array) -> jax.Array:
+    """``[d]`` bool: the output columns the weights leave finite in the dense formula.
+
+    A NaN or Inf in ``w_down[n, j]`` reaches ``y[:, j]`` of every token (through
+    ``0 * w_down[n, j]`` where neuron n is inactive); one in the up weight (gated FFN;
+    pass None for the non-gated one, whose activation weight acts through the gate) reaches
+    every output. The gate's own NaN and Inf reach y through the entries it packs.
+    """
+    cols = jnp.isfinite(w_down).all(axis=0)
+    return cols if w_up is None else cols & jnp.isfinite(w_up).all()
+
+
+def as_dense_nonfinite(y: jax.Array, x: jax.Array, columns: jax.Array) -> jax.Array:
+    """``y`` of a sparse path with NaN where the dense formula is not finite but y is:
+    the rows of a non-finite ``x`` and the ``columns`` (``[d]`` bool, :func:`finite_columns`)
+    the weights make non-finite. Where y already holds NaN or Inf (the entries the path
+    computed) it is kept, as the dense formula's sum has it. One elementwise pass over y."""
+    poison = ~(jnp.isfinite(x).all(axis=-1, keepdims=True) & columns)
+    return jnp.where(poison & jnp.isfinite(y), jnp.asarray(jnp.nan, y.dtype), y)
 
 
 def check_ffn_args(x, w_gate, w_up, w_down) -> tuple[int, int]:

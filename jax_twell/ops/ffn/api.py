@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jax_twell.formats import TwELL, pack_twell_reference, relu_matmul
 from jax_twell.ops import layout, xla
@@ -139,7 +140,7 @@ def sparse_ffn(
 def sparse_ffn_for_layer(
     x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array, w_down: jax.Array, *, layer: LayerInfo = LayerInfo(),
     options: FFNOptions = FFNOptions(), w_up_t: jax.Array | None = None, w_act_t: jax.Array | None = None,
-    implementation: str | None = None, sharding: FFNSharding | None = None,
+    weights_finite: jax.Array | None = None, implementation: str | None = None, sharding: FFNSharding | None = None,
 ) -> jax.Array:
     """:func:`sparse_ffn` given what is known about the layer (internal entry point).
 
@@ -148,7 +149,10 @@ def sparse_ffn_for_layer(
     and capacity, kernel, cost model: :class:`jax_twell.ops.plan.FFNOptions`). ``w_up_t``:
     optional ``[f, d]`` copy of ``w_up.T`` (gated only), ``w_act_t``: of the activation's
     weight transposed (``w_gate.T`` gated, ``w_up.T`` non-gated); both sharded like
-    ``w_down``; the layouts the decode kernels read. Only "cuda" uses them; the tile and
+    ``w_down``; the layouts the decode kernels read. ``weights_finite``: ``[d]`` bool, what
+    :func:`jax_twell.ops.common.finite_columns` gives for the weights, where the caller
+    keeps it (a serving layer's cache: the call then checks only x; ignored under
+    ``sharding``, where each shard checks its own). Only "cuda" uses these; the tile and
     capacity also shape "reference". Shapes and result as :func:`sparse_ffn`.
     """
     check_ffn_args(x, w_gate, w_up, w_down)
@@ -164,18 +168,18 @@ def sparse_ffn_for_layer(
             raise ValueError(
                 f"w_act_t must be {name}.T: shape {w_act.shape[::-1]} {w_act.dtype}, got {w_act_t.shape} {w_act_t.dtype}"
             )
-    ignore_t = lambda op: lambda x, wg, wu, wd, w_up_t=None, w_act_t=None: op(x, wg, wu, wd)
+    ignore_t = lambda op: lambda x, wg, wu, wd, w_up_t=None, w_act_t=None, ok=None: op(x, wg, wu, wd)
     cuda_ffn = dense_formula_gradients(
         fold_vmap_into_tokens(
-            lambda x, wg, wu, wd, w_up_t, w_act_t: cuda.sparse_ffn(
-                x, wg, wu, wd, layer=layer, options=options, w_up_t=w_up_t, w_act_t=w_act_t),
+            lambda x, wg, wu, wd, w_up_t, w_act_t, ok: cuda.sparse_ffn(
+                x, wg, wu, wd, layer=layer, options=options, w_up_t=w_up_t, w_act_t=w_act_t, weights_finite=ok),
             flatten=True,
         )
     )
     kernels = dict(
         reference=ignore_t(functools.partial(reference.ffn, tile=options.tile, capacity=options.capacity)),
         xla=ignore_t(xla.ffn),
-        cuda=lambda x, wg, wu, wd, w_up_t=None, w_act_t=None: cuda_ffn(x, wg, wu, wd, w_up_t, w_act_t),
+        cuda=lambda x, wg, wu, wd, w_up_t=None, w_act_t=None, ok=None: cuda_ffn(x, wg, wu, wd, w_up_t, w_act_t, ok),
     )
     if implementation is None and not layout.row_supported(x.shape[-1], x.dtype):
         del kernels["cuda"]  # shapes the kernel does not take run dense
@@ -185,5 +189,6 @@ def sparse_ffn_for_layer(
     if sharding is not None:
         y = shard_ffn(fn, sharding, x2, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t)
     else:
-        y = fn(x2, w_gate, w_up, w_down, w_up_t, w_act_t)
+        ok = None if weights_finite is None else jnp.asarray(weights_finite, bool)
+        y = fn(x2, w_gate, w_up, w_down, w_up_t, w_act_t, ok)
     return y.reshape(*lead, x.shape[-1])

@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import stats, xla
+from jax_twell.ops.common import all_finite, as_dense_nonfinite, finite_columns
 from jax_twell.ops.ffn import binding, warp
 from jax_twell.ops.pack import binding as pack_binding
 from jax_twell.ops.plan import FFNOptions, FFNPlan, Kernel, LayerInfo, Path, fused_gate_preferred, plan_ffn
@@ -51,21 +52,31 @@ BINDINGS = FFNKernels()
 
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, layer: LayerInfo = LayerInfo(), options: FFNOptions = FFNOptions(),
-               w_up_t=None, w_act_t=None, kernels: FFNKernels = BINDINGS):
+               w_up_t=None, w_act_t=None, weights_finite=None, kernels: FFNKernels = BINDINGS):
     """Inference FFN ``y [M, d]`` for ``x [M, d]`` (bf16, f16 or f32) on the CUDA kernels,
     as planned by :func:`jax_twell.ops.plan.plan_ffn` for this shape, ``layer`` and
     ``options``. Weights as in :func:`jax_twell.sparse_ffn`; ``w_up_t``, ``w_act_t``:
     optional ``[f, d]`` copies of ``w_up.T`` and of the activation's weight transposed
-    (the layouts the decode kernels read)."""
+    (the layouts the decode kernels read); ``weights_finite``: the ``[d]`` bool
+    :func:`~jax_twell.ops.common.finite_columns` of the weights where the caller keeps it
+    (a serving layer's cache), else computed in the call."""
     w_act = w_gate if w_gate is not None else w_up
     m, d = x.shape
     plan = plan_ffn(m, d, w_act.shape[1], x.dtype, gated=w_gate is not None, layer=layer, options=options,
                     w_up_t=w_up_t is not None, w_act_t=w_act_t is not None)
-    return run(plan, x, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t, kernels=kernels)
+    return run(plan, x, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t, weights_finite=weights_finite,
+               kernels=kernels)
 
 
-def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, kernels: FFNKernels = BINDINGS):
-    """Runs ``plan`` on ``x [M, d]``: ``y [M, d]`` x's dtype."""
+def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, weights_finite=None,
+        kernels: FFNKernels = BINDINGS):
+    """Runs ``plan`` on ``x [M, d]``: ``y [M, d]`` x's dtype.
+
+    NaN and Inf are the dense formula's: where the plan chooses its side on the device,
+    a non-finite x or weight (:func:`~jax_twell.ops.common.all_finite`) joins that choice
+    and the dense side runs; elsewhere y gets NaN by
+    :func:`~jax_twell.ops.common.as_dense_nonfinite` (no extra conditional).
+    ``weights_finite``: as in :func:`sparse_ffn`."""
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     w_up_k = w_up if gated else None  # the up weight the kernels take (None: non-gated)
@@ -76,35 +87,44 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, ke
         return jnp.zeros((0, d), x.dtype)
     if plan.path == Path.DENSE:
         return xla.ffn(x, w_gate, w_up, w_down)
-    if plan.path == Path.GATHER:
-        return xla.gather_ffn(x, w_gate, w_up, w_down, width=plan.gather_width, w_up_t=w_up_t)
-    if plan.path == Path.DECODE_ROWS:
-        return kernels.decode_rows(x, w_act_t, w_down, w_up_t=w_up_t if gated else None)
-    if plan.path == Path.DECODE_GATE:
-        return kernels.decode_gate(x, w_act, w_up_k, w_down, w_up_t=w_up_t)
-    if plan.path == Path.DECODE:
-        g = relu_matmul(x, w_act)
-        decode = lambda: kernels.decode(x, g, w_up_k, w_down, w_up_t=w_up_t)
-        if not plan.decode_check:
-            return decode()
-        few = jnp.count_nonzero(g) <= rule.decode_dense_above * m * f
-        return jax.lax.cond(few, decode, lambda: xla.up_down(x, g, w_up_k, w_down))
+    columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
+    ok = all_finite(x) & columns.all()
     if plan.path == Path.WARP:
         tile, capacity = plan.options.tile, plan.options.capacity
         if plan.device_choice:
             return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=tile, capacity=capacity, w_up_t=w_up_t,
-                                   pack=kernels.pack, rows_kernel=kernels.warp_rows)
+                                   pack=kernels.pack, rows_kernel=kernels.warp_rows, finite=ok)
         if plan.fused_gate:
             act = kernels.gate_pack(x, w_act, tile=tile, capacity=capacity, variant=plan.gate_variant)
         else:
             act = kernels.pack(relu_matmul(x, w_act), tile=tile, capacity=capacity)
-        return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t, rows_kernel=kernels.warp_rows)
-    return _run_tiles(plan, x, w_gate, w_up, w_down, w_up_t, kernels)
+        return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t, rows_kernel=kernels.warp_rows,
+                                  finite=ok)
+    if plan.path == Path.DECODE and plan.decode_check:
+        g = relu_matmul(x, w_act)
+        few = ok & (jnp.count_nonzero(g) <= rule.decode_dense_above * m * f)
+        return jax.lax.cond(few, lambda: kernels.decode(x, g, w_up_k, w_down, w_up_t=w_up_t),
+                            lambda: xla.up_down(x, g, w_up_k, w_down))
+    # Paths with no device choice of their own (a conditional costs ~10 us a call): their y
+    # gets the dense formula's NaN by one elementwise pass instead.
+    if plan.path == Path.GATHER:
+        y = xla.gather_ffn(x, w_gate, w_up, w_down, width=plan.gather_width, w_up_t=w_up_t)
+    elif plan.path == Path.DECODE_ROWS:
+        y = kernels.decode_rows(x, w_act_t, w_down, w_up_t=w_up_t if gated else None)
+    elif plan.path == Path.DECODE_GATE:
+        y = kernels.decode_gate(x, w_act, w_up_k, w_down, w_up_t=w_up_t)
+    elif plan.path == Path.DECODE:
+        y = kernels.decode(x, relu_matmul(x, w_act), w_up_k, w_down, w_up_t=w_up_t)
+    else:
+        return _run_tiles(plan, x, w_gate, w_up, w_down, w_up_t, kernels, ok, columns)
+    return as_dense_nonfinite(y, x, columns)
 
 
-def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKernels):
+def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKernels, finite, columns):
     """The TwELL path: the gate as TwELL, then the row or blocked kernel, with sparse or
-    dense (and row or blocked) chosen on the device where the plan leaves it."""
+    dense (and row or blocked) chosen on the device where the plan leaves it; ``finite``
+    (``[]`` bool) joins that choice (dense where false); with no choice on the device,
+    ``columns`` (:func:`~jax_twell.ops.common.finite_columns`) marks y's NaN instead."""
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     w_up_k = w_up if gated else None
@@ -135,8 +155,8 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
 
     if not plan.blocked:
         if not plan.device_choice:
-            return row_kernel(packed())
-        return jax.lax.cond(use_row, lambda _: row_kernel(packed()), dense, None)
+            return as_dense_nonfinite(row_kernel(packed()), x, columns)
+        return jax.lax.cond(use_row & finite, lambda _: row_kernel(packed()), dense, None)
 
     prefer_blocked, any_sparse = plan.prefer_blocked, use_row
     if plan.device_choice:
@@ -164,8 +184,8 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
         return jax.lax.cond(prefer_blocked, blocked_kernel, row_kernel, act)
 
     if not plan.device_choice:
-        return sparse(None)
-    return jax.lax.cond(any_sparse, sparse, dense, None)
+        return as_dense_nonfinite(sparse(None), x, columns)
+    return jax.lax.cond(any_sparse & finite, sparse, dense, None)
 
 
 def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: Kernel | str = Kernel.ROW,

@@ -63,13 +63,14 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET):
 
 
 def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budget: int = ROW_BUDGET,
-                  backup: int | None = None, rows_kernel=ffn_rows):
+                  backup: int | None = None, rows_kernel=ffn_rows, finite=True):
     """The FFN from the packed gate ``act``: the warp kernel for the rows that fit, the
     dense backup for the rest (at most ``backup`` rows, default :func:`backup_size`); past
     that many, XLA's dense FFN for the whole call. ``rows_kernel``: the row step,
     ``(x, act, w_up_t, w_down, *, row_budget) -> y`` (default :func:`ffn_rows`; tests pass
-    stand-ins). x: ``[M, d]``; weights as in
-    :func:`jax_twell.sparse_ffn`. Returns y ``[M, d]``."""
+    stand-ins). ``finite``: a ``[]`` bool, false where an operand holds NaN or Inf (then
+    dense: the dense formula's NaN; see :func:`jax_twell.ops.common.all_finite`). x:
+    ``[M, d]``; weights as in :func:`jax_twell.sparse_ffn`. Returns y ``[M, d]``."""
     m, _ = x.shape
     gated = w_gate is not None
     if gated and w_up_t is None:
@@ -85,9 +86,9 @@ def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budge
     def dense(_):
         return xla.ffn(x, w_gate, w_up, w_down)
 
-    if backup >= m:
+    if backup >= m and finite is True:
         return sparse(None)
-    return jax.lax.cond(n_rows <= backup, sparse, dense, None)
+    return jax.lax.cond((n_rows <= backup) & finite, sparse, dense, None)
 
 
 # The per-call choice: sparse where the call's entries cost less on the warp kernel than the
@@ -107,13 +108,14 @@ def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int) ->
 
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
-               row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows):
+               row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows, finite=True):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
     g, the pack kernel gives its TwELL and counts; where the warp kernel (plus the backup)
     is cheaper than the dense up and down products it runs, else the dense products run
     from the same g (no gate recompute). x: ``[M, d]``; weights as in
     :func:`jax_twell.sparse_ffn`; :func:`supported` must hold. ``pack``, ``rows_kernel``:
-    the pack and row steps (defaults: the kernels; tests pass stand-ins)."""
+    the pack and row steps (defaults: the kernels; tests pass stand-ins); ``finite``: as
+    in :func:`ffn_from_gate`."""
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -127,7 +129,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     rows = backed_up(act, row_budget, row_entries)
     n_rows = jnp.sum(rows, dtype=jnp.int32)
     kept = jnp.sum(jnp.where(rows, 0, row_entries), dtype=jnp.int32)
-    use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize)
+    use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize) & finite
 
     def sparse(_):
         y = rows_kernel(x, act, w_up_t if gated else None, w_down, row_budget=row_budget)

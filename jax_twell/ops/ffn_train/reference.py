@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jax_twell.formats import Hybrid, pack_hybrid_reference, relu_matmul
 from jax_twell.ops import xla
-from jax_twell.ops.common import sum_over_shards
+from jax_twell.ops.common import all_finite, sum_over_shards
 
 __all__ = ["ffn_with_aux"]
 
@@ -127,14 +127,18 @@ def _train_fwd(x, w_gate, w_up, w_down, width, backup_capacity):
         # branch's u; the dense backward does not read them.
         return y, l1, _placeholder(act.values), _placeholder(act.backup_values)
 
-    y, l1, u_ell, u_backup = jax.lax.cond(act.complete, sparse, dense, None)
-    return (y, l1, act.counts, _fired(act)), (x, w_gate, w_up, w_down, act, u_ell, u_backup)
+    # The sparse side skips inactive neurons' products, through which the dense formula
+    # carries a NaN or Inf of x, w_up or w_down to y: non-finite operands run dense.
+    use = act.complete & all_finite(x, w_gate, w_up, w_down)
+    y, l1, u_ell, u_backup = jax.lax.cond(use, sparse, dense, None)
+    return (y, l1, act.counts, _fired(act)), (x, w_gate, w_up, w_down, act, use, u_ell, u_backup)
 
 
 def _train_bwd(width, backup_capacity, res, cotangents):
-    x, w_gate, w_up, w_down, act, u_ell, u_backup = res
+    x, w_gate, w_up, w_down, act, use, u_ell, u_backup = res
     dy, dl1, _, _ = cotangents
     dl1 = dl1.astype(jnp.float32)
+    use = use & all_finite(dy, dl1)
 
     def sparse(_):
         grads = _sparse_backward(x, w_gate, w_up, w_down, act, u_ell, u_backup, dy, dl1)
@@ -143,7 +147,7 @@ def _train_bwd(width, backup_capacity, res, cotangents):
     def dense(_):
         return xla.ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1)
 
-    return jax.lax.cond(act.complete, sparse, dense, None)
+    return jax.lax.cond(use, sparse, dense, None)
 
 
 _train_ffn.defvjp(_train_fwd, _train_bwd)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_twell.formats import relu_matmul
 from jax_twell.ops import layout, xla
-from jax_twell.ops.common import sum_over_shards, varying_axes
+from jax_twell.ops.common import all_finite, sum_over_shards, varying_axes
 from jax_twell.ops.ffn import binding as ffn_binding
 from jax_twell.ops.ffn_train import binding
 from jax_twell.ops.pack import binding as pack_binding
@@ -108,6 +108,7 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
             act.counts.sum(dtype=jnp.int32), act.overflowed.sum(dtype=jnp.int32), m, d, f, x.dtype.itemsize)
     if plan.backup_capacity is not None:
         use = use & ((counts > plan.width).sum(dtype=jnp.int32) <= plan.backup_capacity)
+    use = use & all_finite(x, w_gate, w_up, w_down)  # NaN and Inf as the dense formula has them
     steps = plan.steps
     axes = _mesh_axes(x, w_gate, w_up, w_down)
 
@@ -137,6 +138,7 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
 def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
     x, w_gate, w_up, w_down, use, res = saved
     dy, dl1, _, _ = cotangents
+    use = use & all_finite(dy, dl1)  # a NaN cotangent reaches every gradient through the dense formula
     m = max(x.shape[0], 1)
     l1_grad = dl1.astype(jnp.float32) / m
     steps = plan.steps
