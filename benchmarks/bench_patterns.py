@@ -10,6 +10,7 @@ Families (per-row firing rates; the gate's control feature sets each row's rate)
 
   python3 benchmarks/bench_patterns.py --configs 2048:2048:5632:uniform,16384:2048:5632:tail \
       [--density 0.005] [--npz-dir DIR] [--out FILE]
+  python3 benchmarks/bench_patterns.py --npz trained/*.npz [--configs ...] [--out FILE]
 
 Each configuration times, interleaved: "xla" (XLA's dense FFN), "default" (``sparse_ffn``
 with no arguments), "blocked_union" (the union/stationary kernels with their per-call
@@ -17,6 +18,10 @@ choice, the default before the warp path) and, where the warp kernel takes d,
 "warp_cached" (the fused gate, then the warp kernel with the dense backup, ``w_up.T``
 given, as a serving model keeps it). With ``--npz-dir`` each configuration's inputs are
 written there (x, w_gate, w_up, w_down as bf16 bits) for the published kernels' script.
+
+``--npz`` times the same functions on inputs read from files of that format (family
+"npz", named after the file), such as a trained model's FFN inputs and weights written by
+``benchmarks/trained_activations.py``; at least one of ``--configs`` and ``--npz`` is needed.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import run_metadata, time_interleaved, write_result  # noqa: E402
+from common import load_npz, run_metadata, save_npz, time_interleaved, write_result  # noqa: E402
 
 import jax_twell as jt  # noqa: E402
 from jax_twell.ops import xla  # noqa: E402
@@ -70,19 +75,17 @@ def family_inputs(key, m: int, d: int, f: int, p: float, family: str):
     return tuple(a.astype(jnp.bfloat16) for a in (x, inp.w_gate, inp.w_up, inp.w_down))
 
 
-def save_npz(path: Path, x, w_gate, w_up, w_down) -> None:
-    bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint16))
-    np.savez(path, x_bf16=bits(x), w_gate_bf16=bits(w_gate), w_up_bf16=bits(w_up), w_down_bf16=bits(w_down))
-
-
 def warp_ffn(x, w_gate, w_up, w_down, w_up_t=None):
+    """The warp path with the fused gate and ``w_up_t`` given ("warp_cached")."""
     act = cuda.gate_twell(x, w_gate, tile=256, capacity=32)
     return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t)
 
 
-def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float) -> dict:
-    key = jax.random.key(m * 7 + d + f + FAMILIES.index(family))
-    x, w_gate, w_up, w_down = family_inputs(key, m, d, f, p, family)
+def run_inputs(name: str, family: str, x, w_gate, w_up, w_down, min_seconds: float, **fields) -> dict:
+    """Times every function of the module docstring on the bf16 operands ``x [M, d]``,
+    ``w_gate, w_up [d, f]``, ``w_down [f, d]`` (errors against XLA's dense FFN, the
+    operands' activity) and prints one line; returns the result row, ``fields`` included."""
+    (m, d), f = x.shape, w_gate.shape[1]
     g = jax.jit(lambda x, w: jnp.maximum(jnp.matmul(x, w, preferred_element_type=jnp.float32), 0))(x, w_gate)
     row_active = np.asarray((g > 0).sum(axis=1))
     w_up_t = jnp.asarray(w_up.T)
@@ -97,19 +100,15 @@ def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | No
         fns["warp_cached"] = jax.jit(warp_ffn)
     want = np.asarray(fns["xla"](*args), np.float32)
     errors = {}
-    for name, fn in fns.items():
+    for fn_name, fn in fns.items():
         got = np.asarray(fn(*args), np.float32)
-        errors[name] = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+        errors[fn_name] = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
     max_reps = 2000 if m <= 4096 else 200
     times = time_interleaved(fns, args, min_seconds=min_seconds, max_reps=max_reps)
     act = cuda.gate_twell(x, w_gate, tile=256, capacity=32) if warp.supported(d, x.dtype) else None
     backed = int(warp.backed_up(act, warp.ROW_BUDGET).sum()) if act is not None else None
-    name = f"{family}_m{m}_d{d}_f{f}"
-    if npz_dir is not None:
-        npz_dir.mkdir(parents=True, exist_ok=True)
-        save_npz(npz_dir / f"{name}.npz", x, w_gate, w_up, w_down)
     row = dict(
-        name=name, m=m, d=d, f=f, family=family, density_target=p,
+        name=name, m=m, d=d, f=f, family=family, **fields,
         density=float(row_active.mean() / f), row_active_max=int(row_active.max()),
         rows_over_10pct=int((row_active > 0.1 * f).sum()), rows_backed_up=backed,
         backup_size=warp.backup_size(m),
@@ -122,18 +121,47 @@ def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | No
     return row
 
 
-def main() -> None:
+def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float) -> dict:
+    """One synthetic configuration (:func:`family_inputs`), its inputs written to
+    ``npz_dir`` when given; the row of :func:`run_inputs`."""
+    key = jax.random.key(m * 7 + d + f + FAMILIES.index(family))
+    x, w_gate, w_up, w_down = family_inputs(key, m, d, f, p, family)
+    name = f"{family}_m{m}_d{d}_f{f}"
+    if npz_dir is not None:
+        npz_dir.mkdir(parents=True, exist_ok=True)
+        save_npz(npz_dir / f"{name}.npz", x, w_gate, w_up, w_down)
+    return run_inputs(name, family, x, w_gate, w_up, w_down, min_seconds, density_target=p)
+
+
+def run_npz(path: Path, min_seconds: float) -> dict:
+    """The inputs in ``path`` (:func:`common.save_npz`'s format), named after the file,
+    family "npz"; the row of :func:`run_inputs`."""
+    x, w_gate, w_up, w_down = load_npz(path)
+    return run_inputs(path.stem, "npz", x, w_gate, w_up, w_down, min_seconds, source=path.name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line (module docstring); writes the result JSON."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", required=True, help="comma-separated M:d:f:family")
-    ap.add_argument("--density", type=float, default=0.005, help="mean (bulk) rate p")
-    ap.add_argument("--npz-dir", type=Path, default=None)
+    ap.add_argument("--configs", default=None, help="comma-separated M:d:f:family (synthetic inputs)")
+    ap.add_argument("--npz", type=Path, nargs="+", default=[], metavar="FILE",
+                    help="input files (x, w_gate, w_up, w_down as bf16 bits), e.g. from trained_activations.py")
+    ap.add_argument("--density", type=float, default=0.005, help="mean (bulk) rate p of the synthetic configs")
+    ap.add_argument("--npz-dir", type=Path, default=None, help="write each synthetic configuration's inputs here")
     ap.add_argument("--min-seconds", type=float, default=0.05)
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
+    if not a.configs and not a.npz:
+        ap.error("give --configs (synthetic inputs), --npz FILE [FILE ...] (inputs from files), or both")
+    missing = [str(p) for p in a.npz if not p.is_file()]
+    if missing:
+        ap.error(f"--npz: no such file: {', '.join(missing)}")
     rows = []
-    for spec in a.configs.split(","):
+    for spec in a.configs.split(",") if a.configs else []:
         m, d, f, family = spec.split(":")
         rows.append(run_config(int(m), int(d), int(f), family, a.density, a.npz_dir, a.min_seconds))
+    for path in a.npz:
+        rows.append(run_npz(path, a.min_seconds))
     result = dict(run_metadata("bench_patterns"), density=a.density, rows=rows)
     print("wrote", write_result(result, a.out, "patterns"))
 

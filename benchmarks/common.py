@@ -1,4 +1,5 @@
-"""Pieces every benchmark script shares: the timing loop, run metadata, the JSON file.
+"""Pieces every benchmark script shares: the timing loop, run metadata, the JSON file, the
+FFN operands' .npz format.
 
 Benchmarks run as scripts (``python3 benchmarks/bench_*.py``), so this module is imported
 from the scripts' own folder.
@@ -15,6 +16,8 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -93,6 +96,40 @@ def write_result(result: dict, out: str | None, prefix: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     return path
+
+
+NPZ_KEYS = ("x_bf16", "w_gate_bf16", "w_up_bf16", "w_down_bf16")
+
+
+def save_npz(path, x, w_gate, w_up, w_down) -> None:
+    """Writes one FFN's operands to ``path`` (.npz) as bf16 bit patterns (uint16) under
+    :data:`NPZ_KEYS`: x ``[M, d]``, w_gate and w_up ``[d, f]``, w_down ``[f, d]``, each
+    rounded to bf16 first where it is not bf16 already. The published kernels' script and
+    :func:`load_npz` read this format."""
+    bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(a).astype(jnp.bfloat16), jnp.uint16))
+    arrays = dict(zip(NPZ_KEYS, (x, w_gate, w_up, w_down)))
+    np.savez(path, **{key: bits(a) for key, a in arrays.items()})
+
+
+def load_npz(path) -> tuple:
+    """The operands ``(x, w_gate, w_up, w_down)`` that :func:`save_npz` wrote to ``path``,
+    as bf16 JAX arrays. Raises ValueError for a file without those keys or whose shapes do
+    not form an FFN (x ``[M, d]``, w_gate and w_up ``[d, f]``, w_down ``[f, d]``)."""
+    with np.load(path) as z:
+        missing = [k for k in NPZ_KEYS if k not in z]
+        if missing:
+            raise ValueError(f"{path}: no {', '.join(missing)} (an FFN's operands need {', '.join(NPZ_KEYS)})")
+        raw = [np.asarray(z[k]) for k in NPZ_KEYS]
+    if any(a.dtype != np.uint16 or a.ndim != 2 for a in raw):
+        got = ", ".join(f"{a.dtype}{a.shape}" for a in raw)
+        raise ValueError(f"{path}: the operands must be 2-D uint16 (bf16 bits), got {got}")
+    (m, d), (dg, f) = raw[0].shape, raw[1].shape
+    if dg != d or raw[2].shape != (d, f) or raw[3].shape != (f, d):
+        raise ValueError(
+            f"{path}: shapes x {raw[0].shape}, w_gate {raw[1].shape}, w_up {raw[2].shape}, w_down {raw[3].shape} "
+            "are not x [M, d], w_gate and w_up [d, f], w_down [f, d]"
+        )
+    return tuple(jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.bfloat16) for a in raw)
 
 
 def add_shape_arguments(parser, *, m: int) -> None:

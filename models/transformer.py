@@ -20,6 +20,10 @@ decode kernels where they win, and prefill-sized calls the union kernels or dens
 at trace time) and ``model.cache_for_decode()`` keeps the up weights in the layout those
 kernels read.
 
+``model.ffn_inputs(tokens, layers)`` returns what the listed layers' FFNs receive in the
+training forward (the normalised hidden state), e.g. to benchmark the FFN kernels on a
+trained model's activations (``benchmarks/trained_activations.py``).
+
 ``prefill`` and ``decode_step`` use the FFN's inference path (no statistics); jit them
 (``nnx.jit``, or ``nnx.split`` + ``jax.jit`` as ``generate`` does). The cache has a fixed
 size ``max_len``; a step that would run past it returns NaN logits (the cache is then
@@ -50,7 +54,7 @@ Weights draw from a normal truncated at 2 std, rescaled to the std given.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -228,12 +232,17 @@ class Block(nnx.Module):
         """Training forward: ``x [B, T, d]`` -> ``(x [B, T, d], FFNAux)``."""
         return self.forward_with_union(x, union=False)[:2]
 
+    def attend(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The block up to its FFN: ``x [B, T, d]`` -> ``(x + attn(attn_norm(x)), h)``, ``h``
+        the FFN's input (``ffn_norm`` of the first), both ``[B, T, d]`` of ``x.dtype``."""
+        x = x + self.attn(self.attn_norm(x))
+        return x, self.ffn_norm(x)
+
     def forward_with_union(self, x: jax.Array, *, union: bool = True):
         """As ``__call__``, plus the FFN's mean 64-token union of active neurons as a fraction
         of f (``SparseFFN.block_union`` of its input; NaN for a dense FFN or ``union=False``):
         ``(x, FFNAux, [] f32)``."""
-        x = x + self.attn(self.attn_norm(x))
-        h = self.ffn_norm(x)
+        x, h = self.attend(x)
         y, aux = self.ffn.forward_with_stats(h)
         measured = self.ffn.block_union(h) if union and isinstance(self.ffn, SparseFFN) else jnp.float32(jnp.nan)
         return x + y, aux, measured
@@ -308,6 +317,26 @@ class TransformerLM(nnx.Module):
             auxes.append(aux)
             unions.append(union)
         return stack_stats(auxes), jnp.stack(unions)
+
+    def ffn_inputs(self, tokens: jax.Array, layers: Sequence[int]) -> tuple[jax.Array, ...]:
+        """The input the FFN of each layer in ``layers`` receives in the training forward on
+        ``tokens [B, T]``: the normalised hidden state (``ffn_norm`` of the residual stream
+        after the layer's attention), ``[B, T, d]`` of the compute dtype, one per entry of
+        ``layers`` in their order. Runs the blocks up to the last layer asked for and no
+        further (no logits). Traceable."""
+        wanted = [int(i) for i in layers]
+        if not wanted or min(wanted) < 0 or max(wanted) >= len(self.layers):
+            raise ValueError(f"layers must name layers 0..{len(self.layers) - 1}, got {list(layers)}")
+        x = self._embed(tokens)
+        found = {}
+        for i, layer in enumerate(self.layers):
+            x, h = layer.attend(x)
+            if i in wanted:
+                found[i] = h
+            if i == max(wanted):
+                break
+            x = x + layer.ffn.forward_with_stats(h)[0]
+        return tuple(found[i] for i in wanted)
 
     def calibrate_ffn(self, tokens: jax.Array) -> list[float]:
         """Measures each sparse FFN layer's fraction of active (token, neuron) pairs on

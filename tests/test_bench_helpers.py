@@ -173,3 +173,38 @@ def test_run_tree_imports_the_other_checkouts_package(tmp_path):
     bad = subprocess.run([sys.executable, RUN_TREE, str(tmp_path / "benchmarks"), "bench.py"],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "holds no jax_twell package" in bad.stderr
+
+
+def test_bench_patterns_reads_back_the_npz_it_writes(tmp_path, capsys):
+    """bench_patterns' --npz inputs: load_npz gives back exactly the bf16 operands save_npz
+    wrote (f32 operands rounded to bf16 on the way); files that are not an FFN's operands
+    are refused, and so is a command line with neither --configs nor --npz."""
+    import numpy as np
+
+    import bench_patterns
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    operands = [jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16)
+                for k, s in zip(keys, ((M, D), (D, F), (D, F), (F, D)))]
+    path = tmp_path / "ops.npz"
+    bench_patterns.save_npz(path, *operands)
+    loaded = bench_patterns.load_npz(path)
+    for got, want in zip(loaded, operands):
+        assert got.dtype == jnp.bfloat16 and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint16)),
+                                      np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint16)))
+    bench_patterns.save_npz(path, operands[0].astype(jnp.float32), *operands[1:])
+    np.testing.assert_array_equal(np.asarray(bench_patterns.load_npz(path)[0], np.float32),
+                                  np.asarray(operands[0], np.float32))
+    bench_patterns.save_npz(path, operands[0], operands[1], operands[2], operands[3].T)
+    with pytest.raises(ValueError, match="not x"):
+        bench_patterns.load_npz(path)
+    np.savez(path, x=np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="no x_bf16"):
+        bench_patterns.load_npz(path)
+    with pytest.raises(SystemExit):
+        bench_patterns.main([])
+    assert "give --configs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_patterns.main(["--npz", str(tmp_path / "absent.npz")])
+    assert "no such file" in capsys.readouterr().err
