@@ -286,7 +286,8 @@ class SparseFFN(_FFN):
         (``jax_twell.ops.common.finite_columns``), so that inference checks only x for the
         dense formula's NaN and Inf."""
         w_up = self.w_up[...].astype(dtype) if self.gated else None
-        self.weights_finite = nnx.data(InferenceCache(finite_columns(w_up, self.w_down[...].astype(dtype))))
+        w_act = (self.w_gate if self.gated else self.w_up)[...].astype(dtype)
+        self.weights_finite = nnx.data(InferenceCache(finite_columns(w_up, self.w_down[...].astype(dtype), w_act)))
 
     def clear_inference_cache(self) -> None:
         """Drops what :meth:`cache_transposed_up_weight` and

@@ -20,9 +20,8 @@ L1 = 0.37  # any non-zero coefficient: the L1 term's gradient is part of the con
 def dense_ffn(x, w_gate, w_up, w_down):
     """The FFN in plain f32 JAX: ``(y, L1 term)`` (docs/design.md, section 1, The job)."""
     x, w_up, w_down = (a.astype(jnp.float32) for a in (x, w_up, w_down))
-    with jax.default_matmul_precision("highest"):  # f32 products, not TF32's, on GPUs
-        h = jax.nn.relu(x @ w_up) if w_gate is None else jax.nn.relu(x @ w_gate.astype(jnp.float32)) * (x @ w_up)
-        return h @ w_down, jnp.abs(h).sum(-1).mean()
+    h = jax.nn.relu(x @ w_up) if w_gate is None else jax.nn.relu(x @ w_gate.astype(jnp.float32)) * (x @ w_up)
+    return h @ w_down, jnp.abs(h).sum(-1).mean()
 
 
 def inputs(spec, gated, dtype, seed=0):
@@ -56,6 +55,13 @@ class FFNContract:
     @staticmethod
     def trains(spec) -> bool:
         return True
+
+    @pytest.fixture(autouse=True)
+    def _f32_products(self):
+        """f32 matmuls in f32 (on GPUs XLA's default is TF32) for the oracle and the XLA
+        sides alike: the contract is the dense formula's, at each dtype's own precision."""
+        with jax.default_matmul_precision("highest"):
+            yield
 
     def ffn(self, x, w_gate, w_up, w_down):
         return sparse_ffn_for_layer(x, w_gate, w_up, w_down, implementation=self.implementation, layer=self.layer,

@@ -51,16 +51,21 @@ def all_finite(*arrays) -> jax.Array:
     return ok
 
 
-def finite_columns(w_up: jax.Array | None, w_down: jax.Array) -> jax.Array:
+def finite_columns(w_up: jax.Array | None, w_down: jax.Array, w_act: jax.Array | None = None) -> jax.Array:
     """``[d]`` bool: the output columns the weights leave finite in the dense formula.
 
     A NaN or Inf in ``w_down[n, j]`` reaches ``y[:, j]`` of every token (through
     ``0 * w_down[n, j]`` where neuron n is inactive); one in the up weight (gated FFN;
     pass None for the non-gated one, whose activation weight acts through the gate) reaches
-    every output. The gate's own NaN and Inf reach y through the entries it packs.
+    every output. The gate's own NaN and Inf reach y through the entries it packs; with
+    ``w_act`` (the activation's weight) given, a NaN in it marks every output too (as
+    relu(NaN) * u does in the dense formula), for paths that recompute overflowed gate
+    tiles, where a NaN entry would not count as active.
     """
     cols = jnp.isfinite(w_down).all(axis=0)
-    return cols if w_up is None else cols & jnp.isfinite(w_up).all()
+    if w_up is not None:
+        cols = cols & jnp.isfinite(w_up).all()
+    return cols if w_act is None else cols & ~jnp.isnan(w_act).any()
 
 
 def as_dense_nonfinite(y: jax.Array, x: jax.Array, columns: jax.Array) -> jax.Array:

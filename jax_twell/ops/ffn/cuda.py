@@ -106,7 +106,12 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         return jax.lax.cond(few, lambda: kernels.decode(x, g, w_up_k, w_down, w_up_t=w_up_t),
                             lambda: xla.up_down(x, g, w_up_k, w_down))
     # Paths with no device choice of their own (a conditional costs ~10 us a call): their y
-    # gets the dense formula's NaN by one elementwise pass instead.
+    # gets the dense formula's NaN by one elementwise pass instead. Those paths recompute
+    # overflowed gate tiles (or may), where a NaN of the gate would not count as active:
+    # the activation weight's NaN are checked too.
+    if weights_finite is None:
+        columns = columns & ~jnp.isnan(w_act).any()
+        ok = ok & columns.all()
     if plan.path == Path.GATHER:
         y = xla.gather_ffn(x, w_gate, w_up, w_down, width=plan.gather_width, w_up_t=w_up_t)
     elif plan.path == Path.DECODE_ROWS:
