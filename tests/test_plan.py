@@ -71,6 +71,28 @@ def test_the_headline_shape_takes_the_warp_path():
     assert plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.3)).path == Path.DENSE
 
 
+def test_a_call_that_knows_nothing_runs_dense_where_its_choice_would_cost_more():
+    """Below the rule's per_call_min_tokens, or d below per_call_min_d, a call with no
+    fraction, side or kernel given is planned dense (measured losses there); a known
+    fraction, a given side or an asked kernel still plan the kernels."""
+    rule = DenseCrossover()
+    d, f = 2048, 5632
+    for m in (1, 64, 512, 2048, rule.per_call_min_tokens - 1):
+        assert plan_ffn(m, d, f, BF16, gated=True).path == Path.DENSE, m
+    assert plan_ffn(rule.per_call_min_tokens, d, f, BF16, gated=True).path == Path.WARP
+    assert plan_ffn(16384, 512, 1408, BF16, gated=True).path == Path.DENSE
+    assert plan_ffn(16384, rule.per_call_min_d, 2816, BF16, gated=True).path == Path.WARP
+    anywhere = FFNOptions(rule=dataclasses.replace(rule, per_call_min_tokens=0, per_call_min_d=0))
+    for m in (64, 2048, 4096):  # a known fraction is priced by the rule as before
+        known = LayerInfo(0.005)
+        a = plan_ffn(m, d, f, BF16, gated=True, layer=known)
+        assert dataclasses.replace(a, options=anywhere) == plan_ffn(m, d, f, BF16, gated=True, layer=known,
+                                                                    options=anywhere), m
+    assert plan_ffn(2048, d, f, BF16, gated=True, layer=LayerInfo(side=Side.SPARSE)).path == Path.WARP
+    assert plan_ffn(2048, d, f, BF16, gated=True, options=FFNOptions(kernel=Kernel.BLOCKED_UNION)).path == Path.TILES
+    assert plan_ffn(2048, d, f, BF16, gated=True, options=anywhere).path == Path.WARP
+
+
 def test_the_headline_shape_on_the_blocked_kernel():
     m, d, f = HEADLINE
     union = FFNOptions(kernel=Kernel.BLOCKED_UNION)

@@ -67,6 +67,16 @@ class DenseCrossover:
     stationary_transpose_bandwidth: float = 2.59e12  # stationary down: bytes/s of an in-call transpose of w_up
     stationary_sms: int = 132  # CTAs of one wave of the walk (one a SM)
     stationary_reference_fraction: float = 0.005  # active fraction the down steps are compared at when unknown
+    # A call with nothing known of its layer runs dense below these: its per-call choice (XLA's
+    # gate written out, the pack, the operand checks, a transposed w_up, one conditional)
+    # costs more than sparsity saves there. H200, bf16, f=5632, 0.5% active, the default
+    # call against XLA dense (benchmarks/results/patterns_extra_fe2aa08.json,
+    # patterns_788f04d.json): d=2048: 0.96x at M=1, 0.91x at 64, 0.98x at 512, 0.87x at
+    # 2,048 (0.82x with a tail), 1.22x at 16,384; d=512, f=1408, M=16,384: 0.74x, with
+    # every sparse path below 1x there (0.90x at best). 8,192 leaves a margin below the
+    # unmeasured crossover between 2,048 and 16,384.
+    per_call_min_tokens: int = 8192
+    per_call_min_d: int = 1024
     count_sample_rows: int = 1024  # rows of g the per-call choice counts, at most
     count_sample_min_rows: int = 256  # ... and at least (else M / 8)
     decode_gather_max_tokens: int = 0  # tokens up to which xla.gather_ffn runs (0: off; measured slower)
