@@ -1,4 +1,4 @@
-"""The `jax-twell` command: train, evaluate, sample from and plot sparse-FFN language models."""
+"""The `jax-twell` command: train, evaluate, sample from, plot and benchmark sparse-FFN language models."""
 
 from __future__ import annotations
 
@@ -99,7 +99,102 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--report", action="store_true", help="train nothing: tabulate the runs already under the sweep directory")
     sweep.add_argument("--workdir", default=None, help="sweep directory (default: runs/sweep-<preset>)")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
+    _add_bench(commands, PRESETS)
     return parser
+
+
+BENCH_EPILOG = """\
+Examples:
+  jax-twell bench --preset tiny                       fresh weights (figures meaningless for speed), CPU
+  jax-twell bench --workdir runs/0.5b batch_size=64 grad_accum=4 --out bench/0.5b-h200.json
+  jax-twell bench --preset tiny --prefill 1x64 --decode none --train-steps 0 model.n_layers=2
+The three models, built from one preset in one process on the first device: sparse (SparseFFN,
+ReLU gate, the run's implementation: by default the library's), swiglu and dense_relu (DenseFFN,
+same shape, fresh weights). With --workdir the sparse model takes the run's checkpoint and
+configuration, else fresh weights (the JSON says so). key=value overrides apply to that
+configuration: batch_size, grad_accum and seq_len set the training case (default: the
+preset's), peak_tflops the peak for MFU. Sequences longer than the model's context are cut to
+it (the JSON notes each cut). Writes JSON (metadata, raw timings, metrics, sparse/baseline
+ratios) and a PNG of the ratios. Where the device cannot measure (MFU without a known peak,
+power off NVIDIA GPUs, the allocator's figures on CPU) the values are null with a reason.
+Exit status: 0 done; 2 refused (bad value, no checkpoint that loads).
+"""
+
+
+def _shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """--prefill's value: comma-separated BATCHxSEQ, or none."""
+    if text.strip().lower() == "none":
+        return ()
+    shapes = []
+    for item in text.split(","):
+        batch, sep, seq = item.strip().lower().partition("x")
+        if not sep or not batch.isdigit() or not seq.isdigit() or int(batch) < 1 or int(seq) < 1:
+            raise argparse.ArgumentTypeError(f"expected BATCHxSEQ[,BATCHxSEQ...] with positive integers (or none), got {item!r}")
+        shapes.append((int(batch), int(seq)))
+    return tuple(shapes)
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    """--decode's value: comma-separated batch sizes, or none."""
+    if text.strip().lower() == "none":
+        return ()
+    items = [t.strip() for t in text.split(",")]
+    if not all(t.isdigit() and int(t) >= 1 for t in items):
+        raise argparse.ArgumentTypeError(f"expected positive batch sizes B[,B...] (or none), got {text!r}")
+    return tuple(int(t) for t in items)
+
+
+def _count(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _add_bench(commands, presets) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="prefill, decode and training throughput, MFU, memory and energy per token of a sparse model "
+        "against SwiGLU and dense-ReLU baselines of the same shape (JSON and PNG; GPU for the paper's presets)",
+        description="Measure a sparse-FFN model and its dense baselines on the current device.",
+        epilog=BENCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("--preset", default=None, choices=list(presets), help="configuration preset without --workdir (default: tiny)")
+    bench.add_argument("--workdir", default=None, help="a run written by `jax-twell train`: its checkpoint and config (default: fresh weights)")
+    bench.add_argument("--step", type=int, default=None, help="checkpoint step to load (default: the newest)")
+    bench.add_argument("--prefill", type=_shapes, default="1x2048,8x2048,32x2048", metavar="BxT,...",
+                       help="prefill shapes, or none (default: %(default)s)")
+    bench.add_argument("--decode", type=_batches, default="1,8,64", metavar="B,...", help="decode batch sizes, or none (default: %(default)s)")
+    bench.add_argument("--prompt", type=_count(1), default=512, help="decode prompt tokens (default: %(default)s)")
+    bench.add_argument("--new-tokens", type=_count(1), default=256, help="decode new tokens (default: %(default)s)")
+    bench.add_argument("--train-steps", type=_count(0), default=2, help="training steps per timed window at least, 0: no training case (default: %(default)s)")
+    bench.add_argument("--repeats", type=_count(1), default=5, help="timed rounds (default: %(default)s)")
+    bench.add_argument("--warmup", type=_count(1), default=2, help="untimed calls of each program first (default: %(default)s)")
+    bench.add_argument("--min-seconds", type=_seconds, default=0.5, help="shortest timed window, calls repeated to fill it (default: %(default)s)")
+    bench.add_argument("--power-interval", type=_seconds, default=0.01, help="seconds between power readings (default: %(default)s)")
+    bench.add_argument("--data", choices=("auto", "corpus", "random"), default="auto",
+                       help="tokens: the run's corpus, uniform random, or auto: corpus with --workdir (default: %(default)s)")
+    bench.add_argument("--no-calibrate", action="store_true", help="serve the sparse model uncalibrated, without decode layouts")
+    bench.add_argument("--out", default=None, help="JSON file (default: <workdir>/bench_<platform>.json, or bench/<preset>_<platform>.json)")
+    bench.add_argument("--png", default=None, help="PNG of the ratios (default: the JSON's path with .png)")
+    bench.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (batch_size=, grad_accum=, seq_len=, peak_tflops=, model.*)")
 
 
 EXIT_REFUSED = 2  # the command cannot run as asked: bad value, locked or occupied directory, unreadable file
@@ -231,6 +326,44 @@ def _sweep(args, console) -> int:
     return 0
 
 
+def _bench(args, console) -> int:
+    import jax
+
+    from jax_twell.train import config as config_lib
+    from jax_twell.train import trainer
+    from jax_twell.train.bench import BenchOptions, run_bench, write_outputs
+    from jax_twell.train.bench_report import summary_table
+
+    if args.workdir:
+        cfg = trainer.load_run_config(args.workdir, args.overrides)
+        if args.preset and args.preset != cfg.preset:
+            raise ValueError(f"--preset {args.preset}: the run in {args.workdir} is of preset {cfg.preset}")
+    else:
+        if args.step is not None:
+            raise ValueError("--step needs --workdir (a run's checkpoint)")
+        cfg = config_lib.get_config(args.preset or "tiny", args.overrides)
+    if args.power_interval <= 0:
+        raise ValueError(f"--power-interval must be > 0, got {args.power_interval}")
+    options = BenchOptions(
+        prefill=args.prefill, decode=args.decode, prompt=args.prompt, new_tokens=args.new_tokens,
+        train_steps=args.train_steps, repeats=args.repeats, warmup=args.warmup, min_seconds=args.min_seconds,
+        power_interval=args.power_interval, data=args.data, calibrate=not args.no_calibrate,
+    )
+    if not (options.prefill or options.decode or options.train_steps):
+        raise ValueError("nothing to measure: --prefill none, --decode none and --train-steps 0")
+    platform = jax.devices()[0].platform
+    out = Path(args.out or (Path(args.workdir) / f"bench_{platform}.json" if args.workdir else f"bench/{cfg.preset}_{platform}.json"))
+    result = run_bench(cfg, options, workdir=args.workdir, step=args.step, console=console)
+    json_path, png_path = write_outputs(result, out, args.png or out.with_suffix(".png"))
+    console.print(summary_table(result))
+    for reason in sorted({m["reason"] for m in result["metrics"].values() if m["reason"]}):
+        console.print(f"[yellow]null:[/] {escape(reason)}", highlight=False, soft_wrap=True)
+    if result["weights"].get("note"):
+        console.print(f"[yellow]note:[/] {escape(result['weights']['note'])}", highlight=False, soft_wrap=True)
+    console.print(f"wrote {json_path} and {png_path}", soft_wrap=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jax-twell` console script."""
     parser = _parser()
@@ -248,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
 
     several = args.command in ("train", "eval", "generate", "sweep") and maybe_initialize_distributed()
     console = Console(quiet=several and not is_lead())  # several processes: process 0 reports (errors: all)
-    handler = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "sweep": _sweep}[args.command]
+    handler = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "sweep": _sweep, "bench": _bench}
+    handler = handler[args.command]
     from jax_twell.train.checkpoint import RestoreError
     from jax_twell.train.lock import RunLockedError
     from jax_twell.train.trainer import DivergedError, Interrupted

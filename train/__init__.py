@@ -16,6 +16,8 @@
     trainer      the loop: train(cfg), resume, SIGTERM, the non-finite guard
     plot         PNG plots of a run
     sweep        one run per L1 coefficient, table and plots
+    bench        a sparse model against dense baselines of its shape (bench_measure: timing,
+                 power, memory; bench_report: metrics, ratios, PNG)
 
-Command line: ``jax-twell train|eval|generate|plot|sweep`` (``jax_twell.cli``).
+Command line: ``jax-twell train|eval|generate|plot|sweep|bench`` (``jax_twell.cli``).
 """
