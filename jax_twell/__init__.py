@@ -6,6 +6,7 @@ A ReLU-gated FFN trained with a small L1 penalty on its hidden activations becom
 custom calls, with pure-JAX references that run anywhere.
 """
 
+from jax_twell._cpu import CpuKernelStatus, cpu_kernel_status, cpu_kernels_available
 from jax_twell._kernels import KernelStatus, kernel_status, kernels_available
 from jax_twell.formats import Hybrid, TwELL
 from jax_twell.ops import FFNAux, FFNSharding, gate_twell, pack_hybrid, pack_twell, sparse_ffn, sparse_ffn_train, twell_ffn
@@ -13,11 +14,14 @@ from jax_twell.ops import FFNAux, FFNSharding, gate_twell, pack_hybrid, pack_twe
 __version__ = "0.1.0"
 
 __all__ = [
+    "CpuKernelStatus",
     "FFNAux",
     "FFNSharding",
     "Hybrid",
     "KernelStatus",
     "TwELL",
+    "cpu_kernel_status",
+    "cpu_kernels_available",
     "gate_twell",
     "kernel_status",
     "kernels_available",

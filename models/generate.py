@@ -27,7 +27,10 @@ def generate(
 
     One jitted program: ``model.prefill`` on the prompts into a cache of
     ``T + max_new_tokens - 1`` positions, then ``model.decode_step`` one token at a time
-    (a ``lax.scan``), every FFN on its inference path (``SparseFFN.infer``). It compiles
+    (a ``lax.scan``), every FFN on its inference path (``SparseFFN.infer``). The sparse
+    FFNs' decode layout (``TransformerLM.cache_for_decode``: ``w_up.T`` and the weights'
+    finite check) is made once per call inside the program where the model does not keep
+    one, so no step transposes a weight; the model passed in is not changed. It compiles
     once per (prompt shape, ``max_new_tokens``, ``top_k``, greedy or not).
 
     Args:
@@ -94,6 +97,8 @@ def _sample(logits: jax.Array, key: jax.Array, temperature, top_k: int | None, g
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "top_k", "greedy"))
 def _generate(graphdef, state, prompt_tokens, temperature, rng, *, max_new_tokens, top_k, greedy):
     model = nnx.merge(graphdef, state)
+    if not model.decode_layout_kept():  # this program's copy only: the caller's model is unchanged
+        model.cache_for_decode()
     sample = functools.partial(_sample, temperature=temperature, top_k=top_k, greedy=greedy)
     keys = jax.random.split(rng, max_new_tokens)
     logits, cache = model.prefill(prompt_tokens, prompt_tokens.shape[1] + max_new_tokens - 1, last_only=True)

@@ -196,6 +196,38 @@ class TestXla(FFNContract):
     implementation = "xla"
 
 
+class TestCpu(FFNContract):
+    """The CPU kernels (inference only: training runs XLA), forced on: their own dense side
+    runs where g is not sparse enough, plain calls below 64 tokens run dense entirely
+    (jax_twell.ops.ffn.cpu); tests/test_cpu_kernels.py covers the kernel's own sides."""
+
+    implementation = "cpu"
+    tolerance_factor = 2
+
+    @pytest.fixture(autouse=True)
+    def _cpu_kernels(self):
+        from jax_twell import _cpu
+
+        if not _cpu.cpu_kernels_available():
+            pytest.skip(f"CPU kernels unavailable: {_cpu.cpu_kernel_status().reason}")
+
+    @staticmethod
+    def trains(spec) -> bool:
+        return False
+
+    def test_training_nan_and_inf_as_the_dense_formula(self):
+        pytest.skip("no CPU training kernel")
+
+    def ffn(self, x, w_gate, w_up, w_down):
+        """With the weights' finite columns kept (a serving layer's cache), so that calls of
+        every size run the kernel where g is sparse enough."""
+        from jax_twell.ops.common import finite_columns
+
+        ok = finite_columns(w_up if w_gate is not None else None, w_down)
+        return sparse_ffn_for_layer(x, w_gate, w_up, w_down, implementation=self.implementation, layer=self.layer,
+                                    options=self.options, weights_finite=ok)
+
+
 @pytest.mark.gpu
 class TestCuda(FFNContract):
     """The kernels, told the layer's side is sparse (the default rule runs these small

@@ -123,3 +123,17 @@ def test_generate_nongated_dense_baseline():
     model = TransformerLM(cfg, rngs=nnx.Rngs(1))
     prompt = tokens_for(cfg, length=3)
     np.testing.assert_array_equal(generate(model, prompt, 3, temperature=0.0), greedy_by_full_forward(model, prompt, 3))
+
+
+def test_generate_makes_the_decode_layout_in_its_own_copy(model):
+    """generate keeps w_up.T and the weights' check for its steps (the model's own decode
+    layout where it keeps one): same tokens either way, and the model passed in unchanged."""
+    fresh = TransformerLM(CFG, rngs=nnx.Rngs(0))
+    assert not fresh.decode_layout_kept()
+    prompt = tokens_for(CFG, length=5, seed=4)
+    out = generate(fresh, prompt, 6, temperature=0.0)
+    assert not fresh.decode_layout_kept()  # the caller's model was not touched
+    fresh.cache_for_decode()
+    assert fresh.decode_layout_kept()
+    np.testing.assert_array_equal(generate(fresh, prompt, 6, temperature=0.0), out)
+    np.testing.assert_array_equal(out, greedy_by_full_forward(fresh, prompt, 6))

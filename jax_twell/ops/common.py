@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_twell import _kernels
+from jax_twell import _cpu, _kernels
 from jax_twell.ops import layout
 
 __all__ = [
@@ -25,7 +25,7 @@ __all__ = [
     "varying_axes",
 ]
 
-IMPLEMENTATIONS = ("reference", "xla", "cuda")
+IMPLEMENTATIONS = ("reference", "xla", "cuda", "cpu")
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -135,23 +135,32 @@ def flatten_tokens(x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
 
 
 def choose(op: str, implementation: str | None, kernels: dict, portable: str):
-    """Returns the callable for ``implementation`` among ``kernels`` (name -> fn)."""
+    """Returns the callable for ``implementation`` among ``kernels`` (name -> fn).
+
+    None: per lowering platform (``lax.platform_dependent``), "cuda" on CUDA devices and
+    "cpu" on the CPU where those kernels are present and loaded, ``portable`` elsewhere."""
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     if implementation is None:
         fallback = kernels[portable]
+        branches = {}
         if "cuda" in kernels and _kernels.kernels_available():
-            cuda_fn = kernels["cuda"]
+            branches["cuda"] = kernels["cuda"]
+        if "cpu" in kernels and _cpu.cpu_kernels_available():
+            branches["cpu"] = kernels["cpu"]
+        if not branches:
+            return fallback
 
-            def auto(*args):
-                return jax.lax.platform_dependent(*args, cuda=cuda_fn, default=fallback)
+        def auto(*args):
+            return jax.lax.platform_dependent(*args, **branches, default=fallback)
 
-            return auto
-        return fallback
+        return auto
     if implementation not in kernels:
         raise NotImplementedError(f"{op}: no {implementation!r} implementation; available: {sorted(kernels)}")
     if implementation == "cuda" and not _kernels.kernels_available():
         raise RuntimeError(f"{op}: implementation='cuda' but the kernels are unavailable: {_kernels.kernel_status().reason}")
+    if implementation == "cpu" and not _cpu.cpu_kernels_available():
+        raise RuntimeError(f"{op}: implementation='cpu' but the CPU kernels are unavailable: {_cpu.cpu_kernel_status().reason}")
     return kernels[implementation]
 
 

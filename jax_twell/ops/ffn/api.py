@@ -27,7 +27,7 @@ from jax_twell.ops.common import (
     flatten_tokens,
     fold_vmap_into_tokens,
 )
-from jax_twell.ops.ffn import cuda, reference
+from jax_twell.ops.ffn import cpu, cuda, reference
 from jax_twell.ops.ffn.vjp import dense_formula_gradients
 from jax_twell.ops.plan import FFNOptions, LayerInfo
 from jax_twell.ops.sharded import FFNSharding, shard_ffn
@@ -176,10 +176,17 @@ def sparse_ffn_for_layer(
             flatten=True,
         )
     )
+    cpu_ffn = dense_formula_gradients(
+        fold_vmap_into_tokens(
+            lambda x, wg, wu, wd, w_up_t, w_act_t, ok: cpu.sparse_ffn(x, wg, wu, wd, w_up_t=w_up_t, weights_finite=ok),
+            flatten=True,
+        )
+    )
     kernels = dict(
         reference=ignore_t(functools.partial(reference.ffn, tile=options.tile, capacity=options.capacity)),
         xla=ignore_t(xla.ffn),
         cuda=lambda x, wg, wu, wd, w_up_t=None, w_act_t=None, ok=None: cuda_ffn(x, wg, wu, wd, w_up_t, w_act_t, ok),
+        cpu=lambda x, wg, wu, wd, w_up_t=None, w_act_t=None, ok=None: cpu_ffn(x, wg, wu, wd, w_up_t, w_act_t, ok),
     )
     if implementation is None and not layout.row_supported(x.shape[-1], x.dtype):
         del kernels["cuda"]  # shapes the kernel does not take run dense

@@ -1,0 +1,359 @@
+// CPU XLA FFI handlers of the sparse FFN's up and down products (a nanobind module,
+// jax_twell._cpu_kernels, hands them to Python as capsules).
+//
+// The gate g = relu(x @ w_act) [M, f] is XLA's matmul (its GEMM is good on the CPU); these
+// handlers read, per token, only the weight rows of the neurons where g is non-zero:
+//
+//   gated:      u = x_t . w_up[:, n] (f32 sums, rounded to the element type),
+//               h = g[t, n] * u (in the element type), y_t += h * w_down[n, :] (f32 sums)
+//   non-gated:  h = g[t, n],                             y_t += h * w_down[n, :]
+//
+// y_t is rounded to the element type once, at the end: the rounding of
+// jax_twell/ops/ffn/reference.py. A NaN entry of g counts as non-zero (it reaches y as the
+// dense formula has it); entries that are zero skip their products, so NaN and Inf that
+// only those products would carry are the caller's to add (as_dense_nonfinite).
+//
+// The up weight comes in one of two layouts (attribute up_transposed): w_up_t [f, d]
+// (w_up.T, a kept copy: a neuron's weights are one contiguous row) or w_up [d, f] itself
+// (a neuron's weights are a column: d strided reads, one cache line each).
+//
+// f32 and bf16 (bf16 <-> f32 by bit shifts, rounding to nearest even as XLA does). Loops
+// are written for the compiler's vectoriser; on x86-64 the two inner loops are compiled
+// for AVX-512, AVX2 and the baseline and chosen at load time (target_clones).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TWELL_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TWELL_CLONES
+#endif
+
+using bf16 = uint16_t;
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16 v) {
+  uint32_t bits = uint32_t(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Rounds an f32 to the element type T (nearest even; NaN stays NaN).
+template <typename T>
+T from_f32(float v);
+template <>
+inline float from_f32<float>(float v) { return v; }
+template <>
+inline bf16 from_f32<bf16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16((bits >> 16) | 0x40u);  // quiet NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return bf16(bits >> 16);
+}
+template <typename T>
+inline float round_to(float v) { return to_f32(from_f32<T>(v)); }
+
+// Non-zero, NaN included (the sign bit aside, any set bit).
+inline bool nonzero(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return (bits & 0x7fffffffu) != 0;
+}
+inline bool nonzero(bf16 v) { return (v & 0x7fffu) != 0; }
+
+// sum_k a[k] * w[k], f32 sums in 16 lanes.
+template <typename T>
+TWELL_CLONES float dot(const float* __restrict a, const T* __restrict w, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t k = 0; k < n; ++k) sum += a[k] * to_f32(w[k]);
+  return sum;
+}
+
+// acc[k] += h * w[k].
+template <typename T>
+TWELL_CLONES void axpy(float* __restrict acc, float h, const T* __restrict w, int64_t n) {
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) acc[k] += h * to_f32(w[k]);
+}
+
+// u[j] = sum_k a[k] * w[k, idx[j]] for the columns idx of w [n, f] (row by row, so the
+// rows are read in order).
+template <typename T>
+void column_dots(float* __restrict u, const float* __restrict a, const T* __restrict w, int64_t n, int64_t f,
+                 const int64_t* __restrict idx, int64_t count) {
+  std::fill(u, u + count, 0.0f);
+  for (int64_t k = 0; k < n; ++k) {
+    const float ak = a[k];
+    const T* row = w + k * f;
+    for (int64_t j = 0; j < count; ++j) u[j] += ak * to_f32(row[idx[j]]);
+  }
+}
+
+struct Problem {
+  int64_t m, d, f;
+  const void* x;       // [m, d]
+  const void* g;       // [m, f]
+  const void* w_up;    // [f, d] (up_transposed) or [d, f]; null: non-gated
+  const void* w_down;  // [f, d]
+  void* y;             // [m, d]
+  bool up_transposed;
+};
+
+// Tokens [begin, end) of the problem, one after another.
+template <typename T>
+void run_tokens(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t d = p.d, f = p.f;
+  const T* x = static_cast<const T*>(p.x);
+  const T* g = static_cast<const T*>(p.g);
+  const T* w_up = static_cast<const T*>(p.w_up);
+  const T* w_down = static_cast<const T*>(p.w_down);
+  T* y = static_cast<T*>(p.y);
+  std::vector<float> xf(d), acc(d), u;
+  std::vector<int64_t> idx;
+  idx.reserve(64);
+  for (int64_t t = begin; t < end; ++t) {
+    const T* g_t = g + t * f;
+    idx.clear();
+    for (int64_t n = 0; n < f; ++n)
+      if (nonzero(g_t[n])) idx.push_back(n);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    const int64_t count = int64_t(idx.size());
+    if (w_up != nullptr && count > 0) {
+      for (int64_t k = 0; k < d; ++k) xf[k] = to_f32(x[t * d + k]);
+      u.resize(count);
+      if (p.up_transposed) {
+        for (int64_t j = 0; j < count; ++j) u[j] = dot(xf.data(), w_up + idx[j] * d, d);
+      } else {
+        column_dots(u.data(), xf.data(), w_up, d, f, idx.data(), count);
+      }
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const int64_t n = idx[j];
+      float h = to_f32(g_t[n]);
+      if (w_up != nullptr) h = round_to<T>(h * round_to<T>(u[j]));
+      axpy(acc.data(), h, w_down + n * d, d);
+    }
+    T* y_t = y + t * d;
+    for (int64_t k = 0; k < d; ++k) y_t[k] = from_f32<T>(acc[k]);
+  }
+}
+
+// Tokens per thread below which one thread runs the call (starting a thread costs tens of
+// microseconds; a token's rows cost a few at 0.5% active).
+constexpr int64_t kTokensPerThread = 16;
+
+template <typename T>
+void run(const Problem& p) {
+  int64_t threads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), p.m / kTokensPerThread);
+  if (threads <= 1) {
+    run_tokens<T>(p, 0, p.m);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const int64_t chunk = (p.m + threads - 1) / threads;
+  for (int64_t i = 1; i < threads; ++i) {
+    const int64_t begin = std::min(p.m, i * chunk), end = std::min(p.m, (i + 1) * chunk);
+    pool.emplace_back([&p, begin, end] { run_tokens<T>(p, begin, end); });
+  }
+  run_tokens<T>(p, 0, std::min(p.m, chunk));
+  for (auto& th : pool) th.join();
+}
+
+// The gate for a few tokens: g = relu(x @ w) [m, f] for x [m, d], w [d, f], rounded to T,
+// reading w once, row by row (XLA's matmul at a few tokens runs well below the memory's
+// speed, in bf16 several times below). Columns [c0, c1) of g; kGateTokens tokens at a time,
+// their f32 sums in a [kGateTokens, c1 - c0] block.
+constexpr int64_t kGateTokens = 8;
+
+template <typename T>
+TWELL_CLONES void gate_rows(float* __restrict acc, const float* __restrict xs, int64_t tokens, const T* __restrict w,
+                            int64_t d, int64_t f, int64_t c0, int64_t width) {
+  int64_t k = 0;
+  for (; k + 4 <= d; k += 4) {  // four rows a pass: a quarter of the block's loads and stores
+    const T* r0 = w + k * f + c0;
+    const T* r1 = r0 + f;
+    const T* r2 = r1 + f;
+    const T* r3 = r2 + f;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* a = xs + t * d + k;
+      const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+      float* out = acc + t * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j)
+        out[j] += a0 * to_f32(r0[j]) + a1 * to_f32(r1[j]) + a2 * to_f32(r2[j]) + a3 * to_f32(r3[j]);
+    }
+  }
+  for (; k < d; ++k) {
+    const T* row = w + k * f + c0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float a = xs[t * d + k];
+      float* out = acc + t * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) out[j] += a * to_f32(row[j]);
+    }
+  }
+}
+
+template <typename T>
+void gate_columns(const T* x, const T* w, T* g, int64_t m, int64_t d, int64_t f, int64_t c0, int64_t c1) {
+  const int64_t width = c1 - c0;
+  std::vector<float> xs(kGateTokens * d), acc(kGateTokens * width);
+  for (int64_t t0 = 0; t0 < m; t0 += kGateTokens) {
+    const int64_t tokens = std::min(kGateTokens, m - t0);
+    for (int64_t i = 0; i < tokens * d; ++i) xs[i] = to_f32(x[t0 * d + i]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    gate_rows(acc.data(), xs.data(), tokens, w, d, f, c0, width);
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t j = 0; j < width; ++j) {
+        const float v = acc[t * width + j];
+        // relu as XLA's max(v, 0): NaN stays NaN.
+        g[(t0 + t) * f + c0 + j] = from_f32<T>(v < 0.0f ? 0.0f : v);
+      }
+  }
+}
+
+// Columns split over the cores (a column block per thread, 16-aligned).
+template <typename T>
+void gate(const void* x, const void* w, void* g, int64_t m, int64_t d, int64_t f) {
+  const T* xt = static_cast<const T*>(x);
+  const T* wt = static_cast<const T*>(w);
+  T* gt = static_cast<T*>(g);
+  const int64_t threads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()),
+                                            std::max<int64_t>(1, f / 256));
+  const int64_t chunk = ((f + threads - 1) / threads + 15) / 16 * 16;
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < threads; ++i) {
+    const int64_t c0 = std::min(f, i * chunk), c1 = std::min(f, (i + 1) * chunk);
+    if (c0 < c1) pool.emplace_back([=] { gate_columns(xt, wt, gt, m, d, f, c0, c1); });
+  }
+  gate_columns(xt, wt, gt, m, d, f, 0, std::min(f, chunk));
+  for (auto& th : pool) th.join();
+}
+
+ffi::Error check_2d(const ffi::AnyBuffer& b, const char* name, int64_t rows, int64_t cols, ffi::DataType dtype) {
+  auto dims = b.dimensions();
+  if (dims.size() != 2 || dims[0] != rows || dims[1] != cols)
+    return ffi::Error::InvalidArgument(std::string("jax_twell_cpu: ") + name + " must be [" + std::to_string(rows) +
+                                       ", " + std::to_string(cols) + "]");
+  if (b.element_type() != dtype)
+    return ffi::Error::InvalidArgument(std::string("jax_twell_cpu: ") + name + " must have x's dtype");
+  return ffi::Error::Success();
+}
+
+ffi::Error solve(Problem p, ffi::DataType dtype) {
+  if (p.m == 0 || p.d == 0) return ffi::Error::Success();
+  if (dtype == ffi::DataType::F32) {
+    run<float>(p);
+  } else if (dtype == ffi::DataType::BF16) {
+    run<bf16>(p);
+  } else {
+    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
+// Gated: x [M, d], g [M, f], w_up_t [f, d] (up_transposed != 0) or w_up [d, f],
+// w_down [f, d] -> y [M, d].
+ffi::Error UpDownImpl(ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,
+                      ffi::Result<ffi::AnyBuffer> y, int32_t up_transposed) {
+  auto xd = x.dimensions(), gd = g.dimensions();
+  if (xd.size() != 2 || gd.size() != 2) return ffi::Error::InvalidArgument("jax_twell_cpu: x and g must be 2-D");
+  const int64_t m = xd[0], d = xd[1], f = gd[1];
+  const ffi::DataType dt = x.element_type();
+  for (auto err : {check_2d(g, "g", m, f, dt),
+                   up_transposed ? check_2d(w_up, "w_up_t", f, d, dt) : check_2d(w_up, "w_up", d, f, dt),
+                   check_2d(w_down, "w_down", f, d, dt), check_2d(*y, "y", m, d, dt)})
+    if (err.failure()) return err;
+  return solve({m, d, f, x.untyped_data(), g.untyped_data(), w_up.untyped_data(), w_down.untyped_data(),
+                y->untyped_data(), up_transposed != 0},
+               dt);
+}
+
+// Non-gated: g [M, f], w_down [f, d] -> y [M, d] (h = g).
+ffi::Error DownImpl(ffi::AnyBuffer g, ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y) {
+  auto gd = g.dimensions(), wd = w_down.dimensions();
+  if (gd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("jax_twell_cpu: g and w_down must be 2-D");
+  const int64_t m = gd[0], f = gd[1], d = wd[1];
+  const ffi::DataType dt = g.element_type();
+  for (auto err : {check_2d(w_down, "w_down", f, d, dt), check_2d(*y, "y", m, d, dt)})
+    if (err.failure()) return err;
+  return solve({m, d, f, nullptr, g.untyped_data(), nullptr, w_down.untyped_data(), y->untyped_data(), false}, dt);
+}
+
+// The gate for a few tokens: x [M, d], w [d, f] -> g [M, f] = relu(x @ w).
+ffi::Error GateImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> g) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("jax_twell_cpu: x and w must be 2-D");
+  const int64_t m = xd[0], d = xd[1], f = wd[1];
+  const ffi::DataType dt = x.element_type();
+  for (auto err : {check_2d(w, "w", d, f, dt), check_2d(*g, "g", m, f, dt)})
+    if (err.failure()) return err;
+  if (m == 0 || f == 0) return ffi::Error::Success();
+  if (dt == ffi::DataType::F32) {
+    gate<float>(x.untyped_data(), w.untyped_data(), g->untyped_data(), m, d, f);
+  } else if (dt == ffi::DataType::BF16) {
+    gate<bf16>(x.untyped_data(), w.untyped_data(), g->untyped_data(), m, d, f);
+  } else {
+    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuGate, GateImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w
+                                  .Ret<ffi::AnyBuffer>());  // g
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuUpDown, UpDownImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // g
+                                  .Arg<ffi::AnyBuffer>()  // w_up_t or w_up
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Attr<int32_t>("up_transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuDown, DownImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // g
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Ret<ffi::AnyBuffer>());  // y
+
+// Bumped whenever a handler's operands, attributes or results change, so Python never
+// binds a stale module (jax_twell/_cpu.py checks it).
+constexpr int kAbiVersion = 1;
+
+NB_MODULE(_cpu_kernels, m) {
+  m.doc() = "jax_twell's CPU XLA FFI handlers (sparse FFN up and down products).";
+  m.def("handlers", []() {
+    nb::dict out;
+    out["jax_twell_cpu_up_down"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuUpDown));
+    out["jax_twell_cpu_down"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuDown));
+    out["jax_twell_cpu_gate"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuGate));
+    return out;
+  }, "FFI target name -> capsule of its XLA_FFI_Handler (register with platform='cpu').");
+  m.def("abi_version", []() { return kAbiVersion; }, "Version of the handlers' operands and attributes.");
+  m.def("ffi_api_version", []() { return nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR); },
+        "XLA FFI API (major, minor) of the headers this module was compiled against.");
+}

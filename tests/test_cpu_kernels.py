@@ -1,0 +1,145 @@
+"""The CPU kernels (cpu/twell_cpu.cc through jax_twell.ops.ffn.cpu) against the reference
+and the dense formula: f32 and bf16, gated and non-gated, odd shapes, full and empty rows,
+NaN and Inf as the dense formula has them, and the default implementation on the CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_twell as jt
+from jax_twell import _cpu
+from jax_twell.formats import relu_matmul
+from jax_twell.ops.common import finite_columns
+from jax_twell.ops.ffn import cpu
+from jax_twell.ops.ffn.api import sparse_ffn_for_layer
+from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
+from specs import assert_close, fused_tolerance, tolerance
+
+pytestmark = pytest.mark.skipif(
+    not _cpu.cpu_kernels_available(), reason=f"CPU kernels unavailable: {_cpu.cpu_kernel_status().reason}")
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def dense_f32(x, w_gate, w_up, w_down):
+    x, w_up, w_down = (a.astype(jnp.float32) for a in (x, w_up, w_down))
+    with jax.default_matmul_precision("highest"):
+        h = jax.nn.relu(x @ w_up) if w_gate is None else jax.nn.relu(x @ w_gate.astype(jnp.float32)) * (x @ w_up)
+        return h @ w_down
+
+
+def reference_up_down(x, g, w_up, w_down):
+    """jax_twell/ops/ffn/reference.py's rounding: u rounded, h = g * u in the dtype."""
+    h = g
+    if w_up is not None:
+        h = g * jnp.matmul(x, w_up, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.matmul(h, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m,d,f,density", [(0, 13, 37, 0.1), (1, 37, 301, 0.05), (7, 29, 203, 0.2),
+                                           (300, 45, 157, 0.05)])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_up_down_is_the_reference(dtype, gated, m, d, f, density, layout):
+    if layout == "columns" and not gated:
+        pytest.skip("non-gated: no up weight")
+    x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(m + d), m, d, f, density=density, dtype=dtype)
+    if not gated:
+        w_gate, w_up = None, w_gate
+    if m >= 3:  # a fully active row and an empty one
+        x = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + d), m, d, f, density=density, dtype=dtype)
+                              ._replace(x=x), full=1, empty=1).x
+    g = relu_matmul(x, w_gate if gated else w_up)
+    w_up_k = w_up if gated else None
+    y = jax.jit(lambda *a: cpu.up_down(*a, w_up_t=w_up.T if gated and layout == "rows" else None))(x, g, w_up_k, w_down)
+    assert y.shape == (m, d) and y.dtype == dtype
+    want = reference_up_down(x, g, w_up_k, w_down)
+    assert_close(y, want, tolerance(dtype, f), f"{layout} vs reference")
+    if m:
+        assert_close(y, dense_f32(x, w_gate, w_up, w_down), fused_tolerance(dtype, d + f), "vs dense formula")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("m", [1, 7, 20])
+def test_gate_is_xla_matmul(dtype, m):
+    x, w, _, _ = synthetic_ffn_inputs(jax.random.key(m), m, 37, 301, density=0.1, dtype=dtype)
+    x = x.at[0, 3].set(jnp.nan)
+    got, want = np.asarray(cpu.gate(x, w), np.float32), np.asarray(relu_matmul(x, w), np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    assert_close(got[ok], want[ok], tolerance(dtype, 37), "gate")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m", [1, 8, 70])
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_sparse_ffn_is_the_dense_formula(dtype, gated, m, cached):
+    """Both sides of the device choice (0.5% and 60% active) and both up layouts."""
+    for density in (0.005, 0.6):
+        x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(3), m, 64, 520, density=density, dtype=dtype)
+        if not gated:
+            w_gate, w_up = None, w_gate
+        extra = {}
+        if cached:
+            extra = dict(w_up_t=w_up.T if gated else None, weights_finite=finite_columns(w_up if gated else None, w_down))
+        y = jax.jit(lambda *a: sparse_ffn_for_layer(*a, implementation="cpu", **extra))(x, w_gate, w_up, w_down)
+        assert y.shape == x.shape and y.dtype == dtype
+        assert_close(y, dense_f32(x, w_gate, w_up, w_down), fused_tolerance(dtype, 64 + 520), f"density {density}")
+
+
+@pytest.mark.parametrize("case", ["nan_w_up_quiet", "inf_w_down_quiet", "nan_x_row", "inf_x_row", "nan_w_act",
+                                  "nan_g_entry"])
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
+def test_nan_and_inf_as_the_dense_formula(case, cached):
+    m, d, f = 70, 40, 300  # 70 tokens: the plain call runs the kernel too
+    x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(4), m, d, f, density=0.02, dtype=jnp.float32)
+    fired = (relu_matmul(x, w_gate) > 0).sum(0)
+    quiet = int(jnp.argmin(fired))
+    if case == "nan_w_up_quiet":
+        w_up = w_up.at[3, quiet].set(jnp.nan)
+    elif case == "inf_w_down_quiet":
+        w_down = w_down.at[quiet, 1].set(jnp.inf)
+    elif case == "nan_x_row":
+        x = x.at[0, 2].set(jnp.nan)
+    elif case == "inf_x_row":
+        x = x.at[-1, 0].set(-jnp.inf)
+    elif case == "nan_w_act":
+        w_gate = w_gate.at[1, quiet].set(jnp.nan)
+    else:  # one active neuron's gate weight NaN only where x's feature 5 is large
+        busy = int(jnp.argmax(fired))
+        w_gate = w_gate.at[5, busy].set(jnp.inf)
+    extra = dict(w_up_t=w_up.T, weights_finite=finite_columns(w_up, w_down)) if cached else {}
+    y = np.asarray(jax.jit(lambda *a: sparse_ffn_for_layer(*a, implementation="cpu", **extra))(x, w_gate, w_up, w_down))
+    want = np.asarray(dense_f32(x, w_gate, w_up, w_down))
+    bad = ~np.isfinite(want)
+    assert bad.any()
+    np.testing.assert_array_equal(~np.isfinite(y), bad, err_msg=case)
+    assert_close(np.where(bad, 0, y), np.where(bad, 0, want), fused_tolerance(jnp.float32, d + f), case)
+
+
+def test_implementation_none_runs_the_kernel_on_the_cpu():
+    x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(5), 70, 64, 256, density=0.01, dtype=jnp.float32)
+    hlo = jax.jit(jt.sparse_ffn).lower(x, w_gate, w_up, w_down).as_text()
+    assert "jax_twell_cpu_up_down" in hlo
+    assert_close(jt.sparse_ffn(x, w_gate, w_up, w_down), dense_f32(x, w_gate, w_up, w_down),
+                 fused_tolerance(jnp.float32, 64 + 256), "public op")
+
+
+def test_module_infer_with_caches_runs_the_kernel():
+    from flax import nnx
+
+    from jax_twell.modules import SparseFFN
+
+    layer = SparseFFN(32, 96, rngs=nnx.Rngs(0))
+    layer.cache_transposed_up_weight(jnp.float32)
+    x = jax.random.normal(jax.random.key(6), (1, 32))
+    hlo = jax.jit(lambda x: layer.infer(x)).lower(x).as_text()
+    assert "jax_twell_cpu_up_down" in hlo
+
+
+def test_status_reports_the_module():
+    status = _cpu.cpu_kernel_status()
+    assert status.available and status.module and status.ffi_api is not None
