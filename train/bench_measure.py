@@ -223,7 +223,7 @@ def open_power_sampler(device: jax.Device, interval: float) -> tuple[PowerSample
 
 
 def run_metadata(device: jax.Device) -> dict:
-    """UTC date, device, platform, jax/jaxlib versions, the CUDA kernels' status and the commit
+    """UTC date, device, platform, jax/jaxlib versions, the CUDA and CPU kernels' status and the commit
     measured: ``$JAX_TWELL_COMMIT`` when set (a copied tree's git metadata may be stale),
     else git's HEAD of the source tree (``+dirty`` with local edits to tracked files), else
     "unknown"."""
@@ -240,6 +240,7 @@ def run_metadata(device: jax.Device) -> dict:
         jaxlib=jax.lib.__version__,
         cuda_kernels=status.available,
         cuda_kernels_reason=None if status.available else status.reason,
+        cpu_kernels=jax_twell.cpu_kernels_available(),
         commit=commit,
     )
 
