@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compiles the CUDA library against the XLA FFI headers of several jaxlib releases, so a
+# Compiles the CUDA library and the CPU module against the XLA FFI headers of several jaxlib releases, so a
 # header change in a new jaxlib fails here and not in a user's install. No GPU is needed:
 # only nvcc, cmake, ninja and network access to the package index.
 #
@@ -66,6 +66,21 @@ if [ -z "${CUTLASS_DIR:-}" ]; then
 fi
 CUTLASS_DIR=$(cd "$CUTLASS_DIR" && pwd)
 
+# nanobind for the CPU module (cpu/), which is compiled against the same headers: the
+# build requirement's wheel, unpacked under $work where the Python running the check lacks it.
+nanobind_path=""
+if ! "$python" -c "import nanobind" 2>/dev/null; then
+  nanobind_req=$(sed -n 's/.*"\(nanobind[^"]*\)".*/\1/p' pyproject.toml | head -1)
+  if [ ! -d "$work/nanobind/nanobind" ]; then
+    tmp=$(mktemp -d "$work/download.XXXXXX")
+    "$python" -m pip download --quiet --no-deps --dest "$tmp" "$nanobind_req" >/dev/null
+    rm -rf "$work/nanobind"
+    unzip -q "$tmp"/nanobind-*.whl -d "$work/nanobind"
+    rm -rf "$tmp"
+  fi
+  nanobind_path=$work/nanobind
+fi
+
 includes=()
 for v in "${versions[@]}"; do
   include=$(jaxlib_headers "$v")
@@ -77,7 +92,8 @@ build() {  # build INCLUDE_DIR JOBS: configure and build the library in its own 
   name=$(basename "$(dirname "$(dirname "$include")")")  # jaxlib-X.Y.Z
   dir=$work/build-$name
   {
-    cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_TWELL_CUDA=ON \
+    PYTHONPATH="$nanobind_path${PYTHONPATH:+:$PYTHONPATH}" \
+      cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DJAX_TWELL_CUDA=ON \
       -DXLA_FFI_INCLUDE_DIR="$include" -DCUTLASS_DIR="$CUTLASS_DIR" \
       -DPython_EXECUTABLE="$python" &&
       cmake --build "$dir" -j "$2"
