@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from pathlib import Path
 
 import jax
 
@@ -46,13 +45,8 @@ class CpuKernelStatus:
 
 
 def _not_built_reason(error: Exception) -> str:
-    import jax_twell
-
-    for folder in jax_twell.__path__:
-        try:
-            note = (Path(folder) / BUILD_NOTE).read_text().strip()
-        except OSError:
-            continue
+    note = _kernels.read_build_note(BUILD_NOTE)
+    if note is not None:
         return f"{note}. XLA's dense FFN runs on the CPU instead."
     return (
         f"the CPU module jax_twell._cpu_kernels is not importable ({error}): it is built by "
@@ -108,9 +102,4 @@ def cpu_kernel_call(target: str, result_types, *, vmap_method: str = "sequential
       KeyError: ``target`` is not one of ``CPU_HANDLERS``.
       RuntimeError: the module is unavailable; the message gives the reason.
     """
-    if target not in CPU_HANDLERS:
-        raise KeyError(f"unknown jax_twell CPU FFI target {target!r}; known: {list(CPU_HANDLERS)}")
-    status = cpu_kernel_status()
-    if not status.available:
-        raise RuntimeError(f"jax_twell CPU kernel {target!r} cannot run: {status.reason}")
-    return jax.ffi.ffi_call(target, result_types, vmap_method=vmap_method)
+    return _kernels.checked_ffi_call(target, CPU_HANDLERS, cpu_kernel_status, "CPU", result_types, vmap_method)

@@ -81,18 +81,25 @@ def _candidate_paths() -> list[Path]:
     return [Path(p) / LIBRARY_NAME for p in jax_twell.__path__]
 
 
+def read_build_note(name: str) -> str | None:
+    """What the install's build wrote about one of its parts (the file ``name`` beside the
+    package: what it decided, and why), or None where there is none."""
+    import jax_twell
+
+    for folder in jax_twell.__path__:
+        try:
+            return (Path(folder) / name).read_text().strip()
+        except OSError:
+            continue
+    return None
+
+
 def _not_built_reason() -> str:
     env = os.environ.get("JAX_TWELL_CUDA_LIB")
     if env:
         return f"{LIBRARY_NAME} was not built at JAX_TWELL_CUDA_LIB={env}"
-    import jax_twell
-
-    # The build writes what it decided, and why, beside where the library would be.
-    for folder in jax_twell.__path__:
-        try:
-            note = (Path(folder) / BUILD_NOTE).read_text().strip()
-        except OSError:
-            continue
+    note = read_build_note(BUILD_NOTE)
+    if note is not None:
         return f"{note}. The reference and XLA paths still run."
     return (
         f"{LIBRARY_NAME} was not built: it needs a CUDA GPU (or JAX_TWELL_CUDA=ON), nvcc and the "
@@ -188,9 +195,16 @@ def kernel_call(target: str, result_types, *, vmap_method: str):
       RuntimeError: the kernels cannot run here; the message gives the reason
         (see kernel_status), instead of XLA's "no FFI handler registered".
     """
-    if target not in HANDLERS:
-        raise KeyError(f"unknown jax_twell FFI target {target!r}; known: {sorted(HANDLERS)}")
-    status = kernel_status()
-    if not status.available:
-        raise RuntimeError(f"jax_twell CUDA kernel {target!r} cannot run: {status.reason}")
+    return checked_ffi_call(target, HANDLERS, kernel_status, "CUDA", result_types, vmap_method)
+
+
+def checked_ffi_call(target: str, known, status, kind: str, result_types, vmap_method: str):
+    """``jax.ffi.ffi_call`` of ``target`` after checking it is one of ``known`` (else
+    KeyError) and that ``status()`` says the ``kind`` ("CUDA", "CPU") kernels can run
+    (else RuntimeError with its reason)."""
+    if target not in known:
+        raise KeyError(f"unknown jax_twell {kind} FFI target {target!r}; known: {sorted(known)}")
+    state = status()
+    if not state.available:
+        raise RuntimeError(f"jax_twell {kind} kernel {target!r} cannot run: {state.reason}")
     return jax.ffi.ffi_call(target, result_types, vmap_method=vmap_method)
