@@ -30,6 +30,7 @@ def fresh(tmp_path_factory):
     return json.loads(out.read_text()), out
 
 
+@pytest.mark.slow  # a whole bench run
 def test_every_metric_for_every_model(fresh):
     result, _ = fresh
     cases = ("prefill_1x32", "decode_b1", "train")
@@ -54,6 +55,7 @@ def test_every_metric_for_every_model(fresh):
     assert all(result["metrics"][m]["values"][n] > 0 for m in ("train_peak_bytes", "serve_peak_bytes") for n in MODELS)
 
 
+@pytest.mark.slow  # a whole bench run
 def test_ratios_match_the_raw_numbers(fresh):
     result, _ = fresh
     assert set(result["ratios"]) == {"sparse/swiglu", "sparse/dense_relu"}
@@ -68,6 +70,7 @@ def test_ratios_match_the_raw_numbers(fresh):
                 assert ratio == pytest.approx(values["sparse"] / values[base])
 
 
+@pytest.mark.slow  # a whole bench run
 def test_cpu_nulls_say_why_and_the_run_is_described(fresh):
     result, out = fresh
     for case in ("prefill_1x32", "decode_b1", "train"):
@@ -86,6 +89,7 @@ def test_cpu_nulls_say_why_and_the_run_is_described(fresh):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result["files"]["png"] == str(png)
 
 
+@pytest.mark.slow  # a whole bench run
 def test_checkpoint_weights_and_the_context_cut(tmp_path, corpus, capsys):
     cfg = config_lib.get_config("tiny", [*SMALL, f"data.source={corpus}", "data.eval_percent=20", f"workdir={tmp_path}"])
     config_lib.save(cfg, tmp_path / "config.json")

@@ -19,6 +19,8 @@ from jax_twell.cli import main as cli_main  # noqa: E402
 from jax_twell.modules import SparseFFN  # noqa: E402
 from jax_twell.train import data, sharding, trainer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # trains a run first: a whole CLI run (CI runs it with -m slow)
+
 MODEL = ["model.d_model=32", "model.n_layers=4", "model.n_heads=2", "model.head_dim=16", "model.d_ff=64",
          "model.max_seq_len=48"]
 RUN = ["--preset", "tiny", "--sample-tokens", "0", *MODEL, "steps=4", "batch_size=8", "seq_len=32", "log_every=2",
