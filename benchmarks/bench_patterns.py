@@ -16,7 +16,9 @@ Each configuration times, interleaved: "xla" (XLA's dense FFN), "default" (``spa
 with no arguments), "blocked_union" (the union/stationary kernels with their per-call
 choice, the default before the warp path) and, where the warp kernel takes d,
 "warp_cached" (the fused gate, then the warp kernel with the dense backup, ``w_up.T``
-given, as a serving model keeps it). With ``--npz-dir`` each configuration's inputs are
+given, as a serving model keeps it), "per_call" (the per-call form with no token floor:
+the gate of a sample of rows chooses, then the fused gate) and "per_call_xla_gate" (the
+same choice from XLA's gate matmul and the pack, the form before). With ``--npz-dir`` each configuration's inputs are
 written there (x, w_gate, w_up, w_down as bf16 bits) for the published kernels' script.
 
 ``--npz`` times the same functions on inputs read from files of that format (family
@@ -40,6 +42,7 @@ from common import load_npz, run_metadata, save_npz, time_interleaved, write_res
 import jax_twell as jt  # noqa: E402
 from jax_twell.ops import xla  # noqa: E402
 from jax_twell.ops.ffn import cuda, sparse_ffn_for_layer, warp  # noqa: E402
+from jax_twell.ops.costs import DenseCrossover  # noqa: E402
 from jax_twell.ops.plan import FFNOptions, Kernel  # noqa: E402
 from jax_twell.testing import synthetic_ffn_inputs  # noqa: E402
 
@@ -98,6 +101,12 @@ def run_inputs(name: str, family: str, x, w_gate, w_up, w_down, min_seconds: flo
     args = (x, w_gate, w_up, w_down, w_up_t)
     if warp.supported(d, x.dtype):
         fns["warp_cached"] = jax.jit(warp_ffn)
+        # The per-call forms with no token floor: the sampled choice then the fused gate (the
+        # default's form from the floor up), and XLA's gate + pack (the form before it).
+        no_floor = DenseCrossover(per_call_min_tokens=0, per_call_min_d=0)
+        for fn_name, opts in (("per_call", FFNOptions(rule=no_floor)),
+                              ("per_call_xla_gate", FFNOptions(rule=no_floor, fused_gate=False))):
+            fns[fn_name] = jax.jit(lambda x, wg, wu, wd, wut, o=opts: sparse_ffn_for_layer(x, wg, wu, wd, options=o))
     want = np.asarray(fns["xla"](*args), np.float32)
     errors = {}
     for fn_name, fn in fns.items():
