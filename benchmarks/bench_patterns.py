@@ -16,10 +16,10 @@ Each configuration times, interleaved: "xla" (XLA's dense FFN), "default" (``spa
 with no arguments), "blocked_union" (the union/stationary kernels with their per-call
 choice, the default before the warp path) and, where the warp kernel takes d,
 "warp_cached" (the fused gate, then the warp kernel with the dense backup, ``w_up.T``
-given, as a serving model keeps it), "per_call" (the per-call form with no token floor:
-the gate of a sample of rows chooses, then the fused gate) and "per_call_xla_gate" (the
-same choice from XLA's gate matmul and the pack, the form before). With ``--npz-dir`` each configuration's inputs are
-written there (x, w_gate, w_up, w_down as bf16 bits) for the published kernels' script.
+given, as a serving model keeps it) and "per_call" (the default's per-call form with no
+token floor: XLA's gate, the pack, the choice on the device). With ``--npz-dir`` each
+configuration's inputs are written there (x, w_gate, w_up, w_down as bf16 bits) for the
+published kernels' script.
 
 ``--npz`` times the same functions on inputs read from files of that format (family
 "npz", named after the file), such as a trained model's FFN inputs and weights written by
@@ -101,12 +101,9 @@ def run_inputs(name: str, family: str, x, w_gate, w_up, w_down, min_seconds: flo
     args = (x, w_gate, w_up, w_down, w_up_t)
     if warp.supported(d, x.dtype):
         fns["warp_cached"] = jax.jit(warp_ffn)
-        # The per-call forms with no token floor: the sampled choice then the fused gate (the
-        # default's form from the floor up), and XLA's gate + pack (the form before it).
-        no_floor = DenseCrossover(per_call_min_tokens=0, per_call_min_d=0)
-        for fn_name, opts in (("per_call", FFNOptions(rule=no_floor)),
-                              ("per_call_xla_gate", FFNOptions(rule=no_floor, fused_gate=False))):
-            fns[fn_name] = jax.jit(lambda x, wg, wu, wd, wut, o=opts: sparse_ffn_for_layer(x, wg, wu, wd, options=o))
+        # The per-call form with no token floor (the default's from the floor up).
+        no_floor = FFNOptions(rule=DenseCrossover(per_call_min_tokens=0, per_call_min_d=0))
+        fns["per_call"] = jax.jit(lambda x, wg, wu, wd, wut: sparse_ffn_for_layer(x, wg, wu, wd, options=no_floor))
     want = np.asarray(fns["xla"](*args), np.float32)
     errors = {}
     for fn_name, fn in fns.items():

@@ -8,7 +8,7 @@ import pytest
 
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops.ffn import reference
-from jax_twell.ops.ffn import cuda, warp
+from jax_twell.ops.ffn import warp
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import GPU_SPECS, assert_close, fused_tolerance
 
@@ -94,21 +94,5 @@ def test_per_call_choice_matches_reference(spec):
     if spec.m > 4:
         inp = with_extreme_rows(inp, full=1, empty=1)
     y = jax.jit(warp.sparse_ffn)(*inp)
-    want = reference.ffn(*inp, tile=256, capacity=32)
-    assert_close(y, want, fused_tolerance(jnp.bfloat16, spec.f), str(spec))
-
-
-@pytest.mark.parametrize("full", [1, 40], ids=["one_full_row", "past_half_the_backup"])
-@pytest.mark.parametrize("spec", SPECS, ids=str)
-def test_sampled_per_call_matches_reference(spec, full):
-    """The sampled per-call form (the default from the token floor up: a sample's gate
-    chooses, then the fused gate and the kernel with the backup, or dense) equals the
-    reference, with one fully active row or enough of them to overflow the backup."""
-    inp = synthetic_ffn_inputs(jax.random.key(spec.m + 11), spec.m, spec.d, spec.f, density=spec.density,
-                               pattern=spec.pattern, dtype=jnp.bfloat16)
-    if spec.m > full + 1:
-        inp = with_extreme_rows(inp, full=full, empty=1)
-    gate = lambda x, w, *, tile, capacity: cuda.gate_twell(x, w, tile=tile, capacity=capacity)
-    y = jax.jit(lambda *a: warp.sampled_ffn(*a, gate_pack=gate))(*inp)
     want = reference.ffn(*inp, tile=256, capacity=32)
     assert_close(y, want, fused_tolerance(jnp.bfloat16, spec.f), str(spec))

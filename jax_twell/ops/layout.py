@@ -277,8 +277,8 @@ def warp_supported(d: int, dtype) -> bool:
 
 
 def warp_backup_size(m: int) -> int:
-    """Static number of dense-backup rows of an M-token warp call: 1/16 of the tokens,
+    """Static number of dense-backup rows of an M-token warp call: 1/8 of the tokens,
     rounded up to a multiple of 8, at least 8, at most M (the call runs the smallest of
     its sizes that holds the rows left, so a larger backup costs nothing when unused)."""
-    rows = -(-m // 16)
+    rows = -(-m // 8)
     return min(m, max(8, -(-rows // 8) * 8))

@@ -250,11 +250,11 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
     warp = layout.warp_supported(d, dtype) and (
         options.kernel == Kernel.WARP or (options.kernel == Kernel.AUTO and m >= layout.WARP_MIN_TOKENS))
     if warp:
-        # The fused gate where it measured faster. Known or forced: no device check (the
-        # backup's overflow still runs dense); otherwise the gate of a sample of rows
-        # chooses first (fused gate) or, without the fused gate, XLA's g is counted and
-        # reused by a call that turns out dense.
-        fused = options.fused_gate and fused_gate_preferred(m, d, f, tile, capacity, dtype)
+        # Known or forced: the fused gate and no device check (the backup's overflow still
+        # runs dense); otherwise XLA's gate, so a call that turns out dense reuses g. (A
+        # per-call form that chose from a sample of rows' gate, then packed with the fused
+        # gate, measured slower: its second device branch cost more than g's round trip.)
+        fused = options.fused_gate and (forced or af is not None) and fused_gate_preferred(m, d, f, tile, capacity, dtype)
         return FFNPlan(Path.WARP, fused_gate=fused, gate_variant=fused_gate_variant(d) if options.gate_variant is None
                        else options.gate_variant, device_choice=not forced and af is None, **base)
     # Where the sparse side is expected the fused gate packs in the matmul's epilogue; a call

@@ -10,7 +10,6 @@ plan's rule: a ``lax.cond``, so a call pays only its side.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -92,10 +91,6 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
     ok = all_finite(x) & columns.all()
     if plan.path == Path.WARP:
         tile, capacity = plan.options.tile, plan.options.capacity
-        if plan.device_choice and plan.fused_gate:
-            return warp.sampled_ffn(x, w_gate, w_up, w_down, tile=tile, capacity=capacity, w_up_t=w_up_t,
-                                    gate_pack=functools.partial(kernels.gate_pack, variant=plan.gate_variant),
-                                    rows_kernel=kernels.warp_rows, finite=ok)
         if plan.device_choice:
             return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=tile, capacity=capacity, w_up_t=w_up_t,
                                    pack=kernels.pack, rows_kernel=kernels.warp_rows, finite=ok)

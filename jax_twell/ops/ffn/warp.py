@@ -34,10 +34,10 @@ def backed_up(act: TwELL, row_budget: int, row_entries: jax.Array | None = None)
 
 
 def backup_buckets(backup: int) -> tuple[int, ...]:
-    """The sizes the backup runs at, smallest first: none, 1/32, 1/8, 1/2 and all of its
-    ``backup`` rows (deduplicated). A call runs the smallest that holds its rows, so a
+    """The sizes the backup runs at, smallest first: none, 1/64, 1/16, 1/4, 1/2 and all of
+    its ``backup`` rows (deduplicated). A call runs the smallest that holds its rows, so a
     call with none pays nothing for the backup and one with a few rows a few rows' FFN."""
-    return tuple(sorted({0, max(1, backup // 32), max(1, backup // 8), max(1, backup // 2), backup}))
+    return tuple(sorted({0, *(max(1, backup // k) for k in (64, 16, 4, 2)), backup}))
 
 
 def _rows_or_dense(m: int, rows, backup: int, finite, kernel, dense_rows, dense):
@@ -105,18 +105,24 @@ def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budge
         lambda: xla.ffn(x, w_gate, w_up, w_down))
 
 
-# The per-call choice: sparse where the call's entries cost less on the warp kernel than the
-# dense up and down products would (the gate is computed either way). Per entry the kernel
-# moves a d-row of Wu^T and one of Wd (4 d bytes in bf16) at ~ENTRY_BYTES_PER_S; the dense
-# products do 4 M d f flops at ~DENSE_FLOPS. Both rates measured on one H200.
+# The per-call choice: sparse where the call's entries cost less on the warp kernel, with
+# its backed-up rows' dense up and down products, than the dense up and down products of
+# the whole call (the gate is computed either way). Per entry the kernel moves a d-row of
+# Wu^T and one of Wd (4 d bytes in bf16) at ~ENTRY_BYTES_PER_S; the dense products do
+# 4 M d f flops at ~DENSE_FLOPS; a backup in use costs ~BACKUP_FIXED_S more (its gather,
+# small products and scatter in a branch of their own). Rates measured on one H200.
 ENTRY_BYTES_PER_S = 6.0e12
 DENSE_FLOPS = 6.5e14
+BACKUP_FIXED_S = 60e-6
 
 
-def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int) -> jax.Array:
-    """Device bool: the warp kernel's ``entries`` (kept entries of an M-token call) cost
-    less than the dense up and down products."""
-    sparse_s = entries.astype(jnp.float32) * (2 * d * itemsize) / ENTRY_BYTES_PER_S
+def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int,
+                   backed_rows: jax.Array | int = 0) -> jax.Array:
+    """Device bool: the warp kernel's ``entries`` (kept entries of an M-token call) and the
+    backup's ``backed_rows`` cost less than the dense up and down products."""
+    backed = jnp.asarray(backed_rows, jnp.float32)
+    sparse_s = (entries.astype(jnp.float32) * (2 * d * itemsize) / ENTRY_BYTES_PER_S
+                + backed * (4.0 * d * f) / DENSE_FLOPS + jnp.where(backed > 0, BACKUP_FIXED_S, 0.0))
     dense_s = 4.0 * m * d * f / DENSE_FLOPS
     return sparse_s < dense_s
 
@@ -143,65 +149,10 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     rows = backed_up(act, row_budget, row_entries)
     n_rows = jnp.sum(rows, dtype=jnp.int32)
     kept = jnp.sum(jnp.where(rows, 0, row_entries), dtype=jnp.int32)
-    use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize) & finite
+    use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize, n_rows) & finite
     return _rows_or_dense(
         m, rows, backup, use_sparse,
         lambda: rows_kernel(x, act, w_up_t if gated else None, w_down, row_budget=row_budget),
         lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
         lambda: xla.up_down(x, g, w_up if gated else None, w_down))
 
-
-SAMPLE_ROWS = 128  # rows of x the sampled per-call choice runs the gate on
-
-
-def sampled_rows(x, rows: int = SAMPLE_ROWS):
-    """``rows`` rows of ``x [M, d]`` evenly spaced (all of them where M <= rows)."""
-    m = x.shape[0]
-    if m <= rows:
-        return x
-    stride = m // rows
-    return x[: stride * rows: stride]
-
-
-def sampled_sparse(x, w_act, *, tile: int, capacity: int, row_budget: int = ROW_BUDGET, backup: int | None = None,
-                   rows: int = SAMPLE_ROWS) -> jax.Array:
-    """Device bool: the warp path predicted cheaper than the dense up and down products,
-    from the gate of :func:`sampled_rows` (XLA's matmul over ``rows`` rows): the sample's
-    kept entries and backed-up rows scaled to M, the backed-up rows at most half the
-    backup (so a call the sample misjudges still fits it), and their dense share priced in."""
-    m, d = x.shape
-    f = w_act.shape[1]
-    backup = backup_size(m) if backup is None else backup
-    xs = sampled_rows(x, rows)
-    active = relu_matmul(xs, w_act) != 0
-    n_tiles = -(-f // tile)
-    if n_tiles * tile != f:
-        active = jnp.pad(active, ((0, 0), (0, n_tiles * tile - f)))
-    per_tile = active.reshape(xs.shape[0], n_tiles, tile).sum(axis=-1, dtype=jnp.int32)
-    entries = per_tile.sum(axis=-1)
-    over = jnp.any(per_tile > capacity, axis=-1) | (entries > row_budget)
-    scale = m / xs.shape[0]
-    est_rows = jnp.sum(over, dtype=jnp.float32) * scale
-    kept = jnp.sum(jnp.where(over, 0, entries), dtype=jnp.float32) * scale
-    backup_s = est_rows * (6.0 * d * f) / DENSE_FLOPS
-    sparse_s = kept * (2 * d * x.dtype.itemsize) / ENTRY_BYTES_PER_S + backup_s
-    return (est_rows <= backup / 2) & (sparse_s < 4.0 * m * d * f / DENSE_FLOPS)
-
-
-def sampled_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
-                row_budget: int = ROW_BUDGET, gate_pack, rows_kernel=ffn_rows, finite=True):
-    """Inference FFN with the choice made per call on the device before the gate: the gate
-    of a sample of rows (:func:`sampled_sparse`) predicts the warp path cheaper, and then
-    the fused gate packs the activation in the matmul's epilogue (g is never written) and
-    :func:`ffn_from_gate` runs (a call the sample misjudged, past the backup, still runs
-    dense there: exact); else XLA's dense FFN. ``gate_pack(x, w, *, tile, capacity)``: the
-    fused gate (tests pass stand-ins); the rest as in :func:`sparse_ffn`."""
-    w_act = w_gate if w_gate is not None else w_up
-    predicted = sampled_sparse(x, w_act, tile=tile, capacity=capacity, row_budget=row_budget) & finite
-
-    def sparse(_):
-        act = gate_pack(x, w_act, tile=tile, capacity=capacity)
-        return ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t, row_budget=row_budget,
-                             rows_kernel=rows_kernel)
-
-    return jax.lax.cond(predicted, sparse, lambda _: xla.ffn(x, w_gate, w_up, w_down), None)
