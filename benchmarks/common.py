@@ -34,7 +34,11 @@ def time_interleaved(fns: dict, args, *, min_seconds: float, max_reps: int, roun
     timed in interleaved rounds: each round times every function once (after one warm-up
     call each, enough back-to-back calls, at most ``max_reps``, to last ``min_seconds``).
     A slow drift of the GPU's clock then falls on all of them alike, not on whichever
-    happened to run during it. The spread is the interquartile range over the rounds
+    happened to run during it. Each round starts one function later than the one before,
+    so no function always follows the same one (the default call, second after XLA's dense
+    FFN in every round, measured 5-9% slower than the same program timed later in the
+    round, and XLA's own program 0.91-0.95x of itself there: an order effect, likely the
+    clocks after a batch of dense products). The spread is the interquartile range over the rounds
     divided by the median.
 
     The number of back-to-back calls comes from the fastest of three single calls after
@@ -52,8 +56,10 @@ def time_interleaved(fns: dict, args, *, min_seconds: float, max_reps: int, roun
             single.append(time.perf_counter() - t0)
         reps[name] = max(1, min(max_reps, int(min_seconds / max(min(single), 1e-6))))
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = fns[name]
             t0 = time.perf_counter()
             for _ in range(reps[name]):
                 out = fn(*args)

@@ -154,6 +154,24 @@ def test_a_slow_first_call_does_not_shrink_the_batch():
     assert len(calls) - 4 > 10
 
 
+def test_time_interleaved_rotates_the_order():
+    """Each round starts one function later: every function leads one of n rounds, so
+    none always follows the same one."""
+    seen = []
+
+    def make(name):
+        def fn(x):
+            seen.append(name)
+            return x
+        return fn
+
+    fns = {name: make(name) for name in "abc"}
+    common.time_interleaved(fns, (jnp.zeros(()),), min_seconds=0.0, max_reps=1, rounds=3)
+    batches = seen[3 * 4:]  # after each function's warm-up and three single calls
+    assert [batches[i * 3] for i in range(3)] == ["a", "b", "c"]
+    assert all(sorted(batches[i * 3: i * 3 + 3]) == ["a", "b", "c"] for i in range(3))
+
+
 RUN_TREE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "run_tree.py")
 
 
