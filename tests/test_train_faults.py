@@ -248,6 +248,7 @@ def saving(workdir: Path) -> bool:
         return False
 
 
+@pytest.mark.slow  # repeated kill -9 of real training runs (~110 s on two cores)
 def test_kill9_at_random_moments_sigterm_and_a_concurrent_run_lose_nothing(tmp_path, corpus, env):
     workdir = tmp_path / "run"
     args = train_args(workdir, corpus, "steps=100000", "checkpoint_every=1", "keep_checkpoints=3", "--resume")

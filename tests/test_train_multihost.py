@@ -115,6 +115,7 @@ def _resumable_copy(src: Path, dst: Path, step: int) -> None:
             shutil.rmtree(ckpt)
 
 
+@pytest.mark.slow  # two training processes end to end (~110 s on two cores)
 def test_two_processes_train_like_one_and_share_checkpoints(tmp_path, corpus):
     # One test, not several on a shared fixture: under pytest-xdist (-n auto) tests of a
     # module may land on different workers, and each would start the four jobs again.
