@@ -38,8 +38,8 @@ def time_interleaved(fns: dict, args, *, min_seconds: float, max_reps: int, roun
     so no function always follows the same one (the default call, second after XLA's dense
     FFN in every round, measured 5-9% slower than the same program timed later in the
     round, and XLA's own program 0.91-0.95x of itself there: an order effect, likely the
-    clocks after a batch of dense products). The spread is the interquartile range over the rounds
-    divided by the median.
+    clocks after a batch of dense products). The spread is the interquartile range over
+    the rounds divided by the median.
 
     The number of back-to-back calls comes from the fastest of three single calls after
     the warm-up: the first calls of a freshly compiled function can be many times slower

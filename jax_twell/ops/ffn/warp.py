@@ -63,6 +63,12 @@ def _rows_or_dense(m: int, rows, backup: int, finite, kernel, dense_rows, dense)
     return jax.lax.switch(which, [kernel_with(size) for size in sizes] + [lambda _: dense()], None)
 
 
+def _up_t(w_up, w_up_t):
+    """``w_up.T`` as the kernel reads it: the kept copy, else transposed where the kernel
+    runs (inside its branch, so a call on the dense side does not pay for it)."""
+    return w_up.T if w_up_t is None else w_up_t
+
+
 def _rows_of(a, idx):
     return a.at[idx].get(mode="fill", fill_value=0)
 
@@ -95,12 +101,10 @@ def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budge
     ``[M, d]``; weights as in :func:`jax_twell.sparse_ffn`. Returns y ``[M, d]``."""
     m, _ = x.shape
     gated = w_gate is not None
-    if gated and w_up_t is None:
-        w_up_t = w_up.T
     backup = backup_size(m) if backup is None else min(backup, m)
     return _rows_or_dense(
         m, backed_up(act, row_budget), backup, finite,
-        lambda: rows_kernel(x, act, w_up_t if gated else None, w_down, row_budget=row_budget),
+        lambda: rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget),
         lambda idx: xla.ffn(_rows_of(x, idx), w_gate, w_up, w_down),
         lambda: xla.ffn(x, w_gate, w_up, w_down))
 
@@ -140,8 +144,6 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     f = w_act.shape[1]
-    if gated and w_up_t is None:
-        w_up_t = w_up.T
     backup = backup_size(m)
     g = relu_matmul(x, w_act)
     act = pack(g, tile=tile, capacity=capacity)
@@ -152,7 +154,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize, n_rows) & finite
     return _rows_or_dense(
         m, rows, backup, use_sparse,
-        lambda: rows_kernel(x, act, w_up_t if gated else None, w_down, row_budget=row_budget),
+        lambda: rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget),
         lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
         lambda: xla.up_down(x, g, w_up if gated else None, w_down))
 
