@@ -2,6 +2,7 @@
 
 import dataclasses
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 
 from jax_twell.models import PRESETS as MODEL_PRESETS
 from jax_twell.train import config, optimizer, sharding
-from jax_twell.train.checkpoint import Checkpointer, NonFiniteStateError, RestoreError
+from jax_twell.train.checkpoint import ROTATED_DIR, Checkpointer, NonFiniteStateError, RestoreError
 from jax_twell.train.state import setup_model
 
 MODEL = dataclasses.replace(MODEL_PRESETS["tiny"], d_model=32, d_ff=64, n_layers=2, n_heads=2, head_dim=16, max_seq_len=32)
@@ -57,6 +58,37 @@ def test_keeps_the_newest_checkpoints(tmp_path, setup_state):
     assert ckpt.latest_step() == 3
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2, 3]
     ckpt.close()
+
+
+def test_rotation_never_deletes_inside_a_listed_checkpoint(tmp_path, setup_state, monkeypatch):
+    """A checkpoint rotated out leaves the listing in one rename before any file of it is
+    deleted, so a kill at any moment of a rotation cannot leave a half-deleted checkpoint
+    listed (it would be listed and fail to load)."""
+    import os
+
+    _, state = setup_state
+    root = tmp_path / "checkpoints"
+    in_place = []
+
+    def recording(delete):
+        def wrapper(path, *args, **kwargs):
+            relative = Path(os.fspath(path)).absolute().relative_to(root) if root in Path(os.fspath(path)).absolute().parents else None
+            if relative is not None and relative.parts[0].isdigit():
+                in_place.append(str(relative))
+            return delete(path, *args, **kwargs)
+        return wrapper
+
+    for module, name in ((os, "unlink"), (os, "remove"), (os, "rmdir"), (shutil, "rmtree")):
+        monkeypatch.setattr(module, name, recording(getattr(module, name)))
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in (1, 2, 3, 4):
+        ckpt.save(step, at_step(state, step))
+        ckpt.wait()
+    ckpt.close()
+    assert ckpt.all_steps() == [3, 4]
+    assert not in_place, f"deleted inside listed checkpoints: {in_place[:5]}"
+    leftover = [p.name for p in (root / ROTATED_DIR).iterdir()] if (root / ROTATED_DIR).exists() else []
+    assert leftover == [], "rotated checkpoints are deleted once out of the listing"
 
 
 def at_step(state, step):

@@ -4,6 +4,9 @@ Each checkpoint is written into a temporary folder and renamed into place only o
 complete (orbax's atomic finalize, with a commit marker on filesystems without atomic
 rename), so killing the process at any moment, even with SIGKILL mid-write, leaves the
 previous checkpoints intact; leftover temporary folders are removed on the next start.
+Rotation is atomic too: a checkpoint that falls out of the `keep` newest is first renamed
+out of the listing (into `checkpoints/.rotated`) and only then deleted, so a kill during a
+deletion never leaves a half-deleted checkpoint among the listed ones.
 Saves are asynchronous: training continues while the arrays are written.
 
 A state with a NaN or Inf anywhere is never saved (`save` raises instead), so rotation
@@ -25,6 +28,7 @@ from jax_twell.train.state import TrainState
 
 CHECKPOINT_DIR = "checkpoints"
 BROKEN_DIR = "broken_checkpoints"  # checkpoints that failed to restore, set aside by a resume
+ROTATED_DIR = ".rotated"  # under CHECKPOINT_DIR: rotated-out checkpoints awaiting deletion
 
 
 class NonFiniteStateError(ValueError):
@@ -65,8 +69,22 @@ class Checkpointer:
                 cleanup_tmp_directories=not read_only,
                 create=not read_only,
                 read_only=read_only,
+                # Rotation renames a step out of the listing (atomic) instead of deleting it
+                # in place; `_empty_rotated` deletes what lies there, outside the listing.
+                todelete_subdir=None if read_only else ROTATED_DIR,
             ),
         )
+        self._writer = not read_only and jax.process_index() == 0
+        self._empty_rotated()
+
+    def _empty_rotated(self) -> None:
+        """Deletes the checkpoints rotated out so far (a kill mid-way loses nothing listed)."""
+        if not self._writer:
+            return
+        rotated = self.directory / ROTATED_DIR
+        if rotated.is_dir():
+            for entry in rotated.iterdir():  # orbax's deleter may rename more in meanwhile
+                shutil.rmtree(entry, ignore_errors=True)
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None."""
@@ -85,6 +103,7 @@ class Checkpointer:
             return
         if not is_finite(state):
             raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf values; it was not checkpointed")
+        self._empty_rotated()
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
 
     def _restore_checked(self, abstract_state: TrainState, step: int) -> TrainState:
@@ -157,6 +176,7 @@ class Checkpointer:
     def close(self) -> None:
         """Waits for pending saves and releases the checkpoint manager."""
         self._manager.close()
+        self._empty_rotated()
 
 
 def _reason(error: Exception) -> str:
