@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_twell.formats import relu_matmul
 from jax_twell.ops import layout, xla
-from jax_twell.ops.common import all_finite, sum_over_shards, varying_axes
+from jax_twell.ops.common import all_finite, as_varying, sum_over_shards, varying_axes
 from jax_twell.ops.ffn import binding as ffn_binding
 from jax_twell.ops.ffn_train import binding
 from jax_twell.ops.pack import binding as pack_binding
@@ -71,15 +71,10 @@ def _mesh_axes(*arrays) -> frozenset:
 
 
 def _as_varying(tree, axes: frozenset):
-    """``tree`` typed as varying over ``axes`` (under shard_map). Custom-call results need
-    not carry the varying axes of their operands, and both lax.cond branches must agree;
-    per-shard weight gradients must be typed varying to be summed over the token shards."""
-
-    def one(a):
-        missing = tuple(sorted(axes - varying_axes(a)))
-        return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-    return jax.tree.map(one, tree)
+    """``tree`` typed as varying over ``axes`` (under shard_map): both lax.cond branches
+    must agree, and per-shard weight gradients must be typed varying to be summed over the
+    token shards."""
+    return as_varying(tree, axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
