@@ -95,6 +95,7 @@ def main() -> None:
         workdir=args.workdir,
         step=step,
         model=dict(d_model=cfg.model.d_model, d_ff=cfg.model.d_ff, n_layers=cfg.model.n_layers, dtype=str(cfg.model.dtype)),
+        run=dict(preset=cfg.preset, batch_size=cfg.batch_size, seq_len=cfg.seq_len, l1_coef=cfg.l1_coef, steps=cfg.steps),
         prompt=args.prompt,
         new_tokens=args.new_tokens,
         cases=[],
