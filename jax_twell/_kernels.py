@@ -213,8 +213,7 @@ def checked_ffi_call(target: str, known, status, kind: str, result_types, vmap_m
         # Under shard_map a custom call's results are typed as varying over no mesh axis
         # whatever its operands vary over; typed here as the operands, so that a kernel's
         # result and XLA's dense one can be the two branches of one lax.cond.
-        axes = frozenset().union(*(varying_axes(a) for a in operands if a is not None))
-        return as_varying(call(*operands, **attributes), axes)
+        return as_varying(call(*operands, **attributes), mesh_axes(*operands))
 
     return typed
 
@@ -224,6 +223,11 @@ def varying_axes(a) -> frozenset:
     aval = jax.typeof(a)
     mat = getattr(aval, "mat", None)  # jax 0.10 keeps them here, later versions in .vma
     return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def mesh_axes(*arrays) -> frozenset:
+    """Manual mesh axes over which any of ``arrays`` varies (None entries skipped)."""
+    return frozenset().union(*(varying_axes(a) for a in arrays if a is not None))
 
 
 def as_varying(tree, axes: frozenset):

@@ -24,6 +24,7 @@ __all__ = [
     "sum_over_shards",
     "varying_axes",
     "as_varying",
+    "mesh_axes",
 ]
 
 IMPLEMENTATIONS = ("reference", "xla", "cuda", "cpu")
@@ -216,4 +217,5 @@ def sum_over_shards(grad: jax.Array | None, primal: jax.Array | None) -> jax.Arr
 
 
 varying_axes = _kernels.varying_axes
+mesh_axes = _kernels.mesh_axes
 as_varying = _kernels.as_varying

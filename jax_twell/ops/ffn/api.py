@@ -152,8 +152,9 @@ def sparse_ffn_for_layer(
     ``w_down``; the layouts the decode kernels read. ``weights_finite``: ``[d]`` bool, what
     :func:`jax_twell.ops.common.finite_columns` gives for the weights, where the caller
     keeps it (a serving layer's cache: the call then checks only x; under ``sharding``
-    used where f is not split across devices, else each shard checks its own slice). Only "cuda" uses these; the tile and
-    capacity also shape "reference". Shapes and result as :func:`sparse_ffn`.
+    used where f is not split across devices, else each shard checks its own slice).
+    Only "cuda" and "cpu" use these; the tile and capacity also shape "reference". Shapes
+    and result as :func:`sparse_ffn`.
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_tiling(options.tile, options.capacity)
