@@ -78,13 +78,17 @@ def family_inputs(key, m: int, d: int, f: int, p: float, family: str):
     return tuple(a.astype(jnp.bfloat16) for a in (x, inp.w_gate, inp.w_up, inp.w_down))
 
 
+FUNCTIONS = ("xla", "default", "blocked_union", "warp_cached", "per_call")
+
+
 def warp_ffn(x, w_gate, w_up, w_down, w_up_t=None):
     """The warp path with the fused gate and ``w_up_t`` given ("warp_cached")."""
     act = cuda.gate_twell(x, w_gate, tile=256, capacity=32)
     return warp.ffn_from_gate(x, act, w_gate, w_up, w_down, w_up_t=w_up_t)
 
 
-def run_inputs(name: str, family: str, x, w_gate, w_up, w_down, min_seconds: float, **fields) -> dict:
+def run_inputs(name: str, family: str, x, w_gate, w_up, w_down, min_seconds: float,
+               functions: tuple[str, ...] | None = None, **fields) -> dict:
     """Times every function of the module docstring on the bf16 operands ``x [M, d]``,
     ``w_gate, w_up [d, f]``, ``w_down [f, d]`` (errors against XLA's dense FFN, the
     operands' activity) and prints one line; returns the result row, ``fields`` included."""
@@ -104,6 +108,8 @@ def run_inputs(name: str, family: str, x, w_gate, w_up, w_down, min_seconds: flo
         # The per-call form with no token floor (the default's from the floor up).
         no_floor = FFNOptions(rule=DenseCrossover(per_call_min_tokens=0, per_call_min_d=0))
         fns["per_call"] = jax.jit(lambda x, wg, wu, wd, wut: sparse_ffn_for_layer(x, wg, wu, wd, options=no_floor))
+    if functions is not None:  # "xla" always: the ratios are to it
+        fns = {k: v for k, v in fns.items() if k == "xla" or k in functions}
     want = np.asarray(fns["xla"](*args), np.float32)
     errors = {}
     for fn_name, fn in fns.items():
@@ -127,7 +133,8 @@ def run_inputs(name: str, family: str, x, w_gate, w_up, w_down, min_seconds: flo
     return row
 
 
-def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float) -> dict:
+def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | None, min_seconds: float,
+               functions: tuple[str, ...] | None = None) -> dict:
     """One synthetic configuration (:func:`family_inputs`), its inputs written to
     ``npz_dir`` when given; the row of :func:`run_inputs`."""
     key = jax.random.key(m * 7 + d + f + FAMILIES.index(family))
@@ -136,14 +143,14 @@ def run_config(m: int, d: int, f: int, family: str, p: float, npz_dir: Path | No
     if npz_dir is not None:
         npz_dir.mkdir(parents=True, exist_ok=True)
         save_npz(npz_dir / f"{name}.npz", x, w_gate, w_up, w_down)
-    return run_inputs(name, family, x, w_gate, w_up, w_down, min_seconds, density_target=p)
+    return run_inputs(name, family, x, w_gate, w_up, w_down, min_seconds, functions, density_target=p)
 
 
-def run_npz(path: Path, min_seconds: float) -> dict:
+def run_npz(path: Path, min_seconds: float, functions: tuple[str, ...] | None = None) -> dict:
     """The inputs in ``path`` (:func:`common.save_npz`'s format), named after the file,
     family "npz"; the row of :func:`run_inputs`."""
     x, w_gate, w_up, w_down = load_npz(path)
-    return run_inputs(path.stem, "npz", x, w_gate, w_up, w_down, min_seconds, source=path.name)
+    return run_inputs(path.stem, "npz", x, w_gate, w_up, w_down, min_seconds, functions, source=path.name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--density", type=float, default=0.005, help="mean (bulk) rate p of the synthetic configs")
     ap.add_argument("--npz-dir", type=Path, default=None, help="write each synthetic configuration's inputs here")
     ap.add_argument("--min-seconds", type=float, default=0.05)
+    ap.add_argument("--functions", default=None,
+                    help=f"comma-separated subset of {', '.join(FUNCTIONS)} to time (xla always; default all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not a.configs and not a.npz:
@@ -162,12 +171,18 @@ def main(argv: list[str] | None = None) -> None:
     missing = [str(p) for p in a.npz if not p.is_file()]
     if missing:
         ap.error(f"--npz: no such file: {', '.join(missing)}")
+    functions = None
+    if a.functions:
+        functions = tuple(a.functions.split(","))
+        unknown = sorted(set(functions) - set(FUNCTIONS))
+        if unknown:
+            ap.error(f"--functions: unknown {', '.join(unknown)}; choose from {', '.join(FUNCTIONS)}")
     rows = []
     for spec in a.configs.split(",") if a.configs else []:
         m, d, f, family = spec.split(":")
-        rows.append(run_config(int(m), int(d), int(f), family, a.density, a.npz_dir, a.min_seconds))
+        rows.append(run_config(int(m), int(d), int(f), family, a.density, a.npz_dir, a.min_seconds, functions))
     for path in a.npz:
-        rows.append(run_npz(path, a.min_seconds))
+        rows.append(run_npz(path, a.min_seconds, functions))
     result = dict(run_metadata("bench_patterns"), density=a.density, rows=rows)
     print("wrote", write_result(result, a.out, "patterns"))
 
