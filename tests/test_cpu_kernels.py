@@ -93,9 +93,12 @@ def test_sparse_ffn_is_the_dense_formula(dtype, gated, m, cached):
 @pytest.mark.parametrize("case", ["nan_w_up_quiet", "inf_w_down_quiet", "nan_x_row", "inf_x_row", "nan_w_act",
                                   "nan_g_entry"])
 @pytest.mark.parametrize("cached", [True, False], ids=["cached", "plain"])
-def test_nan_and_inf_as_the_dense_formula(case, cached):
-    m, d, f = 70, 40, 300  # 70 tokens: the plain call runs the kernel too
-    x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(4), m, d, f, density=0.02, dtype=jnp.float32)
+@pytest.mark.parametrize("dtype,m", [(jnp.float32, 70), (jnp.bfloat16, 1), (jnp.bfloat16, 8)],
+                         ids=["f32-m70", "bf16-m1", "bf16-m8"])
+def test_nan_and_inf_as_the_dense_formula(case, cached, dtype, m):
+    # Plain f32 calls run the kernel from 64 tokens, plain bf16 calls at every M.
+    d, f = 40, 300
+    x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(4), m, d, f, density=0.02, dtype=dtype)
     fired = (relu_matmul(x, w_gate) > 0).sum(0)
     quiet = int(jnp.argmin(fired))
     if case == "nan_w_up_quiet":
@@ -111,13 +114,56 @@ def test_nan_and_inf_as_the_dense_formula(case, cached):
     else:  # one active neuron's gate weight NaN only where x's feature 5 is large
         busy = int(jnp.argmax(fired))
         w_gate = w_gate.at[5, busy].set(jnp.inf)
+        x = x.at[0, 5].set(jnp.abs(x[0, 5]) + 1)  # token 0 sees it (+Inf in its gate)
     extra = dict(w_up_t=w_up.T, weights_finite=finite_columns(w_up, w_down)) if cached else {}
     y = np.asarray(jax.jit(lambda *a: sparse_ffn_for_layer(*a, implementation="cpu", **extra))(x, w_gate, w_up, w_down))
     want = np.asarray(dense_f32(x, w_gate, w_up, w_down))
     bad = ~np.isfinite(want)
     assert bad.any()
     np.testing.assert_array_equal(~np.isfinite(y), bad, err_msg=case)
-    assert_close(np.where(bad, 0, y), np.where(bad, 0, want), fused_tolerance(jnp.float32, d + f), case)
+    assert_close(np.where(bad, 0, y.astype(np.float32)), np.where(bad, 0, want), fused_tolerance(dtype, d + f), case)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_finite_columns_by_sums_is_the_elementwise_check(dtype, gated):
+    """The sums' check against the elementwise one: finite weights, NaN and Inf anywhere
+    (+Inf and -Inf in one column, whose sum is NaN), and finite weights whose sums
+    overflow (the exact check must decide those)."""
+    d, f = 24, 200
+    k1, k2 = jax.random.split(jax.random.key(11))
+    w_up = jax.random.normal(k1, (d, f), dtype) if gated else None
+    w_down = jax.random.normal(k2, (f, d), dtype)
+    big = float(jnp.finfo(dtype).max) / 2
+    cases = {
+        "finite": (w_up, w_down),
+        "nan_down": (w_up, w_down.at[17, 3].set(jnp.nan)),
+        "inf_pair_down": (w_up, w_down.at[5, 7].set(jnp.inf).at[9, 7].set(-jnp.inf)),
+        "overflowing_down": (w_up, w_down.at[:, 11].set(big)),
+    }
+    if gated:
+        cases["inf_up"] = (w_up.at[2, 150].set(-jnp.inf), w_down)
+        cases["overflowing_up"] = (w_up.at[:, 4].set(big), w_down)
+        cases["nan_up_and_overflowing_down"] = (w_up.at[0, 0].set(jnp.nan), w_down.at[:, 1].set(big))
+    check = jax.jit(cpu.finite_columns_by_sums)
+    for name, (wu, wd) in cases.items():
+        want = np.asarray(finite_columns(wu, wd))
+        np.testing.assert_array_equal(np.asarray(check(wu, wd)), want, err_msg=name)
+        if name.startswith("overflowing"):
+            assert want.all(), name  # the case is finite: only the sums overflow
+
+
+@pytest.mark.parametrize("dtype,m,kernel", [(jnp.bfloat16, 1, True), (jnp.bfloat16, 8, True), (jnp.float32, 1, False),
+                                            (jnp.float32, 64, True)], ids=["bf16-m1", "bf16-m8", "f32-m1", "f32-m64"])
+def test_plain_call_takes_the_kernel_where_the_check_pays(dtype, m, kernel):
+    """With nothing kept by a layer the call checks the weights itself: bf16 calls take
+    the kernel at every M (XLA's bf16 matmuls are slow on the CPU), f32 calls from
+    cpu.UNCHECKED_DENSE_BELOW_M tokens."""
+    x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(12), m, 64, 256, density=0.01, dtype=dtype)
+    hlo = jax.jit(jt.sparse_ffn).lower(x, w_gate, w_up, w_down).as_text()
+    assert ("jax_twell_cpu_up_down" in hlo) == kernel
+    assert_close(jt.sparse_ffn(x, w_gate, w_up, w_down), dense_f32(x, w_gate, w_up, w_down),
+                 fused_tolerance(dtype, 64 + 256), "public op")
 
 
 def test_implementation_none_runs_the_kernel_on_the_cpu():

@@ -20,7 +20,7 @@ from jax_twell.ops import xla
 from jax_twell.ops.common import as_dense_nonfinite, finite_columns
 
 __all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M",
-           "UNCHECKED_DENSE_BELOW_M", "sparse_max_fraction", "gate", "up_down", "sparse_ffn"]
+           "UNCHECKED_DENSE_BELOW_M", "finite_columns_by_sums", "sparse_max_fraction", "gate", "up_down", "sparse_ffn"]
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel takes; f16 runs dense
 
@@ -47,9 +47,26 @@ COLUMNS_MAX_FRACTION = 0.02
 GATE_MAX_M = 16
 
 # Without the weights' finite columns kept (weights_finite), the call checks both weights for
-# NaN and Inf: a full read of them, about what the kernel saves below this many tokens, where
-# such calls run XLA's dense FFN instead (never slower than it).
+# NaN and Inf: a full read of them. In f32 that is about what the kernel saves below this
+# many tokens, where such calls run XLA's dense FFN instead (never slower than it). bf16
+# calls take the kernel with the check at every M: XLA's bf16 matmuls on the CPU run at a
+# tenth of its f32 rate (dense FFN ~42-55 ms at M=1, d=2048, f=5632), and the check reads
+# the two weights in ~5 ms.
 UNCHECKED_DENSE_BELOW_M = 64
+
+
+def finite_columns_by_sums(w_up: jax.Array | None, w_down: jax.Array) -> jax.Array:
+    """:func:`~jax_twell.ops.common.finite_columns` of the up and down weights, read at
+    the speed of a sum: the f32 sums of each column of ``w_down`` (and of all of ``w_up``)
+    are finite where every term is, and a NaN or Inf term makes them NaN or Inf whatever
+    the order. A sum of finite terms can still overflow, so where any sum is not finite
+    the exact check decides (``lax.cond``: only such weights pay for it). On the CPU the
+    elementwise check of two bf16 weights (d=2048, f=5632) took 14 ms, the sums 2.6 ms."""
+    sums = jnp.sum(w_down, axis=0, dtype=jnp.float32)
+    if w_up is not None:
+        sums = sums + jnp.sum(w_up, dtype=jnp.float32)
+    return jax.lax.cond(jnp.isfinite(sums).all(), lambda: jnp.ones(sums.shape, bool),
+                        lambda: finite_columns(w_up, w_down))
 
 
 def sparse_max_fraction(m: int) -> float:
@@ -108,7 +125,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
 
     ``w_up_t``: optional ``w_up.T`` (gated). Without it, up to :data:`COLUMNS_MAX_M` tokens
     read w_up's columns (up to :data:`COLUMNS_MAX_FRACTION` active), more transpose it in the
-    call (on the sparse side only). Without ``weights_finite``, calls of fewer than
+    call (on the sparse side only). Without ``weights_finite``, f32 calls of fewer than
     :data:`UNCHECKED_DENSE_BELOW_M` tokens run XLA's dense FFN (the check would cost what
     the kernel saves). bf16 gates of up to :data:`GATE_MAX_M` tokens are :func:`gate`,
     others XLA's matmul. f16 (not a kernel dtype) runs XLA's dense FFN.
@@ -118,7 +135,8 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
     w_up_k = w_up if gated else None
     m, d = x.shape
     f = w_act.shape[1]
-    if m == 0 or x.dtype not in DTYPES or (weights_finite is None and m < UNCHECKED_DENSE_BELOW_M):
+    unchecked_dense = weights_finite is None and m < UNCHECKED_DENSE_BELOW_M and x.dtype == jnp.float32
+    if m == 0 or x.dtype not in DTYPES or unchecked_dense:
         return xla.ffn(x, w_gate, w_up, w_down)
     g = gate(x, w_act) if x.dtype == jnp.bfloat16 and m <= GATE_MAX_M else relu_matmul(x, w_act)
     columns_layout = gated and w_up_t is None and m <= COLUMNS_MAX_M
@@ -133,7 +151,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
         if gated and up_t is None and not columns_layout:
             up_t = w_up.T
         y = up_down(x, g, w_up_k, w_down, w_up_t=up_t)
-        columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
+        columns = finite_columns_by_sums(w_up_k, w_down) if weights_finite is None else weights_finite
         return as_dense_nonfinite(y, x, columns)
 
     return jax.lax.cond(few, sparse, lambda: xla.up_down(x, g, w_up_k, w_down))
