@@ -66,7 +66,7 @@ IMPLEMENTATIONS = ("reference", "xla", None) + (("cpu",) if jt.cpu_kernels_avail
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("tokens", [24, 128])  # per call: below and above the CPU path's unchecked-dense bound
+@pytest.mark.parametrize("tokens", [24, 128])  # per call: decode-sized and prefill-sized
 def test_sharded_inference_equals_unsharded(mesh, layout, tokens):
     inp = synthetic_ffn_inputs(jax.random.key(2), 2 * tokens, 32, 512, density=0.01)
     sharding = jt.FFNSharding(token_axes=LAYOUTS[layout].token_axes, tensor_axis=LAYOUTS[layout].tensor_axis, mesh=mesh)

@@ -17,10 +17,10 @@ import numpy as np
 from jax_twell import _cpu
 from jax_twell.formats import relu_matmul
 from jax_twell.ops import xla
-from jax_twell.ops.common import as_dense_nonfinite, finite_columns
+from jax_twell.ops.common import as_dense_nonfinite, as_varying, finite_columns, mesh_axes
 
 __all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M",
-           "UNCHECKED_DENSE_BELOW_M", "finite_columns_by_sums", "sparse_max_fraction", "gate", "up_down", "sparse_ffn"]
+           "WEIGHT_PASS_ENTRIES", "finite_columns_by_sums", "sparse_max_fraction", "gate", "up_down", "sparse_ffn"]
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel takes; f16 runs dense
 
@@ -46,13 +46,17 @@ COLUMNS_MAX_FRACTION = 0.02
 # 2.2 / 5.7 ms (XLA's f32 matmul is the faster there).
 GATE_MAX_M = 16
 
-# Without the weights' finite columns kept (weights_finite), the call checks both weights for
-# NaN and Inf: a full read of them. In f32 that is about what the kernel saves below this
-# many tokens, where such calls run XLA's dense FFN instead (never slower than it). bf16
-# calls take the kernel with the check at every M: XLA's bf16 matmuls on the CPU run at a
-# tenth of its f32 rate (dense FFN ~42-55 ms at M=1, d=2048, f=5632), and the check reads
-# the two weights in ~5 ms.
-UNCHECKED_DENSE_BELOW_M = 64
+# What a call does to the weights beyond the kernel, priced in f32: without the weights'
+# finite columns kept (weights_finite) it checks both weights for NaN and Inf (a pass over
+# each), and without a kept w_up.T above COLUMNS_MAX_M tokens it transposes w_up (a read and
+# a write). Each such pass over a [d, f] weight costs about what WEIGHT_PASS_ENTRIES * f
+# active entries cost the kernel, so an f32 call's bound drops by passes * WEIGHT_PASS_ENTRIES
+# / M (at or below zero it runs XLA's dense FFN). Measured (bench_cpu.py, f32, d=2048,
+# f=5632, same VM): the plain call's extra time was ~25 ms at M=128-512, the kernel's ~1.06 us
+# an entry; the plain call lost at M=64 (0.83x at 0.5%) and M=128 at 2.5% (0.88x) with the
+# bound alone. bf16 calls do not pay it: XLA's bf16 matmuls on the CPU run at a tenth of its
+# f32 rate (dense FFN ~50-80 ms at M=1-64), far above the passes (~2.6 ms for the check).
+WEIGHT_PASS_ENTRIES = 1.05
 
 
 def finite_columns_by_sums(w_up: jax.Array | None, w_down: jax.Array) -> jax.Array:
@@ -65,8 +69,9 @@ def finite_columns_by_sums(w_up: jax.Array | None, w_down: jax.Array) -> jax.Arr
     sums = jnp.sum(w_down, axis=0, dtype=jnp.float32)
     if w_up is not None:
         sums = sums + jnp.sum(w_up, dtype=jnp.float32)
-    return jax.lax.cond(jnp.isfinite(sums).all(), lambda: jnp.ones(sums.shape, bool),
-                        lambda: finite_columns(w_up, w_down))
+    axes = mesh_axes(w_up, w_down)  # both sides typed alike under shard_map
+    return jax.lax.cond(jnp.isfinite(sums).all(), lambda: as_varying(jnp.ones(sums.shape, bool), axes),
+                        lambda: as_varying(finite_columns(w_up, w_down), axes))
 
 
 def sparse_max_fraction(m: int) -> float:
@@ -125,9 +130,9 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
 
     ``w_up_t``: optional ``w_up.T`` (gated). Without it, up to :data:`COLUMNS_MAX_M` tokens
     read w_up's columns (up to :data:`COLUMNS_MAX_FRACTION` active), more transpose it in the
-    call (on the sparse side only). Without ``weights_finite``, f32 calls of fewer than
-    :data:`UNCHECKED_DENSE_BELOW_M` tokens run XLA's dense FFN (the check would cost what
-    the kernel saves). bf16 gates of up to :data:`GATE_MAX_M` tokens are :func:`gate`,
+    call (on the sparse side only). In f32 each pass over a weight that the call makes
+    itself (the check, the transpose) lowers the bound (:data:`WEIGHT_PASS_ENTRIES`): a
+    plain f32 call of few tokens runs XLA's dense FFN. bf16 gates of up to :data:`GATE_MAX_M` tokens are :func:`gate`,
     others XLA's matmul. f16 (not a kernel dtype) runs XLA's dense FFN.
     """
     gated = w_gate is not None
@@ -135,12 +140,16 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
     w_up_k = w_up if gated else None
     m, d = x.shape
     f = w_act.shape[1]
-    unchecked_dense = weights_finite is None and m < UNCHECKED_DENSE_BELOW_M and x.dtype == jnp.float32
-    if m == 0 or x.dtype not in DTYPES or unchecked_dense:
+    if m == 0 or x.dtype not in DTYPES:
         return xla.ffn(x, w_gate, w_up, w_down)
-    g = gate(x, w_act) if x.dtype == jnp.bfloat16 and m <= GATE_MAX_M else relu_matmul(x, w_act)
     columns_layout = gated and w_up_t is None and m <= COLUMNS_MAX_M
     fraction = min(sparse_max_fraction(m), COLUMNS_MAX_FRACTION) if columns_layout else sparse_max_fraction(m)
+    if x.dtype == jnp.float32:
+        passes = 2 * (weights_finite is None) + 2 * (gated and w_up_t is None and not columns_layout)
+        fraction -= passes * WEIGHT_PASS_ENTRIES / m
+        if fraction <= 0:  # the passes cost more than the kernel could save
+            return xla.ffn(x, w_gate, w_up, w_down)
+    g = gate(x, w_act) if x.dtype == jnp.bfloat16 and m <= GATE_MAX_M else relu_matmul(x, w_act)
     # Counted as an f32 sum: XLA's integer count over g ran at a fraction of the memory's
     # speed on the CPU (5% of a dense call at M=512, f32); every partial sum is an integer,
     # exact up to 2**24, and beyond that off by far less than the bound's own margin.
