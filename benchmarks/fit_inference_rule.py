@@ -21,7 +21,7 @@ left out (the rule does not price union products there).
   point (results measured before 59e8f0d).
 A constant with no point to fit it (no 8-column rows, say) keeps its current value.
 
-Usage: python benchmarks/fit_inference_rule.py [--model stationary|union] benchmarks/results/inference_*.json
+Usage: python benchmarks/fit_inference_rule.py [--model stationary|union] lab/results/inference_*.json
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ step's rate, from value_and_grad files only. Relative least squares:
 every point weighs the same whatever its time. Points at several M separate the per-call
 and per-token parts (the slices' spill).
 
-Usage: python benchmarks/fit_train_rule.py benchmarks/results/training_fit_*.json
+Usage: python benchmarks/fit_train_rule.py lab/results/training_fit_*.json
 """
 
 from __future__ import annotations

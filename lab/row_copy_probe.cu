@@ -28,7 +28,7 @@
 //             "request" column) instead of one;
 //   walk      the up product's pattern: 256 fixed rows read along d, 128 bytes of each
 //             a stage (16-byte cp.async, 128 threads).
-// Measured: benchmarks/results/row_copy_probe_4ec7ee8.txt, row_copy_probe_6372667.txt
+// Measured: lab/results/row_copy_probe_4ec7ee8.txt, row_copy_probe_6372667.txt
 // (one warp group of cp.async ~5.7-6.1 TB/s, two ~8.5; 1 KB bulk requests ~8.0; the notes'
 // "How fast rows can reach shared memory at all").
 //
