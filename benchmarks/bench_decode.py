@@ -24,6 +24,8 @@ Variants per configuration:
 - auto: jax_twell.sparse_ffn with the default rule (what users get);
 - rows (M <= 4): binding.decode_ffn_rows, the whole FFN in two launches from the weights
   stored by neuron (w_gate.T and w_up.T given, as a decode cache would hold them);
+- generate: what each layer of TransformerLM's generation path runs with no calibration
+  call (generate() keeps w_up.T and the weights' finite columns; no fraction known);
 - cached: jax_twell.sparse_ffn given the measured active fraction as the layer's
   active_fraction, w_up.T and w_gate.T (what a calibrated SparseFFN with both decode
   caches runs: the rows kernel at one token, the tile path or dense above).
@@ -46,6 +48,7 @@ import jax.numpy as jnp
 
 import jax_twell as jt
 from jax_twell.formats import relu_matmul
+from jax_twell.ops.common import finite_columns
 from jax_twell.ops import layout, xla
 from jax_twell.ops.costs import DenseCrossover
 from jax_twell.ops.ffn import binding
@@ -70,11 +73,13 @@ def grid(quick: bool):
     return configs + [(m, 2048, 5632, 0.005, "heavy") for m in (1, 64)]
 
 
-def stacked(op):
+def stacked(op, weights: int = 5):
+    """The stack clock for ``op(x, *layer[:weights])`` (each layer holds w_gate, w_up,
+    w_down, w_up.T, w_gate.T and the weights' finite columns)."""
     def run(x, layers):
         xi = x
         for w in layers:
-            y = op(xi, *w)
+            y = op(xi, *w[:weights])
             xi = x + (y.astype(jnp.float32) * 1e-30).astype(x.dtype)
         return xi
 
@@ -86,7 +91,8 @@ def make_layers(m, d, f, density, pattern):
     for i in range(LAYERS):
         inp = synthetic_ffn_inputs(jax.random.key(1000 * m + i + int(density * 1e4)), m, d, f, density=density, pattern=pattern)
         x = inp.x if x is None else x
-        layers.append((inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T.copy(), inp.w_gate.T.copy()))
+        layers.append((inp.w_gate, inp.w_up, inp.w_down, inp.w_up.T.copy(), inp.w_gate.T.copy(),
+                       finite_columns(inp.w_up, inp.w_down)))
     return x, layers
 
 
@@ -154,6 +160,10 @@ def main():
     cached_op = lambda density: lambda x, wg, wu, wd, wut, wgt: sparse_ffn_for_layer(
         x, wg, wu, wd, w_up_t=wut, w_act_t=wgt, layer=LayerInfo(active_fraction=density)
     )
+    # What each layer of TransformerLM's generation path runs with no calibration call:
+    # generate() keeps the decode layout (cache_for_decode: w_up.T and the weights' finite
+    # columns), and the layer knows no fraction.
+    generate_op = lambda x, wg, wu, wd, wut, wgt, ok: sparse_ffn_for_layer(x, wg, wu, wd, w_up_t=wut, weights_finite=ok)
     rows = []
     for m, d, f, density, pattern in grid(args.quick):
         x, layers = make_layers(m, d, f, density, pattern)
@@ -165,14 +175,15 @@ def main():
         )
         fns = {name: stacked(op) for name, op in ops.items() if name != "rows" or m <= layout.DECODE_ROWS_MAX_TOKENS}
         fns["cached"] = stacked(cached_op(row["measured_active_fraction"]))
+        fns["generate"] = stacked(generate_op, weights=6)
         timed = time_interleaved(fns, (x, tuple(layers)), min_seconds=0.02, max_reps=100, rounds=11)
-        for name in (*ops, "cached"):
+        for name in (*ops, "cached", "generate"):
             if name not in timed:
                 row[f"{name}_ms"] = row[f"{name}_ratio"] = None
                 continue
             row[f"{name}_ms"] = 1e3 * timed[name][0] / LAYERS
             row[f"{name}_spread"] = timed[name][1]
-        for name in ("decode", "decode_pret", "xla_gate_pret", "checked_pret", "auto", "rows", "cached"):
+        for name in ("decode", "decode_pret", "xla_gate_pret", "checked_pret", "auto", "rows", "cached", "generate"):
             if row[f"{name}_ms"] is None:
                 continue
             row[f"{name}_ratio"] = row["dense_ms"] / row[f"{name}_ms"]
@@ -186,7 +197,7 @@ def main():
     )
     write_result(result, args.out, "decode")
     print(f"\n{result['gpu']} jax {result['jax']} commit {result['commit']}  (ms per layer, stack of {LAYERS})")
-    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'xla gate':>8} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'xg pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6} {'rows':>7} {'ratio':>6} {'cached':>7} {'ratio':>6} {'spread':>6}")
+    print(f"{'M':>3} {'dens':>6} {'pattern':>8} {'act%':>5} {'dense':>7} {'xla gate':>8} {'decode':>7} {'ratio':>6} {'pret':>7} {'ratio':>6} {'xg pret':>7} {'ratio':>6} {'auto':>7} {'ratio':>6} {'rows':>7} {'ratio':>6} {'cached':>7} {'ratio':>6} {'generate':>8} {'ratio':>6} {'spread':>6}")
     for r in rows:
         print(
             f"{r['m']:>3} {r['density']:>6.3f} {r['pattern']:>8} {100 * r['measured_active_fraction']:>5.2f} {r['dense_ms']:>7.4f} "
@@ -194,7 +205,7 @@ def main():
             f"{r['decode_pret_ratio']:>6.2f} {r['xla_gate_pret_ms']:>7.4f} {r['xla_gate_pret_ratio']:>6.2f} "
             f"{r['auto_ms']:>7.4f} {r['auto_ratio']:>6.2f}"
             + (f" {r['rows_ms']:>7.4f} {r['rows_ratio']:>6.2f}" if r["rows_ms"] is not None else f" {'-':>7} {'-':>6}")
-            + f" {r['cached_ms']:>7.4f} {r['cached_ratio']:>6.2f}"
+            + f" {r['cached_ms']:>7.4f} {r['cached_ratio']:>6.2f} {r['generate_ms']:>8.4f} {r['generate_ratio']:>6.2f}"
             + f" {max(v for k, v in r.items() if k.endswith('_spread')):>6.2f}"
         )
     print("spread: the largest interquartile range over the rounds / median among the row's variants")
