@@ -9,7 +9,8 @@ rows of ``w_act.T`` and ``w_up.T``, and the three weight gradients' rows of the 
 neurons. Gradients are those of :mod:`jax_twell.ops.ffn_train.reference` (f32 sums).
 
 Each call counts g's non-zero entries and runs the kernels only up to
-:func:`train_max_fraction` of them (by M and dtype: too few tokens never do), and only where x and the weights are finite (and, in
+:func:`train_max_fraction` of them (by M and the layer's size: small calls and layers
+never do), and only where x and the weights are finite (and, in
 the backward, dy and the L1 cotangent): otherwise XLA's dense forward and its autodiff
 (``lax.cond``), so a dense layer costs what XLA's step costs, plus the count.
 """
@@ -29,26 +30,32 @@ from jax_twell.ops.common import all_finite, as_varying, mesh_axes, sum_over_sha
 from jax_twell.ops.ffn.cpu import DTYPES, up_down
 from jax_twell.ops.plan import LayerInfo, Side
 
-__all__ = ["TRAIN_MAX_FRACTION", "TRAIN_FIXED_TOKENS", "train_max_fraction", "forward", "backward", "ffn_with_aux"]
+__all__ = ["TRAIN_MAX_FRACTION", "TRAIN_FIXED_TOKENS", "TRAIN_MIN_TOKENS", "TRAIN_MIN_WEIGHT", "train_max_fraction", "forward", "backward", "ffn_with_aux"]
 
 # The largest fraction of g's entries (non-zero / (M f)) at which a step runs the kernels is
-# TRAIN_MAX_FRACTION less TRAIN_FIXED_TOKENS[dtype] / M: the kernel side's fixed costs
-# (the weights transposed for the kernels, their finite checks, the three weight gradients
-# zeroed, written in f32 and transposed back) are about as many passes over the weights as
-# the dense step's matmuls cost for that many tokens. At or below zero the step is XLA's
-# own (no count, no branch). Measured (value_and_grad of a step, d=2048, f=5632, 0.5%
-# active unless named, on the 2-core VM of jax_twell.ops.ffn.cpu; ratio to XLA's step):
-# f32 M=64 0.75x, 128 1.07x, 256 1.56x, 512 1.96x (2% 1.35x, 5% on the dense side 0.99x);
-# bf16 M=64 1.18x, 512 2.49x (2% 1.61x, 5% 0.99x). The fixed costs and a step's matmuls
-# both scale with d f, so the bound depends on M (and the dtype) alone.
+# TRAIN_MAX_FRACTION less TRAIN_FIXED_TOKENS / M: the kernel side's fixed costs (the weights
+# transposed for the kernels, the three weight gradients zeroed, written in f32 and
+# transposed back) are about as many passes over the weights as the dense step's matmuls
+# cost for that many tokens. Calls of fewer than TRAIN_MIN_TOKENS tokens, or layers of
+# fewer than TRAIN_MIN_WEIGHT weights (d f), are XLA's own step, with no count and no
+# branch: there the per-call choice costs more than the kernels save (XLA's CPU runtime runs
+# a conditional's branches slower than the same ops unbranched: the dense side measured
+# 0.68x of XLA's step at d=128, f=352, M=4,096, and 0.87-0.92x at d=2048, f=5632, M=128).
+# Measured (value_and_grad of a step, d=2048, f=5632, on the 2-core VM of
+# jax_twell.ops.ffn.cpu; ratio to XLA's step): M=512 f32 2.09x at 0.5%, 1.36x at 2%, the
+# dense side at 5% 0.98x; bf16 2.38x, 1.74x, 0.96x.
 TRAIN_MAX_FRACTION = 0.03
-TRAIN_FIXED_TOKENS = {jnp.dtype(jnp.float32): 3.1, jnp.dtype(jnp.bfloat16): 1.5}
+TRAIN_FIXED_TOKENS = 3.1
+TRAIN_MIN_TOKENS = 512
+TRAIN_MIN_WEIGHT = 1 << 22
 
 
-def train_max_fraction(m: int, dtype) -> float:
-    """The largest active fraction of g at which ``m`` tokens of ``dtype`` run the kernels
-    (at or below zero: never)."""
-    return TRAIN_MAX_FRACTION - TRAIN_FIXED_TOKENS[jnp.dtype(dtype)] / max(m, 1)
+def train_max_fraction(m: int, d: int, f: int) -> float:
+    """The largest active fraction of g at which ``m`` tokens through a ``[d, f]`` layer
+    run the kernels (at or below zero: never; see :data:`TRAIN_MAX_FRACTION`)."""
+    if m < TRAIN_MIN_TOKENS or d * f < TRAIN_MIN_WEIGHT:
+        return 0.0
+    return TRAIN_MAX_FRACTION - TRAIN_FIXED_TOKENS / m
 
 
 def forward(x, g, w_up_t, w_down):
@@ -91,8 +98,8 @@ def _train_fwd(x, w_gate, w_up, w_down, forced):
     g = relu_matmul(x, w_act)
     active = g != 0
     counts, fired = active.sum(axis=-1, dtype=jnp.int32), active.any(axis=0)
-    few = forced or jnp.sum(active, dtype=jnp.float32) <= np.float32(train_max_fraction(m, x.dtype) * m * f)
-    finite = all_finite(x, w_gate, w_up, w_down)
+    few = forced or jnp.sum(active, dtype=jnp.float32) <= np.float32(train_max_fraction(m, x.shape[1], f) * m * f)
+    finite = _finite_by_sums(x, w_gate, w_up, w_down)
     use = few & finite
     axes = mesh_axes(x, w_gate, w_up, w_down)
 
@@ -111,6 +118,18 @@ def _train_fwd(x, w_gate, w_up, w_down, forced):
 
     y, l1, u = jax.lax.cond(use, sparse, dense)
     return (y, l1, counts, fired), (x, w_gate, w_up, w_down, g, u, use, finite)
+
+
+def _finite_by_sums(*arrays):
+    """``[]`` bool: the f32 sum of every element of ``arrays`` (None skipped) is finite,
+    which a NaN or Inf anywhere prevents. Finite operands whose sums overflow read as not
+    finite, which only sends the step to the dense side (exact either way); on the CPU the
+    sums cost a fifth of an elementwise check."""
+    total = jnp.zeros((), jnp.float32)
+    for a in arrays:
+        if a is not None and a.size:
+            total = total + jnp.sum(a, dtype=jnp.float32)
+    return jnp.isfinite(total)
 
 
 def _l1(h, m: int):
@@ -178,13 +197,15 @@ def ffn_with_aux(x, w_gate, w_up, w_down, *, layer: LayerInfo = LayerInfo()):
     DENSE XLA's step; AUTO (default) decides per call as above.
 
     x: ``[M, d]`` f32 or bf16 (other dtypes, M = 0 and calls too small for the kernels'
-    fixed costs, :func:`train_max_fraction`, run :func:`jax_twell.ops.xla.ffn_with_aux`).
+    fixed costs, :func:`train_max_fraction`, run :func:`jax_twell.ops.xla.ffn_with_aux`
+    unless ``layer.side`` forces them).
     Returns ``(y [M, d], l1 [], counts [M] int32, fired [f] bool)`` like
     :func:`jax_twell.ops.xla.ffn_with_aux`; differentiable in x and the weights (custom_vjp),
     with the gradients of the dense formula plus the L1 term's.
     """
     forced = layer.side == Side.SPARSE
+    f = (w_gate if w_gate is not None else w_up).shape[1]
     if x.shape[0] == 0 or x.dtype not in DTYPES or layer.side == Side.DENSE or \
-            (not forced and train_max_fraction(x.shape[0], x.dtype) <= 0):
+            (not forced and train_max_fraction(x.shape[0], x.shape[1], f) <= 0):
         return xla.ffn_with_aux(x, w_gate, w_up, w_down)
     return _train(x, w_gate, w_up, w_down, forced)
