@@ -15,12 +15,13 @@ benchmarks/common.py):
 
 Ratios are dense / variant (above 1: faster than dense), the median over the rounds of each
 round's own ratio (benchmarks/common.time_paired: the drift of a shared machine between
-minutes falls on both sides of a round alike). ``--sweep`` instead times the kernel
+minutes falls on both sides of a round alike). ``--train`` instead times a training step
+(value_and_grad through ``sparse_ffn_train``) by default against XLA's. ``--sweep`` instead times the kernel
 alone (given g and w_up.T, no dense side) against XLA's dense up and down products at
 densities 0.5-100%, the measurement behind jax_twell.ops.ffn.cpu.SPARSE_MAX_FRACTION.
 
 Usage: python benchmarks/bench_cpu.py [--m 1,8,64,512] [--densities 0.005,0.05,0.5]
-       [--dtypes float32,bfloat16] [--sweep] [--out results.json]
+       [--dtypes float32,bfloat16] [--sweep | --train] [--out results.json]
 """
 
 from __future__ import annotations
@@ -58,6 +59,22 @@ def ffn_variants() -> dict:
     )
 
 
+def train_variants() -> dict:
+    """A training step each: value_and_grad (x and the three weights) of ``sum(y * x) +
+    1e-5 * l1`` through sparse_ffn_train on XLA ("dense") and by default ("auto": the CPU
+    training kernels where g is sparse enough, jax_twell.ops.ffn_train.cpu)."""
+
+    def step(implementation):
+        def loss(x, wg, wu, wd):
+            y, aux = jt.sparse_ffn_train(x, wg, wu, wd, implementation=implementation)
+            return (y.astype(jnp.float32) * x.astype(jnp.float32)).sum() + 1e-5 * aux.l1
+
+        grad = jax.value_and_grad(loss, (0, 1, 2, 3))
+        return jax.jit(lambda x, wg, wu, wd, wut, ok: grad(x, wg, wu, wd))
+
+    return dict(dense=step("xla"), auto=step(None))
+
+
 def sweep_variants() -> dict:
     """The up and down products alone, from g: the kernel (no dense side) and XLA's."""
     return dict(
@@ -72,6 +89,7 @@ def main() -> None:
     p.add_argument("--densities", default=None, help="default 0.005,0.05,0.5 (--sweep: 0.005 to 1)")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--train", action="store_true", help="time training steps (train_variants) instead")
     p.add_argument("--min-seconds", type=float, default=0.05)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=None)
@@ -80,8 +98,9 @@ def main() -> None:
         raise SystemExit(f"the CPU kernels are unavailable: {_cpu.cpu_kernel_status().reason}")
     default_densities = "0.005,0.02,0.05,0.1,0.25,0.5,1.0" if args.sweep else "0.005,0.05,0.5"
     densities = [float(v) for v in (args.densities or default_densities).split(",")]
-    variants = sweep_variants() if args.sweep else ffn_variants()
-    result = run_metadata("cpu_sweep" if args.sweep else "cpu")
+    kind = "cpu_sweep" if args.sweep else "cpu_train" if args.train else "cpu"
+    variants = sweep_variants() if args.sweep else train_variants() if args.train else ffn_variants()
+    result = run_metadata(kind)
     result.update(cpu_count=os.cpu_count(), d=D, f=F, configs=[])
     for dtype_name in args.dtypes.split(","):
         dtype = jnp.dtype(dtype_name)
@@ -103,7 +122,7 @@ def main() -> None:
                         row[f"{name}_ratio_spread"] = round(ratio_spread, 3)
                 result["configs"].append(row)
                 print(" ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("spread")), flush=True)
-    print("wrote", write_result(result, args.out, "cpu_sweep" if args.sweep else "cpu"))
+    print("wrote", write_result(result, args.out, kind))
 
 
 if __name__ == "__main__":

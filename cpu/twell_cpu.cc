@@ -115,6 +115,7 @@ struct Problem {
   const void* w_down;  // [f, d]
   void* y;             // [m, d]
   bool up_transposed;
+  void* u = nullptr;   // [m, f] or null: u at the active entries, zero elsewhere (training)
 };
 
 // Tokens [begin, end) of the problem, one after another.
@@ -145,10 +146,16 @@ void run_tokens(const Problem& p, int64_t begin, int64_t end) {
         column_dots(u.data(), xf.data(), w_up, d, f, idx.data(), count);
       }
     }
+    T* u_t = p.u == nullptr ? nullptr : static_cast<T*>(p.u) + t * f;
+    if (u_t != nullptr) std::fill(u_t, u_t + f, from_f32<T>(0.0f));
     for (int64_t j = 0; j < count; ++j) {
       const int64_t n = idx[j];
       float h = to_f32(g_t[n]);
-      if (w_up != nullptr) h = round_to<T>(h * round_to<T>(u[j]));
+      if (w_up != nullptr) {
+        const T un = from_f32<T>(u[j]);
+        if (u_t != nullptr) u_t[n] = un;
+        h = round_to<T>(h * to_f32(un));
+      }
       axpy(acc.data(), h, w_down + n * d, d);
     }
     T* y_t = y + t * d;
@@ -248,6 +255,127 @@ void gate(const void* x, const void* w, void* g, int64_t m, int64_t d, int64_t f
   for (auto& th : pool) th.join();
 }
 
+// The training backward over the active entries (g != 0) of each token, for the forward
+// above (u at the active entries, as the forward wrote it; h = g * u rounded to T):
+//
+//   dh    = dy_t . w_down[n] + c * sign(h)        (c: the L1 term's cotangent / M)
+//   d_pre = dh * u   (gated; dh non-gated)        through relu: active entries only
+//   du    = dh * g   (gated)
+//   dx_t  = sum_n d_pre * w_act[:, n] + du * w_up[:, n]
+//   dw_down[n] += h * dy_t,  dw_act_t[n] += d_pre * x_t,  dw_up_t[n] += du * x_t
+//
+// all in f32 (the gradients of jax_twell/ops/ffn_train/reference.py). Two passes: tokens
+// split over threads compute each entry's (dh, d_pre, du) and dx; then neuron ranges split
+// over threads accumulate the weight gradients' rows from every token's entries, in token
+// order (no two threads write one row: deterministic, no atomics).
+struct Backward {
+  int64_t m, d, f;
+  const void* x;        // [m, d]
+  const void* g;        // [m, f]
+  const void* u;        // [m, f] (gated) or null
+  const void* dy;       // [m, d]
+  const void* w_up_t;   // [f, d] (gated) or null
+  const void* w_act_t;  // [f, d]
+  const void* w_down;   // [f, d]
+  float c;
+  void* dx;             // [m, d] T
+  float* dw_act_t;      // [f, d]
+  float* dw_up_t;       // [f, d] or null
+  float* dw_down;       // [f, d]
+};
+
+struct Entry {
+  int32_t n;
+  float h, d_pre, du;
+};
+
+template <typename T>
+void backward_tokens(const Backward& p, int64_t begin, int64_t end, std::vector<std::vector<Entry>>& entries) {
+  const int64_t d = p.d, f = p.f;
+  const T* x = static_cast<const T*>(p.x);
+  const T* g = static_cast<const T*>(p.g);
+  const T* u = static_cast<const T*>(p.u);
+  const T* dy = static_cast<const T*>(p.dy);
+  const T* w_up_t = static_cast<const T*>(p.w_up_t);
+  const T* w_act_t = static_cast<const T*>(p.w_act_t);
+  const T* w_down = static_cast<const T*>(p.w_down);
+  T* dx = static_cast<T*>(p.dx);
+  std::vector<float> dyf(d), acc(d);
+  for (int64_t t = begin; t < end; ++t) {
+    const T* g_t = g + t * f;
+    auto& list = entries[t];
+    list.clear();
+    for (int64_t k = 0; k < d; ++k) dyf[k] = to_f32(dy[t * d + k]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t n = 0; n < f; ++n) {
+      if (!nonzero(g_t[n])) continue;
+      const float gn = to_f32(g_t[n]);
+      const float un = u == nullptr ? 0.0f : to_f32(u[t * f + n]);
+      const float h = u == nullptr ? gn : round_to<T>(gn * un);
+      const float sign = h > 0.0f ? 1.0f : (h < 0.0f ? -1.0f : 0.0f);
+      const float dh = dot(dyf.data(), w_down + n * d, d) + p.c * sign;
+      const float d_pre = u == nullptr ? dh : dh * un;
+      const float du = u == nullptr ? 0.0f : dh * gn;
+      axpy(acc.data(), d_pre, w_act_t + n * d, d);
+      if (u != nullptr) axpy(acc.data(), du, w_up_t + n * d, d);
+      list.push_back({int32_t(n), h, d_pre, du});
+    }
+    T* dx_t = dx + t * d;
+    for (int64_t k = 0; k < d; ++k) dx_t[k] = from_f32<T>(acc[k]);
+  }
+}
+
+template <typename T>
+TWELL_CLONES void axpy_f32(float* __restrict acc, float a, const T* __restrict v, int64_t n) {
+#pragma omp simd
+  for (int64_t k = 0; k < n; ++k) acc[k] += a * to_f32(v[k]);
+}
+
+template <typename T>
+void backward_neurons(const Backward& p, int64_t n0, int64_t n1, const std::vector<std::vector<Entry>>& entries) {
+  const int64_t d = p.d;
+  const T* x = static_cast<const T*>(p.x);
+  const T* dy = static_cast<const T*>(p.dy);
+  std::fill(p.dw_down + n0 * d, p.dw_down + n1 * d, 0.0f);
+  std::fill(p.dw_act_t + n0 * d, p.dw_act_t + n1 * d, 0.0f);
+  if (p.dw_up_t != nullptr) std::fill(p.dw_up_t + n0 * d, p.dw_up_t + n1 * d, 0.0f);
+  for (int64_t t = 0; t < p.m; ++t) {
+    for (const Entry& e : entries[t]) {
+      if (e.n < n0 || e.n >= n1) continue;
+      const int64_t n = e.n;
+      axpy_f32(p.dw_down + n * d, e.h, dy + t * d, d);
+      axpy_f32(p.dw_act_t + n * d, e.d_pre, x + t * d, d);
+      if (p.dw_up_t != nullptr) axpy_f32(p.dw_up_t + n * d, e.du, x + t * d, d);
+    }
+  }
+}
+
+template <typename T>
+void backward(const Backward& p) {
+  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  std::vector<std::vector<Entry>> entries(p.m);
+  {
+    const int64_t threads = std::min<int64_t>(cores, std::max<int64_t>(1, p.m / kTokensPerThread));
+    const int64_t chunk = (p.m + threads - 1) / threads;
+    std::vector<std::thread> pool;
+    for (int64_t i = 1; i < threads; ++i) {
+      const int64_t begin = std::min(p.m, i * chunk), end = std::min(p.m, (i + 1) * chunk);
+      pool.emplace_back([&p, &entries, begin, end] { backward_tokens<T>(p, begin, end, entries); });
+    }
+    backward_tokens<T>(p, 0, std::min(p.m, chunk), entries);
+    for (auto& th : pool) th.join();
+  }
+  const int64_t threads = std::min<int64_t>(cores, std::max<int64_t>(1, p.f / 64));
+  const int64_t chunk = (p.f + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < threads; ++i) {
+    const int64_t n0 = std::min(p.f, i * chunk), n1 = std::min(p.f, (i + 1) * chunk);
+    pool.emplace_back([&p, &entries, n0, n1] { backward_neurons<T>(p, n0, n1, entries); });
+  }
+  backward_neurons<T>(p, 0, std::min(p.f, chunk), entries);
+  for (auto& th : pool) th.join();
+}
+
 ffi::Error check_2d(const ffi::AnyBuffer& b, const char* name, int64_t rows, int64_t cols, ffi::DataType dtype) {
   auto dims = b.dimensions();
   if (dims.size() != 2 || dims[0] != rows || dims[1] != cols)
@@ -285,6 +413,60 @@ ffi::Error UpDownImpl(ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_up, f
   return solve({m, d, f, x.untyped_data(), g.untyped_data(), w_up.untyped_data(), w_down.untyped_data(),
                 y->untyped_data(), up_transposed != 0},
                dt);
+}
+
+// The training forward (gated): as UpDownImpl with w_up_t [f, d], and u [M, f] (u at the
+// active entries, rounded to the element type; zero elsewhere).
+ffi::Error UpDownTrainImpl(ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_down,
+                           ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> u) {
+  auto xd = x.dimensions(), gd = g.dimensions();
+  if (xd.size() != 2 || gd.size() != 2) return ffi::Error::InvalidArgument("jax_twell_cpu: x and g must be 2-D");
+  const int64_t m = xd[0], d = xd[1], f = gd[1];
+  const ffi::DataType dt = x.element_type();
+  for (auto err : {check_2d(g, "g", m, f, dt), check_2d(w_up_t, "w_up_t", f, d, dt),
+                   check_2d(w_down, "w_down", f, d, dt), check_2d(*y, "y", m, d, dt), check_2d(*u, "u", m, f, dt)})
+    if (err.failure()) return err;
+  Problem p{m, d, f, x.untyped_data(), g.untyped_data(), w_up_t.untyped_data(), w_down.untyped_data(),
+            y->untyped_data(), true};
+  p.u = u->untyped_data();
+  if (m > 0 && d == 0) std::memset(p.u, 0, size_t(m * f) * (dt == ffi::DataType::F32 ? 4 : 2));
+  return solve(p, dt);
+}
+
+// The training backward (see Backward): x [M, d], g [M, f], u [M, f] (gated; non-gated:
+// any [M, f], unread), dy [M, d], w_up_t [f, d] (gated; non-gated: any [f, d], unread),
+// w_act_t [f, d], w_down [f, d], c [1] f32 -> dx [M, d], dw_act_t, dw_up_t (zeros
+// non-gated), dw_down [f, d] f32.
+ffi::Error BackwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer u, ffi::AnyBuffer dy,
+                        ffi::AnyBuffer w_up_t, ffi::AnyBuffer w_act_t, ffi::AnyBuffer w_down,
+                        ffi::Buffer<ffi::F32> c, ffi::Result<ffi::AnyBuffer> dx,
+                        ffi::Result<ffi::Buffer<ffi::F32>> dw_act_t, ffi::Result<ffi::Buffer<ffi::F32>> dw_up_t,
+                        ffi::Result<ffi::Buffer<ffi::F32>> dw_down, int32_t gated) {
+  auto xd = x.dimensions(), gd = g.dimensions();
+  if (xd.size() != 2 || gd.size() != 2) return ffi::Error::InvalidArgument("jax_twell_cpu: x and g must be 2-D");
+  const int64_t m = xd[0], d = xd[1], f = gd[1];
+  const ffi::DataType dt = x.element_type();
+  for (auto err : {check_2d(g, "g", m, f, dt), check_2d(u, "u", m, f, dt), check_2d(dy, "dy", m, d, dt),
+                   check_2d(w_up_t, "w_up_t", f, d, dt), check_2d(w_act_t, "w_act_t", f, d, dt),
+                   check_2d(w_down, "w_down", f, d, dt), check_2d(*dx, "dx", m, d, dt)})
+    if (err.failure()) return err;
+  if (c.element_count() != 1) return ffi::Error::InvalidArgument("jax_twell_cpu: c must hold one value");
+  Backward p{m, d, f, x.untyped_data(), g.untyped_data(), gated ? u.untyped_data() : nullptr, dy.untyped_data(),
+             gated ? w_up_t.untyped_data() : nullptr, w_act_t.untyped_data(), w_down.untyped_data(), c.typed_data()[0],
+             dx->untyped_data(), dw_act_t->typed_data(), gated ? dw_up_t->typed_data() : nullptr, dw_down->typed_data()};
+  if (!gated) std::fill(dw_up_t->typed_data(), dw_up_t->typed_data() + f * d, 0.0f);
+  if (f == 0 || d == 0) {
+    if (m * d > 0) std::memset(p.dx, 0, size_t(m * d) * (dt == ffi::DataType::F32 ? 4 : 2));
+    return ffi::Error::Success();
+  }
+  if (dt == ffi::DataType::F32) {
+    backward<float>(p);
+  } else if (dt == ffi::DataType::BF16) {
+    backward<bf16>(p);
+  } else {
+    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
+  }
+  return ffi::Error::Success();
 }
 
 // Non-gated: g [M, f], w_down [f, d] -> y [M, d] (h = g).
@@ -334,6 +516,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuUpDown, UpDownImpl,
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .Attr<int32_t>("up_transposed"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuUpDownTrain, UpDownTrainImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // g
+                                  .Arg<ffi::AnyBuffer>()  // w_up_t
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Ret<ffi::AnyBuffer>());  // u
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuBackward, BackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // g
+                                  .Arg<ffi::AnyBuffer>()  // u
+                                  .Arg<ffi::AnyBuffer>()  // dy
+                                  .Arg<ffi::AnyBuffer>()  // w_up_t
+                                  .Arg<ffi::AnyBuffer>()  // w_act_t
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // c
+                                  .Ret<ffi::AnyBuffer>()  // dx
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dw_act_t
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dw_up_t
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // dw_down
+                                  .Attr<int32_t>("gated"));
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuDown, DownImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()  // g
@@ -342,15 +549,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuDown, DownImpl,
 
 // Bumped whenever a handler's operands, attributes or results change, so Python never
 // binds a stale module (jax_twell/_cpu.py checks it).
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 
 NB_MODULE(_cpu_kernels, m) {
-  m.doc() = "jax_twell's CPU XLA FFI handlers (sparse FFN up and down products).";
+  m.doc() = "jax_twell's CPU XLA FFI handlers (sparse FFN up and down products, training forward and backward).";
   m.def("handlers", []() {
     nb::dict out;
     out["jax_twell_cpu_up_down"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuUpDown));
     out["jax_twell_cpu_down"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuDown));
     out["jax_twell_cpu_gate"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuGate));
+    out["jax_twell_cpu_up_down_train"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuUpDownTrain));
+    out["jax_twell_cpu_backward"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuBackward));
     return out;
   }, "FFI target name -> capsule of its XLA_FFI_Handler (register with platform='cpu').");
   m.def("abi_version", []() { return kAbiVersion; }, "Version of the handlers' operands and attributes.");

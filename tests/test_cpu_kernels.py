@@ -193,3 +193,44 @@ def test_module_infer_with_caches_runs_the_kernel():
 def test_status_reports_the_module():
     status = _cpu.cpu_kernel_status()
     assert status.available and status.module and status.ffi_api is not None
+
+
+def _train_grads(impl, inp, gated, cot):
+    argnums = (0, 1, 2, 3) if gated else (0, 2, 3)
+
+    def loss(*a):
+        y, aux = jt.sparse_ffn_train(*a, implementation=impl)
+        return (y.astype(jnp.float32) * cot).sum() + 0.37 * aux.l1
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums))
+    return fn, fn(*inp)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_training_default_runs_the_kernels_where_g_is_sparse(gated):
+    """The default training op on the CPU at a size where it chooses per call
+    (jax_twell.ops.ffn_train.cpu.train_max_fraction): the kernels at 0.5% active, its dense
+    side at 20%; both the dense formula's loss and gradients (value_and_grad, L1 term)."""
+    m, d, f = 512, 2048, 2048
+    for density in (0.005, 0.2):
+        x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(21), m, d, f, density=density, dtype=jnp.float32)
+        inp = (x, w_gate, w_up, w_down) if gated else (x, None, w_gate, w_down)
+        cot = jax.random.normal(jax.random.key(22), (m, d), jnp.float32)
+        fn, (loss, grads) = _train_grads(None, inp, gated, cot)
+        if density == 0.005:
+            assert "jax_twell_cpu_backward" in fn.lower(*inp).as_text()
+        _, (loss_want, want) = _train_grads("xla", inp, gated, cot)
+        tol = 2 * tolerance(jnp.float32, d + f + m, grad=True)
+        assert_close(loss, loss_want, tol, f"loss {density}")
+        for g, w in zip(grads, want):
+            assert_close(g, w, tol, f"grad {density}")
+
+
+@pytest.mark.parametrize("m,d,f,kernels", [(256, 2048, 2048, False), (512, 1024, 2048, False), (512, 2048, 2048, True)],
+                         ids=["m256", "small-layer", "m512"])
+def test_training_default_leaves_small_calls_to_xla(m, d, f, kernels):
+    """Below TRAIN_MIN_TOKENS tokens or TRAIN_MIN_WEIGHT weights the step is XLA's own, with
+    no count and no branch (jax_twell.ops.ffn_train.cpu)."""
+    inp = tuple(synthetic_ffn_inputs(jax.random.key(23), m, d, f, density=0.005, dtype=jnp.float32))
+    fn, _ = _train_grads(None, inp, True, jax.random.normal(jax.random.key(24), (m, d), jnp.float32))
+    assert ("jax_twell_cpu_backward" in fn.lower(*inp).as_text()) == kernels

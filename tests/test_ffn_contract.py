@@ -197,9 +197,11 @@ class TestXla(FFNContract):
 
 
 class TestCpu(FFNContract):
-    """The CPU kernels (inference only: training runs XLA), forced on: their own dense side
-    runs where g is not sparse enough, plain calls below 64 tokens run dense entirely
-    (jax_twell.ops.ffn.cpu); tests/test_cpu_kernels.py covers the kernel's own sides."""
+    """The CPU kernels, forced on: for inference their own dense side runs where g is not
+    sparse enough and plain f32 calls of few tokens run dense entirely (jax_twell.ops.ffn.cpu);
+    for training the kernels are told the layer's side is sparse (the default rule runs
+    these small shapes dense: jax_twell.ops.ffn_train.cpu). tests/test_cpu_kernels.py covers
+    the kernels' own sides."""
 
     implementation = "cpu"
     tolerance_factor = 2
@@ -211,12 +213,10 @@ class TestCpu(FFNContract):
         if not _cpu.cpu_kernels_available():
             pytest.skip(f"CPU kernels unavailable: {_cpu.cpu_kernel_status().reason}")
 
-    @staticmethod
-    def trains(spec) -> bool:
-        return False
-
-    def test_training_nan_and_inf_as_the_dense_formula(self):
-        pytest.skip("no CPU training kernel")
+    def ffn_train(self, x, w_gate, w_up, w_down):
+        y, aux = sparse_ffn_train_for_layer(x, w_gate, w_up, w_down, implementation=self.implementation,
+                                            layer=LayerInfo(side=Side.SPARSE), options=self.train_options)
+        return y, aux.l1
 
     def ffn(self, x, w_gate, w_up, w_down):
         """With the weights' finite columns kept (a serving layer's cache), so that calls of

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_twell as jt
 from jax_twell.ops.ffn.api import sparse_ffn_for_layer
 from jax_twell.ops.ffn_train.api import sparse_ffn_train_for_layer
-from jax_twell.ops.plan import FFNOptions, TrainOptions
+from jax_twell.ops.plan import FFNOptions, LayerInfo, Side, TrainOptions
 from jax_twell.testing import synthetic_ffn_inputs
 from specs import assert_close, tolerance
 
@@ -43,9 +43,13 @@ def test_sharded_training_equals_unsharded(mesh, layout, gated):
     sharding = jt.FFNSharding(token_axes=LAYOUTS[layout].token_axes, tensor_axis=LAYOUTS[layout].tensor_axis, mesh=mesh)
     cot = jax.random.normal(jax.random.key(1), inp.x.shape)
     argnums = (0, 1, 2, 3) if gated else (0, 2, 3)
-    for impl in ("reference", "xla"):
+    for impl in ("reference", "xla") + (("cpu",) if jt.cpu_kernels_available() else ()):
+        # the CPU kernels told the side is sparse (their default runs 64 tokens dense)
+        layer = LayerInfo(side=Side.SPARSE) if impl == "cpu" else LayerInfo()
+
         def loss(sh, *a):
-            y, aux = sparse_ffn_train_for_layer(*a, implementation=impl, sharding=sh, options=TrainOptions(width=8))
+            y, aux = sparse_ffn_train_for_layer(*a, implementation=impl, sharding=sh, options=TrainOptions(width=8),
+                                                layer=layer)
             return (y * cot).sum() + 0.3 * aux.l1, (y, aux)
 
         (_, (y0, aux0)), g0 = jax.value_and_grad(lambda *a: loss(None, *a), argnums, has_aux=True)(*args)

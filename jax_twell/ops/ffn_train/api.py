@@ -16,7 +16,7 @@ import jax
 
 from jax_twell.ops import layout, xla
 from jax_twell.ops.common import check_ffn_args, choose, flatten_tokens
-from jax_twell.ops.ffn_train import reference, vjp
+from jax_twell.ops.ffn_train import cpu, reference, vjp
 from jax_twell.ops.pack.api import check_hybrid_layout
 from jax_twell.ops.plan import LayerInfo, TrainOptions
 from jax_twell.ops.sharded import FFNSharding, shard_ffn_train
@@ -70,6 +70,7 @@ def sparse_ffn_train_for_layer(
         reference=functools.partial(reference.ffn_with_aux, width=options.width,
                                     backup_capacity=options.backup_capacity),
         xla=xla.ffn_with_aux,
+        cpu=functools.partial(cpu.ffn_with_aux, layer=layer),
     )
     if implementation == "cuda" or layout.train_supported(x.shape[-1]):
         kernels["cuda"] = functools.partial(vjp.ffn_with_aux, layer=layer, options=options)
