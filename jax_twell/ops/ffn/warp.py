@@ -127,18 +127,17 @@ def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int,
     return sparse_s < dense_s
 
 
-SAMPLE_ROWS = 256  # rows of g the per-call form reads before it packs
-SAMPLE_MARGIN = 1.25  # the sample sends a call to the pack unless it prices it this far past dense
+SAMPLE_ROWS = 256  # rows of g the per-call form counts to choose its side
 
 
 def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_budget: int, backup: int,
                   rows: int = SAMPLE_ROWS) -> jax.Array:
-    """Device bool: ``rows`` evenly spaced rows of ``g [M, f]`` do not show the call dense:
-    their entries and backed-up rows, scaled to M, price the warp path below
-    ``SAMPLE_MARGIN`` times the dense up and down products, with the backed-up rows within
-    ``SAMPLE_MARGIN`` times the backup. Only how fast: a call sent on is decided again on
-    its exact counts (:func:`sparse_ffn`), so a layer far past the kernel's bounds skips
-    the pack and the counts."""
+    """Device bool: the per-call choice, from ``rows`` evenly spaced rows of ``g [M, f]``
+    (all of them where M <= rows): their kept entries and backed-up rows, scaled to M,
+    price the warp path (:func:`sparse_cheaper`) below the dense up and down products,
+    and the backed-up rows fill at most half the backup (room for the sample's error).
+    Only how fast: the exact counts still send a call whose rows overflow the backup to
+    the dense side."""
     m, f = g.shape
     stride = max(1, m // rows)
     sample = g[: stride * rows: stride] if m > rows else g
@@ -152,17 +151,17 @@ def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_bud
     scale = m / sample.shape[0]
     est_rows = jnp.sum(over, dtype=jnp.float32) * scale
     kept = jnp.sum(jnp.where(over, 0, entries), dtype=jnp.float32) * scale
-    sparse_s = (kept * (2 * d * itemsize) / ENTRY_BYTES_PER_S + est_rows * (4.0 * d * f) / DENSE_FLOPS)
-    return (est_rows <= SAMPLE_MARGIN * backup) & (sparse_s < SAMPLE_MARGIN * 4.0 * m * d * f / DENSE_FLOPS)
+    return (est_rows <= backup / 2) & sparse_cheaper(kept, m, d, f, itemsize, est_rows)
 
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
                row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows, finite=True):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
-    g; a sample of its rows (:func:`likely_sparse`) sends a call that is clearly dense to
-    the dense up and down products from the same g (no gate recompute, no pack); else the
-    pack kernel gives g's TwELL and counts, and where the warp kernel (plus the backup) is
-    cheaper than the dense up and down products it runs, else the dense products. x:
+    g; a sample of its rows (:func:`likely_sparse`) chooses: dense, the dense up and down
+    products from the same g (no gate recompute, no pack, no count of all of g); sparse,
+    the pack kernel gives g's TwELL and exact counts, and the warp kernel runs with the
+    backup at its size (:func:`backup_buckets`), or the dense products where the rows
+    overflow the backup or an operand is not finite. x:
     ``[M, d]``; weights as in :func:`jax_twell.sparse_ffn`; :func:`supported` must hold.
     ``pack``, ``rows_kernel``: the pack and row steps (defaults: the kernels; tests pass
     stand-ins); ``finite``: as in :func:`ffn_from_gate`, or a function returning it (then
@@ -170,7 +169,6 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
-    f = w_act.shape[1]
     backup = backup_size(m)
     g = relu_matmul(x, w_act)
 
@@ -180,14 +178,10 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     def sparse(_):
         up_t = w_up.T if gated and w_up_t is None else w_up_t
         act = pack(g, tile=tile, capacity=capacity)
-        row_entries = jnp.sum(act.counts, axis=-1)
-        rows = backed_up(act, row_budget, row_entries)
-        n_rows = jnp.sum(rows, dtype=jnp.int32)
-        kept = jnp.sum(jnp.where(rows, 0, row_entries), dtype=jnp.int32)
+        rows = backed_up(act, row_budget)
         ok = finite() if callable(finite) else finite
-        use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize, n_rows) & ok
         return _rows_or_dense(
-            m, rows, backup, use_sparse,
+            m, rows, backup, ok,
             lambda: rows_kernel(x, act, up_t if gated else None, w_down, row_budget=row_budget),
             lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
             lambda: dense(None))
