@@ -13,7 +13,9 @@ benchmarks/common.py):
 - cached: what jax_twell.modules.SparseFFN runs after cache_transposed_up_weight: w_up.T
   and the weights' finite columns kept, so a call reads neither whole weight.
 
-Ratios are dense / variant (above 1: faster than dense). ``--sweep`` instead times the kernel
+Ratios are dense / variant (above 1: faster than dense), the median over the rounds of each
+round's own ratio (benchmarks/common.time_paired: the drift of a shared machine between
+minutes falls on both sides of a round alike). ``--sweep`` instead times the kernel
 alone (given g and w_up.T, no dense side) against XLA's dense up and down products at
 densities 0.5-100%, the measurement behind jax_twell.ops.ffn.cpu.SPARSE_MAX_FRACTION.
 
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import run_metadata, time_interleaved, write_result  # noqa: E402
+from common import run_metadata, time_paired, write_result  # noqa: E402
 
 import jax_twell as jt  # noqa: E402
 from jax_twell import _cpu  # noqa: E402
@@ -71,7 +73,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--min-seconds", type=float, default=0.05)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not _cpu.cpu_kernels_available():
@@ -90,14 +92,15 @@ def main() -> None:
                 ok = finite_columns(inp.w_up, inp.w_down)
                 operands = (*inp, w_up_t, ok)
                 active = float(jnp.count_nonzero(relu_matmul(inp.x, inp.w_gate))) / (m * F)
-                times = time_interleaved(variants, operands, min_seconds=args.min_seconds, max_reps=200,
-                                         rounds=args.rounds)
+                times = time_paired(variants, operands, baseline="dense", min_seconds=args.min_seconds, max_reps=200,
+                                    rounds=args.rounds)
                 row = dict(dtype=dtype_name, m=m, density=density, active=round(active, 5))
-                for name, (t, spread) in times.items():
+                for name, (t, spread, ratio, ratio_spread) in times.items():
                     row[f"{name}_ms"] = round(t * 1e3, 4)
                     row[f"{name}_spread"] = round(spread, 3)
                     if name != "dense":
-                        row[f"{name}_ratio"] = round(times["dense"][0] / t, 3)
+                        row[f"{name}_ratio"] = round(ratio, 3)
+                        row[f"{name}_ratio_spread"] = round(ratio_spread, 3)
                 result["configs"].append(row)
                 print(" ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("spread")), flush=True)
     print("wrote", write_result(result, args.out, "cpu_sweep" if args.sweep else "cpu"))

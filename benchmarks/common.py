@@ -46,6 +46,23 @@ def time_interleaved(fns: dict, args, *, min_seconds: float, max_reps: int, roun
     than the rest (XLA captures its command buffer then), and a count set by one of them
     left so few calls per batch that the batch's time carried the host's dispatch gaps
     (the first configuration of a run measured 1.59 ms per call where it takes 1.27)."""
+    result = {}
+    for name, ts in round_times(fns, args, min_seconds=min_seconds, max_reps=max_reps, rounds=rounds).items():
+        med = statistics.median(ts)
+        result[name] = (med, _iqr(ts) / med)
+    return result
+
+
+def _iqr(values) -> float:
+    if len(values) < 2:  # one round: no spread
+        return 0.0
+    q = statistics.quantiles(values, n=4)
+    return q[2] - q[0]
+
+
+def round_times(fns: dict, args, *, min_seconds: float, max_reps: int, rounds: int) -> dict:
+    """Per name of ``fns``: the seconds per call of each round, in round order (the rounds
+    of :func:`time_interleaved`)."""
     reps = {}
     for name, fn in fns.items():
         jax.block_until_ready(fn(*args))
@@ -65,11 +82,26 @@ def time_interleaved(fns: dict, args, *, min_seconds: float, max_reps: int, roun
                 out = fn(*args)
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t0) / reps[name])
+    return times
+
+
+def time_paired(fns: dict, args, *, baseline: str, min_seconds: float, max_reps: int, rounds: int = 15) -> dict:
+    """Per name of ``fns``: ``(median seconds per call, relative spread, ratio, ratio
+    spread)``, where ratio is the median over the rounds of the baseline's time in a round
+    divided by the function's time in the same round (above 1: faster than the baseline).
+
+    On a machine shared with other work the speed of a whole program drifts by 10-20%
+    between minutes (two shared cores measured XLA's dense FFN 9.3 to 11.5 ms per call
+    within one run); the functions of one round run within a fraction of a second of
+    each other, so the ratio of a round carries little of the drift, and the median over
+    the rounds less. The ratio spread is the interquartile range of the per-round ratios
+    divided by their median."""
+    times = round_times(fns, args, min_seconds=min_seconds, max_reps=max_reps, rounds=rounds)
     result = {}
     for name, ts in times.items():
-        med = statistics.median(ts)
-        q = statistics.quantiles(ts, n=4) if len(ts) > 1 else (med, med, med)  # one round: no spread
-        result[name] = (med, (q[2] - q[0]) / med)
+        ratios = [b / t for b, t in zip(times[baseline], ts)]
+        med, ratio = statistics.median(ts), statistics.median(ratios)
+        result[name] = (med, _iqr(ts) / med, ratio, _iqr(ratios) / ratio)
     return result
 
 

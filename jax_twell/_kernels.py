@@ -207,4 +207,38 @@ def checked_ffi_call(target: str, known, status, kind: str, result_types, vmap_m
     state = status()
     if not state.available:
         raise RuntimeError(f"jax_twell {kind} kernel {target!r} cannot run: {state.reason}")
-    return jax.ffi.ffi_call(target, result_types, vmap_method=vmap_method)
+    call = jax.ffi.ffi_call(target, result_types, vmap_method=vmap_method)
+
+    def typed(*operands, **attributes):
+        # Under shard_map a custom call's results are typed as varying over no mesh axis
+        # whatever its operands vary over; typed here as the operands, so that a kernel's
+        # result and XLA's dense one can be the two branches of one lax.cond.
+        return as_varying(call(*operands, **attributes), mesh_axes(*operands))
+
+    return typed
+
+
+def varying_axes(a) -> frozenset:
+    """Manual mesh axes over which ``a`` varies (empty outside shard_map)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "mat", None)  # jax 0.10 keeps them here, later versions in .vma
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def mesh_axes(*arrays) -> frozenset:
+    """Manual mesh axes over which any of ``arrays`` varies (None entries skipped)."""
+    return frozenset().union(*(varying_axes(a) for a in arrays if a is not None))
+
+
+def as_varying(tree, axes: frozenset):
+    """``tree`` with each array typed as varying over ``axes`` as well (``lax.pcast``;
+    nothing happens at run time). Outside shard_map ``axes`` is empty and ``tree`` is
+    returned as it is."""
+    if not axes:
+        return tree
+
+    def one(a):
+        missing = tuple(sorted(axes - varying_axes(a)))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(one, tree)

@@ -172,6 +172,33 @@ def test_time_interleaved_rotates_the_order():
     assert all(sorted(batches[i * 3: i * 3 + 3]) == ["a", "b", "c"] for i in range(3))
 
 
+def test_time_paired_ratio_holds_through_a_drift(monkeypatch):
+    """The paired ratio is the median of each round's own ratio: when the machine's speed
+    changes between rounds (here by up to 4x), each function's times spread widely but
+    the per-round ratios do not, and the ratio is the true 2.0."""
+    import random
+
+    rng = random.Random(0)
+    clock = {"now": 0.0, "calls": 0, "speed": 1.0}
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock["now"])
+    warmup_calls = 2 * 4  # each function's warm-up and three single calls
+
+    def make(cost):
+        def fn(x):
+            if clock["calls"] >= warmup_calls and (clock["calls"] - warmup_calls) % 2 == 0:
+                clock["speed"] = rng.uniform(0.5, 2.0)  # a new round, a new speed
+            clock["calls"] += 1
+            clock["now"] += cost * clock["speed"]
+            return x
+        return fn
+
+    fns = {"dense": make(2.0), "fast": make(1.0)}
+    timed = common.time_paired(fns, (jnp.zeros(()),), baseline="dense", min_seconds=0.0, max_reps=1, rounds=9)
+    assert timed["dense"][2] == 1.0
+    assert abs(timed["fast"][2] - 2.0) < 1e-9 and timed["fast"][3] < 1e-9, timed
+    assert timed["fast"][1] > 0.3, "the times themselves spread (else the test shows nothing)"
+
+
 RUN_TREE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "run_tree.py")
 
 

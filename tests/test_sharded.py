@@ -62,18 +62,48 @@ def test_sharded_training_equals_unsharded(mesh, layout, gated):
         np.testing.assert_array_equal(aux1.neuron_fired, aux0.neuron_fired)
 
 
+IMPLEMENTATIONS = ("reference", "xla", None) + (("cpu",) if jt.cpu_kernels_available() else ())
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_sharded_inference_equals_unsharded(mesh, layout):
-    inp = synthetic_ffn_inputs(jax.random.key(2), 2 * 24, 32, 512, density=0.05)
+@pytest.mark.parametrize("tokens", [24, 128])  # per call: below and above the CPU path's unchecked-dense bound
+def test_sharded_inference_equals_unsharded(mesh, layout, tokens):
+    inp = synthetic_ffn_inputs(jax.random.key(2), 2 * tokens, 32, 512, density=0.01)
     sharding = jt.FFNSharding(token_axes=LAYOUTS[layout].token_axes, tensor_axis=LAYOUTS[layout].tensor_axis, mesh=mesh)
     want = jt.sparse_ffn(*inp, implementation="xla")
-    x = inp.x.reshape(2, 24, 32)  # leading batch dimensions are kept
-    for impl in ("reference", "xla"):
+    x = inp.x.reshape(2, tokens, 32)  # leading batch dimensions are kept
+    for impl in IMPLEMENTATIONS:
         placed = place(mesh, sharding, inp.x, *inp[1:])
         fn = jax.jit(lambda x, *w: sparse_ffn_for_layer(x, *w, implementation=impl, sharding=sharding, options=FFNOptions(tile=64, capacity=4)))
         y = fn(placed[0].reshape(x.shape), *placed[1:])
         assert y.shape == x.shape
         assert_close(y.reshape(want.shape), want, tolerance(jnp.bfloat16, 600), impl)
+
+
+@pytest.mark.skipif(not jt.cpu_kernels_available(), reason="the CPU kernels are not built here")
+@pytest.mark.parametrize("bad", [None, "inf", "nan"])
+def test_kept_finite_check_is_used_per_shard_where_f_is_not_split(bad):
+    """A serving layer's kept finite check (weights_finite) reaches the kernel under a
+    sharding whose tensor axis has one device (as a model bound for one device has): the
+    decode-sized call runs the CPU kernel instead of the dense FFN, and equals the dense
+    formula, non-finite weights included. Where f is split, each shard checks its own."""
+    one = jax.make_mesh((4, 1), ("data", "tensor"), devices=jax.devices("cpu")[:4])
+    inp = synthetic_ffn_inputs(jax.random.key(4), 4, 64, 512, density=0.01, dtype=jnp.float32)
+    w_down = inp.w_down
+    if bad is not None:
+        w_down = w_down.at[3, 5].set(jnp.inf if bad == "inf" else jnp.nan)
+    weights = (inp.w_gate, inp.w_up, w_down)
+    ok = jt.ops.common.finite_columns(inp.w_up, w_down)
+    want = jt.sparse_ffn(inp.x, *weights, implementation="xla")
+    sharding = jt.FFNSharding(token_axes=("data",), tensor_axis="tensor", mesh=one)
+    fn = jax.jit(lambda x, wg, wu, wd, ok: sparse_ffn_for_layer(x, wg, wu, wd, weights_finite=ok, sharding=sharding))
+    lowered = fn.lower(*place(one, sharding, inp.x, *weights), ok)
+    assert "jax_twell_cpu_up_down" in lowered.as_text(), "the kept check should let one token per shard run the kernel"
+    y = fn(*place(one, sharding, inp.x, *weights), ok)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+    np.testing.assert_array_equal(np.isinf(y), np.isinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(np.asarray(y)[finite], np.asarray(want)[finite], rtol=1e-5, atol=1e-5)
 
 
 def test_tensor_parallel_never_gathers_weights(mesh):

@@ -23,6 +23,8 @@ __all__ = [
     "flatten_tokens",
     "sum_over_shards",
     "varying_axes",
+    "as_varying",
+    "mesh_axes",
 ]
 
 IMPLEMENTATIONS = ("reference", "xla", "cuda", "cpu")
@@ -214,8 +216,6 @@ def sum_over_shards(grad: jax.Array | None, primal: jax.Array | None) -> jax.Arr
     return jax.lax.psum(grad, axes) if axes else grad
 
 
-def varying_axes(a: jax.Array) -> frozenset:
-    """Manual mesh axes over which ``a`` varies (empty outside shard_map)."""
-    aval = jax.typeof(a)
-    mat = getattr(aval, "mat", None)  # jax 0.10 keeps them here, later versions in .vma
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+varying_axes = _kernels.varying_axes
+mesh_axes = _kernels.mesh_axes
+as_varying = _kernels.as_varying

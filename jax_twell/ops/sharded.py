@@ -54,6 +54,16 @@ class FFNSharding:
         weights = (columns, columns, rows) if gated else (columns, rows)
         return tokens, weights
 
+    def tensor_shards(self) -> int:
+        """How many shards split f: the size of ``tensor_axis`` in the mesh (the context
+        mesh where ``mesh`` is None), 1 without a tensor axis."""
+        if self.tensor_axis is None:
+            return 1
+        mesh = self.mesh if self.mesh is not None else jax.sharding.get_abstract_mesh()
+        if self.tensor_axis not in mesh.axis_names:
+            raise ValueError(f"tensor_axis {self.tensor_axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+        return mesh.shape[self.tensor_axis]
+
     def _map(self, body, in_specs, out_specs):
         kwargs = {} if self.mesh is None else {"mesh": self.mesh}
         # check_vma keeps collective transposes exact under autodiff (a psum's transpose
@@ -69,23 +79,33 @@ def _unpack_weights(ws):
     return (None, *ws) if len(ws) == 2 else ws
 
 
-def shard_ffn(fn: Callable, sharding: FFNSharding, x, w_gate, w_up, w_down, **by_neuron):
-    """Runs ``fn(x, w_gate, w_up, w_down, *by_neuron.values()) -> y`` per shard; ``x: [M, d]``.
-    ``by_neuron``: optional ``[f, d]`` weight copies (``w_up_t``, ``w_act_t``), split like
-    ``w_down``; passed positionally, in the order given, None where not given."""
+def shard_ffn(fn: Callable, sharding: FFNSharding, x, w_gate, w_up, w_down, *, weights_finite=None, **by_neuron):
+    """Runs ``fn(x, w_gate, w_up, w_down, *by_neuron.values(), ok) -> y`` per shard;
+    ``x: [M, d]``. ``by_neuron``: optional ``[f, d]`` weight copies (``w_up_t``,
+    ``w_act_t``), split like ``w_down``; passed positionally, in the order given, None
+    where not given. ``weights_finite``: the whole weights' ``[d]`` finite columns
+    (:func:`jax_twell.ops.common.finite_columns`), passed to every shard as ``ok`` where f
+    is not split (:meth:`FFNSharding.tensor_shards` is 1: each shard holds the whole
+    weights, so they are its own flags); None otherwise, where each shard checks its own
+    slice (a column the other slices make +-Inf must not read NaN in this one's partial)."""
     tokens, weights = sharding._specs(w_gate is not None)
     names = [name for name, w in by_neuron.items() if w is not None]
+    ok = weights_finite if weights_finite is not None and sharding.tensor_shards() == 1 else None
 
     def body(x, *ws):
+        local_ok = None
+        if ok is not None:
+            ws, local_ok = ws[:-1], ws[-1]
         n = len(ws) - len(names)
         local = dict(zip(names, ws[n:]))
-        y = fn(x, *_unpack_weights(ws[:n]), *(local.get(name) for name in by_neuron))
+        y = fn(x, *_unpack_weights(ws[:n]), *(local.get(name) for name in by_neuron), local_ok)
         if sharding.tensor_axis is not None:
             y = jax.lax.psum(y.astype(jnp.float32), sharding.tensor_axis).astype(y.dtype)
         return y
 
-    specs = (tokens, *weights) + tuple(P(sharding.tensor_axis, None) for _ in names)
-    return sharding._map(body, specs, tokens)(x, *_pack_weights(w_gate, w_up, w_down), *(by_neuron[n] for n in names))
+    specs = (tokens, *weights) + tuple(P(sharding.tensor_axis, None) for _ in names) + ((P(None),) if ok is not None else ())
+    operands = (x, *_pack_weights(w_gate, w_up, w_down), *(by_neuron[n] for n in names)) + ((ok,) if ok is not None else ())
+    return sharding._map(body, specs, tokens)(*operands)
 
 
 def shard_ffn_train(fn: Callable, sharding: FFNSharding, width: int, x, w_gate, w_up, w_down):

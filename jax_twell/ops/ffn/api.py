@@ -151,9 +151,10 @@ def sparse_ffn_for_layer(
     weight transposed (``w_gate.T`` gated, ``w_up.T`` non-gated); both sharded like
     ``w_down``; the layouts the decode kernels read. ``weights_finite``: ``[d]`` bool, what
     :func:`jax_twell.ops.common.finite_columns` gives for the weights, where the caller
-    keeps it (a serving layer's cache: the call then checks only x; ignored under
-    ``sharding``, where each shard checks its own). Only "cuda" uses these; the tile and
-    capacity also shape "reference". Shapes and result as :func:`sparse_ffn`.
+    keeps it (a serving layer's cache: the call then checks only x; under ``sharding``
+    used where f is not split across devices, else each shard checks its own slice).
+    Only "cuda" and "cpu" use these; the tile and capacity also shape "reference". Shapes
+    and result as :func:`sparse_ffn`.
     """
     check_ffn_args(x, w_gate, w_up, w_down)
     check_tiling(options.tile, options.capacity)
@@ -192,10 +193,10 @@ def sparse_ffn_for_layer(
         del kernels["cuda"]  # shapes the kernel does not take run dense
     fn = choose("sparse_ffn", implementation, kernels, "xla")
     x2, lead = flatten_tokens(x)
+    ok = None if weights_finite is None else jnp.asarray(weights_finite, bool)
     # Positional: the default implementation's platform switch takes no keywords.
     if sharding is not None:
-        y = shard_ffn(fn, sharding, x2, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t)
+        y = shard_ffn(fn, sharding, x2, w_gate, w_up, w_down, weights_finite=ok, w_up_t=w_up_t, w_act_t=w_act_t)
     else:
-        ok = None if weights_finite is None else jnp.asarray(weights_finite, bool)
         y = fn(x2, w_gate, w_up, w_down, w_up_t, w_act_t, ok)
     return y.reshape(*lead, x.shape[-1])

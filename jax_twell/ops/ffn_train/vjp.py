@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jax_twell.formats import relu_matmul
 from jax_twell.ops import layout, xla
-from jax_twell.ops.common import all_finite, sum_over_shards, varying_axes
+from jax_twell.ops.common import all_finite, as_varying, mesh_axes, sum_over_shards
 from jax_twell.ops.ffn import binding as ffn_binding
 from jax_twell.ops.ffn_train import binding
 from jax_twell.ops.pack import binding as pack_binding
@@ -61,27 +61,6 @@ def fired_from_columns(col_off: jax.Array, f: int) -> jax.Array:
     return nonempty.reshape(-1)[:f]
 
 
-def _mesh_axes(*arrays) -> frozenset:
-    """Manual mesh axes over which any of ``arrays`` varies (empty outside shard_map)."""
-    axes = frozenset()
-    for a in arrays:
-        if a is not None:
-            axes |= varying_axes(a)
-    return axes
-
-
-def _as_varying(tree, axes: frozenset):
-    """``tree`` typed as varying over ``axes`` (under shard_map). Custom-call results need
-    not carry the varying axes of their operands, and both lax.cond branches must agree;
-    per-shard weight gradients must be typed varying to be summed over the token shards."""
-
-    def one(a):
-        missing = tuple(sorted(axes - varying_axes(a)))
-        return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-    return jax.tree.map(one, tree)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _train_ffn(x, w_gate, w_up, w_down, plan, kernels):
     out, _ = _train_fwd(x, w_gate, w_up, w_down, plan, kernels)
@@ -110,7 +89,7 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
         use = use & ((counts > plan.width).sum(dtype=jnp.int32) <= plan.backup_capacity)
     use = use & all_finite(x, w_gate, w_up, w_down)  # NaN and Inf as the dense formula has them
     steps = plan.steps
-    axes = _mesh_axes(x, w_gate, w_up, w_down)
+    axes = mesh_axes(x, w_gate, w_up, w_down)
 
     def sparse(_):
         y, res, h_source = kernels.forward(
@@ -119,7 +98,7 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
             down_stationary=steps.down_stationary,
         )
         l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
-        return _as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
+        return as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
 
     def dense(_):
         gate = relu_matmul(x, w_act) if g is None else g
@@ -129,7 +108,7 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
         stationary = binding.forward_down_stationary(m, d, f, plan.max_entries, gated, steps.down_stationary)
         shapes = binding.residual_shapes(m, act.n_tiles, tile, plan.max_entries, gated, stationary)
         res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # not read by the dense backward
-        return _as_varying((y, l1, (gate != 0).any(axis=0), res), axes)
+        return as_varying((y, l1, (gate != 0).any(axis=0), res), axes)
 
     y, l1, fired, res = jax.lax.cond(use, sparse, dense, None)
     return (y, l1, counts, fired), (x, w_gate, w_up, w_down, use, res)
@@ -142,7 +121,7 @@ def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
     m = max(x.shape[0], 1)
     l1_grad = dl1.astype(jnp.float32) / m
     steps = plan.steps
-    axes = _mesh_axes(x, w_gate, w_up, w_down, dy)
+    axes = mesh_axes(x, w_gate, w_up, w_down, dy)
 
     def sparse(_):
         grads = kernels.backward(
@@ -150,7 +129,7 @@ def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
             tensor_cores=steps.tensor_cores, dx_tensor_cores=steps.dx_tensor_cores, dx_union=steps.dx_union,
             dh_union=steps.dh_union, dx_stationary=steps.dx_stationary,
         )
-        grads = _as_varying(grads, axes)
+        grads = as_varying(grads, axes)
         return tuple(sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
 
     def dense(_):  # nothing M x f was kept: the dense backward recomputes g and u (2 matmuls)
