@@ -71,3 +71,34 @@ def test_ffn_from_gate_every_bucket_exact(full):
     y = jax.jit(lambda *a: warp.ffn_from_gate(*a, rows_kernel=_ref_rows))(inp.x, act, inp.w_gate, inp.w_up, inp.w_down)
     np.testing.assert_allclose(np.asarray(y), want, rtol=2e-5, atol=2e-5)
 
+
+
+def test_likely_sparse_follows_the_sample():
+    m, d, f = 4096, 128, 1024
+    kw = dict(d=d, itemsize=2, tile=256, capacity=32, row_budget=warp.ROW_BUDGET, backup=warp.backup_size(m))
+    for density, want in ((0.003, True), (0.3, False)):
+        inp = synthetic_ffn_inputs(jax.random.key(1), m, d, f, density=density)
+        assert bool(warp.likely_sparse(relu_matmul(inp.x, inp.w_gate), **kw)) == want, density
+    past_backup = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(2), m, d, f, density=0.003), full=m // 4)
+    assert not bool(warp.likely_sparse(relu_matmul(past_backup.x, past_backup.w_gate), **kw))
+
+
+@pytest.mark.parametrize("case", ["sparse", "one_full_row", "dense", "nan"])
+def test_per_call_form_exact(case):
+    """The per-call form with the kernels replaced by the reference, on each side it can
+    take: the sample's dense side, the counts' sparse side (with a backed-up row), and a
+    NaN of x (its check given as a function, run on the sparse side only)."""
+    m, d, f = 1024, 64, 512
+    inp = synthetic_ffn_inputs(jax.random.key(4), m, d, f, density=0.3 if case == "dense" else 0.003,
+                               dtype=jnp.float32)
+    if case == "one_full_row":
+        inp = with_extreme_rows(inp, full=1)
+    if case == "nan":
+        inp = inp._replace(x=inp.x.at[5, 3].set(jnp.nan))
+    fn = jax.jit(lambda x, *w: warp.sparse_ffn(x, *w, pack=pack_twell_reference, rows_kernel=_ref_rows,
+                                               finite=lambda: jnp.all(jnp.isfinite(x))))
+    y = np.asarray(fn(inp.x, inp.w_gate, inp.w_up, inp.w_down))
+    want = np.asarray(xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down))
+    np.testing.assert_allclose(y, want, rtol=2e-5, atol=2e-5)
+    if case == "nan":
+        assert np.isnan(y[5]).all() and np.isfinite(np.delete(y, 5, axis=0)).all()

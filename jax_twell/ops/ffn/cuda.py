@@ -87,13 +87,18 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         return jnp.zeros((0, d), x.dtype)
     if plan.path == Path.DENSE:
         return xla.ffn(x, w_gate, w_up, w_down)
+    if plan.path == Path.WARP and plan.device_choice:  # the checks run on the sparse side only
+        def operands_finite():
+            columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
+            return all_finite(x) & columns.all()
+
+        return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=plan.options.tile, capacity=plan.options.capacity,
+                               w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
+                               finite=operands_finite)
     columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
     ok = all_finite(x) & columns.all()
     if plan.path == Path.WARP:
         tile, capacity = plan.options.tile, plan.options.capacity
-        if plan.device_choice:
-            return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=tile, capacity=capacity, w_up_t=w_up_t,
-                                   pack=kernels.pack, rows_kernel=kernels.warp_rows, finite=ok)
         if plan.fused_gate:
             act = kernels.gate_pack(x, w_act, tile=tile, capacity=capacity, variant=plan.gate_variant)
         else:

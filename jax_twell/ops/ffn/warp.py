@@ -131,30 +131,64 @@ def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int,
     return sparse_s < dense_s
 
 
+SAMPLE_ROWS = 256  # rows of g the per-call form counts to choose its side
+
+
+def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_budget: int, backup: int,
+                  rows: int = SAMPLE_ROWS) -> jax.Array:
+    """Device bool: the per-call choice, from ``rows`` evenly spaced rows of ``g [M, f]``
+    (all of them where M <= rows): their kept entries and backed-up rows, scaled to M,
+    price the warp path (:func:`sparse_cheaper`) below the dense up and down products,
+    and the backed-up rows fill at most half the backup (room for the sample's error).
+    Only how fast: the exact counts still send a call whose rows overflow the backup to
+    the dense side."""
+    m, f = g.shape
+    stride = max(1, m // rows)
+    sample = g[: stride * rows: stride] if m > rows else g
+    n_tiles = -(-f // tile)
+    active = sample != 0
+    if n_tiles * tile != f:
+        active = jnp.pad(active, ((0, 0), (0, n_tiles * tile - f)))
+    per_tile = active.reshape(sample.shape[0], n_tiles, tile).sum(axis=-1, dtype=jnp.int32)
+    entries = per_tile.sum(axis=-1)
+    over = jnp.any(per_tile > capacity, axis=-1) | (entries > row_budget)
+    scale = m / sample.shape[0]
+    est_rows = jnp.sum(over, dtype=jnp.float32) * scale
+    kept = jnp.sum(jnp.where(over, 0, entries), dtype=jnp.float32) * scale
+    return (est_rows <= backup / 2) & sparse_cheaper(kept, m, d, f, itemsize, est_rows)
+
+
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
                row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows, finite=True):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
-    g, the pack kernel gives its TwELL and counts; where the warp kernel (plus the backup)
-    is cheaper than the dense up and down products it runs, else the dense products run
-    from the same g (no gate recompute). x: ``[M, d]``; weights as in
-    :func:`jax_twell.sparse_ffn`; :func:`supported` must hold. ``pack``, ``rows_kernel``:
-    the pack and row steps (defaults: the kernels; tests pass stand-ins); ``finite``: as
-    in :func:`ffn_from_gate`."""
+    g; a sample of its rows (:func:`likely_sparse`) chooses: dense, the dense up and down
+    products from the same g (no gate recompute, no pack, no count of all of g); sparse,
+    the pack kernel gives g's TwELL and exact counts, and the warp kernel runs with the
+    backup at its size (:func:`backup_buckets`), or the dense products where the rows
+    overflow the backup or an operand is not finite. x:
+    ``[M, d]``; weights as in :func:`jax_twell.sparse_ffn`; :func:`supported` must hold.
+    ``pack``, ``rows_kernel``: the pack and row steps (defaults: the kernels; tests pass
+    stand-ins); ``finite``: as in :func:`ffn_from_gate`, or a function returning it (then
+    computed only on the sparse side)."""
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
-    f = w_act.shape[1]
     backup = backup_size(m)
     g = relu_matmul(x, w_act)
-    act = pack(g, tile=tile, capacity=capacity)
-    row_entries = jnp.sum(act.counts, axis=-1)
-    rows = backed_up(act, row_budget, row_entries)
-    n_rows = jnp.sum(rows, dtype=jnp.int32)
-    kept = jnp.sum(jnp.where(rows, 0, row_entries), dtype=jnp.int32)
-    use_sparse = (n_rows <= backup) & sparse_cheaper(kept, m, d, f, x.dtype.itemsize, n_rows) & finite
-    return _rows_or_dense(
-        m, rows, backup, use_sparse,
-        lambda: rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget),
-        lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
-        lambda: xla.up_down(x, g, w_up if gated else None, w_down))
 
+    def dense(_):
+        return xla.up_down(x, g, w_up if gated else None, w_down)
+
+    def sparse(_):
+        act = pack(g, tile=tile, capacity=capacity)
+        rows = backed_up(act, row_budget)
+        ok = finite() if callable(finite) else finite
+        return _rows_or_dense(
+            m, rows, backup, ok,
+            lambda: rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget),
+            lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
+            lambda: dense(None))
+
+    likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile, capacity=capacity, row_budget=row_budget,
+                           backup=backup)
+    return jax.lax.cond(likely, sparse, dense, None)
