@@ -313,14 +313,17 @@ def test_fused_gate_in_the_training_forward(emulated_kernels, width):
 
 def test_api_default_takes_the_kernels_where_available():
     """implementation=None: the kernels on a Hopper GPU with the library (the per-call
-    device choice when nothing is known about the layer), else XLA; here on CPU, XLA."""
+    device choice when nothing is known about the layer); on a CPU the CPU training op
+    (which runs XLA's own step at this size), else XLA."""
     x, wg, wu, wd, _ = make_case(64, 64, 256, 0.05, "uniform", True, key=13)
     y_default, aux = jt.sparse_ffn_train(x, wg, wu, wd)
     y_xla, _ = jt.sparse_ffn_train(x, wg, wu, wd, implementation="xla")
     if not jt.kernels_available():
         np.testing.assert_array_equal(np.asarray(y_default, np.float32), np.asarray(y_xla, np.float32))
         jaxpr = str(jax.make_jaxpr(lambda *a: jt.sparse_ffn_train(*a)[0])(x, wg, wu, wd))
-        assert "platform_index" not in jaxpr  # no kernels here: XLA only
+        # no CUDA kernels here: a branch for the CPU where its kernels are built, else XLA only
+        assert ("platform_index" in jaxpr) == jt.cpu_kernels_available()
+        assert "jax_twell_cpu_backward" not in jaxpr  # 64 tokens: XLA's own step
         with pytest.raises(RuntimeError, match="kernels are unavailable"):
             jt.sparse_ffn_train(x, wg, wu, wd, implementation="cuda")
 
