@@ -167,21 +167,26 @@ void run_tokens(const Problem& p, int64_t begin, int64_t end) {
 // microseconds; a token's rows cost a few at 0.5% active).
 constexpr int64_t kTokensPerThread = 16;
 
+int64_t cores() { return std::max(1u, std::thread::hardware_concurrency()); }
+
+// fn(begin, end) over [0, n) in at most `parts` contiguous ranges (each a multiple of
+// `align` long but the last), one thread each; the calling thread takes the first.
+template <typename Fn>
+void split(int64_t n, int64_t parts, int64_t align, Fn fn) {
+  parts = std::max<int64_t>(1, parts);
+  const int64_t chunk = ((n + parts - 1) / parts + align - 1) / align * align;
+  std::vector<std::thread> pool;
+  for (int64_t i = 1; i < parts; ++i) {
+    const int64_t begin = std::min(n, i * chunk), end = std::min(n, (i + 1) * chunk);
+    if (begin < end) pool.emplace_back([&fn, begin, end] { fn(begin, end); });
+  }
+  fn(0, std::min(n, chunk));
+  for (auto& th : pool) th.join();
+}
+
 template <typename T>
 void run(const Problem& p) {
-  int64_t threads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), p.m / kTokensPerThread);
-  if (threads <= 1) {
-    run_tokens<T>(p, 0, p.m);
-    return;
-  }
-  std::vector<std::thread> pool;
-  const int64_t chunk = (p.m + threads - 1) / threads;
-  for (int64_t i = 1; i < threads; ++i) {
-    const int64_t begin = std::min(p.m, i * chunk), end = std::min(p.m, (i + 1) * chunk);
-    pool.emplace_back([&p, begin, end] { run_tokens<T>(p, begin, end); });
-  }
-  run_tokens<T>(p, 0, std::min(p.m, chunk));
-  for (auto& th : pool) th.join();
+  split(p.m, std::min(cores(), p.m / kTokensPerThread), 1, [&p](int64_t b, int64_t e) { run_tokens<T>(p, b, e); });
 }
 
 // The gate for a few tokens: g = relu(x @ w) [m, f] for x [m, d], w [d, f], rounded to T,
@@ -243,16 +248,7 @@ void gate(const void* x, const void* w, void* g, int64_t m, int64_t d, int64_t f
   const T* xt = static_cast<const T*>(x);
   const T* wt = static_cast<const T*>(w);
   T* gt = static_cast<T*>(g);
-  const int64_t threads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()),
-                                            std::max<int64_t>(1, f / 256));
-  const int64_t chunk = ((f + threads - 1) / threads + 15) / 16 * 16;
-  std::vector<std::thread> pool;
-  for (int64_t i = 1; i < threads; ++i) {
-    const int64_t c0 = std::min(f, i * chunk), c1 = std::min(f, (i + 1) * chunk);
-    if (c0 < c1) pool.emplace_back([=] { gate_columns(xt, wt, gt, m, d, f, c0, c1); });
-  }
-  gate_columns(xt, wt, gt, m, d, f, 0, std::min(f, chunk));
-  for (auto& th : pool) th.join();
+  split(f, std::min(cores(), f / 256), 16, [=](int64_t c0, int64_t c1) { gate_columns(xt, wt, gt, m, d, f, c0, c1); });
 }
 
 // The training backward over the active entries (g != 0) of each token, for the forward
@@ -326,12 +322,6 @@ void backward_tokens(const Backward& p, int64_t begin, int64_t end, std::vector<
 }
 
 template <typename T>
-TWELL_CLONES void axpy_f32(float* __restrict acc, float a, const T* __restrict v, int64_t n) {
-#pragma omp simd
-  for (int64_t k = 0; k < n; ++k) acc[k] += a * to_f32(v[k]);
-}
-
-template <typename T>
 void backward_neurons(const Backward& p, int64_t n0, int64_t n1, const std::vector<std::vector<Entry>>& entries) {
   const int64_t d = p.d;
   const T* x = static_cast<const T*>(p.x);
@@ -343,37 +333,19 @@ void backward_neurons(const Backward& p, int64_t n0, int64_t n1, const std::vect
     for (const Entry& e : entries[t]) {
       if (e.n < n0 || e.n >= n1) continue;
       const int64_t n = e.n;
-      axpy_f32(p.dw_down + n * d, e.h, dy + t * d, d);
-      axpy_f32(p.dw_act_t + n * d, e.d_pre, x + t * d, d);
-      if (p.dw_up_t != nullptr) axpy_f32(p.dw_up_t + n * d, e.du, x + t * d, d);
+      axpy(p.dw_down + n * d, e.h, dy + t * d, d);
+      axpy(p.dw_act_t + n * d, e.d_pre, x + t * d, d);
+      if (p.dw_up_t != nullptr) axpy(p.dw_up_t + n * d, e.du, x + t * d, d);
     }
   }
 }
 
 template <typename T>
 void backward(const Backward& p) {
-  const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
   std::vector<std::vector<Entry>> entries(p.m);
-  {
-    const int64_t threads = std::min<int64_t>(cores, std::max<int64_t>(1, p.m / kTokensPerThread));
-    const int64_t chunk = (p.m + threads - 1) / threads;
-    std::vector<std::thread> pool;
-    for (int64_t i = 1; i < threads; ++i) {
-      const int64_t begin = std::min(p.m, i * chunk), end = std::min(p.m, (i + 1) * chunk);
-      pool.emplace_back([&p, &entries, begin, end] { backward_tokens<T>(p, begin, end, entries); });
-    }
-    backward_tokens<T>(p, 0, std::min(p.m, chunk), entries);
-    for (auto& th : pool) th.join();
-  }
-  const int64_t threads = std::min<int64_t>(cores, std::max<int64_t>(1, p.f / 64));
-  const int64_t chunk = (p.f + threads - 1) / threads;
-  std::vector<std::thread> pool;
-  for (int64_t i = 1; i < threads; ++i) {
-    const int64_t n0 = std::min(p.f, i * chunk), n1 = std::min(p.f, (i + 1) * chunk);
-    pool.emplace_back([&p, &entries, n0, n1] { backward_neurons<T>(p, n0, n1, entries); });
-  }
-  backward_neurons<T>(p, 0, std::min(p.f, chunk), entries);
-  for (auto& th : pool) th.join();
+  split(p.m, std::min(cores(), p.m / kTokensPerThread), 1,
+        [&](int64_t b, int64_t e) { backward_tokens<T>(p, b, e, entries); });
+  split(p.f, std::min(cores(), p.f / 64), 1, [&](int64_t n0, int64_t n1) { backward_neurons<T>(p, n0, n1, entries); });
 }
 
 ffi::Error check_2d(const ffi::AnyBuffer& b, const char* name, int64_t rows, int64_t cols, ffi::DataType dtype) {
