@@ -17,7 +17,8 @@ Variants per configuration:
 - gate: the gate matmul alone (relu(x @ w_gate), reduced over f so none of it is skipped);
 - decode: the CUDA sparse_ffn with the decode kernels (our gate kernel, then the up and down
   steps: binding.decode_ffn_gate), the up weight as stored ([d, f]: transposed in the call);
-- decode_pret: the same with the up weight given as [f, d] (w_up_t);
+- decode_pret: the same with the up weight given as [f, d] (w_up_t) and the weights'
+  finite columns (as a serving layer keeps them; so do the variants below);
 - xla_gate_pret: XLA's gate matmul, then the up and down steps (binding.decode_ffn), w_up_t;
 - checked_pret: as xla_gate_pret behind the per-call device check (dense above 2% active,
   DenseCrossover.decode_dense_above);
@@ -25,17 +26,19 @@ Variants per configuration:
 - rows (M <= 4): binding.decode_ffn_rows, the whole FFN in two launches from the weights
   stored by neuron (w_gate.T and w_up.T given, as a decode cache would hold them);
 - generate: what each layer of TransformerLM's generation path runs with no calibration
-  call (generate() keeps w_up.T and the weights' finite columns; no fraction known);
+  call (generate() keeps w_up.T and the weights' finite columns, and at one row on a GPU
+  w_gate.T; no fraction known: the rows kernel at one token);
 - cached: jax_twell.sparse_ffn given the measured active fraction as the layer's
-  active_fraction, w_up.T and w_gate.T (what a calibrated SparseFFN with both decode
-  caches runs: the rows kernel at one token, the tile path or dense above).
+  active_fraction, w_up.T, w_gate.T and the finite columns (what a calibrated SparseFFN
+  with both decode caches runs: the rows kernel at one token, the tile path or dense above).
 
 With ``--gate-splits 1,2,4,8`` it instead sweeps the gate kernel's K ranges: our gate plus
 the steps (binding.decode_ffn_gate, w_up_t) per split count, the ranges added in a cluster
 ("c<n>") or through a global workspace ("p<n>"), against XLA's gate plus the same steps, at
 0.5% uniform, M 1, 16 and 64.
 
-Usage: python benchmarks/bench_decode.py [--quick] [--gate-splits LIST] [--out results.json]
+Usage: python benchmarks/bench_decode.py [--quick] [--tokens 1,4 --densities 0.005,0.5]
+       [--gate-splits LIST] [--out results.json]
 """
 
 from __future__ import annotations
@@ -66,7 +69,13 @@ DECODE_XLA_GATE = FFNOptions(rule=DenseCrossover(decode_kernel_max_tokens=64, de
 DECODE_CHECKED = FFNOptions(rule=DenseCrossover(decode_kernel_max_tokens=64, decode_dense_above=0.02))
 
 
-def grid(quick: bool):
+def grid(quick: bool, tokens: str | None = None, densities: str | None = None):
+    """(M, d, f, density, pattern) configurations: the default grid (``quick``: fewer), or
+    every M of ``tokens`` at every density of ``densities`` (comma-separated), uniform."""
+    if tokens or densities:
+        ms = [int(v) for v in (tokens or "1,4,64").split(",")]
+        ps = [float(v) for v in (densities or "0.005").split(",")]
+        return [(m, 2048, 5632, p, "uniform") for m in ms for p in ps]
     ms = [1, 4, 64] if quick else [1, 4, 16, 64]
     densities = [0.005, 0.02] if quick else [0.005, 0.01, 0.02, 0.05]
     configs = [(m, 2048, 5632, p, "uniform") for m in ms for p in densities]
@@ -129,43 +138,46 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--gate-splits", default=None, help="comma-separated K range counts to sweep")
+    parser.add_argument("--tokens", default=None, help="comma-separated M (with --densities: that grid, uniform rows)")
+    parser.add_argument("--densities", default=None, help="comma-separated active fractions")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.gate_splits:
         return sweep_gate_splits([int(v) for v in args.gate_splits.split(",")], args.out)
 
-    def gate_only(x, wg, wu, wd, wut=None, wgt=None):
+    def gate_only(x, wg, wu, wd, wut=None, wgt=None, ok=None):
         g = relu_matmul(x, wg)
         return jnp.broadcast_to(g.astype(jnp.float32).sum(axis=1, keepdims=True), x.shape).astype(x.dtype)
 
     ops = dict(
-        dense=lambda x, wg, wu, wd, wut=None, wgt=None: xla.ffn(x, wg, wu, wd),
+        dense=lambda x, wg, wu, wd, wut=None, wgt=None, ok=None: xla.ffn(x, wg, wu, wd),
         gate=gate_only,
-        decode=lambda x, wg, wu, wd, wut=None, wgt=None: ffn_cuda.sparse_ffn(x, wg, wu, wd, layer=FORCED, options=DECODE),
-        decode_pret=lambda x, wg, wu, wd, wut, wgt=None: ffn_cuda.sparse_ffn(
-            x, wg, wu, wd, layer=FORCED, options=DECODE, w_up_t=wut
+        decode=lambda x, wg, wu, wd, wut=None, wgt=None, ok=None: ffn_cuda.sparse_ffn(x, wg, wu, wd, layer=FORCED, options=DECODE),
+        decode_pret=lambda x, wg, wu, wd, wut, wgt=None, ok=None: ffn_cuda.sparse_ffn(
+            x, wg, wu, wd, layer=FORCED, options=DECODE, w_up_t=wut, weights_finite=ok
         ),
-        xla_gate_pret=lambda x, wg, wu, wd, wut, wgt=None: ffn_cuda.sparse_ffn(
-            x, wg, wu, wd, layer=FORCED, options=DECODE_XLA_GATE, w_up_t=wut
+        xla_gate_pret=lambda x, wg, wu, wd, wut, wgt=None, ok=None: ffn_cuda.sparse_ffn(
+            x, wg, wu, wd, layer=FORCED, options=DECODE_XLA_GATE, w_up_t=wut, weights_finite=ok
         ),
-        checked_pret=lambda x, wg, wu, wd, wut, wgt=None: ffn_cuda.sparse_ffn(
-            x, wg, wu, wd, options=DECODE_CHECKED, w_up_t=wut
+        checked_pret=lambda x, wg, wu, wd, wut, wgt=None, ok=None: ffn_cuda.sparse_ffn(
+            x, wg, wu, wd, options=DECODE_CHECKED, w_up_t=wut, weights_finite=ok
         ),
-        auto=lambda x, wg, wu, wd, wut=None, wgt=None: jt.sparse_ffn(x, wg, wu, wd),
-        rows=lambda x, wg, wu, wd, wut, wgt: binding.decode_ffn_rows(x, wgt, wd, w_up_t=wut),
+        auto=lambda x, wg, wu, wd, wut=None, wgt=None, ok=None: jt.sparse_ffn(x, wg, wu, wd),
+        rows=lambda x, wg, wu, wd, wut, wgt, ok=None: binding.decode_ffn_rows(x, wgt, wd, w_up_t=wut),
     )
     # What a calibrated layer with both decode caches runs (SparseFFN after
     # TransformerLM.calibrate_ffn and cache_for_decode(activation_weight=True)): the public
     # op given the layer's active fraction, w_up.T and w_gate.T.
-    cached_op = lambda density: lambda x, wg, wu, wd, wut, wgt: sparse_ffn_for_layer(
-        x, wg, wu, wd, w_up_t=wut, w_act_t=wgt, layer=LayerInfo(active_fraction=density)
+    cached_op = lambda density: lambda x, wg, wu, wd, wut, wgt, ok: sparse_ffn_for_layer(
+        x, wg, wu, wd, w_up_t=wut, w_act_t=wgt, weights_finite=ok, layer=LayerInfo(active_fraction=density)
     )
     # What each layer of TransformerLM's generation path runs with no calibration call:
     # generate() keeps the decode layout (cache_for_decode: w_up.T and the weights' finite
-    # columns), and the layer knows no fraction.
-    generate_op = lambda x, wg, wu, wd, wut, wgt, ok: sparse_ffn_for_layer(x, wg, wu, wd, w_up_t=wut, weights_finite=ok)
+    # columns; with one row on a GPU, w_gate.T too), and the layer knows no fraction.
+    generate_op = lambda m: lambda x, wg, wu, wd, wut, wgt, ok: sparse_ffn_for_layer(
+        x, wg, wu, wd, w_up_t=wut, w_act_t=wgt if m == 1 else None, weights_finite=ok)
     rows = []
-    for m, d, f, density, pattern in grid(args.quick):
+    for m, d, f, density, pattern in grid(args.quick, args.tokens, args.densities):
         x, layers = make_layers(m, d, f, density, pattern)
         g = relu_matmul(x, layers[0][0])
         nnz = (g != 0).sum(axis=1)
@@ -173,9 +185,9 @@ def main():
             m=m, d=d, f=f, density=density, pattern=pattern, layers=LAYERS,
             measured_active_fraction=float(nnz.mean() / f), max_active_per_row=int(nnz.max()),
         )
-        fns = {name: stacked(op) for name, op in ops.items() if name != "rows" or m <= layout.DECODE_ROWS_MAX_TOKENS}
-        fns["cached"] = stacked(cached_op(row["measured_active_fraction"]))
-        fns["generate"] = stacked(generate_op, weights=6)
+        fns = {name: stacked(op, weights=6) for name, op in ops.items() if name != "rows" or m <= layout.DECODE_ROWS_MAX_TOKENS}
+        fns["cached"] = stacked(cached_op(row["measured_active_fraction"]), weights=6)
+        fns["generate"] = stacked(generate_op(m), weights=6)
         timed = time_interleaved(fns, (x, tuple(layers)), min_seconds=0.02, max_reps=100, rounds=11)
         for name in (*ops, "cached", "generate"):
             if name not in timed:

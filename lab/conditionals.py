@@ -51,6 +51,7 @@ def cases(m: int, d: int, f: int):
     return {
         "fusion": (lambda x: jax.lax.cond(pred(x), lambda: x * 2 + 1, lambda: x - 1), (x,)),
         "gemm": (lambda x, w, v: jax.lax.cond(pred(x), lambda: x @ w, lambda: x @ v), (x, wg, wu)),
+        "gemm_no_cond": (lambda x, w, v: jnp.where(pred(x), x @ w, x @ v), (x, wg, wu)),
         "custom_call": (lambda g: jax.lax.cond(pred(g), lambda: pack_twell(g, tile=256, capacity=32).counts,
                                                lambda: jnp.zeros((m, -(-f // 256)), jnp.int32)), (g,)),
         "scatter": (lambda x: jax.lax.cond(pred(x), lambda: x.at[jnp.arange(0, m, 7)].set(0), lambda: x), (x,)),

@@ -29,7 +29,8 @@ def generate(
     ``T + max_new_tokens - 1`` positions, then ``model.decode_step`` one token at a time
     (a ``lax.scan``), every FFN on its inference path (``SparseFFN.infer``). The sparse
     FFNs' decode layout (``TransformerLM.cache_for_decode``: ``w_up.T`` and the weights'
-    finite check) is made once per call inside the program where the model does not keep
+    finite check; for one row on a GPU also ``w_gate.T``, so each step's FFN runs the
+    rows kernel) is made once per call inside the program where the model does not keep
     one, so no step transposes a weight; the model passed in is not changed. It compiles
     once per (prompt shape, ``max_new_tokens``, ``top_k``, greedy or not).
 
@@ -97,8 +98,10 @@ def _sample(logits: jax.Array, key: jax.Array, temperature, top_k: int | None, g
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "top_k", "greedy"))
 def _generate(graphdef, state, prompt_tokens, temperature, rng, *, max_new_tokens, top_k, greedy):
     model = nnx.merge(graphdef, state)
-    if not model.decode_layout_kept():  # this program's copy only: the caller's model is unchanged
-        model.cache_for_decode()
+    # One row a step on a GPU: the rows kernel, which reads the gate weight by neuron.
+    rows = prompt_tokens.shape[0] == 1 and jax.default_backend() == "gpu"
+    if not model.decode_layout_kept(activation_weight=rows):  # this program's copy only: the caller's model is unchanged
+        model.cache_for_decode(activation_weight=rows)
     sample = functools.partial(_sample, temperature=temperature, top_k=top_k, greedy=greedy)
     keys = jax.random.split(rng, max_new_tokens)
     logits, cache = model.prefill(prompt_tokens, prompt_tokens.shape[1] + max_new_tokens - 1, last_only=True)

@@ -383,10 +383,12 @@ class TransformerLM(nnx.Module):
                 if activation_weight:
                     layer.ffn.cache_transposed_activation_weight(jnp.dtype(dtype or self.cfg.dtype))
 
-    def decode_layout_kept(self) -> bool:
-        """Whether every sparse FFN keeps what :meth:`cache_for_decode` keeps (True where
-        there is no sparse FFN)."""
-        return all(layer.ffn.weights_finite is not None for layer in self.layers if isinstance(layer.ffn, SparseFFN))
+    def decode_layout_kept(self, *, activation_weight: bool = False) -> bool:
+        """Whether every sparse FFN keeps what :meth:`cache_for_decode` keeps, with
+        ``activation_weight`` the transposed activation weight too (True where there is no
+        sparse FFN)."""
+        return all(layer.ffn.weights_finite is not None and (not activation_weight or layer.ffn.w_act_t is not None)
+                   for layer in self.layers if isinstance(layer.ffn, SparseFFN))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Empty cache for ``batch`` rows and ``max_len`` positions (zeros, length 0)."""

@@ -134,6 +134,8 @@ def test_generate_makes_the_decode_layout_in_its_own_copy(model):
     out = generate(fresh, prompt, 6, temperature=0.0)
     assert not fresh.decode_layout_kept()  # the caller's model was not touched
     fresh.cache_for_decode()
-    assert fresh.decode_layout_kept()
+    assert fresh.decode_layout_kept() and not fresh.decode_layout_kept(activation_weight=True)
+    fresh.cache_for_decode(activation_weight=True)
+    assert fresh.decode_layout_kept(activation_weight=True)
     np.testing.assert_array_equal(generate(fresh, prompt, 6, temperature=0.0), out)
     np.testing.assert_array_equal(out, greedy_by_full_forward(fresh, prompt, 6))

@@ -55,6 +55,23 @@ def test_decode_sizes_with_a_known_fraction():
     assert plan_ffn(8, 2048, 5632, BF16, gated=True, options=gather).gather_width == 128 * 4
 
 
+def test_one_token_with_both_transposed_weights_takes_the_rows_kernel_unasked():
+    """A serving layer keeping w_up.T and w_gate.T (generate at one row) runs the rows
+    kernel with no fraction known; without either copy, or past one token, or with a
+    kernel asked for or the dense side given, it does not."""
+    both = dict(w_up_t=True, w_act_t=True)
+    assert plan_ffn(1, 2048, 5632, BF16, gated=True, **both).path == Path.DECODE_ROWS
+    assert plan_ffn(1, 2048, 5632, BF16, gated=False, w_act_t=True).path == Path.DECODE_ROWS  # w_up is w_act
+    assert plan_ffn(1, 2048, 5632, BF16, gated=True, w_up_t=True).path == Path.DENSE
+    assert plan_ffn(1, 2048, 5632, BF16, gated=True, w_act_t=True).path == Path.DENSE
+    assert plan_ffn(2, 2048, 5632, BF16, gated=True, **both).path == Path.DENSE
+    assert plan_ffn(1, 2048, 5632, jnp.float32, gated=True, **both).path == Path.DENSE  # the kernel is bf16/f16
+    assert plan_ffn(1, 2048, 5632, BF16, gated=True, layer=LayerInfo(side=Side.DENSE), **both).path == Path.DENSE
+    off = FFNOptions(rule=DenseCrossover(decode_rows_unasked=False))
+    assert plan_ffn(1, 2048, 5632, BF16, gated=True, options=off, **both).path == Path.DENSE
+    assert plan_ffn(1, 2048, 5632, BF16, gated=True, options=FFNOptions(kernel=Kernel.WARP), **both).path != Path.DECODE_ROWS
+
+
 def test_the_headline_shape_takes_the_warp_path():
     m, d, f = HEADLINE
     per_call = plan_ffn(m, d, f, BF16, gated=True)

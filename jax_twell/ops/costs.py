@@ -87,6 +87,7 @@ class DenseCrossover:
     decode_fused_gate_max_tokens: int = 32  # ... for calls of at most this many tokens
     decode_active_below: tuple[tuple[int, float], ...] = ((1, 0.025), (16, 0.015), (64, 0.004))  # (tokens, fraction): decode kernels win below
     decode_rows_max_tokens: int = 1  # tokens up to which the rows kernel runs given w_act_t
+    decode_rows_unasked: bool = True  # ... with nothing known of the layer too (no fraction: exact at any density)
 
     def sample_rows(self, m: int) -> int:
         """Rows of g the per-call choice reads for ``m`` tokens: ``m // 8``, within

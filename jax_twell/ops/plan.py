@@ -202,7 +202,8 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
     """The inference plan for ``m`` tokens of ``x [m, d]`` in ``dtype`` through an FFN of
     ``f`` neurons; ``w_up_t``/``w_act_t``: whether the transposed weight copies are given.
 
-    In order: no tokens; a given dense side; decode sizes (the decode kernels where the
+    In order: no tokens; a given dense side; one token with both transposed weights given
+    (a serving layer's cache) and nothing known: the rows kernel; decode sizes (the decode kernels where the
     rule's bounds say they win at the known fraction, or where the rule runs them unasked);
     known decode-sized layers past those bounds run dense; with nothing known of the layer
     (no fraction, no side, no kernel asked for), fewer tokens than the rule's
@@ -222,11 +223,15 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
     if layer.side == Side.DENSE:
         return FFNPlan(Path.DENSE, **base)
     forced = layer.side == Side.SPARSE
+    rows = w_act_t and transposed and m <= rule.decode_rows_max_tokens and decode_rows_supported(m, d, f, dtype)
+    if rows and af is None and rule.decode_rows_unasked and options.kernel == Kernel.AUTO:
+        # A serving layer that keeps both transposed weights: one token streams the gate's
+        # weight and then only the active neurons' rows, at any density about dense's bytes.
+        return FFNPlan(Path.DECODE_ROWS, **base)
     known = af is not None and transposed and rule.decode_wins(m, af)
     if (known or 0 < m <= rule.decode_kernel_max_tokens) and decode_supported(d, f, dtype):
         unchecked = known or forced or rule.decode_dense_above is None
-        if unchecked and w_act_t and transposed and m <= rule.decode_rows_max_tokens and \
-                decode_rows_supported(m, d, f, dtype):
+        if unchecked and rows:
             return FFNPlan(Path.DECODE_ROWS, **base)
         if unchecked and rule.decode_fused_gate and m <= rule.decode_fused_gate_max_tokens and \
                 decode_gate_supported(m, d, f):
