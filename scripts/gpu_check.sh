@@ -19,6 +19,12 @@ python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); 
 workers=${GPU_TEST_WORKERS:-$(( $(nproc) < 14 ? $(nproc) : 14 ))}
 timeout -s INT ${GPU_TEST_SECONDS:-3600} python3 -m pytest -q -rf -n $workers -m gpu --durations=10 tests/ ${1:+-k "$1"} 2>&1 \
   | tee "$OUT/gpu_tests.log" | tail -25
+# The other tests state CPU semantics (f32 products in f32, 4 host devices, the CPU
+# kernels): in a process of their own on the CPU (CPU_TESTS=0 leaves them out).
+if [ "${CPU_TESTS:-1}" != 0 ]; then
+  JAX_PLATFORMS=cpu timeout -s INT ${GPU_TEST_SECONDS:-3600} python3 -m pytest -q -rf -n $workers -m "not gpu" tests/ \
+    2>&1 | tee "$OUT/cpu_tests.log" | tail -5
+fi
 for tool in ${SANITIZERS-memcheck racecheck}; do
   # The fused gate's kernel is CUTLASS's device_kernel template.
   for spec in "Twell:tests/test_gpu_pack.py -k adversarial" "Twell:tests/test_cuda_ffn.py -k adversarial_rows" \

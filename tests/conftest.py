@@ -1,5 +1,6 @@
-"""Shared test configuration: GPU tests skip cleanly where kernels can't run; the CPU
-platform gets 4 host devices (before JAX initialises) for the multi-device tests; XLA's
+"""Shared test configuration: GPU tests skip cleanly where kernels can't run; in a process
+whose default device is a GPU the other tests skip with how to run them (``JAX_PLATFORMS=cpu``:
+they state CPU semantics); the CPU platform gets 4 host devices (before JAX initialises) for the multi-device tests; XLA's
 GPU GEMM autotuning is off (the tests compile hundreds of matmul shapes, often in many
 processes sharing one GPU, and need any correct algorithm, not the fastest;
 ``JAX_TWELL_TEST_AUTOTUNE=1``, or an autotune level in ``XLA_FLAGS``, keeps it)."""
@@ -17,6 +18,17 @@ import jax_twell  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    import jax
+
+    if jax.default_backend() != "cpu":
+        # The tests not marked gpu state CPU semantics: XLA's f32 products in f32 (a GPU
+        # runs them in TF32), the host's 4 devices for the meshes, the CPU kernels'
+        # handlers. In a process whose default device is a GPU they would test something
+        # else, so they run in a CPU-only process instead.
+        skip_cpu = pytest.mark.skip(reason="a CPU test: run the tests not marked gpu with JAX_PLATFORMS=cpu")
+        for item in items:
+            if "gpu" not in item.keywords:
+                item.add_marker(skip_cpu)
     status = jax_twell.kernel_status()
     if status.available:
         return
