@@ -1,8 +1,11 @@
 // CPU XLA FFI handlers of the sparse FFN's up and down products (a nanobind module,
 // jax_twell._cpu_kernels, hands them to Python as capsules).
 //
-// The gate g = relu(x @ w_act) [M, f] is XLA's matmul (its GEMM is good on the CPU); these
-// handlers read, per token, only the weight rows of the neurons where g is non-zero:
+// The gate g = relu(x @ w_act) [M, f] is XLA's matmul where its GEMM is the faster (f32, or
+// many tokens), else this module's (jax_twell_cpu_gate, or jax_twell_cpu_gate_twell: packed
+// to TwELL in the same pass, g never written). These handlers read, per token, only the
+// weight rows of the neurons where g is non-zero (from g, or from TwELL:
+// jax_twell_cpu_up_down_twell):
 //
 //   gated:      u = x_t . w_up[:, n] (f32 sums, rounded to the element type),
 //               h = g[t, n] * u (in the element type), y_t += h * w_down[n, :] (f32 sums)
@@ -118,48 +121,61 @@ struct Problem {
   void* u = nullptr;   // [m, f] or null: u at the active entries, zero elsewhere (training)
 };
 
-// Tokens [begin, end) of the problem, one after another.
+// One token's products from its active entries (neuron idx[j], activation gv[j]): u over
+// the up weight's rows or columns, h = g * u rounded to T, y_t = sum h * w_down[n] rounded
+// once. u_t: [f] or null, u at the entries (training). xf, acc, u: scratch.
+template <typename T>
+void token_products(const Problem& p, int64_t t, const int64_t* idx, const float* gv, int64_t count, T* u_t,
+                    std::vector<float>& xf, std::vector<float>& acc, std::vector<float>& u) {
+  const int64_t d = p.d, f = p.f;
+  const T* x = static_cast<const T*>(p.x);
+  const T* w_up = static_cast<const T*>(p.w_up);
+  const T* w_down = static_cast<const T*>(p.w_down);
+  std::fill(acc.begin(), acc.end(), 0.0f);
+  if (w_up != nullptr && count > 0) {
+    for (int64_t k = 0; k < d; ++k) xf[k] = to_f32(x[t * d + k]);
+    u.resize(count);
+    if (p.up_transposed) {
+      for (int64_t j = 0; j < count; ++j) u[j] = dot(xf.data(), w_up + idx[j] * d, d);
+    } else {
+      column_dots(u.data(), xf.data(), w_up, d, f, idx, count);
+    }
+  }
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t n = idx[j];
+    float h = gv[j];
+    if (w_up != nullptr) {
+      const T un = from_f32<T>(u[j]);
+      if (u_t != nullptr) u_t[n] = un;
+      h = round_to<T>(h * to_f32(un));
+    }
+    axpy(acc.data(), h, w_down + n * d, d);
+  }
+  T* y_t = static_cast<T*>(p.y) + t * d;
+  for (int64_t k = 0; k < d; ++k) y_t[k] = from_f32<T>(acc[k]);
+}
+
+// Tokens [begin, end) of the problem, one after another, their entries read from g.
 template <typename T>
 void run_tokens(const Problem& p, int64_t begin, int64_t end) {
   const int64_t d = p.d, f = p.f;
-  const T* x = static_cast<const T*>(p.x);
   const T* g = static_cast<const T*>(p.g);
-  const T* w_up = static_cast<const T*>(p.w_up);
-  const T* w_down = static_cast<const T*>(p.w_down);
-  T* y = static_cast<T*>(p.y);
-  std::vector<float> xf(d), acc(d), u;
+  std::vector<float> xf(d), acc(d), u, gv;
   std::vector<int64_t> idx;
   idx.reserve(64);
+  gv.reserve(64);
   for (int64_t t = begin; t < end; ++t) {
     const T* g_t = g + t * f;
     idx.clear();
+    gv.clear();
     for (int64_t n = 0; n < f; ++n)
-      if (nonzero(g_t[n])) idx.push_back(n);
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    const int64_t count = int64_t(idx.size());
-    if (w_up != nullptr && count > 0) {
-      for (int64_t k = 0; k < d; ++k) xf[k] = to_f32(x[t * d + k]);
-      u.resize(count);
-      if (p.up_transposed) {
-        for (int64_t j = 0; j < count; ++j) u[j] = dot(xf.data(), w_up + idx[j] * d, d);
-      } else {
-        column_dots(u.data(), xf.data(), w_up, d, f, idx.data(), count);
+      if (nonzero(g_t[n])) {
+        idx.push_back(n);
+        gv.push_back(to_f32(g_t[n]));
       }
-    }
     T* u_t = p.u == nullptr ? nullptr : static_cast<T*>(p.u) + t * f;
     if (u_t != nullptr) std::fill(u_t, u_t + f, from_f32<T>(0.0f));
-    for (int64_t j = 0; j < count; ++j) {
-      const int64_t n = idx[j];
-      float h = to_f32(g_t[n]);
-      if (w_up != nullptr) {
-        const T un = from_f32<T>(u[j]);
-        if (u_t != nullptr) u_t[n] = un;
-        h = round_to<T>(h * to_f32(un));
-      }
-      axpy(acc.data(), h, w_down + n * d, d);
-    }
-    T* y_t = y + t * d;
-    for (int64_t k = 0; k < d; ++k) y_t[k] = from_f32<T>(acc[k]);
+    token_products<T>(p, t, idx.data(), gv.data(), int64_t(idx.size()), u_t, xf, acc, u);
   }
 }
 
@@ -249,6 +265,109 @@ void gate(const void* x, const void* w, void* g, int64_t m, int64_t d, int64_t f
   const T* wt = static_cast<const T*>(w);
   T* gt = static_cast<T*>(g);
   split(f, std::min(cores(), f / 256), 16, [=](int64_t c0, int64_t c1) { gate_columns(xt, wt, gt, m, d, f, c0, c1); });
+}
+
+// The gate packed to TwELL in the same pass: the f32 sums of a [kGateTokens, c1 - c0]
+// block (columns [c0, c1), whole tiles) become relu rounded to T, and each (token, tile)
+// keeps its first `capacity` non-zeros (NaN included) in column order, with its true
+// count; the [M, f] activation is never written. The layout of jax_twell.formats.TwELL:
+// values and cols [M, n_tiles, capacity] (cols within the tile), counts [M, n_tiles].
+struct TwellOut {
+  void* values;
+  int16_t* cols;
+  int32_t* counts;
+  int64_t tile, capacity, n_tiles;
+};
+
+template <typename T>
+void gate_twell_columns(const T* x, const T* w, const TwellOut& out, int64_t m, int64_t d, int64_t f, int64_t c0,
+                        int64_t c1) {
+  const int64_t width = c1 - c0, tile = out.tile, cap = out.capacity;
+  T* values = static_cast<T*>(out.values);
+  std::vector<float> xs(kGateTokens * d), acc(kGateTokens * width);
+  for (int64_t t0 = 0; t0 < m; t0 += kGateTokens) {
+    const int64_t tokens = std::min(kGateTokens, m - t0);
+    for (int64_t i = 0; i < tokens * d; ++i) xs[i] = to_f32(x[t0 * d + i]);
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    gate_rows(acc.data(), xs.data(), tokens, w, d, f, c0, width);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t b = c0; b < c1; b += tile) {
+        const int64_t ti = b / tile, end = std::min(c1, b + tile);
+        const int64_t slot = ((t0 + t) * out.n_tiles + ti) * cap;
+        int32_t count = 0;
+        for (int64_t c = b; c < end; ++c) {
+          const float v = acc[t * width + (c - c0)];
+          const T r = from_f32<T>(v < 0.0f ? 0.0f : v);  // relu as XLA's max(v, 0): NaN stays NaN
+          if (!nonzero(r)) continue;
+          if (count < cap) {
+            values[slot + count] = r;
+            out.cols[slot + count] = int16_t(c - b);
+          }
+          ++count;
+        }
+        for (int64_t k = count; k < cap; ++k) {
+          values[slot + k] = from_f32<T>(0.0f);
+          out.cols[slot + k] = 0;
+        }
+        out.counts[(t0 + t) * out.n_tiles + ti] = count;
+      }
+    }
+  }
+}
+
+template <typename T>
+void gate_twell(const void* x, const void* w, const TwellOut& out, int64_t m, int64_t d, int64_t f) {
+  const T* xt = static_cast<const T*>(x);
+  const T* wt = static_cast<const T*>(w);
+  split(f, std::min(cores(), f / 256), out.tile,
+        [=, &out](int64_t c0, int64_t c1) { gate_twell_columns(xt, wt, out, m, d, f, c0, c1); });
+}
+
+// The up and down products from TwELL: each token's entries are its tiles' stored ones;
+// a tile past capacity (count > capacity) is recomputed exactly here from x and w_act
+// (relu(x . w_act[:, c]) over its columns, f32 sums rounded to T), so no entry is lost.
+template <typename T>
+void run_twell_tokens(const Problem& p, const TwellOut& in, const T* w_act, int64_t begin, int64_t end) {
+  const int64_t d = p.d, f = p.f, tile = in.tile, cap = in.capacity;
+  const T* x = static_cast<const T*>(p.x);
+  const T* values = static_cast<const T*>(in.values);
+  std::vector<float> xf(d), acc(d), u, gv, pre(tile);
+  std::vector<int64_t> idx;
+  idx.reserve(64);
+  gv.reserve(64);
+  for (int64_t t = begin; t < end; ++t) {
+    idx.clear();
+    gv.clear();
+    for (int64_t ti = 0; ti < in.n_tiles; ++ti) {
+      const int32_t count = in.counts[t * in.n_tiles + ti];
+      const int64_t b = ti * tile, width = std::min(tile, f - b);
+      if (count <= cap) {
+        const int64_t slot = (t * in.n_tiles + ti) * cap;
+        for (int32_t k = 0; k < count; ++k) {
+          idx.push_back(b + in.cols[slot + k]);
+          gv.push_back(to_f32(values[slot + k]));
+        }
+        continue;
+      }
+      for (int64_t k = 0; k < d; ++k) xf[k] = to_f32(x[t * d + k]);
+      std::fill(pre.begin(), pre.end(), 0.0f);
+      gate_rows(pre.data(), xf.data(), 1, w_act, d, f, b, width);
+      for (int64_t c = 0; c < width; ++c) {
+        const T r = from_f32<T>(pre[c] < 0.0f ? 0.0f : pre[c]);
+        if (!nonzero(r)) continue;
+        idx.push_back(b + c);
+        gv.push_back(to_f32(r));
+      }
+    }
+    token_products<T>(p, t, idx.data(), gv.data(), int64_t(idx.size()), nullptr, xf, acc, u);
+  }
+}
+
+template <typename T>
+void run_twell(const Problem& p, const TwellOut& in, const void* w_act) {
+  const T* wa = static_cast<const T*>(w_act);
+  split(p.m, std::min(cores(), p.m / kTokensPerThread), 1,
+        [&](int64_t b, int64_t e) { run_twell_tokens<T>(p, in, wa, b, e); });
 }
 
 // The training backward over the active entries (g != 0) of each token, for the forward
@@ -471,6 +590,88 @@ ffi::Error GateImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+ffi::Error check_twell(const ffi::AnyBuffer& values, const ffi::AnyBuffer& cols, const ffi::AnyBuffer& counts,
+                       int64_t m, int64_t n_tiles, int64_t capacity, ffi::DataType dtype) {
+  auto vd = values.dimensions(), cd = cols.dimensions(), nd = counts.dimensions();
+  if (vd.size() != 3 || vd[0] != m || vd[1] != n_tiles || vd[2] != capacity || cd.size() != 3 || cd[0] != m ||
+      cd[1] != n_tiles || cd[2] != capacity)
+    return ffi::Error::InvalidArgument("jax_twell_cpu: values and cols must be [" + std::to_string(m) + ", " +
+                                       std::to_string(n_tiles) + ", " + std::to_string(capacity) + "]");
+  if (nd.size() != 2 || nd[0] != m || nd[1] != n_tiles)
+    return ffi::Error::InvalidArgument("jax_twell_cpu: counts must be [" + std::to_string(m) + ", " +
+                                       std::to_string(n_tiles) + "]");
+  if (values.element_type() != dtype) return ffi::Error::InvalidArgument("jax_twell_cpu: values must have x's dtype");
+  if (cols.element_type() != ffi::DataType::S16 || counts.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("jax_twell_cpu: cols must be int16 and counts int32");
+  return ffi::Error::Success();
+}
+
+ffi::Error check_tiling(int64_t tile, int64_t capacity) {
+  if (tile < 32 || tile % 32 != 0 || tile > 32768 || capacity < 1 || capacity > tile)
+    return ffi::Error::InvalidArgument("jax_twell_cpu: tile must be a multiple of 32 up to 32768 and capacity in [1, tile]");
+  return ffi::Error::Success();
+}
+
+// The gate packed to TwELL: x [M, d], w [d, f] -> values [M, n_tiles, capacity] (x's
+// dtype), cols (int16), counts [M, n_tiles] (int32), n_tiles = ceil(f / tile).
+ffi::Error GateTwellImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> values,
+                         ffi::Result<ffi::AnyBuffer> cols, ffi::Result<ffi::AnyBuffer> counts, int32_t tile,
+                         int32_t capacity) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("jax_twell_cpu: x and w must be 2-D");
+  const int64_t m = xd[0], d = xd[1], f = wd[1];
+  const ffi::DataType dt = x.element_type();
+  if (auto err = check_tiling(tile, capacity); err.failure()) return err;
+  const int64_t n_tiles = (f + tile - 1) / tile;
+  for (auto err : {check_2d(w, "w", d, f, dt), check_twell(*values, *cols, *counts, m, n_tiles, capacity, dt)})
+    if (err.failure()) return err;
+  if (m == 0 || f == 0) return ffi::Error::Success();
+  TwellOut out{values->untyped_data(), static_cast<int16_t*>(cols->untyped_data()),
+               static_cast<int32_t*>(counts->untyped_data()), tile, capacity, n_tiles};
+  if (dt == ffi::DataType::F32) {
+    gate_twell<float>(x.untyped_data(), w.untyped_data(), out, m, d, f);
+  } else if (dt == ffi::DataType::BF16) {
+    gate_twell<bf16>(x.untyped_data(), w.untyped_data(), out, m, d, f);
+  } else {
+    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
+// The up and down products from TwELL (tiles past capacity recomputed from x and w_act):
+// x [M, d], values/cols [M, n_tiles, capacity], counts [M, n_tiles], w_act [d, f],
+// w_up_t [f, d] (up_transposed != 0) or w_up [d, f] (gated; non-gated: any, unread),
+// w_down [f, d] -> y [M, d].
+ffi::Error UpDownTwellImpl(ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer cols, ffi::AnyBuffer counts,
+                           ffi::AnyBuffer w_act, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,
+                           ffi::Result<ffi::AnyBuffer> y, int32_t tile, int32_t up_transposed, int32_t gated) {
+  auto xd = x.dimensions(), ad = w_act.dimensions(), vd = values.dimensions();
+  if (xd.size() != 2 || ad.size() != 2 || vd.size() != 3)
+    return ffi::Error::InvalidArgument("jax_twell_cpu: x and w_act must be 2-D, values 3-D");
+  const int64_t m = xd[0], d = xd[1], f = ad[1], capacity = vd[2];
+  const ffi::DataType dt = x.element_type();
+  if (auto err = check_tiling(tile, capacity); err.failure()) return err;
+  const int64_t n_tiles = (f + tile - 1) / tile;
+  for (auto err : {check_2d(w_act, "w_act", d, f, dt), check_twell(values, cols, counts, m, n_tiles, capacity, dt),
+                   !gated ? ffi::Error::Success()
+                          : (up_transposed ? check_2d(w_up, "w_up_t", f, d, dt) : check_2d(w_up, "w_up", d, f, dt)),
+                   check_2d(w_down, "w_down", f, d, dt), check_2d(*y, "y", m, d, dt)})
+    if (err.failure()) return err;
+  if (m == 0 || d == 0) return ffi::Error::Success();
+  Problem p{m, d, f, x.untyped_data(), nullptr, gated ? w_up.untyped_data() : nullptr, w_down.untyped_data(),
+            y->untyped_data(), up_transposed != 0};
+  TwellOut in{const_cast<void*>(values.untyped_data()), static_cast<int16_t*>(const_cast<void*>(cols.untyped_data())),
+              static_cast<int32_t*>(const_cast<void*>(counts.untyped_data())), tile, capacity, n_tiles};
+  if (dt == ffi::DataType::F32) {
+    run_twell<float>(p, in, w_act.untyped_data());
+  } else if (dt == ffi::DataType::BF16) {
+    run_twell<bf16>(p, in, w_act.untyped_data());
+  } else {
+    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuGate, GateImpl,
@@ -478,6 +679,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuGate, GateImpl,
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Ret<ffi::AnyBuffer>());  // g
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuGateTwell, GateTwellImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w
+                                  .Ret<ffi::AnyBuffer>()  // values
+                                  .Ret<ffi::AnyBuffer>()  // cols
+                                  .Ret<ffi::AnyBuffer>()  // counts
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("capacity"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuUpDownTwell, UpDownTwellImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // values
+                                  .Arg<ffi::AnyBuffer>()  // cols
+                                  .Arg<ffi::AnyBuffer>()  // counts
+                                  .Arg<ffi::AnyBuffer>()  // w_act
+                                  .Arg<ffi::AnyBuffer>()  // w_up_t or w_up
+                                  .Arg<ffi::AnyBuffer>()  // w_down
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("up_transposed")
+                                  .Attr<int32_t>("gated"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuUpDown, UpDownImpl,
                               ffi::Ffi::Bind()
@@ -521,7 +746,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellCpuDown, DownImpl,
 
 // Bumped whenever a handler's operands, attributes or results change, so Python never
 // binds a stale module (jax_twell/_cpu.py checks it).
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 
 NB_MODULE(_cpu_kernels, m) {
   m.doc() = "jax_twell's CPU XLA FFI handlers (sparse FFN up and down products, training forward and backward).";
@@ -530,6 +755,8 @@ NB_MODULE(_cpu_kernels, m) {
     out["jax_twell_cpu_up_down"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuUpDown));
     out["jax_twell_cpu_down"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuDown));
     out["jax_twell_cpu_gate"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuGate));
+    out["jax_twell_cpu_gate_twell"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuGateTwell));
+    out["jax_twell_cpu_up_down_twell"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuUpDownTwell));
     out["jax_twell_cpu_up_down_train"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuUpDownTrain));
     out["jax_twell_cpu_backward"] = nb::capsule(reinterpret_cast<void*>(&JaxTwellCpuBackward));
     return out;

@@ -22,9 +22,9 @@ __all__ = ["CpuKernelStatus", "cpu_kernel_status", "cpu_kernels_available", "cpu
 
 BUILD_NOTE = "cpu_build.txt"  # written by cpu/CMakeLists.txt: what the build did
 # Bumped together with kAbiVersion in cpu/twell_cpu.cc.
-ABI_VERSION = 2
-CPU_HANDLERS = ("jax_twell_cpu_up_down", "jax_twell_cpu_down", "jax_twell_cpu_gate", "jax_twell_cpu_up_down_train",
-                "jax_twell_cpu_backward")
+ABI_VERSION = 3
+CPU_HANDLERS = ("jax_twell_cpu_up_down", "jax_twell_cpu_down", "jax_twell_cpu_gate", "jax_twell_cpu_gate_twell",
+                "jax_twell_cpu_up_down_twell", "jax_twell_cpu_up_down_train", "jax_twell_cpu_backward")
 _REGISTERED: set[str] = set()
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import jax_twell as jt
 from jax_twell import _cpu
-from jax_twell.formats import relu_matmul
+from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops.common import finite_columns
 from jax_twell.ops.ffn import cpu
 from jax_twell.ops.ffn.api import sparse_ffn_for_layer
@@ -70,6 +70,69 @@ def test_gate_is_xla_matmul(dtype, m):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     ok = ~np.isnan(want)
     assert_close(got[ok], want[ok], tolerance(dtype, 37), "gate")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("m,f,tile,capacity", [(0, 301, 64, 4), (1, 301, 64, 4), (7, 301, 64, 4), (20, 520, 256, 64),
+                                               (9, 64, 64, 64), (3, 2000, 32, 1)])
+def test_gate_twell_is_the_pack_of_the_kernels_gate(dtype, m, f, tile, capacity):
+    """The one-pass TwELL gate is pack_twell_reference of the kernel's dense gate, bit for
+    bit (the same f32 sums per column): entries in column order, true counts past
+    capacity, zeros in unused slots, a partial last tile, NaN as an entry."""
+    x, w, _, _ = synthetic_ffn_inputs(jax.random.key(m + f), m, 29, f, density=0.15, dtype=dtype)
+    if m:
+        x = x.at[0, 3].set(jnp.nan)  # row 0: every column NaN (all entries, all tiles overflow)
+    act = jax.jit(lambda x, w: cpu.gate_twell(x, w, tile=tile, capacity=capacity))(x, w)
+    want = pack_twell_reference(cpu.gate(x, w), tile=tile, capacity=capacity)
+    assert act.values.shape == want.values.shape == (m, -(-f // tile), capacity)
+    np.testing.assert_array_equal(act.counts, want.counts)
+    np.testing.assert_array_equal(act.cols, want.cols)
+    np.testing.assert_array_equal(np.asarray(act.values, np.float32), np.asarray(want.values, np.float32))
+    if m > 1:
+        assert (np.asarray(act.counts) > capacity).any() or capacity == tile  # overflow is exercised
+    # and against XLA's matmul, up to the last bit of a value
+    ref = pack_twell_reference(relu_matmul(x, w), tile=tile, capacity=capacity)
+    dense = np.asarray(act.to_dense(x, w), np.float32)
+    ok = ~np.isnan(dense)
+    assert_close(dense[ok], np.asarray(ref.to_dense(x, w), np.float32)[ok], tolerance(dtype, 29), "vs XLA's gate")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+@pytest.mark.parametrize("m,f,tile,capacity,density", [(0, 301, 64, 4, 0.1), (1, 301, 64, 4, 0.05),
+                                                        (7, 203, 32, 2, 0.2), (16, 520, 256, 64, 0.01),
+                                                        (5, 640, 128, 8, 0.6)])
+def test_up_down_twell_is_up_down_on_the_dense_gate(dtype, gated, layout, m, f, tile, capacity, density):
+    """The up and down kernel on TwELL gives the bits of the kernel on the dense gate: the
+    same entries in the same order, tiles past capacity recomputed with the gate's own
+    sums (a NaN token, a fully active one and an empty one included)."""
+    if layout == "columns" and not gated:
+        pytest.skip("non-gated: no up weight")
+    d = 37
+    inp = synthetic_ffn_inputs(jax.random.key(m + f), m, d, f, density=density, dtype=dtype)
+    if m >= 3:
+        inp = with_extreme_rows(inp, full=1, empty=1)
+    x, w_gate, w_up, w_down = inp
+    if m >= 4:
+        x = x.at[2, 5].set(jnp.nan)
+    if not gated:
+        w_gate, w_up = None, w_gate
+    w_act = w_gate if gated else w_up
+    w_up_k = w_up if gated else None
+    w_up_t = w_up.T if gated and layout == "rows" else None
+    act = cpu.gate_twell(x, w_act, tile=tile, capacity=capacity)
+    y = jax.jit(lambda x, v, c, n, wa, wu, wd, wut: cpu.up_down_twell(
+        x, type(act)(v, c, n, f=f, tile=tile), wa, wu, wd, w_up_t=wut))(
+        x, act.values, act.cols, act.counts, w_act, w_up_k, w_down, w_up_t)
+    want = cpu.up_down(x, cpu.gate(x, w_act), w_up_k, w_down, w_up_t=w_up_t)
+    assert y.shape == (m, d) and y.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+    if m:
+        assert (np.asarray(act.counts) > capacity).any() == (density >= 0.2 or m >= 3)
+        ok = ~np.isnan(np.asarray(want, np.float32))
+        y_ref = np.asarray(reference_up_down(x, relu_matmul(x, w_act), w_up_k, w_down), np.float32)
+        assert_close(np.asarray(y, np.float32)[ok], y_ref[ok], fused_tolerance(dtype, d + f), "vs reference")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)

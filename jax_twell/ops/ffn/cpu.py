@@ -1,5 +1,6 @@
-"""The CPU implementation of the inference FFN: XLA's gate matmul, then the sparse up and
-down products of cpu/twell_cpu.cc (registered by :mod:`jax_twell._cpu`).
+"""The CPU implementation of the inference FFN: the gate (XLA's matmul, or for a few bf16
+tokens the kernel's own, packed to TwELL in the same pass), then the sparse up and down
+products of cpu/twell_cpu.cc (registered by :mod:`jax_twell._cpu`).
 
 Decoding a token with the dense formula reads every FFN weight once; with 0.5% of the
 neurons active the up and down products need only the active neurons' rows (the gate stays
@@ -15,12 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_twell import _cpu
-from jax_twell.formats import relu_matmul
+from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import xla
 from jax_twell.ops.common import as_dense_nonfinite, as_varying, finite_columns, mesh_axes
 
-__all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M",
-           "WEIGHT_PASS_ENTRIES", "finite_columns_by_sums", "sparse_max_fraction", "gate", "up_down", "sparse_ffn"]
+__all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M", "TWELL_TILE",
+           "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "finite_columns_by_sums", "sparse_max_fraction", "gate",
+           "gate_twell", "up_down", "up_down_twell", "sparse_ffn"]
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel takes; f16 runs dense
 
@@ -45,6 +47,12 @@ COLUMNS_MAX_FRACTION = 0.02
 # 5.1 / 12 ms at M=1 / 8 / 16 against XLA's 27 / 29 / 36 ms; f32 3.0 / 6.7 ms against XLA's
 # 2.2 / 5.7 ms (XLA's f32 matmul is the faster there).
 GATE_MAX_M = 16
+
+# The TwELL those bf16 gates pack to (tile, capacity): 64 of 256 columns, so a tile
+# overflows (and its gate is recomputed in the up and down kernel) only past 25% active,
+# above every bound of SPARSE_MAX_FRACTION but M=1's.
+TWELL_TILE = 256
+TWELL_CAPACITY = 64
 
 # What a call does to the weights beyond the kernel, priced in f32: without the weights'
 # finite columns kept (weights_finite) it checks both weights for NaN and Inf (a pass over
@@ -91,6 +99,38 @@ def gate(x: jax.Array, w: jax.Array) -> jax.Array:
     return _cpu.cpu_kernel_call("jax_twell_cpu_gate", jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype))(x, w)
 
 
+def gate_twell(x: jax.Array, w: jax.Array, *, tile: int = TWELL_TILE, capacity: int = TWELL_CAPACITY) -> TwELL:
+    """The kernel's gate packed to TwELL in one pass: ``relu(x @ w)`` for ``x [M, d]``,
+    ``w [d, f]`` (f32 or bf16), each (token, tile) keeping its first ``capacity``
+    non-zeros (NaN included) in column order and its true count; the ``[M, f]``
+    activation is never written. The values are :func:`gate`'s (f32 sums rounded to the
+    dtype), so the result is ``pack_twell_reference(relu_matmul(x, w))`` up to the last
+    bit of an element. Reads w once; for few tokens (:data:`GATE_MAX_M`)."""
+    m, f = x.shape[0], w.shape[1]
+    n_tiles = -(-f // tile)
+    out = (jax.ShapeDtypeStruct((m, n_tiles, capacity), x.dtype), jax.ShapeDtypeStruct((m, n_tiles, capacity), jnp.int16),
+           jax.ShapeDtypeStruct((m, n_tiles), jnp.int32))
+    values, cols, counts = _cpu.cpu_kernel_call("jax_twell_cpu_gate_twell", out)(
+        x, w, tile=np.int32(tile), capacity=np.int32(capacity))
+    return TwELL(values, cols, counts, f=f, tile=tile)
+
+
+def up_down_twell(x: jax.Array, act: TwELL, w_act: jax.Array, w_up: jax.Array | None, w_down: jax.Array, *,
+                  w_up_t: jax.Array | None = None) -> jax.Array:
+    """:func:`up_down` from the gate as TwELL (``act``, of ``relu(x @ w_act)``): each token
+    reads its tiles' stored entries; a tile past capacity is recomputed in the kernel from
+    x and ``w_act`` ``[d, f]`` (so no entry is lost). Rounding and NaN as :func:`up_down`;
+    the result is :func:`jax_twell.ops.ffn.reference.twell_ffn`'s up to the last bit of an
+    element. x: ``[M, d]`` f32 or bf16; ``w_up`` None: non-gated. Returns y ``[M, d]``."""
+    m, d = x.shape
+    gated = w_up is not None
+    rows = gated and w_up_t is not None
+    w_up_k = (w_up_t if rows else w_up) if gated else w_down  # non-gated: any [f, d], unread
+    return _cpu.cpu_kernel_call("jax_twell_cpu_up_down_twell", jax.ShapeDtypeStruct((m, d), x.dtype))(
+        x, act.values, act.cols, act.counts, w_act, w_up_k, w_down, tile=np.int32(act.tile),
+        up_transposed=np.int32(rows), gated=np.int32(gated))
+
+
 def up_down(x: jax.Array, g: jax.Array, w_up: jax.Array | None, w_down: jax.Array, *,
             w_up_t: jax.Array | None = None) -> jax.Array:
     """The kernel: ``(g * (x @ w_up)) @ w_down`` (gated) or ``g @ w_down`` (``w_up`` None)
@@ -132,8 +172,11 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
     read w_up's columns (up to :data:`COLUMNS_MAX_FRACTION` active), more transpose it in the
     call (on the sparse side only). In f32 each pass over a weight that the call makes
     itself (the check, the transpose) lowers the bound (:data:`WEIGHT_PASS_ENTRIES`): a
-    plain f32 call of few tokens runs XLA's dense FFN. bf16 gates of up to :data:`GATE_MAX_M` tokens are :func:`gate`,
-    others XLA's matmul. f16 (not a kernel dtype) runs XLA's dense FFN.
+    plain f32 call of few tokens runs XLA's dense FFN. bf16 calls of up to :data:`GATE_MAX_M`
+    tokens pack the gate to TwELL in its own pass (:func:`gate_twell`; g is never written)
+    and run :func:`up_down_twell` on it (their dense side computes g with :func:`gate`);
+    others take XLA's gate matmul and :func:`up_down`. f16 (not a kernel dtype) runs XLA's
+    dense FFN.
     """
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -149,18 +192,31 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
         fraction -= passes * WEIGHT_PASS_ENTRIES / m
         if fraction <= 0:  # the passes cost more than the kernel could save
             return xla.ffn(x, w_gate, w_up, w_down)
-    g = gate(x, w_act) if x.dtype == jnp.bfloat16 and m <= GATE_MAX_M else relu_matmul(x, w_act)
-    # Counted as an f32 sum: XLA's integer count over g ran at a fraction of the memory's
-    # speed on the CPU (5% of a dense call at M=512, f32); every partial sum is an integer,
-    # exact up to 2**24, and beyond that off by far less than the bound's own margin.
-    few = jnp.sum(g != 0, dtype=jnp.float32) <= np.float32(fraction * m * f)
+    twell = x.dtype == jnp.bfloat16 and m <= GATE_MAX_M  # our gate, packed in its pass
+    if twell:
+        act = gate_twell(x, w_act)
+        nnz = jnp.sum(act.counts, dtype=jnp.float32)
+    else:
+        g = relu_matmul(x, w_act)
+        # Counted as an f32 sum: XLA's integer count over g ran at a fraction of the
+        # memory's speed on the CPU (5% of a dense call at M=512, f32); every partial sum
+        # is an integer, exact up to 2**24, and beyond that off by far less than the
+        # bound's own margin.
+        nnz = jnp.sum(g != 0, dtype=jnp.float32)
+    few = nnz <= np.float32(fraction * m * f)
 
     def sparse():
         up_t = w_up_t
         if gated and up_t is None and not columns_layout:
             up_t = w_up.T
-        y = up_down(x, g, w_up_k, w_down, w_up_t=up_t)
+        if twell:
+            y = up_down_twell(x, act, w_act, w_up_k, w_down, w_up_t=up_t)
+        else:
+            y = up_down(x, g, w_up_k, w_down, w_up_t=up_t)
         columns = finite_columns_by_sums(w_up_k, w_down) if weights_finite is None else weights_finite
         return as_dense_nonfinite(y, x, columns)
 
-    return jax.lax.cond(few, sparse, lambda: xla.up_down(x, g, w_up_k, w_down))
+    def dense():  # the TwELL side wrote no g: our dense gate again (XLA's bf16 matmul is ~10x slower)
+        return xla.up_down(x, gate(x, w_act) if twell else g, w_up_k, w_down)
+
+    return jax.lax.cond(few, sparse, dense)
