@@ -48,11 +48,12 @@ COLUMNS_MAX_FRACTION = 0.02
 # 2.2 / 5.7 ms (XLA's f32 matmul is the faster there).
 GATE_MAX_M = 16
 
-# The TwELL those bf16 gates pack to (tile, capacity): 64 of 256 columns, so a tile
-# overflows (and its gate is recomputed in the up and down kernel) only past 25% active,
-# above every bound of SPARSE_MAX_FRACTION but M=1's.
+# The TwELL those bf16 gates pack to (tile, capacity): 128 of 256 columns, so a tile
+# overflows (and its gate is recomputed in the up and down kernel) only past 50% active,
+# above every bound of SPARSE_MAX_FRACTION (with 64, tiles of 20%-active calls overflowed
+# and the recomputes cost 5-7% there; lab/cpu_twell_ab.py).
 TWELL_TILE = 256
-TWELL_CAPACITY = 64
+TWELL_CAPACITY = 128
 
 # What a call does to the weights beyond the kernel, priced in f32: without the weights'
 # finite columns kept (weights_finite) it checks both weights for NaN and Inf (a pass over
