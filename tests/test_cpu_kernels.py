@@ -72,9 +72,14 @@ def test_gate_is_xla_matmul(dtype, m):
     assert_close(got[ok], want[ok], tolerance(dtype, 37), "gate")
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
-@pytest.mark.parametrize("m,f,tile,capacity", [(0, 301, 64, 4), (1, 301, 64, 4), (7, 301, 64, 4), (20, 520, 256, 64),
-                                               (9, 64, 64, 64), (3, 2000, 32, 1)])
+@pytest.mark.parametrize("m,f,tile,capacity", [(0, 301, 64, 4), (1, 301, 64, 4), (7, 301, 64, 4),
+                                               pytest.param(20, 520, 256, 64, marks=SLOW),
+                                               pytest.param(9, 64, 64, 64, marks=SLOW),
+                                               pytest.param(3, 2000, 32, 1, marks=SLOW)])
 def test_gate_twell_is_the_pack_of_the_kernels_gate(dtype, m, f, tile, capacity):
     """The one-pass TwELL gate is pack_twell_reference of the kernel's dense gate, bit for
     bit (the same f32 sums per column): entries in column order, true counts past
@@ -100,9 +105,10 @@ def test_gate_twell_is_the_pack_of_the_kernels_gate(dtype, m, f, tile, capacity)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("layout", ["rows", "columns"])
-@pytest.mark.parametrize("m,f,tile,capacity,density", [(0, 301, 64, 4, 0.1), (1, 301, 64, 4, 0.05),
-                                                        (7, 203, 32, 2, 0.2), (16, 520, 256, 64, 0.01),
-                                                        (5, 640, 128, 8, 0.6)])
+@pytest.mark.parametrize("m,f,tile,capacity,density", [pytest.param(0, 301, 64, 4, 0.1, marks=SLOW),
+                                                        (1, 301, 64, 4, 0.05), (7, 203, 32, 2, 0.2),
+                                                        pytest.param(16, 520, 256, 64, 0.01, marks=SLOW),
+                                                        pytest.param(5, 640, 128, 8, 0.6, marks=SLOW)])
 def test_up_down_twell_is_up_down_on_the_dense_gate(dtype, gated, layout, m, f, tile, capacity, density):
     """The up and down kernel on TwELL gives the bits of the kernel on the dense gate: the
     same entries in the same order, tiles past capacity recomputed with the gate's own
