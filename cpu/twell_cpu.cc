@@ -240,8 +240,16 @@ TWELL_CLONES void gate_rows(float* __restrict acc, const float* __restrict xs, i
   }
 }
 
+// relu as XLA's max(v, 0) (NaN stays NaN), rounded to T.
 template <typename T>
-void gate_columns(const T* x, const T* w, T* g, int64_t m, int64_t d, int64_t f, int64_t c0, int64_t c1) {
+inline T relu_to(float v) {
+  return from_f32<T>(v < 0.0f ? 0.0f : v);
+}
+
+// The f32 sums of x @ w over columns [c0, c1), kGateTokens tokens at a time; emit(t, sums)
+// takes token t's c1 - c0 sums.
+template <typename T, typename Emit>
+void gate_blocks(const T* x, const T* w, int64_t m, int64_t d, int64_t f, int64_t c0, int64_t c1, Emit emit) {
   const int64_t width = c1 - c0;
   std::vector<float> xs(kGateTokens * d), acc(kGateTokens * width);
   for (int64_t t0 = 0; t0 < m; t0 += kGateTokens) {
@@ -249,13 +257,15 @@ void gate_columns(const T* x, const T* w, T* g, int64_t m, int64_t d, int64_t f,
     for (int64_t i = 0; i < tokens * d; ++i) xs[i] = to_f32(x[t0 * d + i]);
     std::fill(acc.begin(), acc.end(), 0.0f);
     gate_rows(acc.data(), xs.data(), tokens, w, d, f, c0, width);
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t j = 0; j < width; ++j) {
-        const float v = acc[t * width + j];
-        // relu as XLA's max(v, 0): NaN stays NaN.
-        g[(t0 + t) * f + c0 + j] = from_f32<T>(v < 0.0f ? 0.0f : v);
-      }
+    for (int64_t t = 0; t < tokens; ++t) emit(t0 + t, acc.data() + t * width);
   }
+}
+
+template <typename T>
+void gate_columns(const T* x, const T* w, T* g, int64_t m, int64_t d, int64_t f, int64_t c0, int64_t c1) {
+  gate_blocks(x, w, m, d, f, c0, c1, [=](int64_t t, const float* sums) {
+    for (int64_t j = 0; j < c1 - c0; ++j) g[t * f + c0 + j] = relu_to<T>(sums[j]);
+  });
 }
 
 // Columns split over the cores (a column block per thread, 16-aligned).
@@ -282,37 +292,29 @@ struct TwellOut {
 template <typename T>
 void gate_twell_columns(const T* x, const T* w, const TwellOut& out, int64_t m, int64_t d, int64_t f, int64_t c0,
                         int64_t c1) {
-  const int64_t width = c1 - c0, tile = out.tile, cap = out.capacity;
+  const int64_t tile = out.tile, cap = out.capacity;
   T* values = static_cast<T*>(out.values);
-  std::vector<float> xs(kGateTokens * d), acc(kGateTokens * width);
-  for (int64_t t0 = 0; t0 < m; t0 += kGateTokens) {
-    const int64_t tokens = std::min(kGateTokens, m - t0);
-    for (int64_t i = 0; i < tokens * d; ++i) xs[i] = to_f32(x[t0 * d + i]);
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    gate_rows(acc.data(), xs.data(), tokens, w, d, f, c0, width);
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (int64_t b = c0; b < c1; b += tile) {
-        const int64_t ti = b / tile, end = std::min(c1, b + tile);
-        const int64_t slot = ((t0 + t) * out.n_tiles + ti) * cap;
-        int32_t count = 0;
-        for (int64_t c = b; c < end; ++c) {
-          const float v = acc[t * width + (c - c0)];
-          const T r = from_f32<T>(v < 0.0f ? 0.0f : v);  // relu as XLA's max(v, 0): NaN stays NaN
-          if (!nonzero(r)) continue;
-          if (count < cap) {
-            values[slot + count] = r;
-            out.cols[slot + count] = int16_t(c - b);
-          }
-          ++count;
+  gate_blocks(x, w, m, d, f, c0, c1, [&](int64_t t, const float* sums) {
+    for (int64_t b = c0; b < c1; b += tile) {
+      const int64_t ti = b / tile, end = std::min(c1, b + tile);
+      const int64_t slot = (t * out.n_tiles + ti) * cap;
+      int32_t count = 0;
+      for (int64_t c = b; c < end; ++c) {
+        const T r = relu_to<T>(sums[c - c0]);
+        if (!nonzero(r)) continue;
+        if (count < cap) {
+          values[slot + count] = r;
+          out.cols[slot + count] = int16_t(c - b);
         }
-        for (int64_t k = count; k < cap; ++k) {
-          values[slot + k] = from_f32<T>(0.0f);
-          out.cols[slot + k] = 0;
-        }
-        out.counts[(t0 + t) * out.n_tiles + ti] = count;
+        ++count;
       }
+      for (int64_t k = count; k < cap; ++k) {
+        values[slot + k] = from_f32<T>(0.0f);
+        out.cols[slot + k] = 0;
+      }
+      out.counts[t * out.n_tiles + ti] = count;
     }
-  }
+  });
 }
 
 template <typename T>
@@ -338,6 +340,7 @@ void run_twell_tokens(const Problem& p, const TwellOut& in, const T* w_act, int6
   for (int64_t t = begin; t < end; ++t) {
     idx.clear();
     gv.clear();
+    bool x_read = false;  // xf holds token t's x
     for (int64_t ti = 0; ti < in.n_tiles; ++ti) {
       const int32_t count = in.counts[t * in.n_tiles + ti];
       const int64_t b = ti * tile, width = std::min(tile, f - b);
@@ -349,11 +352,14 @@ void run_twell_tokens(const Problem& p, const TwellOut& in, const T* w_act, int6
         }
         continue;
       }
-      for (int64_t k = 0; k < d; ++k) xf[k] = to_f32(x[t * d + k]);
+      if (!x_read) {
+        for (int64_t k = 0; k < d; ++k) xf[k] = to_f32(x[t * d + k]);
+        x_read = true;
+      }
       std::fill(pre.begin(), pre.end(), 0.0f);
       gate_rows(pre.data(), xf.data(), 1, w_act, d, f, b, width);
       for (int64_t c = 0; c < width; ++c) {
-        const T r = from_f32<T>(pre[c] < 0.0f ? 0.0f : pre[c]);
+        const T r = relu_to<T>(pre[c]);
         if (!nonzero(r)) continue;
         idx.push_back(b + c);
         gv.push_back(to_f32(r));
@@ -467,6 +473,19 @@ void backward(const Backward& p) {
   split(p.f, std::min(cores(), p.f / 64), 1, [&](int64_t n0, int64_t n1) { backward_neurons<T>(p, n0, n1, entries); });
 }
 
+// fn(T{}) for x's element type T (f32 or bf16), else the error naming the constraint.
+template <typename Fn>
+ffi::Error by_dtype(ffi::DataType dt, Fn fn) {
+  if (dt == ffi::DataType::F32) {
+    fn(float{});
+  } else if (dt == ffi::DataType::BF16) {
+    fn(bf16{});
+  } else {
+    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error check_2d(const ffi::AnyBuffer& b, const char* name, int64_t rows, int64_t cols, ffi::DataType dtype) {
   auto dims = b.dimensions();
   if (dims.size() != 2 || dims[0] != rows || dims[1] != cols)
@@ -479,14 +498,7 @@ ffi::Error check_2d(const ffi::AnyBuffer& b, const char* name, int64_t rows, int
 
 ffi::Error solve(Problem p, ffi::DataType dtype) {
   if (p.m == 0 || p.d == 0) return ffi::Error::Success();
-  if (dtype == ffi::DataType::F32) {
-    run<float>(p);
-  } else if (dtype == ffi::DataType::BF16) {
-    run<bf16>(p);
-  } else {
-    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
-  }
-  return ffi::Error::Success();
+  return by_dtype(dtype, [&](auto t) { run<decltype(t)>(p); });
 }
 
 // Gated: x [M, d], g [M, f], w_up_t [f, d] (up_transposed != 0) or w_up [d, f],
@@ -550,14 +562,7 @@ ffi::Error BackwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer u, ff
     if (m * d > 0) std::memset(p.dx, 0, size_t(m * d) * (dt == ffi::DataType::F32 ? 4 : 2));
     return ffi::Error::Success();
   }
-  if (dt == ffi::DataType::F32) {
-    backward<float>(p);
-  } else if (dt == ffi::DataType::BF16) {
-    backward<bf16>(p);
-  } else {
-    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
-  }
-  return ffi::Error::Success();
+  return by_dtype(dt, [&](auto t) { backward<decltype(t)>(p); });
 }
 
 // Non-gated: g [M, f], w_down [f, d] -> y [M, d] (h = g).
@@ -580,14 +585,7 @@ ffi::Error GateImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuff
   for (auto err : {check_2d(w, "w", d, f, dt), check_2d(*g, "g", m, f, dt)})
     if (err.failure()) return err;
   if (m == 0 || f == 0) return ffi::Error::Success();
-  if (dt == ffi::DataType::F32) {
-    gate<float>(x.untyped_data(), w.untyped_data(), g->untyped_data(), m, d, f);
-  } else if (dt == ffi::DataType::BF16) {
-    gate<bf16>(x.untyped_data(), w.untyped_data(), g->untyped_data(), m, d, f);
-  } else {
-    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
-  }
-  return ffi::Error::Success();
+  return by_dtype(dt, [&](auto t) { gate<decltype(t)>(x.untyped_data(), w.untyped_data(), g->untyped_data(), m, d, f); });
 }
 
 ffi::Error check_twell(const ffi::AnyBuffer& values, const ffi::AnyBuffer& cols, const ffi::AnyBuffer& counts,
@@ -628,14 +626,7 @@ ffi::Error GateTwellImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::An
   if (m == 0 || f == 0) return ffi::Error::Success();
   TwellOut out{values->untyped_data(), static_cast<int16_t*>(cols->untyped_data()),
                static_cast<int32_t*>(counts->untyped_data()), tile, capacity, n_tiles};
-  if (dt == ffi::DataType::F32) {
-    gate_twell<float>(x.untyped_data(), w.untyped_data(), out, m, d, f);
-  } else if (dt == ffi::DataType::BF16) {
-    gate_twell<bf16>(x.untyped_data(), w.untyped_data(), out, m, d, f);
-  } else {
-    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
-  }
-  return ffi::Error::Success();
+  return by_dtype(dt, [&](auto t) { gate_twell<decltype(t)>(x.untyped_data(), w.untyped_data(), out, m, d, f); });
 }
 
 // The up and down products from TwELL (tiles past capacity recomputed from x and w_act):
@@ -662,14 +653,7 @@ ffi::Error UpDownTwellImpl(ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuff
             y->untyped_data(), up_transposed != 0};
   TwellOut in{const_cast<void*>(values.untyped_data()), static_cast<int16_t*>(const_cast<void*>(cols.untyped_data())),
               static_cast<int32_t*>(const_cast<void*>(counts.untyped_data())), tile, capacity, n_tiles};
-  if (dt == ffi::DataType::F32) {
-    run_twell<float>(p, in, w_act.untyped_data());
-  } else if (dt == ffi::DataType::BF16) {
-    run_twell<bf16>(p, in, w_act.untyped_data());
-  } else {
-    return ffi::Error::InvalidArgument("jax_twell_cpu: x must be f32 or bf16");
-  }
-  return ffi::Error::Success();
+  return by_dtype(dt, [&](auto t) { run_twell<decltype(t)>(p, in, w_act.untyped_data()); });
 }
 
 }  // namespace
