@@ -46,7 +46,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
-#include "probe_gemm.cuh"  // BF16, FillKernel
+#include "probe_gemm.cuh"  // BF16, FillKernel, EventMs
 
 using namespace cute;
 using Problem = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
@@ -118,18 +118,7 @@ float TimeGrouped(const char* name, int m, int rows, int n, int k, const BF16* a
     printf("%-40s cannot run\n", name);
     return 0.f;
   }
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0);
-  cudaEventCreate(&t1);
-  for (int i = 0; i < 5; ++i) gemm.run();
-  const int reps = 50;
-  cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) gemm.run();
-  cudaEventRecord(t1);
-  cudaEventSynchronize(t1);
-  float ms = 0.f;
-  cudaEventElapsedTime(&ms, t0, t1);
-  ms /= reps;
+  const float ms = EventMs([&] { gemm.run(); });
   const cudaError_t err = cudaGetLastError();
   printf("%-40s rows %6d  %8.4f ms %6.0f TF/s %s\n", name, rows, ms, 2.0 * rows * n * k / (ms * 1e-3) / 1e12,
          err == cudaSuccess ? "" : cudaGetErrorString(err));
@@ -146,18 +135,7 @@ float TimeCublas(cublasHandle_t h, int m, int n, int k, const BF16* a, const BF1
     cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, m, k, &one, b, CUDA_R_16BF, n, a, CUDA_R_16BF, k, &zero, out,
                  CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   };
-  cudaEvent_t t0, t1;
-  cudaEventCreate(&t0);
-  cudaEventCreate(&t1);
-  for (int i = 0; i < 5; ++i) call();
-  const int reps = 50;
-  cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) call();
-  cudaEventRecord(t1);
-  cudaEventSynchronize(t1);
-  float ms = 0.f;
-  cudaEventElapsedTime(&ms, t0, t1);
-  ms /= reps;
+  const float ms = EventMs(call);
   printf("%-40s rows %6d  %8.4f ms %6.0f TF/s\n", "cuBLAS", m, ms, 2.0 * m * n * k / (ms * 1e-3) / 1e12);
   return ms;
 }

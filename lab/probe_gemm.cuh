@@ -27,27 +27,31 @@ __global__ void FillKernel(BF16* p, size_t n, uint32_t seed) {
 }
 
 
-// Prints and returns the CUDA-event time of one call (5 warm-up calls, then 50 timed).
-template <class Gemm>
-float TimeRuns(const char* name, Gemm& gemm, typename Gemm::Arguments const& args, int m, int d, int f) {
+// CUDA-event milliseconds of one call() over `reps` calls, after 5 warm-up calls.
+template <class Call>
+float EventMs(Call call, int reps = 50) {
   cudaEvent_t t0, t1;
   cudaEventCreate(&t0);
   cudaEventCreate(&t1);
-  for (int i = 0; i < 5; ++i) {
-    gemm.initialize(args, nullptr);
-    gemm.run();
-  }
-  const int reps = 50;
+  for (int i = 0; i < 5; ++i) call();
   cudaEventRecord(t0);
-  for (int i = 0; i < reps; ++i) {
-    gemm.initialize(args, nullptr);
-    gemm.run();
-  }
+  for (int i = 0; i < reps; ++i) call();
   cudaEventRecord(t1);
   cudaEventSynchronize(t1);
   float ms = 0.f;
   cudaEventElapsedTime(&ms, t0, t1);
-  ms /= reps;
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  return ms / reps;
+}
+
+// Prints and returns the CUDA-event time of one call (5 warm-up calls, then 50 timed).
+template <class Gemm>
+float TimeRuns(const char* name, Gemm& gemm, typename Gemm::Arguments const& args, int m, int d, int f) {
+  const float ms = EventMs([&] {
+    gemm.initialize(args, nullptr);
+    gemm.run();
+  });
   const cudaError_t err = cudaGetLastError();
   printf("%-44s %8.3f ms %6.0f TF/s %s\n", name, ms, 2.0 * m * d * f / (ms * 1e-3) / 1e12,
          err == cudaSuccess ? "" : cudaGetErrorString(err));
