@@ -18,6 +18,12 @@
 // persistent wgmma kernels of similar tiles), within ~10% at M=2,048 (fewer tiles than
 // 2 waves: tile quantisation decides); M/64 rows at a few microseconds plus M/64 of the
 // time; 0 rows at about a launch (~3-5 us).
+// First run (30e3002, lab/results/grouped_gemm_probe_30e3002.json): all rows 1.05-1.12x
+// cuBLAS's time at M=2,048, 1.13-1.26x at 16,384 and 65,536; M/64 rows 17-58 us; 0 rows
+// 6-9 us. Second run adds clusters of two along M (the weight tile multicast to both CTAs,
+// as in the fused gate, whose stock cooperative kernel ran 1.06x of XLA's matmul that way).
+// Prediction for it: cluster 2 brings the cooperative kernel to ~1.05-1.08x of cuBLAS at
+// 16,384 and 65,536 (it halves the weight tiles' L2 reads), no change at 2,048.
 //
 // Build: nvcc -O3 -std=c++17 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
 //          -Ilab -I$CUTLASS/include -I$CUTLASS/tools/util/include -I$CUBLAS/include -L$CUBLAS/lib \
@@ -75,6 +81,17 @@ using Cooperative = Grouped<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCoope
 using Pingpong = Grouped<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                          cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, Shape<_64, _256, _64>,
                          Shape<_1, _1, _1>>;
+// Clusters of two CTAs along M: the two share each weight tile (TMA multicast), as the
+// fused gate's kernel does.
+using Cooperative2 = Grouped<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                             cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Shape<_128, _256, _64>,
+                             Shape<_2, _1, _1>>;
+using Cooperative2Wide = Grouped<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative,
+                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, Shape<_256, _128, _64>,
+                                 Shape<_2, _1, _1>>;
+using Pingpong2 = Grouped<cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                          cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, Shape<_64, _256, _64>,
+                          Shape<_2, _1, _1>>;
 
 template <class T>
 T* DeviceCopy(const T& v) {
@@ -189,6 +206,12 @@ int main(int argc, char** argv) {
         TimeGrouped<Cooperative>("grouped, cooperative 128x256", m, rows, s.n, s.k, s.a, s.b, out);
         if (rows == m) printf("   relative difference to cuBLAS: %.2e\n", MaxRelDiff(out, ref, size_t(m) * s.n));
         TimeGrouped<Pingpong>("grouped, ping-pong 64x256", m, rows, s.n, s.k, s.a, s.b, out);
+        if (rows == m) printf("   relative difference to cuBLAS: %.2e\n", MaxRelDiff(out, ref, size_t(m) * s.n));
+        TimeGrouped<Cooperative2>("grouped, cooperative 128x256, cluster 2", m, rows, s.n, s.k, s.a, s.b, out);
+        if (rows == m) printf("   relative difference to cuBLAS: %.2e\n", MaxRelDiff(out, ref, size_t(m) * s.n));
+        TimeGrouped<Cooperative2Wide>("grouped, cooperative 256x128, cluster 2", m, rows, s.n, s.k, s.a, s.b, out);
+        if (rows == m) printf("   relative difference to cuBLAS: %.2e\n", MaxRelDiff(out, ref, size_t(m) * s.n));
+        TimeGrouped<Pingpong2>("grouped, ping-pong 64x256, cluster 2", m, rows, s.n, s.k, s.a, s.b, out);
         if (rows == m) printf("   relative difference to cuBLAS: %.2e\n", MaxRelDiff(out, ref, size_t(m) * s.n));
       }
     }
