@@ -19,10 +19,10 @@
 //    Wd rows, weighted by h, in neuron order (thread = 8 model columns, every active row's
 //    load in flight at once), and write the CTA's f32 partial y for each token that has an
 //    active neuron here, plus per token the number of such neurons (0: nothing written).
-// 2. TwellDecodeRowsSumKernel, grid (ceil(d / 256), M), 256 threads, launched to overlap the
-//    first one's tail: lists the CTAs with a partial for its token (in CTA order); warp w
-//    adds every eighth of them (the w-th, (w + 8)-th, ...) over 256 columns (8 per lane),
-//    the eight sums are added in warp order and rounded once.
+// 2. TwellDecodeRowsSumKernel, grid (ceil(d / 32), M), 256 threads, launched to overlap the
+//    first one's tail: lists the CTAs with a partial for its token (in CTA order); each of
+//    32 groups of 8 lanes adds every 32nd of them over 32 columns (4 per lane, eight
+//    partials in flight), the 32 sums are added in group order and rounded once.
 // Deterministic, no atomics, exact for every activation pattern (nothing has a capacity).
 // Constraints: bf16 or f16; 1-4 tokens; d a multiple of 8 and at most 8192; f at most
 // 1,048,576 (the partial workspace is [ceil(f / 16), M, d] f32, touched only where active).
@@ -233,23 +233,31 @@ __global__ void __launch_bounds__(kRowsThreads, 3) TwellDecodeRowsKernel(
   }
 }
 
-// y[t, 256 b .. 256 b + 256) = the CTAs' partials for token t, added in CTA order within each
-// of eight interleaved lists (warp w: the w-th, (w + 8)-th, ... CTA with a partial), the
-// eight sums then in warp order; rounded once.
-constexpr int kSumCols = 256;
-constexpr int kSumListMax = 4096;  // CTAs listed per pass
+// y[t, 32 b .. 32 b + 32) = the CTAs' partials for token t. The CTA lists the CTAs with a
+// partial for t (in order); its 32 groups of 8 lanes each read one listed partial's 32 columns
+// (one 128-byte line, 4 columns a lane) at a time, group q taking the listed partials
+// q, q + 32, q + 64, ... (eight of them in flight a round), and the 32 group sums are added
+// in group order, rounded once: a fixed order, so the result does not depend on timing.
+// Narrow column blocks make the grid wide (d / 32 CTAs a token): a fully active token's
+// f / 16 partials (2.9 MB at d = 2048, f = 5632) are read by 64 CTAs in two rounds.
+constexpr int kSumCols = 32;
+constexpr int kSumGroupLanes = kSumCols / 4;                 // 8 lanes a group, 4 columns each
+constexpr int kSumGroups = kRowsThreads / kSumGroupLanes;  // 32 groups a CTA
+constexpr int kSumInFlight = 8;                             // listed partials in flight a group
+constexpr int kSumListMax = 4096;                           // CTAs listed per pass
 template <typename E>
 __global__ void __launch_bounds__(kRowsThreads) TwellDecodeRowsSumKernel(const float* __restrict__ partial,
                                                                       const int32_t* __restrict__ flags,
                                                                       uint16_t* __restrict__ y, RowsShapes s) {
   __shared__ int list[kSumListMax];
   __shared__ int warp_count[kRowsWarps + 1];
-  __shared__ float sums[kRowsWarps][kSumCols];
+  __shared__ float sums[kSumGroups][kSumCols];
   const int b = blockIdx.x, t = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = threadIdx.x / kSumGroupLanes, sub = threadIdx.x % kSumGroupLanes;
   RowsWaitPreviousGrid();  // the partials and flags come from the rows kernel
-  const int c0 = b * kSumCols + 8 * lane;
-  const bool in_range = c0 < s.d;
-  float acc[8] = {};
+  const int c0 = b * kSumCols + 4 * sub;
+  const bool in_range = c0 < s.d;  // d is a multiple of 8: all four columns or none
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int p0 = 0; p0 < s.n_ctas; p0 += kSumListMax) {
     // List the CTAs of [p0, p0 + kSumListMax) with a partial for token t, in order.
     int base = 0;
@@ -268,36 +276,33 @@ __global__ void __launch_bounds__(kRowsThreads) TwellDecodeRowsSumKernel(const f
       base = warp_count[kRowsWarps];
       __syncthreads();
     }
-    for (int i0 = warp; i0 < base; i0 += 8 * kRowsWarps) {
-      float4 raw[8][2];
+    for (int i0 = group; i0 < base; i0 += kSumInFlight * kSumGroups) {
+      // Every load unconditional (past the list: its last entry; past d: column 0), so all
+      // eight are in flight at once; only the listed ones are added.
+      float4 raw[kSumInFlight];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const int i = i0 + k * kRowsWarps;
-        if (i < base && in_range) {
-          const float4* src =
-              reinterpret_cast<const float4*>(partial + (static_cast<int64_t>(list[i]) * s.rows + t) * s.d + c0);
-          raw[k][0] = src[0];
-          raw[k][1] = src[1];
-        } else {
-          raw[k][0] = raw[k][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+      for (int k = 0; k < kSumInFlight; ++k) {
+        const int i = min(i0 + k * kSumGroups, base - 1);
+        raw[k] = *reinterpret_cast<const float4*>(partial + (static_cast<int64_t>(list[i]) * s.rows + t) * s.d +
+                                                  (in_range ? c0 : 0));
       }
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        acc[0] += raw[k][0].x, acc[1] += raw[k][0].y, acc[2] += raw[k][0].z, acc[3] += raw[k][0].w;
-        acc[4] += raw[k][1].x, acc[5] += raw[k][1].y, acc[6] += raw[k][1].z, acc[7] += raw[k][1].w;
+      for (int k = 0; k < kSumInFlight; ++k) {
+        if (i0 + k * kSumGroups < base) acc.x += raw[k].x, acc.y += raw[k].y, acc.z += raw[k].z, acc.w += raw[k].w;
       }
     }
     __syncthreads();  // `list` is rewritten by the next pass
   }
-#pragma unroll
-  for (int v = 0; v < 8; ++v) sums[warp][8 * lane + v] = acc[v];
+  sums[group][4 * sub + 0] = acc.x;
+  sums[group][4 * sub + 1] = acc.y;
+  sums[group][4 * sub + 2] = acc.z;
+  sums[group][4 * sub + 3] = acc.w;
   __syncthreads();
   const int col = b * kSumCols + threadIdx.x;
   if (threadIdx.x < kSumCols && col < s.d) {
     float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kRowsWarps; ++w) sum += sums[w][threadIdx.x];
+#pragma unroll 8
+    for (int q = 0; q < kSumGroups; ++q) sum += sums[q][threadIdx.x];
     y[static_cast<int64_t>(t) * s.d + col] = static_cast<uint16_t>(E::FromFloat(sum));
   }
 }

@@ -185,6 +185,7 @@ ROWS_CASES = [
     (4, 8192, 1000, 0.02, "uniform", 0, 1),  # 64 KB of staged x (past the default 48 KB)
     (2, 64, 70000, 0.02, "heavy", 1, 0),  # 4,375 neuron groups: the sum lists them in two passes
     (2, 2056, 333, 0.05, "uniform", 0, 1),  # d past two 1024-element passes; f odd; an empty token
+    (1, 2048, 5632, 0.3, "uniform", 1, 0),  # a fully active token: every group's partial summed (two rounds)
 ]
 
 
