@@ -8,6 +8,7 @@ from the scripts' own folder.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -60,9 +61,30 @@ def _iqr(values) -> float:
     return q[2] - q[0]
 
 
+WARM_UP_SECONDS = 3.0
+
+
+@functools.cache
+def warm_up_device(seconds: float = WARM_UP_SECONDS) -> float:
+    """Keeps a GPU busy with bf16 matmuls for ``seconds`` (once per process; nothing on a
+    CPU) and returns the seconds spent. A freshly started machine's first benchmark read the
+    latency-bound decode kernels ~25% slow over its first rounds (20.1 us where the next
+    runs read 15.0-15.3; XLA's dense FFN, bandwidth-bound, the same in both), as a GPU
+    whose clocks are still coming up from idle would; every timing starts after this."""
+    if jax.default_backend() == "cpu":
+        return 0.0
+    a = jnp.ones((8192, 8192), jnp.bfloat16)
+    step = jax.jit(lambda a: (a @ a) * jnp.bfloat16(1e-4))
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a = jax.block_until_ready(step(a))
+    return time.perf_counter() - t0
+
+
 def round_times(fns: dict, args, *, min_seconds: float, max_reps: int, rounds: int) -> dict:
     """Per name of ``fns``: the seconds per call of each round, in round order (the rounds
-    of :func:`time_interleaved`)."""
+    of :func:`time_interleaved`), after :func:`warm_up_device`."""
+    warm_up_device()
     reps = {}
     for name, fn in fns.items():
         jax.block_until_ready(fn(*args))
