@@ -12,6 +12,7 @@ from jax_twell import _cpu
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops.common import finite_columns
 from jax_twell.ops.ffn import cpu
+from jax_twell.ops.ffn_train import cpu as train_cpu
 from jax_twell.ops.ffn.api import sparse_ffn_for_layer
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import assert_close, fused_tolerance, tolerance
@@ -59,6 +60,58 @@ def test_up_down_is_the_reference(dtype, gated, m, d, f, density, layout):
     assert_close(y, want, tolerance(dtype, f), f"{layout} vs reference")
     if m:
         assert_close(y, dense_f32(x, w_gate, w_up, w_down), fused_tolerance(dtype, d + f), "vs dense formula")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_union_form_is_the_token_form_bit_for_bit(dtype, gated, layout):
+    """Calls of up to 16 tokens run neuron by neuron (each weight row read once for all the
+    tokens that have its neuron active; the union and the columns split over the cores),
+    longer ones token by token. The same tokens padded to 17 with empty rows take the token
+    form: y is the same bits, rows of every density (dense, sparse, empty, a NaN entry)."""
+    if layout == "columns" and not gated:
+        pytest.skip("non-gated: no up weight")
+    m, d, f = 9, 320, 1100  # d: five 64-column ranges; the dense rows put ~all of f in the union
+    inp = synthetic_ffn_inputs(jax.random.key(7), m, d, f, density=0.02, dtype=dtype)
+    x = with_extreme_rows(inp, full=2, empty=1).x
+    x = x.at[3, 5].set(jnp.nan)  # a NaN token: all of its row is NaN or active
+    w_act, w_up, w_down = (inp.w_gate, inp.w_up, inp.w_down) if gated else (inp.w_gate, None, inp.w_down)
+    g = relu_matmul(x, w_act)
+    assert int((g != 0).any(0).sum()) >= 128  # two threads' worth of union rows
+    w_up_t = w_up.T if gated and layout == "rows" else None
+    call = jax.jit(lambda x, g: cpu.up_down(x, g, w_up, w_down, w_up_t=w_up_t))
+    y = np.asarray(call(x, g))
+    pad = ((0, 17 - m), (0, 0))
+    y_tokens = np.asarray(call(jnp.pad(x, pad), jnp.pad(g, pad)))[:m]
+    bits = np.uint16 if dtype == jnp.bfloat16 else np.uint32
+    np.testing.assert_array_equal(y.view(bits), y_tokens.view(bits))
+    ok = np.isfinite(y.astype(np.float32)).all(1)
+    assert ok.sum() >= m - 1 and not ok[3]
+    want = np.asarray(reference_up_down(x, g, w_up, w_down))
+    assert_close(y[ok], want[ok], tolerance(dtype, f), "vs reference")
+    if gated and layout == "rows":  # the training forward: y and u, the same way
+        train = jax.jit(lambda x, g: train_cpu.forward(x, g, w_up.T, w_down))
+        (y2, u2), (y3, u3) = train(x, g), train(jnp.pad(x, pad), jnp.pad(g, pad))
+        np.testing.assert_array_equal(np.asarray(y2).view(bits), np.asarray(y3)[:m].view(bits))
+        np.testing.assert_array_equal(np.asarray(u2).view(bits), np.asarray(u3)[:m].view(bits))
+        np.testing.assert_array_equal(np.asarray(y2).view(bits), y.view(bits))
+
+
+@pytest.mark.parametrize("m,conditional", [(1, False), (4, False), (5, True), (16, True), (17, True)])
+def test_few_f32_tokens_with_the_caches_run_the_kernel_unconditionally(m, conditional):
+    """f32 calls of up to 4 tokens with w_up.T and the finite columns kept: the union form
+    is the faster side at every density (cpu.UNION_MAX_FRACTION), so the call holds no count
+    and no conditional; from 5 tokens it chooses per call. Fully active rows give the dense
+    formula either way."""
+    assert (cpu.sparse_max_fraction(m, union=True) >= 1.0) == (not conditional)
+    inp = synthetic_ffn_inputs(jax.random.key(m), m, 64, 256, density=0.05, dtype=jnp.float32)
+    x = with_extreme_rows(inp, full=1, empty=0).x
+    ok = finite_columns(inp.w_up, inp.w_down)
+    fn = jax.jit(lambda x: cpu.sparse_ffn(x, inp.w_gate, inp.w_up, inp.w_down, w_up_t=inp.w_up.T, weights_finite=ok))
+    text = fn.lower(x).as_text()
+    assert ("stablehlo.case" in text or "stablehlo.if" in text) == conditional
+    assert_close(fn(x), dense_f32(x, inp.w_gate, inp.w_up, inp.w_down), fused_tolerance(jnp.float32, 64 + 256), f"m={m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)

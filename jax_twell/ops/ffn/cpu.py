@@ -20,7 +20,7 @@ from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import xla
 from jax_twell.ops.common import as_dense_nonfinite, as_varying, finite_columns, mesh_axes
 
-__all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M", "TWELL_TILE",
+__all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "UNION_MAX_TOKENS", "UNION_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M", "TWELL_TILE",
            "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "finite_columns_by_sums", "sparse_max_fraction", "gate",
            "gate_twell", "up_down", "up_down_twell", "sparse_ffn"]
 
@@ -34,6 +34,18 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel ta
 # kernel runs only where it is the faster side (M=1 at 50% active measured 0.9x in
 # benchmarks/results/cpu_6c426aea.json: its bound is 25%).
 SPARSE_MAX_FRACTION = ((1, 0.25), (16, 0.12), (128, 0.05), (None, 0.03))
+
+# Up to UNION_MAX_TOKENS tokens (kUnionMaxTokens in cpu/twell_cpu.cc) the kernel on g runs
+# neuron by neuron: each weight row of the tokens' union is read once for all of them, so
+# a call of a few dense tokens reads each weight once, as XLA's dense products do, where
+# the token-by-token form read it once per token. Its bounds (the same measurement, f32,
+# benchmarks/results/cpu_sweep_union_*.json): up to 4 tokens the kernel was the faster at
+# every density (1.11x at M=1 and 1.21x at M=4 fully active; the token form 0.84x at M=1),
+# so those calls hold no count and no conditional; at M=8 1.18x at 75% and 0.98x fully
+# active; at M=16 1.23x at 50% and 0.99x at 75%. The TwELL path (bf16 up to GATE_MAX_M
+# tokens) stays token by token, under SPARSE_MAX_FRACTION.
+UNION_MAX_TOKENS = 16
+UNION_MAX_FRACTION = ((4, 1.0), (8, 0.7), (16, 0.45))
 
 # Without a kept w_up.T ([f, d]) the kernel reads the active neurons' columns of w_up
 # ([d, f]: d strided loads of a cache line each) up to this many tokens, and only up to
@@ -83,13 +95,15 @@ def finite_columns_by_sums(w_up: jax.Array | None, w_down: jax.Array) -> jax.Arr
                         lambda: as_varying(finite_columns(w_up, w_down), axes))
 
 
-def sparse_max_fraction(m: int) -> float:
+def sparse_max_fraction(m: int, union: bool = False) -> float:
     """The largest active fraction of g at which ``m`` tokens run the kernel (see
-    :data:`SPARSE_MAX_FRACTION`)."""
-    for upto, fraction in SPARSE_MAX_FRACTION:
+    :data:`SPARSE_MAX_FRACTION`; ``union``: the kernel on g, which runs neuron by neuron up
+    to :data:`UNION_MAX_TOKENS` tokens, :data:`UNION_MAX_FRACTION`). 1.0: at every density."""
+    table = UNION_MAX_FRACTION if union and m <= UNION_MAX_TOKENS else SPARSE_MAX_FRACTION
+    for upto, fraction in table:
         if upto is None or m <= upto:
             return fraction
-    raise AssertionError("SPARSE_MAX_FRACTION ends with an open bound")
+    return SPARSE_MAX_FRACTION[-1][1]  # past UNION_MAX_FRACTION's last bound: unreachable
 
 
 def gate(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -162,7 +176,9 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
 
     ``g = relu(x @ w_act)`` (XLA's matmul, or :func:`gate`); if g's non-zero count is at most
     :func:`sparse_max_fraction` of its entries, :func:`up_down` runs on it, else XLA's dense
-    up and down products (:func:`jax_twell.ops.xla.up_down`). The kernel's y gets the dense
+    up and down products (:func:`jax_twell.ops.xla.up_down`); where that bound is 1 (f32
+    calls of up to 4 tokens with the caches kept) the kernel runs with no count and no
+    conditional. The kernel's y gets the dense
     formula's NaN by :func:`~jax_twell.ops.common.as_dense_nonfinite` with
     ``weights_finite`` (the ``[d]`` bool :func:`~jax_twell.ops.common.finite_columns` of
     the up and down weights, where the caller keeps it) or, without it, a check of both
@@ -187,13 +203,15 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
     if m == 0 or x.dtype not in DTYPES:
         return xla.ffn(x, w_gate, w_up, w_down)
     columns_layout = gated and w_up_t is None and m <= COLUMNS_MAX_M
-    fraction = min(sparse_max_fraction(m), COLUMNS_MAX_FRACTION) if columns_layout else sparse_max_fraction(m)
+    twell = x.dtype == jnp.bfloat16 and m <= GATE_MAX_M  # our gate, packed in its pass
+    fraction = sparse_max_fraction(m, union=not twell)
+    if columns_layout:
+        fraction = min(fraction, COLUMNS_MAX_FRACTION)
     if x.dtype == jnp.float32:
         passes = 2 * (weights_finite is None) + 2 * (gated and w_up_t is None and not columns_layout)
         fraction -= passes * WEIGHT_PASS_ENTRIES / m
         if fraction <= 0:  # the passes cost more than the kernel could save
             return xla.ffn(x, w_gate, w_up, w_down)
-    twell = x.dtype == jnp.bfloat16 and m <= GATE_MAX_M  # our gate, packed in its pass
     if twell:
         act = gate_twell(x, w_act)
         nnz = jnp.sum(act.counts, dtype=jnp.float32)
@@ -220,4 +238,6 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
     def dense():  # the TwELL side wrote no g: our dense gate again (XLA's bf16 matmul is ~10x slower)
         return xla.up_down(x, gate(x, w_act) if twell else g, w_up_k, w_down)
 
+    if fraction >= 1.0:  # the kernel is the faster side at every density: no conditional
+        return sparse()
     return jax.lax.cond(few, sparse, dense)
