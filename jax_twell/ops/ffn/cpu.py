@@ -39,7 +39,7 @@ SPARSE_MAX_FRACTION = ((1, 0.25), (16, 0.12), (128, 0.05), (None, 0.03))
 # neuron by neuron: each weight row of the tokens' union is read once for all of them, so
 # a call of a few dense tokens reads each weight once, as XLA's dense products do, where
 # the token-by-token form read it once per token. Its bounds (the same measurement, f32,
-# benchmarks/results/cpu_sweep_union_*.json): up to 4 tokens the kernel was the faster at
+# benchmarks/results/cpu_sweep_union_16966ec.json): up to 4 tokens the kernel was the faster at
 # every density (1.11x at M=1 and 1.21x at M=4 fully active; the token form 0.84x at M=1),
 # so those calls hold no count and no conditional; at M=8 1.18x at 75% and 0.98x fully
 # active; at M=16 1.23x at 50% and 0.99x at 75%. The TwELL path (bf16 up to GATE_MAX_M
