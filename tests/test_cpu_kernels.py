@@ -66,10 +66,11 @@ def test_up_down_is_the_reference(dtype, gated, m, d, f, density, layout):
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("layout", ["rows", "columns"])
 def test_union_form_is_the_token_form_bit_for_bit(dtype, gated, layout):
-    """Calls of up to 16 tokens run neuron by neuron (each weight row read once for all the
+    """Calls of a few tokens run neuron by neuron (each weight row read once for all the
     tokens that have its neuron active; the union and the columns split over the cores),
-    longer ones token by token. The same tokens padded to 17 with empty rows take the token
-    form: y is the same bits, rows of every density (dense, sparse, empty, a NaN entry)."""
+    longer ones token by token. The same tokens padded past cpu.UNION_MAX_TOKENS with empty
+    rows take the token form: y is the same bits, rows of every density (dense, sparse,
+    empty, a NaN entry)."""
     if layout == "columns" and not gated:
         pytest.skip("non-gated: no up weight")
     m, d, f = 9, 320, 1100  # d: five 64-column ranges; the dense rows put ~all of f in the union
@@ -82,7 +83,7 @@ def test_union_form_is_the_token_form_bit_for_bit(dtype, gated, layout):
     w_up_t = w_up.T if gated and layout == "rows" else None
     call = jax.jit(lambda x, g: cpu.up_down(x, g, w_up, w_down, w_up_t=w_up_t))
     y = np.asarray(call(x, g))
-    pad = ((0, 17 - m), (0, 0))
+    pad = ((0, cpu.UNION_MAX_TOKENS + 1 - m), (0, 0))
     y_tokens = np.asarray(call(jnp.pad(x, pad), jnp.pad(g, pad)))[:m]
     bits = np.uint16 if dtype == jnp.bfloat16 else np.uint32
     np.testing.assert_array_equal(y.view(bits), y_tokens.view(bits))
