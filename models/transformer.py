@@ -203,7 +203,9 @@ class Attention(nnx.Module):
         Args:
           x: ``[B, T, d]`` compute dtype.
           k_cache, v_cache: ``[B, S, K, H]``; the new keys/values are written at ``start``.
-          start: ``[]`` int32.
+          start: ``[]`` int32, or the Python int 0 for a prompt into an empty cache (then
+            the tokens attend to each other only: causal attention over ``T`` keys, fused
+            where :meth:`_implementation` allows, rather than over all ``S`` positions).
         Returns:
           ``(y [B, T, d], k_cache, v_cache)``.
         """
@@ -211,8 +213,16 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, positions)
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, start, 0, 0))
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, start, 0, 0))
-        visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]  # [T, S]
-        o = jax.nn.dot_product_attention(q, k_cache, v_cache, mask=visible[None, None])
+        if isinstance(start, int) and start == 0:
+            # A prompt into an empty cache sees only itself: causal attention over the new
+            # tokens, on the fused kernel where it applies (as __call__), instead of a
+            # masked [B, N, T, S] score matrix over the whole cache.
+            o = jax.nn.dot_product_attention(
+                q, k.astype(k_cache.dtype), v.astype(v_cache.dtype), is_causal=True, implementation=self._implementation(q)
+            )
+        else:
+            visible = jnp.arange(k_cache.shape[1])[None, :] <= positions[:, None]  # [T, S]
+            o = jax.nn.dot_product_attention(q, k_cache, v_cache, mask=visible[None, None])
         return self._out(o), k_cache, v_cache
 
 
@@ -408,10 +418,15 @@ class TransformerLM(nnx.Module):
           ``(logits [B, T', V] f32, cache)`` with ``length`` advanced by ``T``; ``T' = T``
           unless ``last_only``. Logits are NaN if the tokens do not fit in the cache.
         """
+        return self._cached_step(tokens, cache, cache.length, last_only)
+
+    def _cached_step(self, tokens: jax.Array, cache: KVCache, start, last_only: bool) -> tuple[jax.Array, KVCache]:
+        """``decode_step`` with the start position given: ``cache.length``, or the Python int
+        0 when the cache is known empty (``prefill``)."""
         x = self._embed(tokens)
         ks, vs = [], []
         for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v):
-            x, k_cache, v_cache = layer.cached(x, k_cache, v_cache, cache.length)
+            x, k_cache, v_cache = layer.cached(x, k_cache, v_cache, start)
             ks.append(k_cache)
             vs.append(v_cache)
         end = cache.length + tokens.shape[1]
@@ -432,4 +447,4 @@ class TransformerLM(nnx.Module):
         """
         if tokens.shape[1] > max_len:
             raise ValueError(f"prompt of {tokens.shape[1]} tokens does not fit a cache of max_len={max_len}")
-        return self.decode_step(tokens, self.init_cache(tokens.shape[0], max_len), last_only=last_only)
+        return self._cached_step(tokens, self.init_cache(tokens.shape[0], max_len), 0, last_only)

@@ -50,6 +50,21 @@ def test_prefill_equals_forward_and_stepwise_decode(model):
     assert_close(jnp.stack(steps, axis=1), logits, LOGITS_TOL, "stepwise decode vs prefill")
 
 
+def test_prefill_attends_like_a_decode_step_over_the_empty_cache(model):
+    """prefill's prompt attends to itself only (causal attention over its own keys, fused
+    where the platform allows); a decode step of the same tokens into the same empty cache
+    masks the whole cache instead: the same logits and the same cache."""
+    tokens = tokens_for(CFG, length=7)
+    logits, cache = prefill(model, tokens, 12)
+    masked, masked_cache = decode_step(model, tokens, model.init_cache(2, 12))
+    assert_close(logits, masked, LOGITS_TOL, "prefill vs decode step on an empty cache")
+    # the first layer's keys and values come before any attention: the same bits there
+    np.testing.assert_array_equal(np.asarray(cache.k[0], np.float32), np.asarray(masked_cache.k[0], np.float32))
+    for k, k_ref in zip(cache.k + cache.v, masked_cache.k + masked_cache.v):
+        assert_close(k, k_ref, LOGITS_TOL, "cache")
+    assert int(cache.length) == int(masked_cache.length) == 7
+
+
 def test_chunked_decode(model):
     tokens = tokens_for(CFG, length=9)
     logits, _ = prefill(model, tokens, 9)
