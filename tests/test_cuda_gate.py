@@ -211,7 +211,7 @@ def test_sparse_ffn_with_the_fused_gate(gated, how):
     if how == "forced":
         fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=TILE, capacity=32, side=Side.SPARSE)
     else:
-        rule = DenseCrossover(margin=1e9)  # a known fraction the rule sends to the kernels
+        rule = DenseCrossover(margin=1e9, layer_min_tokens=0)  # a known fraction the rule sends to the kernels
         fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=TILE, capacity=32, active_fraction=1e-4, w_up_t=None if wg is None else wu.T, rule=rule)
     args = (inp.x, w_gate, w_up, inp.w_down)
     assert "jax_twell_gate_pack" in _custom_calls(fn, *args)

@@ -99,15 +99,34 @@ def test_a_call_that_knows_nothing_runs_dense_where_its_choice_would_cost_more()
     assert plan_ffn(rule.per_call_min_tokens, d, f, BF16, gated=True).path == Path.WARP
     assert plan_ffn(16384, 512, 1408, BF16, gated=True).path == Path.DENSE
     assert plan_ffn(16384, rule.per_call_min_d, 2816, BF16, gated=True).path == Path.WARP
-    anywhere = FFNOptions(rule=dataclasses.replace(rule, per_call_min_tokens=0, per_call_min_d=0))
-    for m in (64, 2048, 4096):  # a known fraction is priced by the rule as before
+    no_per_call = FFNOptions(rule=dataclasses.replace(rule, per_call_min_tokens=0, per_call_min_d=0))
+    for m in (64, 2048, 4096, 16384):  # the per-call floors do not reach a known fraction
         known = LayerInfo(0.005)
         a = plan_ffn(m, d, f, BF16, gated=True, layer=known)
-        assert dataclasses.replace(a, options=anywhere) == plan_ffn(m, d, f, BF16, gated=True, layer=known,
-                                                                    options=anywhere), m
+        assert dataclasses.replace(a, options=no_per_call) == plan_ffn(m, d, f, BF16, gated=True, layer=known,
+                                                                       options=no_per_call), m
+    anywhere = FFNOptions(rule=dataclasses.replace(rule, per_call_min_tokens=0, per_call_min_d=0, layer_min_tokens=0))
     assert plan_ffn(2048, d, f, BF16, gated=True, layer=LayerInfo(side=Side.SPARSE)).path == Path.WARP
     assert plan_ffn(2048, d, f, BF16, gated=True, options=FFNOptions(kernel=Kernel.BLOCKED_UNION)).path == Path.TILES
     assert plan_ffn(2048, d, f, BF16, gated=True, options=anywhere).path == Path.WARP
+
+
+def test_a_known_layer_runs_dense_below_its_token_floor_past_decode_sizes():
+    """A known fraction below the rule's layer_min_tokens (and past the decode sizes) is
+    planned dense: measured losing inside a model there. At the floor the kernels run; decode
+    sizes keep their own bounds; a given side or an asked kernel is not overridden."""
+    rule = DenseCrossover()
+    d, f = 2048, 5632
+    known = LayerInfo(0.002)
+    for m in (65, 512, 2048, rule.layer_min_tokens - 1):
+        assert plan_ffn(m, d, f, BF16, gated=True, layer=known, w_up_t=True).path == Path.DENSE, m
+    assert plan_ffn(rule.layer_min_tokens, d, f, BF16, gated=True, layer=known, w_up_t=True).path == Path.WARP
+    assert plan_ffn(1, d, f, BF16, gated=True, layer=known, w_up_t=True, w_act_t=True).path == Path.DECODE_ROWS
+    assert plan_ffn(2048, d, f, BF16, gated=True, layer=LayerInfo(side=Side.SPARSE)).path == Path.WARP
+    asked = FFNOptions(kernel=Kernel.BLOCKED_UNION)
+    assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, options=asked).path == Path.TILES
+    lower = FFNOptions(rule=dataclasses.replace(rule, layer_min_tokens=1024))
+    assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, w_up_t=True, options=lower).path == Path.WARP
 
 
 def test_the_headline_shape_on_the_blocked_kernel():

@@ -77,6 +77,13 @@ class DenseCrossover:
     # unmeasured crossover between 2,048 and 16,384.
     per_call_min_tokens: int = 8192
     per_call_min_d: int = 1024
+    # A layer whose fraction is known runs dense below this many tokens past the decode
+    # sizes too: in a whole model its sparse path keeps the backup's conditional (a host
+    # round trip) and meets real activations' tails. The 0.5b shape trained sparse
+    # (0.12-0.40% active in the layers the rule priced sparse) prefilled one 2,048-token
+    # sequence at 0.95x the dense models' tokens/s, and 8 x 2,048 at 1.03x
+    # (benchmarks/results/bench_0.5b_51eb2d1.json).
+    layer_min_tokens: int = 8192
     count_sample_rows: int = 1024  # rows of g the per-call choice counts, at most
     count_sample_min_rows: int = 256  # ... and at least (else M / 8)
     decode_gather_max_tokens: int = 0  # tokens up to which xla.gather_ffn runs (0: off; measured slower)

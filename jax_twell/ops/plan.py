@@ -208,8 +208,8 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
     known decode-sized layers past those bounds run dense; with nothing known of the layer
     (no fraction, no side, no kernel asked for), fewer tokens than the rule's
     ``per_call_min_tokens`` or d below its ``per_call_min_d`` run dense (the per-call
-    choice costs more than it saves there); a known fraction the rule prices dense runs
-    dense; else the warp or TwELL path, with the sparse-or-dense choice left to the device
+    choice costs more than it saves there); a known fraction with fewer tokens than its
+    ``layer_min_tokens``, or one the rule prices dense, runs dense; else the warp or TwELL path, with the sparse-or-dense choice left to the device
     unless the side is known.
     """
     dtype = jnp.dtype(dtype)
@@ -246,6 +246,8 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
             return FFNPlan(Path.GATHER, gather_width=xla.gather_width(m, f, rule.decode_active_per_token), **base)
         if af is None and options.kernel == Kernel.AUTO and (m < rule.per_call_min_tokens or d < rule.per_call_min_d):
             return FFNPlan(Path.DENSE, **base)  # nothing known: the per-call choice would cost more than it saves
+        if af is not None and options.kernel == Kernel.AUTO and m < rule.layer_min_tokens:
+            return FFNPlan(Path.DENSE, **base)  # a known layer past decode sizes: measured losing in a model
         if not rule.sparse_can_win(m, d, f, itemsize, transposed):
             return FFNPlan(Path.DENSE, **base)
         if af is not None and not rule.sparse_predicted(m, d, f, itemsize, af, transposed, kernel.value,
