@@ -21,7 +21,8 @@ alone (given g and w_up.T, no dense side) against XLA's dense up and down produc
 densities 0.5-100%, the measurement behind jax_twell.ops.ffn.cpu.SPARSE_MAX_FRACTION.
 
 Usage: python benchmarks/bench_cpu.py [--m 1,8,64,512] [--densities 0.005,0.05,0.5]
-       [--dtypes float32,bfloat16] [--sweep | --train] [--out results.json]
+       [--dtypes float32,bfloat16] [--patterns uniform,heavy,skewed,full1] [--sweep | --train]
+       [--out results.json]
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from jax_twell.ops import xla  # noqa: E402
 from jax_twell.ops.common import finite_columns  # noqa: E402
 from jax_twell.ops.ffn import cpu  # noqa: E402
 from jax_twell.ops.ffn.api import sparse_ffn_for_layer  # noqa: E402
-from jax_twell.testing import synthetic_ffn_inputs  # noqa: E402
+from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows  # noqa: E402
 
 D, F = 2048, 5632
 
@@ -83,11 +84,23 @@ def sweep_variants() -> dict:
     )
 
 
+def inputs(m: int, density: float, pattern: str, dtype):
+    """The FFN operands of one configuration (jax_twell.testing's generators)."""
+    full = {"full1": 1, "full2": 2}.get(pattern, 0)
+    base = "uniform" if full else pattern
+    inp = synthetic_ffn_inputs(jax.random.key(0), m, D, F, density=density, pattern=base, dtype=dtype)
+    return with_extreme_rows(inp, full=min(full, m)) if full else inp
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--m", default="1,8,64,512")
     p.add_argument("--densities", default=None, help="default 0.005,0.05,0.5 (--sweep: 0.005 to 1)")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--patterns", default="uniform",
+                   help="row patterns, comma-separated: uniform, heavy (log-normal row rates), skewed (per-neuron "
+                        "rates), full1 / full2 (uniform rows with the first one / two tokens fully active); "
+                        "default uniform")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--train", action="store_true", help="time training steps (train_variants) instead")
     p.add_argument("--min-seconds", type=float, default=0.05)
@@ -104,24 +117,24 @@ def main() -> None:
     result.update(cpu_count=os.cpu_count(), d=D, f=F, configs=[])
     for dtype_name in args.dtypes.split(","):
         dtype = jnp.dtype(dtype_name)
-        for m in (int(v) for v in args.m.split(",")):
-            for density in densities:
-                inp = synthetic_ffn_inputs(jax.random.key(0), m, D, F, density=density, dtype=dtype)
-                w_up_t = inp.w_up.T.copy()
-                ok = finite_columns(inp.w_up, inp.w_down)
-                operands = (*inp, w_up_t, ok)
-                active = float(jnp.count_nonzero(relu_matmul(inp.x, inp.w_gate))) / (m * F)
-                times = time_paired(variants, operands, baseline="dense", min_seconds=args.min_seconds, max_reps=200,
-                                    rounds=args.rounds)
-                row = dict(dtype=dtype_name, m=m, density=density, active=round(active, 5))
-                for name, (t, spread, ratio, ratio_spread) in times.items():
-                    row[f"{name}_ms"] = round(t * 1e3, 4)
-                    row[f"{name}_spread"] = round(spread, 3)
-                    if name != "dense":
-                        row[f"{name}_ratio"] = round(ratio, 3)
-                        row[f"{name}_ratio_spread"] = round(ratio_spread, 3)
-                result["configs"].append(row)
-                print(" ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("spread")), flush=True)
+        for m, density, pattern in ((m, density, pattern) for m in (int(v) for v in args.m.split(","))
+                                    for pattern in args.patterns.split(",") for density in densities):
+            inp = inputs(m, density, pattern, dtype)
+            w_up_t = inp.w_up.T.copy()
+            ok = finite_columns(inp.w_up, inp.w_down)
+            operands = (*inp, w_up_t, ok)
+            active = float(jnp.count_nonzero(relu_matmul(inp.x, inp.w_gate))) / (m * F)
+            times = time_paired(variants, operands, baseline="dense", min_seconds=args.min_seconds, max_reps=200,
+                                rounds=args.rounds)
+            row = dict(dtype=dtype_name, m=m, pattern=pattern, density=density, active=round(active, 5))
+            for name, (t, spread, ratio, ratio_spread) in times.items():
+                row[f"{name}_ms"] = round(t * 1e3, 4)
+                row[f"{name}_spread"] = round(spread, 3)
+                if name != "dense":
+                    row[f"{name}_ratio"] = round(ratio, 3)
+                    row[f"{name}_ratio_spread"] = round(ratio_spread, 3)
+            result["configs"].append(row)
+            print(" ".join(f"{k}={v}" for k, v in row.items() if not k.endswith("spread")), flush=True)
     print("wrote", write_result(result, args.out, kind))
 
 
