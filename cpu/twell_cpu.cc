@@ -81,13 +81,84 @@ inline bool nonzero(float v) {
 }
 inline bool nonzero(bf16 v) { return (v & 0x7fffu) != 0; }
 
-// sum_k a[k] * w[k], f32 sums in 16 lanes.
+// Vectors of the GCC/Clang vector extension: their lanes are the code's, whatever the
+// target (a ymm in AVX2 and AVX-512, two xmm in the baseline), so sums kept per lane add in
+// the same order on every clone.
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef uint16_t vh8 __attribute__((vector_size(16)));
+typedef uint32_t vu8 __attribute__((vector_size(32)));
+
+#define TWELL_INLINE inline __attribute__((always_inline))
+
+// Eight floats from p (bf16: widened).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"  // inlined only: no vector crosses a call
+TWELL_INLINE vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+TWELL_INLINE vf8 load8(const bf16* p) {
+  vh8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu8 bits = __builtin_convertvector(h, vu8) << 16;
+  vf8 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+#pragma GCC diagnostic pop
+
+// The dot products of NT rows a[t] with one row w, sum_k a[t][k] * w[k] in f32, each in a
+// fixed order that depends on neither NT nor the target: 16 partial sums (lane i adds the
+// products of k = i mod 16, in k order, over the whole 16-element chunks), added as a tree
+// (lane i + lane i+8, then +4, +2, +1), then the tail's products in k order. Every product
+// and sum is written `s + a * w`, so a clone with FMA fuses each of them (GCC contracts a
+// product used once by an add), a clone without none; the union form (several tokens at
+// once) and the token form (dot, NT = 1) are the same bits.
+constexpr int64_t kLanes = 16;
+template <int NT, typename T>
+TWELL_INLINE void dots_body(const float* const* a, const T* __restrict w, int64_t n, float* out) {
+  vf8 lo[NT], hi[NT];  // lanes 0-7 and 8-15
+  for (int t = 0; t < NT; ++t) lo[t] = hi[t] = vf8{};
+  const int64_t body = n / kLanes * kLanes;
+  for (int64_t k = 0; k < body; k += kLanes) {
+    const vf8 w0 = load8(w + k), w1 = load8(w + k + 8);
+    for (int t = 0; t < NT; ++t) {
+      lo[t] = lo[t] + load8(a[t] + k) * w0;
+      hi[t] = hi[t] + load8(a[t] + k + 8) * w1;
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const vf8 s8 = lo[t] + hi[t];  // lane i + lane i+8
+    float s[8];
+    std::memcpy(s, &s8, sizeof(s));
+    for (int step = 4; step >= 1; step /= 2)
+      for (int i = 0; i < step; ++i) s[i] = s[i] + s[i + step];
+    float sum = s[0];
+    for (int64_t k = body; k < n; ++k) sum = sum + a[t][k] * to_f32(w[k]);
+    out[t] = sum;
+  }
+}
+
+// Up to kDotTokens dot products with one row (the row read once for all of them).
+constexpr int kDotTokens = 4;
 template <typename T>
-TWELL_CLONES float dot(const float* __restrict a, const T* __restrict w, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t k = 0; k < n; ++k) sum += a[k] * to_f32(w[k]);
-  return sum;
+TWELL_CLONES void dots(const float* const* a, int nt, const T* __restrict w, int64_t n, float* out) {
+  switch (nt) {
+    case 1: return dots_body<1>(a, w, n, out);
+    case 2: return dots_body<2>(a, w, n, out);
+    case 3: return dots_body<3>(a, w, n, out);
+    default: return dots_body<4>(a, w, n, out);
+  }
+}
+
+// sum_k a[k] * w[k] (the order of dots_body).
+template <typename T>
+float dot(const float* a, const T* w, int64_t n) {
+  float out;
+  dots(&a, 1, w, n, &out);
+  return out;
 }
 
 // acc[k] += h * w[k].
@@ -209,13 +280,126 @@ constexpr int64_t kUnionMaxTokens = 16;
 // rows are ~16 KB at d = 2048 in f32: 64 of them ~1 MB, ~0.1 ms from memory).
 constexpr int64_t kUnionRowsPerThread = 64;
 
+// The down products of run_union over one column range, blocked in registers: the tokens
+// in groups of kDownTokens, the union in chunks of kDownChunk neurons, the columns in
+// blocks of 16 (a cache line of f32). A block's sums of a group stay in registers over the
+// chunk's neurons (loaded and stored once per chunk), and each row block is loaded once for
+// all the group's tokens. Every token of the group adds h * w for each neuron where any of
+// them is active, h being zero where it is not: exact, as the sums are never -0 (they start
+// at +0, and only -0 + -0 gives -0) and a finite w times zero is a signed zero. So a block
+// of the chunk's rows that holds an Inf or NaN (w * 0 is NaN, summed in `bad`) is done
+// again, each token adding only the neurons where it is active. Either way a token adds its
+// products in neuron order, `acc + h * w` per element as axpy has it: the token form's bits.
+constexpr int kDownTokens = 4;
+constexpr int64_t kDownChunk = 32;
+// Floats ahead of the block that a row's next lines are prefetched (the chunk's rows are
+// read a line at a time each, too many streams for the hardware's prefetchers).
+constexpr int64_t kDownPrefetch = 64;
+// Below this share of active (neuron, token) pairs (percent) a chunk runs row by row, each
+// active token's row slice added by axpy (sums through L1/L2, only the active products):
+// the blocked form computes every token of a group that has any active, which at 25%
+// active costs more than it saves (measured 0.85-0.93x the row form's time there,
+// 1.8-1.9x faster fully active).
+constexpr int64_t kDownBlockedMinPercent = 30;
+
+// acc[t * stride + k .. k + 16) for the NT tokens of a group: bits[j] their mask at chunk
+// neuron j, h[j * h_stride + t] their h (zero where inactive).
+template <int NT, typename T>
+TWELL_INLINE void down_block(float* acc, int64_t stride, int64_t k, const T* const* rows, const uint32_t* bits,
+                             const float* h, int64_t h_stride, int64_t count) {
+  vf8 lo[NT], hi[NT];
+  for (int t = 0; t < NT; ++t) lo[t] = load8(acc + t * stride + k), hi[t] = load8(acc + t * stride + k + 8);
+  vf8 bad0 = vf8{}, bad1 = vf8{};
+  for (int64_t j = 0; j < count; ++j) {
+    if (bits[j] == 0u) continue;
+    __builtin_prefetch(rows[j] + k + kDownPrefetch);
+    const vf8 w0 = load8(rows[j] + k), w1 = load8(rows[j] + k + 8);
+    bad0 = bad0 + w0 * 0.0f;
+    bad1 = bad1 + w1 * 0.0f;
+    const float* hj = h + j * h_stride;
+    for (int t = 0; t < NT; ++t) {
+      lo[t] = lo[t] + hj[t] * w0;
+      hi[t] = hi[t] + hj[t] * w1;
+    }
+  }
+  const vf8 bad = bad0 + bad1;
+  float lanes[8];
+  std::memcpy(lanes, &bad, sizeof(lanes));
+  bool finite = true;
+  for (int i = 0; i < 8; ++i) finite &= lanes[i] == lanes[i];
+  if (finite) {
+    for (int t = 0; t < NT; ++t) {
+      std::memcpy(acc + t * stride + k, &lo[t], sizeof(lo[t]));
+      std::memcpy(acc + t * stride + k + 8, &hi[t], sizeof(hi[t]));
+    }
+    return;
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int64_t c = k; c < k + 16; c += 8) {
+      vf8 s = load8(acc + t * stride + c);
+      for (int64_t j = 0; j < count; ++j)
+        if (bits[j] >> t & 1u) s = s + h[j * h_stride + t] * load8(rows[j] + c);
+      std::memcpy(acc + t * stride + c, &s, sizeof(s));
+    }
+}
+
+// acc [m, width] += a chunk of union neurons' products: rows[j] its Wd row slices, mask[j]
+// its tokens, h [count, m] (zero where inactive).
+template <typename T>
+TWELL_CLONES void down_chunk(float* acc, int64_t m, int64_t width, const T* const* rows, const uint32_t* mask,
+                             const float* h, int64_t count) {
+  constexpr int64_t kGroups = (kUnionMaxTokens + kDownTokens - 1) / kDownTokens;
+  uint32_t bits[kGroups][kDownChunk];
+  const int64_t groups = (m + kDownTokens - 1) / kDownTokens;
+  for (int64_t gi = 0; gi < groups; ++gi)
+    for (int64_t j = 0; j < count; ++j) bits[gi][j] = mask[j] >> (gi * kDownTokens) & ((1u << kDownTokens) - 1u);
+  const int64_t body = width / 16 * 16;
+  for (int64_t k = 0; k < body; k += 16) {
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int64_t t0 = gi * kDownTokens;
+      float* a = acc + t0 * width;
+      const float* hg = h + t0;
+      switch (std::min<int64_t>(kDownTokens, m - t0)) {
+        case 1: down_block<1>(a, width, k, rows, bits[gi], hg, m, count); break;
+        case 2: down_block<2>(a, width, k, rows, bits[gi], hg, m, count); break;
+        case 3: down_block<3>(a, width, k, rows, bits[gi], hg, m, count); break;
+        default: down_block<4>(a, width, k, rows, bits[gi], hg, m, count); break;
+      }
+    }
+  }
+  for (int64_t k = body; k < width; ++k)
+    for (int64_t t = 0; t < m; ++t) {
+      float s = acc[t * width + k];
+      for (int64_t j = 0; j < count; ++j)
+        if (mask[j] >> t & 1u) s = s + h[j * m + t] * to_f32(rows[j][k]);
+      acc[t * width + k] = s;
+    }
+}
+
 // The products of at most kUnionMaxTokens tokens, neuron by neuron. The same sums as
-// run_tokens, bit for bit: u by the same dot (or column_dots) per token, h rounded the same
-// way, and each y_t[k] adds its h * w_down[n, k] in neuron order (axpy is elementwise).
+// run_tokens, bit for bit: u by the same dot order (dots) or column_dots per token, h
+// rounded the same way, and each y_t[k] adds its h * w_down[n, k] in neuron order.
 //   1. mask[n]: the tokens where g[:, n] is non-zero; the union: the neurons with any.
-//   2. u and h per (union neuron, token), the union split over the cores.
+//   2. u and h per (union neuron, token), the union split over the cores; each w_up_t row
+//      is read once per kDotTokens of its tokens (dots: their sums in registers).
 //   3. y_t over columns split over the cores (64-aligned ranges), every union neuron's
-//      Wd row slice added for each of its tokens, in neuron order; rounded once.
+//      Wd row slice added for each of its tokens, in neuron order: per chunk of kDownChunk
+//      neurons, blocked (down_chunk: a group's sums in registers over the chunk) or, in a
+//      chunk under kDownBlockedMinPercent active, row by row (axpy per active token).
+//      Rounded once.
+//
+// What the register blocking should move (f32, d = 2048, f = 5632, two cores; written
+// before it was measured). Token by token, the up phase did 2 loads per FMA (x and the
+// row chunk, the row once per token) and the down phase 2 loads and a store per FMA (each
+// token's sums through memory once per neuron, 32-64 KB of them per core: L2), so dense
+// calls ran on loads, not on the weights' reading: ~38 ms at M = 8 and ~99 ms at M = 16
+// fully active, where XLA's up+down products take ~39 and ~76 ms and one read of the two
+// weights ~4-11 ms (M = 1, 0.5-1.0 active). Blocked: 1.25 loads per FMA up (a row chunk
+// for 4 tokens), ~0.3 down (a row block for 4 tokens, the sums loaded and stored once per
+// 32 neurons), so the fully active calls should run 2-3x faster (kernel_ratio ~2 at
+// M = 8, ~2 at M = 16), half active ~1.3-1.5x faster; 0.5% active (a few rows per token,
+// reading bound) should not move. Measured: benchmarks/results/cpu_sweep_blocked_*.json
+// (jax_twell/ops/ffn/cpu.py's UNION_MAX_FRACTION gives the figures).
 template <typename T>
 void run_union(const Problem& p) {
   const int64_t m = p.m, d = p.d, f = p.f;
@@ -228,8 +412,9 @@ void run_union(const Problem& p) {
     for (int64_t n = 0; n < f; ++n)
       if (nonzero(g[t * f + n])) mask[n] |= 1u << t;
   std::vector<int64_t> uni;
+  std::vector<uint32_t> umask;  // mask of each union neuron
   for (int64_t n = 0; n < f; ++n)
-    if (mask[n] != 0u) uni.push_back(n);
+    if (mask[n] != 0u) uni.push_back(n), umask.push_back(mask[n]);
   const int64_t count = int64_t(uni.size());
   std::vector<float> h(size_t(count * m), 0.0f);  // [union, m]: h of (neuron uni[j], token t)
   if (p.u != nullptr) std::fill(static_cast<T*>(p.u), static_cast<T*>(p.u) + m * f, from_f32<T>(0.0f));
@@ -245,11 +430,20 @@ void run_union(const Problem& p) {
     };
     if (p.up_transposed) {
       split(count, parts, 1, [&](int64_t b, int64_t e) {
+        const float* xs[kDotTokens];
+        int64_t ts[kDotTokens];
+        float out[kDotTokens];
         for (int64_t j = b; j < e; ++j) {
           const T* row = w_up + uni[j] * d;
-          for (uint32_t bits = mask[uni[j]]; bits != 0u; bits &= bits - 1u) {
-            const int64_t t = __builtin_ctz(bits);
-            finish(j, t, dot(xf.data() + t * d, row, d));
+          int nt = 0;
+          for (uint32_t bits = umask[j]; bits != 0u; bits &= bits - 1u) {
+            ts[nt] = __builtin_ctz(bits);
+            xs[nt] = xf.data() + ts[nt] * d;
+            if (++nt == kDotTokens || (bits & (bits - 1u)) == 0u) {
+              dots(xs, nt, row, d, out);
+              for (int i = 0; i < nt; ++i) finish(j, ts[i], out[i]);
+              nt = 0;
+            }
           }
         }
       });
@@ -260,7 +454,7 @@ void run_union(const Problem& p) {
         idx.clear();
         pos.clear();
         for (int64_t j = 0; j < count; ++j)
-          if (mask[uni[j]] >> t & 1u) idx.push_back(uni[j]), pos.push_back(j);
+          if (umask[j] >> t & 1u) idx.push_back(uni[j]), pos.push_back(j);
         u.resize(idx.size());
         column_dots(u.data(), xf.data() + t * d, w_up, d, f, idx.data(), int64_t(idx.size()));
         for (size_t i = 0; i < idx.size(); ++i) finish(pos[i], t, u[i]);
@@ -269,20 +463,32 @@ void run_union(const Problem& p) {
   } else {
     for (int64_t j = 0; j < count; ++j)
       for (int64_t t = 0; t < m; ++t)
-        if (mask[uni[j]] >> t & 1u) h[j * m + t] = to_f32(g[t * f + uni[j]]);
+        if (umask[j] >> t & 1u) h[j * m + t] = to_f32(g[t * f + uni[j]]);
   }
   split(d, std::min(parts, d / 64), 64, [&](int64_t c0, int64_t c1) {
-    std::vector<float> acc(size_t(m * (c1 - c0)), 0.0f);
-    for (int64_t j = 0; j < count; ++j) {
-      const T* row = w_down + uni[j] * d + c0;
-      for (uint32_t bits = mask[uni[j]]; bits != 0u; bits &= bits - 1u) {
-        const int64_t t = __builtin_ctz(bits);
-        axpy(acc.data() + t * (c1 - c0), h[j * m + t], row, c1 - c0);
+    const int64_t width = c1 - c0;
+    std::vector<float> acc(size_t(m * width), 0.0f);
+    const T* rows[kDownChunk];
+    for (int64_t j0 = 0; j0 < count; j0 += kDownChunk) {
+      const int64_t n = std::min(kDownChunk, count - j0);
+      int64_t active = 0;
+      for (int64_t j = 0; j < n; ++j) active += __builtin_popcount(umask[j0 + j]);
+      if (active * 100 < kDownBlockedMinPercent * n * m) {  // row by row
+        for (int64_t j = j0; j < j0 + n; ++j) {
+          const T* row = w_down + uni[j] * d + c0;
+          for (uint32_t bits = umask[j]; bits != 0u; bits &= bits - 1u) {
+            const int64_t t = __builtin_ctz(bits);
+            axpy(acc.data() + t * width, h[j * m + t], row, width);
+          }
+        }
+        continue;
       }
+      for (int64_t j = 0; j < n; ++j) rows[j] = w_down + uni[j0 + j] * d + c0;
+      down_chunk(acc.data(), m, width, rows, umask.data() + j0, h.data() + j0 * m, n);
     }
     for (int64_t t = 0; t < m; ++t) {
       T* y_t = static_cast<T*>(p.y) + t * d;
-      for (int64_t k = c0; k < c1; ++k) y_t[k] = from_f32<T>(acc[t * (c1 - c0) + k - c0]);
+      for (int64_t k = c0; k < c1; ++k) y_t[k] = from_f32<T>(acc[t * width + k - c0]);
     }
   });
 }

@@ -99,6 +99,38 @@ def test_union_form_is_the_token_form_bit_for_bit(dtype, gated, layout):
         np.testing.assert_array_equal(np.asarray(y2).view(bits), y.view(bits))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_blocked_union_form_is_the_token_form_bit_for_bit(dtype, gated):
+    """Dense calls (half the neurons active, two full rows) take the union form's blocked
+    down products (cpu/twell_cpu.cc down_chunk: each token of a group adds a zero product
+    at the neurons where it is inactive): the same bits as the token form, in groups of 4,
+    4 and 3 tokens, a column tail past the 16-column blocks, and an Inf weight at a neuron
+    that some tokens skip (its block runs again guarded: no NaN from Inf * 0)."""
+    m, d, f = 11, 200, 400  # two column ranges: 128 and 72 (four blocks and a tail of 8)
+    inp = synthetic_ffn_inputs(jax.random.key(11), m, d, f, density=0.5, dtype=dtype)
+    x = with_extreme_rows(inp, full=2, empty=1).x
+    w_act, w_up = (inp.w_gate, inp.w_up) if gated else (inp.w_gate, None)
+    g = relu_matmul(x, w_act)
+    active = np.asarray(g != 0)
+    assert active.mean() > 0.4
+    n = int(np.argmax(active.any(0) & ~active.all(0)))  # a neuron some tokens skip
+    w_down = inp.w_down.at[n, 130].set(jnp.inf).at[n, 5].set(-jnp.inf)
+    w_up_t = w_up.T if gated else None
+    call = jax.jit(lambda x, g: cpu.up_down(x, g, w_up, w_down, w_up_t=w_up_t))
+    y = np.asarray(call(x, g))
+    pad = ((0, cpu.UNION_MAX_TOKENS + 1 - m), (0, 0))
+    y_tokens = np.asarray(call(jnp.pad(x, pad), jnp.pad(g, pad)))[:m]
+    bits = np.uint16 if dtype == jnp.bfloat16 else np.uint32
+    np.testing.assert_array_equal(y.view(bits), y_tokens.view(bits))
+    skip = ~active[:, n]
+    assert skip.any() and np.isfinite(y[skip][:, [5, 130]].astype(np.float32)).all()
+    ok = np.isfinite(y.astype(np.float32)).all(1)
+    want = np.asarray(reference_up_down(x, g, w_up, inp.w_down))
+    assert ok.sum() == skip.sum()
+    assert_close(y[ok], want[ok], tolerance(dtype, f), "vs reference")
+
+
 @pytest.mark.parametrize("m,conditional", [(1, False), (4, False), (5, True), (16, True), (17, True)])
 def test_few_f32_tokens_with_the_caches_run_the_kernel_unconditionally(m, conditional):
     """f32 calls of up to 4 tokens with w_up.T and the finite columns kept: the union form
