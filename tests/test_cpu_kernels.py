@@ -131,12 +131,12 @@ def test_blocked_union_form_is_the_token_form_bit_for_bit(dtype, gated):
     assert_close(y[ok], want[ok], tolerance(dtype, f), "vs reference")
 
 
-@pytest.mark.parametrize("m,conditional", [(1, False), (4, False), (5, True), (16, True), (17, True)])
+@pytest.mark.parametrize("m,conditional", [(1, False), (4, False), (8, False), (16, False), (17, True)])
 def test_few_f32_tokens_with_the_caches_run_the_kernel_unconditionally(m, conditional):
-    """f32 calls of up to 4 tokens with w_up.T and the finite columns kept: the union form
-    is the faster side at every density (cpu.UNION_MAX_FRACTION), so the call holds no count
-    and no conditional; from 5 tokens it chooses per call. Fully active rows give the dense
-    formula either way."""
+    """f32 calls of up to 16 tokens (cpu.UNION_MAX_TOKENS) with w_up.T and the finite
+    columns kept: the union form is the faster side at every density
+    (cpu.UNION_MAX_FRACTION), so the call holds no count and no conditional; from 17 tokens
+    it chooses per call. Fully active rows give the dense formula either way."""
     assert (cpu.sparse_max_fraction(m, union=True) >= 1.0) == (not conditional)
     inp = synthetic_ffn_inputs(jax.random.key(m), m, 64, 256, density=0.05, dtype=jnp.float32)
     x = with_extreme_rows(inp, full=1, empty=0).x

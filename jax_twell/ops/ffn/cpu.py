@@ -38,14 +38,16 @@ SPARSE_MAX_FRACTION = ((1, 0.25), (16, 0.12), (128, 0.05), (None, 0.03))
 # Up to UNION_MAX_TOKENS tokens (kUnionMaxTokens in cpu/twell_cpu.cc) the kernel on g runs
 # neuron by neuron: each weight row of the tokens' union is read once for all of them, so
 # a call of a few dense tokens reads each weight once, as XLA's dense products do, where
-# the token-by-token form read it once per token. Its bounds (the same measurement, f32,
-# benchmarks/results/cpu_sweep_union_16966ec.json): up to 4 tokens the kernel was the faster at
-# every density (1.11x at M=1 and 1.21x at M=4 fully active; the token form 0.84x at M=1),
-# so those calls hold no count and no conditional; at M=8 1.18x at 75% and 0.98x fully
-# active; at M=16 1.23x at 50% and 0.99x at 75%. The TwELL path (bf16 up to GATE_MAX_M
-# tokens) stays token by token, under SPARSE_MAX_FRACTION.
+# the token-by-token form read it once per token; its products are blocked over the tokens
+# (a row chunk loaded once for up to 4 of them, their sums in registers). Measured (the
+# same sweep, d=2048, f=5632, the kernel on g against XLA's up and down products,
+# benchmarks/results/cpu_sweep_blocked_57cb07c.json): f32 2.9x / 1.9x / 1.7x / 1.6x at
+# M=8 for 0.5% / 25% / 50% / 100% active, 2.8x / 1.7x / 1.6x / 1.4x at M=16 (before the
+# blocking 0.99x and 0.81x fully active); bf16 1.8x and 1.6x fully active. So every call up
+# to 16 tokens with the caches holds no count and no conditional. The TwELL path (bf16 up
+# to GATE_MAX_M tokens) stays token by token, under SPARSE_MAX_FRACTION.
 UNION_MAX_TOKENS = 16
-UNION_MAX_FRACTION = ((4, 1.0), (8, 0.7), (16, 0.45))
+UNION_MAX_FRACTION = ((16, 1.0),)
 
 # Without a kept w_up.T ([f, d]) the kernel reads the active neurons' columns of w_up
 # ([d, f]: d strided loads of a cache line each) up to this many tokens, and only up to
