@@ -11,7 +11,10 @@ benchmarks/common.py):
   up to 16 tokens and transposed in the call above);
 - cpu: the same forced (implementation="cpu");
 - cached: what jax_twell.modules.SparseFFN runs after cache_transposed_up_weight: w_up.T
-  and the weights' finite columns kept, so a call reads neither whole weight.
+  and the weights' finite columns kept, so a call reads neither whole weight;
+- dense_again (--control): XLA's dense FFN compiled a second time, the same program as
+  dense: its ratio is the spread of identical programs on this machine, against which
+  the others' losses are read.
 
 Ratios are dense / variant (above 1: faster than dense), the median over the rounds of each
 round's own ratio (benchmarks/common.time_paired: the drift of a shared machine between
@@ -103,6 +106,9 @@ def main() -> None:
                         "default uniform")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--train", action="store_true", help="time training steps (train_variants) instead")
+    p.add_argument("--control", action="store_true",
+                   help="also time dense_again, a second compilation of XLA's dense FFN (the same program): its "
+                        "ratio is what identical programs read apart on this machine")
     p.add_argument("--min-seconds", type=float, default=0.05)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=None)
@@ -112,7 +118,10 @@ def main() -> None:
     default_densities = "0.005,0.02,0.05,0.1,0.25,0.5,1.0" if args.sweep else "0.005,0.05,0.5"
     densities = [float(v) for v in (args.densities or default_densities).split(",")]
     kind = "cpu_sweep" if args.sweep else "cpu_train" if args.train else "cpu"
-    variants = sweep_variants() if args.sweep else train_variants() if args.train else ffn_variants()
+    make = sweep_variants if args.sweep else train_variants if args.train else ffn_variants
+    variants = make()
+    if args.control:  # the baseline's function jitted anew: compiled and timed as a variant of its own
+        variants["dense_again"] = make()["dense"]
     result = run_metadata(kind)
     result.update(cpu_count=os.cpu_count(), d=D, f=F, configs=[])
     for dtype_name in args.dtypes.split(","):
