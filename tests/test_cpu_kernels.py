@@ -62,6 +62,23 @@ def test_up_down_is_the_reference(dtype, gated, m, d, f, density, layout):
         assert_close(y, dense_f32(x, w_gate, w_up, w_down), fused_tolerance(dtype, d + f), "vs dense formula")
 
 
+def token_form_padding(m: int):
+    """Rows of empty tokens that take ``m`` tokens past cpu.UNION_MAX_TOKENS (the token form)."""
+    return ((0, cpu.UNION_MAX_TOKENS + 1 - m), (0, 0))
+
+
+def assert_union_is_token_form(call, x, g, dtype) -> np.ndarray:
+    """``call(x, g)`` of a few tokens (the union form) and of the same tokens padded past
+    cpu.UNION_MAX_TOKENS with empty rows (the token form) give the same bits; returns y."""
+    m = x.shape[0]
+    y = np.asarray(call(x, g))
+    pad = token_form_padding(m)
+    y_tokens = np.asarray(call(jnp.pad(x, pad), jnp.pad(g, pad)))[:m]
+    bits = np.uint16 if dtype == jnp.bfloat16 else np.uint32
+    np.testing.assert_array_equal(y.view(bits), y_tokens.view(bits))
+    return y
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: jnp.dtype(t).name)
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("layout", ["rows", "columns"])
@@ -82,17 +99,14 @@ def test_union_form_is_the_token_form_bit_for_bit(dtype, gated, layout):
     assert int((g != 0).any(0).sum()) >= 128  # two threads' worth of union rows
     w_up_t = w_up.T if gated and layout == "rows" else None
     call = jax.jit(lambda x, g: cpu.up_down(x, g, w_up, w_down, w_up_t=w_up_t))
-    y = np.asarray(call(x, g))
-    pad = ((0, cpu.UNION_MAX_TOKENS + 1 - m), (0, 0))
-    y_tokens = np.asarray(call(jnp.pad(x, pad), jnp.pad(g, pad)))[:m]
-    bits = np.uint16 if dtype == jnp.bfloat16 else np.uint32
-    np.testing.assert_array_equal(y.view(bits), y_tokens.view(bits))
+    y = assert_union_is_token_form(call, x, g, dtype)
     ok = np.isfinite(y.astype(np.float32)).all(1)
     assert ok.sum() >= m - 1 and not ok[3]
     want = np.asarray(reference_up_down(x, g, w_up, w_down))
     assert_close(y[ok], want[ok], tolerance(dtype, f), "vs reference")
     if gated and layout == "rows":  # the training forward: y and u, the same way
         train = jax.jit(lambda x, g: train_cpu.forward(x, g, w_up.T, w_down))
+        pad, bits = token_form_padding(m), np.uint16 if dtype == jnp.bfloat16 else np.uint32
         (y2, u2), (y3, u3) = train(x, g), train(jnp.pad(x, pad), jnp.pad(g, pad))
         np.testing.assert_array_equal(np.asarray(y2).view(bits), np.asarray(y3)[:m].view(bits))
         np.testing.assert_array_equal(np.asarray(u2).view(bits), np.asarray(u3)[:m].view(bits))
@@ -118,11 +132,7 @@ def test_blocked_union_form_is_the_token_form_bit_for_bit(dtype, gated):
     w_down = inp.w_down.at[n, 130].set(jnp.inf).at[n, 5].set(-jnp.inf)
     w_up_t = w_up.T if gated else None
     call = jax.jit(lambda x, g: cpu.up_down(x, g, w_up, w_down, w_up_t=w_up_t))
-    y = np.asarray(call(x, g))
-    pad = ((0, cpu.UNION_MAX_TOKENS + 1 - m), (0, 0))
-    y_tokens = np.asarray(call(jnp.pad(x, pad), jnp.pad(g, pad)))[:m]
-    bits = np.uint16 if dtype == jnp.bfloat16 else np.uint32
-    np.testing.assert_array_equal(y.view(bits), y_tokens.view(bits))
+    y = assert_union_is_token_form(call, x, g, dtype)
     skip = ~active[:, n]
     assert skip.any() and np.isfinite(y[skip][:, [5, 130]].astype(np.float32)).all()
     ok = np.isfinite(y.astype(np.float32)).all(1)
