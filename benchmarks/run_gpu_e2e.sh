@@ -14,6 +14,12 @@
 #            H200; L1 1e-3 left 0.05% active and up to 60% of the neurons dead)
 #   RUNS     where the runs go (default runs/e2e); OUT: where the JSON and PNG go
 #   TRAIN_ARGS  key=value overrides of both training runs (default: dead_reinit=true)
+#   CORPUS   data.source of both runs (default: the preset's, the Python standard library);
+#            a model of the 0.5b shape memorises the standard library alone within 1,400 steps,
+#            so its held-out cross-entropy says little: give it more text (comma-separated
+#            folders of text files)
+#   TOKENIZER  data.tokenizer of both runs (a tokenizer.json: both runs then read the same
+#            tokens without training a BPE each; default: the preset's)
 #   BENCH_ARGS  extra `jax-twell bench` options
 # The training runs record their own steps, tokens, per-layer sparsity and max non-zeros a
 # token (metrics.jsonl); the bench JSON records the commit it measured.
@@ -29,6 +35,8 @@ cli() { python3 -m jax_twell.cli "$@"; }
 recipe=(steps=$STEPS batch_size=$BATCH seq_len=$SEQ optim.lr=$LR optim.warmup_steps=$WARMUP
         l1_coef=$L1 log_every=25 eval_every=$STEPS eval_batches=16 checkpoint_every=$STEPS keep_checkpoints=1
         ${TRAIN_ARGS:-dead_reinit=true})
+[ -n "${CORPUS:-}" ] && recipe+=("data.source=$CORPUS")
+[ -n "${TOKENIZER:-}" ] && recipe+=("data.tokenizer=$TOKENIZER")
 for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
