@@ -25,6 +25,10 @@
 #   TOKENIZER  data.tokenizer of both runs (default: the corpus stage's tokenizer.json, if
 #            it ran; else each run trains its own BPE on its training split)
 #   BENCH_ARGS  extra `jax-twell bench` options
+#   TRAIN_SECONDS  stop a training stage after this many seconds (SIGTERM: the run saves a
+#            checkpoint and the script exits 143); RESUME=1 continues the stage's run from
+#            its newest checkpoint instead of starting afresh. Together they split a long
+#            training run over several shorter jobs.
 # The training runs record their own steps, tokens, per-layer sparsity and max non-zeros a
 # token (metrics.jsonl); the bench JSON records the commit it measured.
 set -uo pipefail
@@ -37,6 +41,16 @@ CORPUS_MB=${CORPUS_MB:-100}
 mkdir -p "$RUNS" "$OUT"
 export PYTHONUNBUFFERED=1
 cli() { python3 -m jax_twell.cli "$@"; }
+# A training run: afresh, or continued with RESUME=1; stopped after TRAIN_SECONDS if set.
+train_run() {
+  local mode=--fresh
+  [ "${RESUME:-0}" = 1 ] && mode=--resume
+  if [ -n "${TRAIN_SECONDS:-}" ]; then
+    timeout --preserve-status -s TERM "$TRAIN_SECONDS" python3 -m jax_twell.cli train "$mode" "$@"
+  else
+    cli train "$mode" "$@"
+  fi
+}
 recipe=(steps=$STEPS batch_size=$BATCH seq_len=$SEQ optim.lr=$LR optim.warmup_steps=$WARMUP
         l1_coef=$L1 log_every=25 eval_every=$STEPS eval_batches=16 checkpoint_every=$STEPS keep_checkpoints=1
         ${TRAIN_ARGS:-dead_reinit=true})
@@ -75,18 +89,19 @@ for root in sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["pla
         total, files = total + size, files + 1
 print(f"corpus: {files} files, {total / 1e6:.1f} MB in {out}")
 EOF
-      vocab=$(python3 -c "from jax_twell.models.config import PRESETS; print(PRESETS['$PRESET'].vocab_size)") || exit $?
       rm -rf "$RUNS/tok"
-      python3 - "stdlib,$RUNS/corpus" "$RUNS/tok" "$vocab" <<'EOF' || exit $?
-import sys
+      python3 - "$PRESET" "stdlib,$RUNS/corpus" "$RUNS/tok" <<'EOF' || exit $?
+import dataclasses, sys
 from jax_twell.train import data
-from jax_twell.train.config import DataConfig
-corpus = data.load_corpus(DataConfig(source=sys.argv[1], tokenizer="bpe"), sys.argv[2], int(sys.argv[3]))
-print(f"{corpus.description}: {len(corpus.train):,} training and {len(corpus.eval):,} held-out tokens")
+from jax_twell.train.config import PRESETS
+cfg = PRESETS[sys.argv[1]]
+if cfg.data.tokenizer == "bpe":  # one BPE for both runs; byte-level presets need none
+    corpus = data.load_corpus(dataclasses.replace(cfg.data, source=sys.argv[2]), sys.argv[3], cfg.model.vocab_size)
+    print(f"{corpus.description}: {len(corpus.train):,} training and {len(corpus.eval):,} held-out tokens")
 EOF
       ;;
-    sparse) cli train --preset "$PRESET" --fresh workdir="$RUNS/$PRESET-sparse" "${recipe[@]}" "${dargs[@]}" || exit $? ;;
-    relu)   cli train --preset "$PRESET" --fresh workdir="$RUNS/$PRESET-relu" "${recipe[@]}" "${dargs[@]}" model.ffn=dense_relu l1_coef=0 || exit $? ;;
+    sparse) train_run --preset "$PRESET" workdir="$RUNS/$PRESET-sparse" "${recipe[@]}" "${dargs[@]}" || exit $? ;;
+    relu)   train_run --preset "$PRESET" workdir="$RUNS/$PRESET-relu" "${recipe[@]}" "${dargs[@]}" model.ffn=dense_relu l1_coef=0 || exit $? ;;
     bench)  cli bench --workdir "$RUNS/$PRESET-sparse" --out "$OUT/bench_$PRESET.json" ${BENCH_ARGS:-} || exit $? ;;
     stats)
       python3 - "$RUNS/$PRESET-sparse" "$RUNS/$PRESET-relu" <<'EOF'
