@@ -100,6 +100,27 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--workdir", default=None, help="sweep directory (default: runs/sweep-<preset>)")
     sweep.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
     _add_bench(commands, PRESETS)
+
+    grow = commands.add_parser(
+        "grow",
+        help="a deeper model from a trained run (each trained layer repeated), with both models' FFN "
+        "statistics side by side (for benchmarking shapes too large to train to sparsity; GPU for the paper's presets)",
+        description="Make a run of a deeper shape whose layers start from a trained run's layers (depth "
+        "up-scaling): layer i of L takes trained layer floor(i * L0 / L); embedding, final norm and head are the "
+        "source's. Writes the run (config, tokenizer, a checkpoint at step 0 with a fresh optimizer state) and "
+        "grow.json: per layer, the source's and the grown model's fraction of active neurons and non-zeros per "
+        "token (50th / 99th percentile, max) on the same held-out tokens.",
+        epilog="Example: jax-twell grow --from runs/e2e/0.5b-sparse --preset 1.5b --workdir runs/e2e/1.5b-grown\n"
+        "then: jax-twell bench --workdir runs/e2e/1.5b-grown   (label its figures: a grown model, not a trained one)\n"
+        "or fine-tune it first: jax-twell train --resume workdir=runs/e2e/1.5b-grown steps=200\n"
+        "Exit status: 0 done; 2 refused (another shape, fewer layers, a non-empty --workdir, no checkpoint).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    grow.add_argument("--from", dest="source", required=True, help="the trained run directory")
+    grow.add_argument("--step", type=int, default=None, help="its checkpoint step (default: the newest)")
+    grow.add_argument("--preset", required=True, choices=list(PRESETS), help="the deeper shape (same widths as the source)")
+    grow.add_argument("--workdir", required=True, help="the new run directory (must be new or empty)")
+    grow.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides of the new run (e.g. model.n_layers=, steps=)")
     return parser
 
 
@@ -364,6 +385,31 @@ def _bench(args, console) -> int:
     return 0
 
 
+def _grow(args, console) -> int:
+    from rich.table import Table
+
+    from jax_twell.train.grow import GROW_FILE, grow_run
+
+    result = grow_run(
+        args.source, args.preset, args.workdir, args.overrides, step=args.step,
+        report=lambda m: console.print(escape(m), highlight=False, soft_wrap=True),
+    )
+    table = Table(title=f"FFN statistics on {result['tokens']:,} held-out tokens: grown layer <- trained layer")
+    for name in ("layer", "from", "active %", "(trained)", "nnz p50", "(trained)", "nnz p99", "(trained)", "nnz max", "(trained)"):
+        table.add_column(name, justify="right")
+    for i, (src, row) in enumerate(zip(result["layer_sources"], result["layers"])):
+        ref = result["source_layers"][src]
+        table.add_row(
+            str(i), str(src),
+            f"{100 * row['active_fraction']:.3f}", f"{100 * ref['active_fraction']:.3f}",
+            f"{row['nnz_p50']:g}", f"{ref['nnz_p50']:g}", f"{row['nnz_p99']:g}", f"{ref['nnz_p99']:g}",
+            str(row["nnz_max"]), str(ref["nnz_max"]),
+        )
+    console.print(table)
+    console.print(f"wrote {args.workdir} (checkpoint at step 0) and {Path(args.workdir) / GROW_FILE}", soft_wrap=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jax-twell` console script."""
     parser = _parser()
@@ -381,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
 
     several = args.command in ("train", "eval", "generate", "sweep") and maybe_initialize_distributed()
     console = Console(quiet=several and not is_lead())  # several processes: process 0 reports (errors: all)
-    handler = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "sweep": _sweep, "bench": _bench}
+    handler = {"train": _train, "eval": _eval, "generate": _generate, "plot": _plot, "sweep": _sweep, "bench": _bench, "grow": _grow}
     handler = handler[args.command]
     from jax_twell.train.checkpoint import RestoreError
     from jax_twell.train.lock import RunLockedError

@@ -1,0 +1,111 @@
+"""`jax-twell grow` (depth up-scaling of a trained run) on the tiny preset (CPU): the layer
+map, the copied weights, the first layer's statistics, the new run's checkpoint loading and
+evaluating, the per-token counts against a direct count, and the refusals."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_twell.cli import main
+from jax_twell.train import grow, sharding, trainer
+
+TINY = ["model.n_layers=2", "batch_size=4", "seq_len=32", "eval_batches=1", "log_every=1", "checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, corpus):
+    run = tmp_path_factory.mktemp("grow") / "src"
+    code = main(["train", "--preset", "tiny", "--sample-tokens", "0", f"workdir={run}", f"data.source={corpus}",
+                 "steps=2", *TINY])
+    assert code == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def grown(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grow") / "big"
+    assert main(["grow", "--from", str(source), "--preset", "tiny", "--workdir", str(out), "model.n_layers=5"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("l0,l", [(1, 1), (1, 4), (2, 5), (8, 28), (8, 38), (3, 3)])
+def test_layer_sources_use_every_layer_once_as_ordered_blocks(l0, l):
+    sources = grow.layer_sources(l0, l)
+    assert len(sources) == l and sources[0] == 0 and sources[-1] == l0 - 1
+    assert all(b - a in (0, 1) for a, b in zip(sources, sources[1:]))  # ordered, none skipped
+    sizes = np.bincount(sources)
+    assert len(sizes) == l0 and sizes.max() - sizes.min() <= 1
+
+
+def test_layer_sources_refuse_fewer_layers():
+    with pytest.raises(ValueError, match="at least the source's 4 layers"):
+        grow.layer_sources(4, 3)
+
+
+def test_the_grown_run_holds_the_source_layers_in_order(source, grown):
+    src_cfg, big_cfg = trainer.load_run_config(source), trainer.load_run_config(grown)
+    assert big_cfg.model.n_layers == 5 and big_cfg.model.d_model == src_cfg.model.d_model
+    assert big_cfg.data == src_cfg.data
+    _, src = trainer.restore_run(src_cfg, shard_tokens=False)
+    _, big = trainer.restore_run(big_cfg, 0, shard_tokens=False)
+    assert int(big.step) == 0
+    sources = grow.layer_sources(2, 5)
+    for i, s in enumerate(sources):
+        for a, b in zip(jax.tree.leaves(big.params["layers"][i]), jax.tree.leaves(src.params["layers"][s])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for key in ("embed", "final_norm"):
+        for a, b in zip(jax.tree.leaves(big.params[key]), jax.tree.leaves(src.params[key])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Adam's moments start at zero: a fresh optimizer state, not the source's.
+    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(big.opt_state) if x.dtype == jnp.float32 and x.ndim)
+
+
+def test_the_report_first_layer_matches_its_trained_layer(grown):
+    report = json.loads((grown / grow.GROW_FILE).read_text())
+    assert report["layer_sources"] == grow.layer_sources(2, 5)
+    assert len(report["layers"]) == 5 and len(report["source_layers"]) == 2 and report["tokens"] > 0
+    # Layer 0 reads exactly what the trained layer 0 read: the same statistics.
+    assert report["layers"][0] == report["source_layers"][0]
+    for row in report["layers"] + report["source_layers"]:
+        assert 0 <= row["active_fraction"] <= 1 and row["nnz_p50"] <= row["nnz_p99"] <= row["nnz_max"]
+
+
+def test_the_grown_run_evaluates_and_resumes(grown):
+    assert main(["eval", "--workdir", str(grown), "--batches", "1"]) == 0
+    assert main(["train", "--resume", "--sample-tokens", "0", f"workdir={grown}", "steps=1"]) == 0
+    _, state = trainer.restore_run(trainer.load_run_config(grown), shard_tokens=False)
+    assert int(state.step) == 1
+
+
+def test_token_counts_are_the_gate_signs(source):
+    cfg = trainer.load_run_config(source)
+    setup, state = trainer.restore_run(cfg, shard_tokens=False)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 16)), jnp.int32)
+    with sharding.mesh_context(setup.mesh):
+        model = setup.bind(state.params)
+        counts = np.asarray(grow.token_nnz(model, state.params, tokens))
+        inputs = model.ffn_inputs(tokens, [0, 1])
+    for i, h in enumerate(inputs):
+        pre = np.asarray(h, np.float32).reshape(-1, h.shape[-1]) @ np.asarray(state.params["layers"][i]["ffn"]["w_gate"], np.float32)
+        # The same signs, up to the summation order's rounding right at zero.
+        assert np.all((pre > 1e-5).sum(-1) <= counts[i]) and np.all(counts[i] <= (pre > -1e-5).sum(-1))
+        assert counts[i].sum() > 0
+    stats = grow.layer_statistics(counts, cfg.model.d_ff)
+    assert stats[0]["nnz_max"] == counts[0].max() and stats[0]["active_fraction"] == pytest.approx(counts[0].mean() / cfg.model.d_ff)
+
+
+def test_refusals(source, grown, tmp_path, capsys):
+    # Another width: the small preset is not the tiny one made deeper.
+    assert main(["grow", "--from", str(source), "--preset", "small", "--workdir", str(tmp_path / "a")]) == 2
+    assert "differs from the source run in more than its depth" in capsys.readouterr().out
+    # Fewer layers than the source.
+    assert main(["grow", "--from", str(source), "--preset", "tiny", "--workdir", str(tmp_path / "b"), "model.n_layers=1"]) == 2
+    assert "at least the source's 2 layers" in capsys.readouterr().out
+    # A directory that holds a run already.
+    assert main(["grow", "--from", str(source), "--preset", "tiny", "--workdir", str(grown), "model.n_layers=5"]) == 2
+    assert "is not empty" in capsys.readouterr().out
+    # No run at all.
+    assert main(["grow", "--from", str(tmp_path / "none"), "--preset", "tiny", "--workdir", str(tmp_path / "c")]) == 2

@@ -1,0 +1,206 @@
+"""A deeper model from a trained one (depth up-scaling), with its FFN statistics measured.
+
+Training a large shape until its FFNs are sparse takes long; its speed figures, though,
+depend mostly on each layer's activation statistics (the fraction of active neurons, and
+the tail of non-zeros per token that the kernels' dense backup handles). `grow_run` makes
+a run of a deeper shape whose layers start from a trained run's layers (depth
+up-scaling), a start that needs a short fine-tune, not a training to sparsity from
+scratch:
+
+- the two shapes must agree in everything but the number of layers (the paper's presets
+  0.5b, 1b, 1.5b and 2b differ only there);
+- layer ``i`` of the ``L`` new layers takes the trained layer ``floor(i * L0 / L)`` of the
+  ``L0`` source layers: each source layer becomes a block of consecutive copies, in order;
+- the embedding, the final norm and the output head are the source's;
+- the new run directory holds the config (the source's, with the new shape and preset),
+  the source's tokenizer, and one checkpoint at step 0 with a fresh optimizer state: it can
+  be benchmarked (`jax-twell bench --workdir`) or fine-tuned (`jax-twell train --resume`).
+
+Both models' FFN statistics are then measured on the same held-out tokens (per layer: the
+mean fraction of active neurons, and the 50th / 99th percentile and the maximum of the
+non-zeros a token), printed side by side and written to ``grow.json`` in the new run, so a
+reader sees how closely the grown layers reproduce the trained ones. Figures measured on a
+grown model are to be labelled as such: its quality is not a trained model's.
+
+What to expect: only the first layer reads exactly what its trained layer read and keeps
+its statistics; every later layer reads a stream that more copies have written, and fires
+less, with thinner tails (on the `small` preset grown from 8 to 28 layers: 1.4-10x below
+the trained layer's mean active fraction, the largest token counts several times lower). A grown model is therefore sparser than a trained one, and speed figures
+measured on it flatter the sparse path unless it is fine-tuned first with the source's L1
+recipe (`jax-twell train --resume` on the new run), under which each layer's statistics
+settle as the source's did; `train` logs them per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_twell.train import config as config_lib
+from jax_twell.train import data, sharding, trainer
+from jax_twell.train.checkpoint import Checkpointer
+from jax_twell.train.dead_neurons import gate_weight_name
+from jax_twell.train.tokenizer import BPE_FILE
+
+GROW_FILE = "grow.json"
+# Held-out tokens for the statistics: at most this many sequences of the run's length.
+STAT_SEQUENCES = 8
+
+
+def layer_sources(source_layers: int, layers: int) -> list[int]:
+    """The source layer each of ``layers`` new layers starts from: ``floor(i * L0 / L)``.
+
+    Every source layer is used, as a block of consecutive copies (sizes differ by at most
+    one), in the source's order. Raises ValueError unless ``layers >= source_layers >= 1``.
+    """
+    if source_layers < 1 or layers < source_layers:
+        raise ValueError(f"a grown model needs at least the source's {source_layers} layers, got {layers}")
+    return [i * source_layers // layers for i in range(layers)]
+
+
+def grown_config(source: config_lib.TrainConfig, preset: str, overrides: list[str] = ()) -> config_lib.TrainConfig:
+    """The new run's config: the source run's, with ``preset``'s model shape and name.
+
+    Raises ValueError when the preset's model differs from the source's in anything but
+    ``n_layers`` (and the implementation fields, which follow the source), or has fewer
+    layers.
+    """
+    if preset not in config_lib.PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (one of {', '.join(config_lib.PRESETS)})")
+    target = config_lib.PRESETS[preset].model
+    shape_fields = ("vocab_size", "d_model", "n_heads", "head_dim", "d_ff", "n_kv_heads", "gated", "tie_embeddings")
+    differ = [
+        f"{name} ({getattr(source.model, name)} in the source, {getattr(target, name)} in {preset})"
+        for name in shape_fields
+        if getattr(source.model, name) != getattr(target, name)
+    ]
+    if differ:
+        raise ValueError(f"preset {preset} differs from the source run in more than its depth: {', '.join(differ)}")
+    model = dataclasses.replace(source.model, n_layers=target.n_layers, max_seq_len=target.max_seq_len)
+    cfg = dataclasses.replace(source, model=model, preset=preset)
+    cfg = config_lib.validate(config_lib.apply_overrides(cfg, list(overrides)))
+    layer_sources(source.model.n_layers, cfg.model.n_layers)  # raises on too few layers
+    return cfg
+
+
+def grow_params(params: dict, sources: list[int]) -> dict:
+    """A pure params dict with ``layers[i]`` a copy of ``params["layers"][sources[i]]``."""
+    grown = {k: v for k, v in params.items() if k != "layers"}
+    grown["layers"] = {i: jax.tree.map(jnp.copy, params["layers"][s]) for i, s in enumerate(sources)}
+    return grown
+
+
+def token_nnz(model, params: dict, tokens: jax.Array) -> jax.Array:
+    """``[L, B * T]`` int32: each layer's count of active FFN neurons for each token of
+    ``tokens [B, T]`` in the training forward (the gate's pre-activation above zero, in
+    the compute dtype). Traceable."""
+    inputs = model.ffn_inputs(tokens, range(len(model.layers)))
+    counts = []
+    for i, h in enumerate(inputs):
+        ffn = params["layers"][i]["ffn"]
+        w = ffn[gate_weight_name(ffn)].astype(h.dtype)
+        pre = jnp.einsum("btd,df->btf", h, w, preferred_element_type=jnp.float32)
+        counts.append(jnp.sum(pre > 0, axis=-1, dtype=jnp.int32).reshape(-1))
+    return jnp.stack(counts)
+
+
+def layer_statistics(counts: np.ndarray, d_ff: int) -> list[dict]:
+    """Per layer of ``counts [L, N]``: mean active fraction and the non-zeros a token at
+    the 50th and 99th percentiles and at most."""
+    return [
+        {
+            "active_fraction": float(c.mean() / d_ff),
+            "nnz_p50": float(np.percentile(c, 50)),
+            "nnz_p99": float(np.percentile(c, 99)),
+            "nnz_max": int(c.max()),
+        }
+        for c in np.asarray(counts)
+    ]
+
+
+def _measure(cfg: config_lib.TrainConfig, setup, params: dict, tokens: np.ndarray) -> list[dict]:
+    with sharding.mesh_context(setup.mesh):
+        model = setup.bind(params)
+        counts = nnx.jit(token_nnz)(model, params, jnp.asarray(tokens))
+    return layer_statistics(np.asarray(counts), cfg.model.d_ff)
+
+
+def grow_run(
+    source_workdir: str | Path,
+    preset: str,
+    workdir: str | Path,
+    overrides: list[str] = (),
+    *,
+    step: int | None = None,
+    report: Callable[[str], None] = print,
+) -> dict:
+    """Writes a run of ``preset``'s depth in ``workdir`` from the run in ``source_workdir``
+    (its checkpoint ``step``, default the newest) and returns the report also written to
+    ``workdir/grow.json``: the layer map and both models' per-layer FFN statistics on the
+    same held-out tokens (``STAT_SEQUENCES`` sequences of the run's length at most).
+
+    Raises ValueError for a preset of another shape or fewer layers, or a ``workdir`` that
+    already holds files; ``checkpoint.RestoreError`` when the source has no checkpoint that
+    loads.
+    """
+    workdir = Path(workdir)
+    if workdir.exists() and any(workdir.iterdir()):
+        raise ValueError(f"{workdir} is not empty: choose a new directory for the grown run")
+    source_cfg = trainer.load_run_config(source_workdir)
+    cfg = grown_config(source_cfg, preset, [*overrides, f"workdir={workdir}"])
+    sources = layer_sources(source_cfg.model.n_layers, cfg.model.n_layers)
+    src_setup, src_state = trainer.restore_run(source_cfg, step, shard_tokens=False, report=report)
+    src_step = int(src_state.step)
+    report(f"source: {source_workdir} at step {src_step}, {source_cfg.model.n_layers} layers -> {cfg.model.n_layers}")
+
+    corpus = data.load_corpus(source_cfg.data, source_workdir, source_cfg.model.vocab_size, save_tokenizer=False)
+    seq_len = min(trainer.seq_len_of(source_cfg), cfg.model.max_seq_len)
+    n_seq = max(1, min(STAT_SEQUENCES, (len(corpus.eval) - 1) // seq_len))
+    tokens = data.eval_batch(corpus.eval, 0, num_batches=1, batch_size=n_seq, seq_len=seq_len)[:, :-1]
+    source_stats = _measure(source_cfg, src_setup, src_state.params, tokens)
+
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.mesh_context(mesh):
+        tx = trainer.make_optimizer(cfg.optim, cfg.steps)
+        setup = trainer.setup_model(cfg.model, cfg.seed, tx, mesh, shard_tokens=False)
+        state = setup.init()
+        grown = grow_params(src_state.params, sources)
+        params = jax.tree.map(
+            lambda new, like: jax.device_put(new.astype(like.dtype), like.sharding), grown, state.params
+        )
+        state = state._replace(step=jnp.int32(0), params=params)
+    del src_state
+    grown_stats = _measure(cfg, setup, params, tokens)
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    tokenizer = Path(source_workdir) / BPE_FILE
+    if cfg.data.tokenizer == "bpe" and tokenizer.exists():
+        shutil.copy(tokenizer, workdir / BPE_FILE)
+    config_lib.save(cfg, workdir / trainer.CONFIG_FILE)
+    with sharding.mesh_context(mesh):
+        checkpointer = Checkpointer(workdir, cfg.keep_checkpoints)
+        try:
+            checkpointer.save(0, state)
+        finally:
+            checkpointer.wait()
+            checkpointer.close()
+    result = {
+        "source": str(source_workdir),
+        "source_step": src_step,
+        "source_preset": source_cfg.preset,
+        "preset": cfg.preset,
+        "layer_sources": sources,
+        "tokens": int(tokens.size),
+        "source_layers": source_stats,
+        "layers": grown_stats,
+    }
+    (workdir / GROW_FILE).write_text(json.dumps(result, indent=1) + "\n")
+    return result
