@@ -25,6 +25,11 @@
 #   TOKENIZER  data.tokenizer of both runs (default: the corpus stage's tokenizer.json, if
 #            it ran; else each run trains its own BPE on its training split)
 #   BENCH_ARGS  extra `jax-twell bench` options
+#   GROW     a deeper preset of the same widths (e.g. 1.5b): the stages grow (`jax-twell grow`
+#            from the sparse run into $RUNS/$GROW-grown, then GROW_STEPS steps of fine-tuning
+#            under the same recipe at learning rate GROW_LR, default 200 and 3e-4, 20 warm-up
+#            steps) and bench-grown (its benchmark, written as bench_${GROW}_grown.json: a
+#            grown model's figures, to be labelled so)
 #   TRAIN_SECONDS  stop a training stage after this many seconds (SIGTERM: the run saves a
 #            checkpoint and the script exits 143); RESUME=1 continues the stage's run from
 #            its newest checkpoint instead of starting afresh. Together they split a long
@@ -38,6 +43,7 @@ LR=${LR:-1e-3} WARMUP=${WARMUP:-60} L1=${L1:-2e-4}
 RUNS=${RUNS:-runs/e2e} OUT=${OUT:-bench}
 STAGES=${STAGES:-corpus sparse relu bench stats}
 CORPUS_MB=${CORPUS_MB:-100}
+GROW=${GROW:-} GROW_STEPS=${GROW_STEPS:-200} GROW_LR=${GROW_LR:-3e-4}
 mkdir -p "$RUNS" "$OUT"
 export PYTHONUNBUFFERED=1
 cli() { python3 -m jax_twell.cli "$@"; }
@@ -103,6 +109,23 @@ EOF
     sparse) train_run --preset "$PRESET" workdir="$RUNS/$PRESET-sparse" "${recipe[@]}" "${dargs[@]}" || exit $? ;;
     relu)   train_run --preset "$PRESET" workdir="$RUNS/$PRESET-relu" "${recipe[@]}" "${dargs[@]}" model.ffn=dense_relu l1_coef=0 || exit $? ;;
     bench)  cli bench --workdir "$RUNS/$PRESET-sparse" --out "$OUT/bench_$PRESET.json" ${BENCH_ARGS:-} || exit $? ;;
+    grow)
+      [ -n "$GROW" ] || { echo "the grow stage needs GROW=<preset>" >&2; exit 2; }
+      if [ "${RESUME:-0}" != 1 ]; then
+        rm -rf "$RUNS/$GROW-grown"
+        cli grow --from "$RUNS/$PRESET-sparse" --preset "$GROW" --workdir "$RUNS/$GROW-grown" \
+          steps=$GROW_STEPS optim.lr=$GROW_LR optim.warmup_steps=20 checkpoint_every=$GROW_STEPS eval_every=$GROW_STEPS || exit $?
+        cp "$RUNS/$GROW-grown/grow.json" "$OUT/grow_$GROW.json"
+      fi
+      if [ -n "${TRAIN_SECONDS:-}" ]; then
+        timeout --preserve-status -s TERM "$TRAIN_SECONDS" python3 -m jax_twell.cli train --resume workdir="$RUNS/$GROW-grown" || exit $?
+      else
+        cli train --resume workdir="$RUNS/$GROW-grown" || exit $?
+      fi
+      ;;
+    bench-grown)
+      [ -n "$GROW" ] || { echo "the bench-grown stage needs GROW=<preset>" >&2; exit 2; }
+      cli bench --workdir "$RUNS/$GROW-grown" --out "$OUT/bench_${GROW}_grown.json" ${BENCH_ARGS:-} || exit $? ;;
     stats)
       python3 - "$RUNS/$PRESET-sparse" "$RUNS/$PRESET-relu" <<'EOF'
 import json, sys
