@@ -26,9 +26,10 @@ What to expect: only the first layer reads exactly what its trained layer read a
 its statistics; every later layer reads a stream that more copies have written, and fires
 less, with thinner tails (on the `small` preset grown from 8 to 28 layers: 1.4-10x below
 the trained layer's mean active fraction, the largest token counts several times lower). A grown model is therefore sparser than a trained one, and speed figures
-measured on it flatter the sparse path unless it is fine-tuned first with the source's L1
-recipe (`jax-twell train --resume` on the new run), under which each layer's statistics
-settle as the source's did; `train` logs them per layer.
+measured on it flatter the sparse path. Fine-tune it first with the source's L1 recipe
+(`jax-twell train --resume` on the new run), which trains every layer under the penalty
+that made the source sparse, and read where the statistics went: `train` logs them per
+layer, and `jax-twell bench` records each layer's calibrated density.
 """
 
 from __future__ import annotations
