@@ -60,8 +60,6 @@ train_run() {
 recipe=(steps=$STEPS batch_size=$BATCH seq_len=$SEQ optim.lr=$LR optim.warmup_steps=$WARMUP
         l1_coef=$L1 log_every=25 eval_every=$STEPS eval_batches=16 checkpoint_every=$STEPS keep_checkpoints=1
         ${TRAIN_ARGS:-dead_reinit=true})
-[ -n "${CORPUS:-}" ] && recipe+=("data.source=$CORPUS")
-[ -n "${TOKENIZER:-}" ] && recipe+=("data.tokenizer=$TOKENIZER")
 # The data options, read when a training stage starts (after the corpus stage).
 data_args() {
   local corpus=${CORPUS:-} tok=${TOKENIZER:-}
