@@ -47,10 +47,12 @@ GROW=${GROW:-} GROW_STEPS=${GROW_STEPS:-200} GROW_LR=${GROW_LR:-3e-4}
 mkdir -p "$RUNS" "$OUT"
 export PYTHONUNBUFFERED=1
 cli() { python3 -m jax_twell.cli "$@"; }
-# A training run: afresh, or continued with RESUME=1; stopped after TRAIN_SECONDS if set.
+# A training run: afresh, or continued with RESUME=1 (or always, given --resume first);
+# stopped after TRAIN_SECONDS if set.
 train_run() {
   local mode=--fresh
   [ "${RESUME:-0}" = 1 ] && mode=--resume
+  [ "${1:-}" = --resume ] && { mode=--resume; shift; }
   if [ -n "${TRAIN_SECONDS:-}" ]; then
     timeout --preserve-status -s TERM "$TRAIN_SECONDS" python3 -m jax_twell.cli train "$mode" "$@"
   else
@@ -115,11 +117,7 @@ EOF
           steps=$GROW_STEPS optim.lr=$GROW_LR optim.warmup_steps=20 checkpoint_every=$GROW_STEPS eval_every=$GROW_STEPS || exit $?
         cp "$RUNS/$GROW-grown/grow.json" "$OUT/grow_$GROW.json"
       fi
-      if [ -n "${TRAIN_SECONDS:-}" ]; then
-        timeout --preserve-status -s TERM "$TRAIN_SECONDS" python3 -m jax_twell.cli train --resume workdir="$RUNS/$GROW-grown" || exit $?
-      else
-        cli train --resume workdir="$RUNS/$GROW-grown" || exit $?
-      fi
+      train_run --resume workdir="$RUNS/$GROW-grown" || exit $?
       ;;
     bench-grown)
       [ -n "$GROW" ] || { echo "the bench-grown stage needs GROW=<preset>" >&2; exit 2; }

@@ -16,6 +16,7 @@ The rounding to bf16 is the only change to the weights.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -26,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
 
-from jax_twell.train import sharding, trainer
-from jax_twell.train.checkpoint import Checkpointer
+from jax_twell.train import config as config_lib
+from jax_twell.train import grow, sharding, trainer
 
 
 def _flat(params) -> dict[str, jax.Array]:
@@ -66,30 +67,20 @@ def unpack(indir: str, workdir: str) -> None:
     run = Path(workdir)
     if run.exists() and any(run.iterdir()):
         raise SystemExit(f"{run} is not empty")
-    run.mkdir(parents=True, exist_ok=True)
-    shutil.copy(in_dir / "config.json", run / trainer.CONFIG_FILE)
-    cfg = trainer.load_run_config(run)
+    cfg = config_lib.validate(dataclasses.replace(config_lib.load(in_dir / "config.json"), workdir=str(run)))
     tensors: dict[str, np.ndarray] = {}
     for i in range(meta["shards"]):
         tensors.update(safetensors.numpy.load_file(str(in_dir / f"params-{i}.safetensors")))
     mesh = sharding.make_mesh(cfg.mesh)
     with sharding.mesh_context(mesh):
-        tx = trainer.make_optimizer(cfg.optim, cfg.steps)
-        setup = trainer.setup_model(cfg.model, cfg.seed, tx, mesh, shard_tokens=True)
-        state = setup.init()
-        names = _flat(state.params)
-        if set(names) != set(tensors):
-            raise SystemExit(f"tensor names differ: {sorted(set(names) ^ set(tensors))[:8]}")
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(state.params)
-        new = [
-            jax.device_put(jnp.asarray(tensors[jax.tree_util.keystr(p)]).astype(leaf.dtype), leaf.sharding)
-            for p, leaf in leaves
-        ]
-        params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.params), new)
-        state = state._replace(step=jnp.int32(meta["step"]), params=params)
-        ckpt = Checkpointer(str(run), cfg.keep_checkpoints)
-        ckpt.save(meta["step"], state)
-        ckpt.close()
+        abstract = trainer.setup_model(cfg.model, cfg.seed, trainer.make_optimizer(cfg.optim, cfg.steps), mesh).abstract_state
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract.params)
+    names = [jax.tree_util.keystr(p) for p, _ in leaves]
+    if set(names) != set(tensors):
+        raise SystemExit(f"tensor names differ: {sorted(set(names) ^ set(tensors))[:8]}")
+    params = jax.tree_util.tree_unflatten(treedef, [tensors[n] for n in names])
+    setup, state = grow.run_state(cfg, params, step=meta["step"])
+    grow.save_run(cfg, setup, state)
     print(f"rebuilt {run} at step {meta['step']}")
 
 

@@ -134,6 +134,36 @@ def _measure(cfg: config_lib.TrainConfig, setup, params: dict, tokens: np.ndarra
     return layer_statistics(np.asarray(counts), cfg.model.d_ff)
 
 
+def run_state(cfg: config_lib.TrainConfig, params: dict, *, step: int):
+    """``(ModelSetup, TrainState)`` of a new run of ``cfg`` whose parameters are ``params``
+    (a pure dict of the model's structure, cast to its dtypes and placed as it shards
+    them) at ``step``, with a fresh optimizer state and dead-neuron counters."""
+    mesh = sharding.make_mesh(cfg.mesh)
+    with sharding.mesh_context(mesh):
+        setup = trainer.setup_model(cfg.model, cfg.seed, trainer.make_optimizer(cfg.optim, cfg.steps), mesh, shard_tokens=False)
+        state = setup.init()
+        placed = jax.tree.map(lambda new, like: jax.device_put(jnp.asarray(new).astype(like.dtype), like.sharding), params, state.params)
+    return setup, state._replace(step=jnp.int32(step), params=placed)
+
+
+def save_run(cfg: config_lib.TrainConfig, setup, state, *, tokenizer_from: str | Path | None = None) -> None:
+    """Writes ``cfg.workdir`` as `jax-twell train` leaves a run: its config, the trained BPE
+    of ``tokenizer_from`` (a run directory) when the config names "bpe", and ``state`` as
+    the checkpoint of its step."""
+    workdir = Path(cfg.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is not None and cfg.data.tokenizer == "bpe" and (Path(tokenizer_from) / BPE_FILE).exists():
+        shutil.copy(Path(tokenizer_from) / BPE_FILE, workdir / BPE_FILE)
+    config_lib.save(cfg, workdir / trainer.CONFIG_FILE)
+    with sharding.mesh_context(setup.mesh):
+        checkpointer = Checkpointer(workdir, cfg.keep_checkpoints)
+        try:
+            checkpointer.save(int(state.step), state)
+        finally:
+            checkpointer.wait()
+            checkpointer.close()
+
+
 def grow_run(
     source_workdir: str | Path,
     preset: str,
@@ -168,31 +198,10 @@ def grow_run(
     tokens = data.eval_batch(corpus.eval, 0, num_batches=1, batch_size=n_seq, seq_len=seq_len)[:, :-1]
     source_stats = _measure(source_cfg, src_setup, src_state.params, tokens)
 
-    mesh = sharding.make_mesh(cfg.mesh)
-    with sharding.mesh_context(mesh):
-        tx = trainer.make_optimizer(cfg.optim, cfg.steps)
-        setup = trainer.setup_model(cfg.model, cfg.seed, tx, mesh, shard_tokens=False)
-        state = setup.init()
-        grown = grow_params(src_state.params, sources)
-        params = jax.tree.map(
-            lambda new, like: jax.device_put(new.astype(like.dtype), like.sharding), grown, state.params
-        )
-        state = state._replace(step=jnp.int32(0), params=params)
+    setup, state = run_state(cfg, grow_params(src_state.params, sources), step=0)
     del src_state
-    grown_stats = _measure(cfg, setup, params, tokens)
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    tokenizer = Path(source_workdir) / BPE_FILE
-    if cfg.data.tokenizer == "bpe" and tokenizer.exists():
-        shutil.copy(tokenizer, workdir / BPE_FILE)
-    config_lib.save(cfg, workdir / trainer.CONFIG_FILE)
-    with sharding.mesh_context(mesh):
-        checkpointer = Checkpointer(workdir, cfg.keep_checkpoints)
-        try:
-            checkpointer.save(0, state)
-        finally:
-            checkpointer.wait()
-            checkpointer.close()
+    grown_stats = _measure(cfg, setup, state.params, tokens)
+    save_run(cfg, setup, state, tokenizer_from=source_workdir)
     result = {
         "source": str(source_workdir),
         "source_step": src_step,
