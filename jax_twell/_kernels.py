@@ -27,7 +27,7 @@ __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 BUILD_NOTE = "cuda_build.txt"  # written by ffi/CMakeLists.txt: what the build did, and why
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
@@ -37,6 +37,8 @@ HANDLERS = {
     "jax_twell_ffn": "JaxTwellFfn",
     "jax_twell_ffn_warp_gated": "JaxTwellFfnWarpGated",
     "jax_twell_ffn_warp": "JaxTwellFfnWarp",
+    "jax_twell_ffn_backup_gated": "JaxTwellFfnBackupGated",
+    "jax_twell_ffn_backup": "JaxTwellFfnBackup",
     "jax_twell_ffn_blocked_gated": "JaxTwellFfnBlockedGated",
     "jax_twell_ffn_blocked": "JaxTwellFfnBlocked",
     "jax_twell_train_fwd_gated": "JaxTwellTrainFwdGated",
@@ -187,18 +189,22 @@ def kernels_available() -> bool:
     return kernel_status().available
 
 
-def kernel_call(target: str, result_types, *, vmap_method: str):
+def kernel_call(target: str, result_types, *, vmap_method: str, aliases: dict[int, int] | None = None):
     """``jax.ffi.ffi_call`` for one of our handlers, loading and registering the library first.
 
     Raises:
       KeyError: ``target`` is not one of ``HANDLERS``.
       RuntimeError: the kernels cannot run here; the message gives the reason
         (see kernel_status), instead of XLA's "no FFI handler registered".
+
+    ``aliases``: operand index -> result index, results written in place over operands
+    (``jax.ffi.ffi_call``'s ``input_output_aliases``).
     """
-    return checked_ffi_call(target, HANDLERS, kernel_status, "CUDA", result_types, vmap_method)
+    return checked_ffi_call(target, HANDLERS, kernel_status, "CUDA", result_types, vmap_method, aliases)
 
 
-def checked_ffi_call(target: str, known, status, kind: str, result_types, vmap_method: str):
+def checked_ffi_call(target: str, known, status, kind: str, result_types, vmap_method: str,
+                     aliases: dict[int, int] | None = None):
     """``jax.ffi.ffi_call`` of ``target`` after checking it is one of ``known`` (else
     KeyError) and that ``status()`` says the ``kind`` ("CUDA", "CPU") kernels can run
     (else RuntimeError with its reason)."""
@@ -207,7 +213,7 @@ def checked_ffi_call(target: str, known, status, kind: str, result_types, vmap_m
     state = status()
     if not state.available:
         raise RuntimeError(f"jax_twell {kind} kernel {target!r} cannot run: {state.reason}")
-    call = jax.ffi.ffi_call(target, result_types, vmap_method=vmap_method)
+    call = jax.ffi.ffi_call(target, result_types, vmap_method=vmap_method, input_output_aliases=aliases)
 
     def typed(*operands, **attributes):
         # Under shard_map a custom call's results are typed as varying over no mesh axis

@@ -76,7 +76,8 @@ def stand_ins():
                 x, act, None, None if w_up_t is None else w_up_t.T, w_down)
             return jnp.where(warp.backed_up(act, row_budget)[:, None], jnp.zeros((), x.dtype), y)
 
-        return FFNKernels(pack=stand_in_pack, gate_pack=gate_pack, row=row, blocked=blocked, warp_rows=warp_rows)
+        return FFNKernels(pack=stand_in_pack, gate_pack=gate_pack, row=row, blocked=blocked, warp_rows=warp_rows,
+                          warp_backup=warp.backup_rows_reference)
 
     return install
 

@@ -1,6 +1,8 @@
 """The warp-per-token FFN kernel (ffi/twell_ffn_warp.cu) and its dense backup
 (jax_twell/ops/warp.py) against the reference: every row exact, whichever side computes it."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,12 +11,16 @@ import pytest
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops.ffn import reference
 from jax_twell.ops.ffn import warp
+from jax_twell.ops import xla
+from jax_twell.ops.common import finite_columns
+from jax_twell.ops.pack.binding import pack_twell
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 from specs import GPU_SPECS, assert_close, fused_tolerance
 
 pytestmark = pytest.mark.gpu
 
 SPECS = [s for s in GPU_SPECS if s.d <= warp.MAX_D and s.d % 8 == 0]
+DEVICE_SPECS = [s for s in SPECS if warp.device_backup_supported(s.f)]
 
 
 def _act(x, w_act, tile, capacity):
@@ -95,4 +101,99 @@ def test_per_call_choice_matches_reference(spec):
         inp = with_extreme_rows(inp, full=1, empty=1)
     y = jax.jit(warp.sparse_ffn)(*inp)
     want = reference.ffn(*inp, tile=256, capacity=32)
+    assert_close(y, want, fused_tolerance(jnp.bfloat16, spec.f), str(spec))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("spec", DEVICE_SPECS, ids=str)
+def test_device_backup_rows_match_reference(spec, dtype, gated):
+    """The device backup (ffi/twell_backup.cu) writes exactly the backed-up rows, each as
+    the dense formula has it, and leaves every other row of y bit for bit; with no row to
+    back up, y is untouched; with every row backed up, all of y is the dense FFN."""
+    inp = synthetic_ffn_inputs(jax.random.key(spec.m + 17), spec.m, spec.d, spec.f, density=spec.density,
+                               pattern=spec.pattern, dtype=dtype)
+    if spec.pattern != "skewed" and spec.m > 4:
+        inp = with_extreme_rows(inp, full=min(5, spec.m // 4), empty=1)
+    w_act = inp.w_gate if gated else inp.w_up
+    w_up = inp.w_up if gated else None
+    x = inp.x if gated else None
+    g = relu_matmul(inp.x, w_act)
+    act = _act(inp.x, w_act, 256, 32)
+    sentinel = jnp.full(inp.x.shape, 3.0, dtype)
+    tol = fused_tolerance(dtype, spec.f)
+    for budget in (warp.ROW_BUDGET, 12, 0):
+        left = np.asarray(warp.backed_up(act, budget))
+        y = np.asarray(jax.jit(lambda *a: warp.backup_rows(*a, row_budget=budget))(
+            x, g, act, w_up, inp.w_down, sentinel), np.float32)
+        want = np.asarray(reference.twell_ffn(inp.x, act, w_act, w_up, inp.w_down), np.float32)
+        assert np.all(y[~left] == 3.0), f"{spec} budget={budget}: a row not backed up was written"
+        if left.any():
+            assert_close(y[left], want[left], tol, f"{spec} budget={budget}")
+
+
+def test_device_backup_every_row_and_odd_shapes():
+    """Shapes off the tiles (M, d and f not multiples of 64; f below one K step) with
+    every row backed up: the products' edges are masked, and every row is exact."""
+    for m, d, f in [(1, 8, 8), (67, 72, 200), (130, 264, 1032), (2049, 512, 1416)]:
+        inp = synthetic_ffn_inputs(jax.random.key(m + d), m, d, f, density=0.3, dtype=jnp.bfloat16)
+        g = relu_matmul(inp.x, inp.w_gate)
+        act = _act(inp.x, inp.w_gate, 256, 32)
+        act = dataclasses.replace(act, counts=jnp.maximum(act.counts, 1))  # every row past a budget of 0
+        y = warp.backup_rows(inp.x, g, act, inp.w_up, inp.w_down, jnp.zeros_like(inp.x), row_budget=0)
+        want = xla.up_down(inp.x, g, inp.w_up, inp.w_down)
+        assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"m={m} d={d} f={f}")
+
+
+def test_device_backup_is_deterministic():
+    """The list's order varies with the atomics; no bit of y may."""
+    m, d, f = 4096, 256, 1024
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(8), m, d, f, density=0.01), full=300)
+    g = relu_matmul(inp.x, inp.w_gate)
+    act = _act(inp.x, inp.w_gate, 256, 32)
+    fn = jax.jit(lambda *a: warp.backup_rows(*a))
+    first = np.asarray(fn(inp.x, g, act, inp.w_up, inp.w_down, jnp.zeros_like(inp.x)))
+    for _ in range(3):
+        assert np.array_equal(np.asarray(fn(inp.x, g, act, inp.w_up, inp.w_down, jnp.zeros_like(inp.x))), first)
+
+
+@pytest.mark.parametrize("case", ["sparse", "tail", "dense", "nan_x", "nan_w_down", "inf_w_up"])
+def test_per_call_device_backup_exact(case):
+    """The per-call form with the device backup (no switch) on each side and with
+    non-finite operands: the dense formula's values and NaN."""
+    m, d, f = 2048, 256, 1024
+    inp = synthetic_ffn_inputs(jax.random.key(21), m, d, f, density=0.3 if case == "dense" else 0.004)
+    if case == "tail":
+        inp = with_extreme_rows(inp, full=40, empty=3)
+    if case == "nan_x":
+        inp = inp._replace(x=inp.x.at[7, 3].set(jnp.nan))
+    if case == "nan_w_down":
+        inp = inp._replace(w_down=inp.w_down.at[9, 5].set(jnp.nan))
+    if case == "inf_w_up":
+        inp = inp._replace(w_up=inp.w_up.at[4, 11].set(jnp.inf))
+    fn = jax.jit(lambda x, wg, wu, wd: warp.sparse_ffn(x, wg, wu, wd, backup_kernel=warp.backup_rows,
+                                                       columns=lambda: finite_columns(wu, wd)))
+    y = np.asarray(fn(*inp), np.float32)
+    want = np.asarray(xla.ffn(*inp), np.float32)
+    assert np.array_equal(np.isnan(y), np.isnan(want)), case
+    ok = np.isfinite(want)
+    assert_close(np.where(ok, y, 0), np.where(ok, want, 0), fused_tolerance(jnp.bfloat16, f), case)
+
+
+@pytest.mark.parametrize("spec", DEVICE_SPECS, ids=str)
+def test_with_device_backup_matches_reference(spec):
+    """The known-layer form with no conditional (XLA's gate, the pack, the warp kernel, the
+    device backup) on every spec, with fully active and empty rows mixed in."""
+    inp = synthetic_ffn_inputs(jax.random.key(spec.m + 23), spec.m, spec.d, spec.f, density=spec.density,
+                               pattern=spec.pattern, dtype=jnp.bfloat16)
+    if spec.pattern != "skewed" and spec.m > 4:
+        inp = with_extreme_rows(inp, full=min(3, spec.m // 4), empty=1)
+
+    def fn(x, wg, wu, wd):
+        g = relu_matmul(x, wg)
+        act = pack_twell(g, tile=256, capacity=32)
+        return warp.ffn_with_backup(x, g, act, wu, wd, finite_columns(wu, wd))
+
+    y = jax.jit(fn)(*inp)
+    want = xla.ffn(*inp)
     assert_close(y, want, fused_tolerance(jnp.bfloat16, spec.f), str(spec))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jax_twell.formats import pack_twell_reference, relu_matmul
-from jax_twell.ops import xla
+from jax_twell.ops import common, xla
 from jax_twell.ops.ffn import reference, warp
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 
@@ -102,3 +102,48 @@ def test_per_call_form_exact(case):
     np.testing.assert_allclose(y, want, rtol=2e-5, atol=2e-5)
     if case == "nan":
         assert np.isnan(y[5]).all() and np.isfinite(np.delete(y, 5, axis=0)).all()
+
+
+@pytest.mark.parametrize("case", ["sparse", "many_full_rows", "dense", "nan_x", "nan_w_down", "ungated"])
+def test_per_call_form_with_device_backup_exact(case):
+    """The per-call form whose backup reads its row count on the device (no switch), with
+    the kernels replaced by their contracts: any number of backed-up rows (here past the
+    switch's largest size, which ran dense there), the sample's dense side, and the dense
+    formula's NaN from x and from a weight."""
+    m, d, f = 1024, 64, 512
+    inp = synthetic_ffn_inputs(jax.random.key(6), m, d, f, density=0.3 if case == "dense" else 0.003,
+                               dtype=jnp.float32)
+    if case == "many_full_rows":
+        inp = with_extreme_rows(inp, full=warp.backup_size(m) + 20)
+    if case == "nan_x":
+        inp = inp._replace(x=inp.x.at[5, 3].set(jnp.nan))
+    if case == "nan_w_down":
+        inp = inp._replace(w_down=inp.w_down.at[7, 2].set(jnp.nan))
+    w_gate = None if case == "ungated" else inp.w_gate
+    w_up_k = inp.w_up if w_gate is not None else None
+
+    def fn(x, wg, wu, wd):
+        return warp.sparse_ffn(x, wg, wu, wd, pack=pack_twell_reference, rows_kernel=_ref_rows,
+                               backup_kernel=warp.backup_rows_reference,
+                               columns=lambda: common.finite_columns(wu if wg is not None else None, wd))
+
+    y = np.asarray(jax.jit(fn)(inp.x, w_gate, inp.w_up, inp.w_down))
+    want = np.asarray(xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down))
+    assert np.array_equal(np.isnan(y), np.isnan(want))
+    ok = np.isfinite(want)
+    np.testing.assert_allclose(np.where(ok, y, 0), np.where(ok, want, 0), rtol=2e-5, atol=2e-5)
+    if case == "nan_w_down":
+        assert np.isnan(y[:, 2]).all()
+
+
+def test_backup_rows_reference_fills_only_backed_up_rows():
+    m, d, f = 64, 32, 512
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(2), m, d, f, density=0.01, dtype=jnp.float32), full=3)
+    g = relu_matmul(inp.x, inp.w_gate)
+    act = pack_twell_reference(g, tile=256, capacity=32)
+    left = np.asarray(warp.backed_up(act, warp.ROW_BUDGET))
+    assert left.sum() == 3
+    y = np.asarray(warp.backup_rows_reference(inp.x, g, act, inp.w_up, inp.w_down, jnp.full((m, d), 7.0)))
+    assert np.all(y[~left] == 7.0)
+    np.testing.assert_allclose(y[left], np.asarray(xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down))[left], rtol=2e-5,
+                               atol=2e-5)

@@ -35,7 +35,9 @@ class FFNKernels:
     w_up_t, *, max_entries, tensor_cores, down_union, up_union, down_stationary, fallback)
     -> (y, ...); decode(x, g, w_up, w_down, *, w_up_t) -> y; decode_gate(x, w_act, w_up,
     w_down, *, w_up_t) -> y; decode_rows(x, w_act_t, w_down, *, w_up_t) -> y;
-    warp_rows(x, act, w_up_t, w_down, *, row_budget) -> y (zeros on the rows left to the backup).
+    warp_rows(x, act, w_up_t, w_down, *, row_budget) -> y (zeros on the rows left to the backup);
+    warp_backup(x, g, act, w_up, w_down, y, *, row_budget) -> y with those rows computed
+    densely, their count read on the device (None: the ``lax.switch`` over static sizes).
     """
 
     pack: Callable = pack_binding.pack_twell
@@ -46,6 +48,7 @@ class FFNKernels:
     decode_gate: Callable = binding.decode_ffn_gate
     decode_rows: Callable = binding.decode_ffn_rows
     warp_rows: Callable = warp.ffn_rows
+    warp_backup: Callable | None = warp.backup_rows
 
 
 BINDINGS = FFNKernels()
@@ -87,6 +90,16 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         return jnp.zeros((0, d), x.dtype)
     if plan.path == Path.DENSE:
         return xla.ffn(x, w_gate, w_up, w_down)
+    device_backup = kernels.warp_backup is not None and warp.device_backup_supported(f)
+    if plan.path == Path.WARP and plan.device_choice and device_backup:
+        # No conditional past the sample's choice: the backup reads its row count on the
+        # device, and y gets the dense formula's NaN by one pass (on the sparse side only).
+        def weight_columns():
+            return finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
+
+        return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=plan.options.tile, capacity=plan.options.capacity,
+                               w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
+                               backup_kernel=kernels.warp_backup, columns=weight_columns)
     if plan.path == Path.WARP and plan.device_choice:  # the checks run on the sparse side only
         def operands_finite():
             columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
@@ -96,6 +109,11 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
                                w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
                                finite=operands_finite)
     columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
+    if plan.path == Path.WARP and device_backup and not plan.fused_gate:  # a known layer: no conditional at all
+        g = relu_matmul(x, w_act)
+        act = kernels.pack(g, tile=plan.options.tile, capacity=plan.options.capacity)
+        return warp.ffn_with_backup(x, g, act, w_up_k, w_down, columns, w_up_t=w_up_t, rows_kernel=kernels.warp_rows,
+                                    backup_kernel=kernels.warp_backup)
     ok = all_finite(x) & columns.all()
     if plan.path == Path.WARP:
         tile, capacity = plan.options.tile, plan.options.capacity

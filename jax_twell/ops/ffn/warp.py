@@ -4,8 +4,10 @@ and the rows that do not fit (a tile past capacity, or more entries than the row
 are gathered and computed by a dense tensor-core product over their rows (the backup).
 
 Every row is exact either way: the kernel writes zeros over the rows it leaves and the
-backup overwrites them. When more rows need the backup than its static size, the call
-runs dense from the start (XLA's FFN), so a call never loses entries.
+backup overwrites them. Two forms of the backup: :func:`backup_rows`, a kernel that reads
+how many rows it has on the device (no conditional, no host round trip; any number of
+rows), and the older ``lax.switch`` over static sizes (:func:`ffn_from_gate`), which runs
+XLA's dense FFN for the whole call past its largest size.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import xla
+from jax_twell.ops.common import as_dense_nonfinite
 from jax_twell.ops.layout import WARP_MAX_D as MAX_D  # noqa: F401  (the names the tests use)
 from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
 from jax_twell.ops.layout import warp_backup_size as backup_size
@@ -90,6 +93,56 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET):
         x, act.values, act.cols, act.counts, w_up_t, w_down, **attrs)
 
 
+def device_backup_supported(f: int) -> bool:
+    """Whether :func:`backup_rows` takes an FFN of ``f`` neurons (its products copy rows in
+    16-byte pieces: f a multiple of 8; the warp kernel already needs d a multiple of 8)."""
+    return f % 8 == 0
+
+
+def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET):
+    """``jax_twell_ffn_backup[_gated]`` (ffi/twell_backup.cu): ``y`` with the rows the warp
+    kernel leaves (:func:`backed_up`) computed densely, ``(g * (x @ w_up)) @ w_down`` (or
+    ``g @ w_down`` with ``w_up`` None), rounded as the reference rounds u and h.
+
+    The kernel lists those rows and runs its tensor-core products over them with their
+    count read on the device: no conditional, any number of rows, a few microseconds when
+    there are none. x: ``[M, d]`` (None for the non-gated FFN); g: ``[M, f]`` the
+    activation ``act`` was packed from; y: ``[M, d]`` the warp kernel's result (updated in
+    place). Returns y ``[M, d]``."""
+    m, d = y.shape
+    f = g.shape[1]
+    attrs = dict(capacity=np.int32(act.capacity), max_entries=np.int32(row_budget))
+    rows = jax.ShapeDtypeStruct((m + 1,), jnp.int32)
+    out = jax.ShapeDtypeStruct((m, d), y.dtype)
+    if w_up is None:
+        y, _ = kernel_call("jax_twell_ffn_backup", (out, rows), vmap_method="sequential", aliases={3: 0})(
+            g, act.counts, w_down, y, **attrs)
+        return y
+    h = jax.ShapeDtypeStruct((m, f), g.dtype)
+    y, _, _ = kernel_call("jax_twell_ffn_backup_gated", (out, h, rows), vmap_method="sequential", aliases={5: 0})(
+        x, g, act.counts, w_up, w_down, y, **attrs)
+    return y
+
+
+def backup_rows_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET):
+    """:func:`backup_rows`'s contract in XLA operations (the stand-in tests run on the CPU)."""
+    dense = xla.up_down(x, g, w_up, w_down).astype(y.dtype)
+    return jnp.where(backed_up(act, row_budget)[:, None], dense, y)
+
+
+def ffn_with_backup(x, g, act: TwELL, w_up, w_down, columns, *, w_up_t=None, row_budget: int = ROW_BUDGET,
+                    rows_kernel=ffn_rows, backup_kernel=backup_rows):
+    """The FFN from the gate ``g`` (``[M, f]``) and its TwELL ``act`` with no conditional:
+    the warp kernel, then :func:`backup_rows` over the rows it leaves. ``columns``: the
+    ``[d]`` bool :func:`jax_twell.ops.common.finite_columns` of the weights; y gets the
+    dense formula's NaN where x or those columns are not finite (one elementwise pass).
+    ``w_up`` None: the non-gated FFN (g is its activation)."""
+    gated = w_up is not None
+    y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
+    y = backup_kernel(x if gated else None, g, act, w_up, w_down, y, row_budget=row_budget)
+    return as_dense_nonfinite(y, x, columns)
+
+
 def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budget: int = ROW_BUDGET,
                   backup: int | None = None, rows_kernel=ffn_rows, finite=True):
     """The FFN from the packed gate ``act``: the warp kernel for the rows that fit, the
@@ -159,7 +212,8 @@ def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_bud
 
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
-               row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows, finite=True):
+               row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows, finite=True,
+               backup_kernel=None, columns=None):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
     g; a sample of its rows (:func:`likely_sparse`) chooses: dense, the dense up and down
     products from the same g (no gate recompute, no pack, no count of all of g); sparse,
@@ -169,7 +223,10 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     ``[M, d]``; weights as in :func:`jax_twell.sparse_ffn`; :func:`supported` must hold.
     ``pack``, ``rows_kernel``: the pack and row steps (defaults: the kernels; tests pass
     stand-ins); ``finite``: as in :func:`ffn_from_gate`, or a function returning it (then
-    computed only on the sparse side)."""
+    computed only on the sparse side). ``backup_kernel`` (:func:`backup_rows` or a stand-in):
+    the sparse side runs :func:`ffn_with_backup`, with no conditional of its own, and
+    ``columns`` (a function returning the weights' ``[d]`` finite columns, run on the
+    sparse side) replaces ``finite``; None: the ``lax.switch`` over static backup sizes."""
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -181,6 +238,9 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
 
     def sparse(_):
         act = pack(g, tile=tile, capacity=capacity)
+        if backup_kernel is not None:
+            return ffn_with_backup(x, g, act, w_up if gated else None, w_down, columns(), w_up_t=w_up_t,
+                                   row_budget=row_budget, rows_kernel=rows_kernel, backup_kernel=backup_kernel)
         rows = backed_up(act, row_budget)
         ok = finite() if callable(finite) else finite
         return _rows_or_dense(
