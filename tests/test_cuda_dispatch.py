@@ -76,8 +76,7 @@ def stand_ins():
                 x, act, None, None if w_up_t is None else w_up_t.T, w_down)
             return jnp.where(warp.backed_up(act, row_budget)[:, None], jnp.zeros((), x.dtype), y)
 
-        return FFNKernels(pack=stand_in_pack, gate_pack=gate_pack, row=row, blocked=blocked, warp_rows=warp_rows,
-                          warp_backup=warp.backup_rows_reference)
+        return FFNKernels(pack=stand_in_pack, gate_pack=gate_pack, row=row, blocked=blocked, warp_rows=warp_rows)
 
     return install
 
@@ -917,3 +916,33 @@ def test_the_module_keeps_its_weights_check_with_the_decode_layout():
     assert np.isnan(np.asarray(y)[:, 5]).all()
     ffn.clear_inference_cache()
     assert ffn.weights_finite is None
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_warp_path_with_the_device_backup(stand_ins, gated):
+    """With a backup that reads its row count on the device (``FFNKernels.warp_backup``,
+    here its reference contract): a known or forced layer's warp path holds no conditional
+    at all, the per-call form only the sample's choice; every side computes the dense
+    formula, with rows past the switch's largest size and with non-finite operands."""
+    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=warp.backup_rows_reference)
+    inp = case(m=1100, f=704, density=0.005, full=200, empty=5, key=14)  # 200 rows: past the switch's M/8
+    w_gate = inp.w_gate if gated else None
+    rule = DenseCrossover(**NO_FIXED)
+
+    def call(side=Side.AUTO, active_fraction=None):
+        return lambda x, wd: cuda_ffn(x, w_gate, inp.w_up, wd, tile=256, capacity=8, kernel="warp", rule=rule, side=side,
+                                      active_fraction=active_fraction, kernels=kernels)
+
+    def conditionals(fn):
+        text = str(jax.make_jaxpr(fn)(inp.x, inp.w_down))
+        return text.count(" cond[")
+
+    for fn, n_cond in ((call(Side.SPARSE), 0), (call(active_fraction=0.005), 0), (call(), 1)):
+        assert conditionals(fn) == n_cond
+        for x, w_down in ((inp.x, inp.w_down), (inp.x.at[3, 1].set(jnp.nan), inp.w_down),
+                          (inp.x, inp.w_down.at[2, 5].set(jnp.inf))):
+            y = np.asarray(jax.jit(fn)(x, w_down), np.float32)
+            want = np.asarray(xla.ffn(x, w_gate, inp.w_up, w_down), np.float32)
+            assert np.array_equal(np.isnan(y), np.isnan(want))
+            ok = np.isfinite(want)
+            assert_close(np.where(ok, y, 0), np.where(ok, want, 0), fused_tolerance(jnp.bfloat16, 704), "device backup")

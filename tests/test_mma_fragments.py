@@ -187,3 +187,85 @@ def test_decode_gate_fragments(m, d, splits):
     out = sum(tile[:m, :cols] for tile in tiles)  # the cluster's reduction, rank order
     np.testing.assert_allclose(out, x @ w, rtol=1e-9, atol=1e-9)
     assert not np.isnan(np.stack(tiles)[:, :, :cols]).any()  # every (token, column) written
+
+
+# BackupGemmKernel (ffi/twell_backup.cu): 64 x 64 x 32 tiles, four warps of 32 x 32, padded
+# shared-memory rows (A: 40 elements, B: 72), 128 threads copying two 16-byte pieces each.
+BM, BN, BK, A_STRIDE, B_STRIDE, THREADS = 64, 64, 32, 40, 72, 128
+
+
+def _backup_tile(a_rows, b, row0, col0, count):
+    """One output tile of the kernel, emulated from its index formulas: ``a_rows[i]`` the
+    (gathered) A row of list position i, ``b`` [K, N]; returns C [BM, BN] (NaN where the
+    epilogue writes nothing) and the shared-memory row addresses each ldmatrix phase reads."""
+    k, n = b.shape
+    acc = np.zeros((4, 2, 4, 32, 4))  # warp, mi, ni, lane, reg
+    phases = []
+    for ks in range(-(-k // BK)):
+        k0 = ks * BK
+        sa = np.full(BM * A_STRIDE, np.nan)
+        sb = np.full(BK * B_STRIDE, np.nan)
+        for tid in range(THREADS):
+            for j in range(2):
+                q = tid + j * THREADS
+                r, kc = q >> 2, (q & 3) * 8
+                ok = row0 + r < count and k0 + kc < k
+                sa[r * A_STRIDE + kc: r * A_STRIDE + kc + 8] = a_rows[row0 + r, k0 + kc: k0 + kc + 8] if ok else 0
+                br, nc = q >> 3, (q & 7) * 8
+                ok = col0 + nc < n and k0 + br < k
+                sb[br * B_STRIDE + nc: br * B_STRIDE + nc + 8] = b[k0 + br, col0 + nc: col0 + nc + 8] if ok else 0
+        for warp in range(4):
+            wm, wn = warp // 2, warp % 2
+            for kk in (0, 16):
+                af = []
+                for mi in range(2):
+                    addr = [(wm * 32 + mi * 16 + (l & 15)) * A_STRIDE + kk + (l >> 4) * 8 for l in LANES]
+                    phases.append(addr)
+                    af.append(ldmatrix_x4([sa[p: p + 8] for p in addr]))
+                bf = [None] * 4
+                for nj in range(2):
+                    addr = [(kk + ((l >> 3) & 1) * 8 + (l & 7)) * B_STRIDE + wn * 32 + nj * 16 + (l >> 4) * 8
+                            for l in LANES]
+                    phases.append(addr)
+                    r = ldmatrix_x4([sb[p: p + 8] for p in addr], trans=True)
+                    bf[2 * nj], bf[2 * nj + 1] = r[:, 0:2], r[:, 2:4]
+                for mi in range(2):
+                    for ni in range(4):
+                        acc[warp, mi, ni] = mma_m16n8k16(af[mi], bf[ni], acc[warp, mi, ni])
+    c = np.full((BM, BN), np.nan)
+    for warp in range(4):
+        wm, wn = warp // 2, warp % 2
+        for lane in LANES:
+            for mi in range(2):
+                for half in range(2):
+                    i = wm * 32 + mi * 16 + (lane >> 2) + half * 8
+                    if row0 + i >= count:
+                        continue
+                    for ni in range(4):
+                        col = wn * 32 + ni * 8 + (lane & 3) * 2
+                        if col0 + col >= n:
+                            continue
+                        c[i, col: col + 2] = acc[warp, mi, ni, lane, 2 * half: 2 * half + 2]
+    return c, phases
+
+
+@pytest.mark.parametrize("k,n,count,row0,col0", [(96, 128, 64, 0, 64), (40, 72, 37, 0, 64), (8, 8, 1, 0, 0),
+                                                 (200, 136, 130, 64, 64)])
+def test_backup_gemm_tile(k, n, count, row0, col0):
+    """Each written element of a tile is its row of A times its column of B (K and N tails
+    zero-filled, rows past the count and columns past N left alone), and no ldmatrix phase
+    of eight 16-byte rows meets a shared-memory bank twice."""
+    rng = np.random.default_rng(k + n + count)
+    a_rows = np.zeros((max(count, row0 + BM), k))
+    a_rows[:count] = rng.normal(size=(count, k))
+    b = rng.normal(size=(k, n))
+    c, phases = _backup_tile(a_rows, b, row0, col0, count)
+    rows = min(BM, count - row0)
+    cols = min(BN, n - col0)
+    want = a_rows[row0: row0 + rows] @ b[:, col0: col0 + cols]
+    np.testing.assert_allclose(c[:rows, :cols], want, rtol=1e-10, atol=1e-10)
+    assert np.isnan(c[rows:]).all() and np.isnan(c[:, cols:]).all()
+    for addr in phases:
+        for p in range(4):  # one 8x8 matrix per phase: eight 16-byte rows
+            groups = {(2 * a // 16) % 8 for a in addr[8 * p: 8 * p + 8]}
+            assert len(groups) == 8, "bank conflict"

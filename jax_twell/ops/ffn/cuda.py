@@ -37,7 +37,8 @@ class FFNKernels:
     w_down, *, w_up_t) -> y; decode_rows(x, w_act_t, w_down, *, w_up_t) -> y;
     warp_rows(x, act, w_up_t, w_down, *, row_budget) -> y (zeros on the rows left to the backup);
     warp_backup(x, g, act, w_up, w_down, y, *, row_budget) -> y with those rows computed
-    densely, their count read on the device (None: the ``lax.switch`` over static sizes).
+    densely, their count read on the device (:func:`warp.backup_rows`); None (the default
+    until that kernel is measured on the GPU): the ``lax.switch`` over static sizes.
     """
 
     pack: Callable = pack_binding.pack_twell
@@ -48,7 +49,7 @@ class FFNKernels:
     decode_gate: Callable = binding.decode_ffn_gate
     decode_rows: Callable = binding.decode_ffn_rows
     warp_rows: Callable = warp.ffn_rows
-    warp_backup: Callable | None = warp.backup_rows
+    warp_backup: Callable | None = None
 
 
 BINDINGS = FFNKernels()
