@@ -146,11 +146,28 @@ def train(
                 )
             if resume and not saved and lead:
                 console.print(f"{workdir} holds no checkpoint yet: starting from step 0")
+            timer = time.perf_counter()
             corpus = data.load_corpus(cfg.data, workdir, cfg.model.vocab_size, save_tokenizer=lead)
+            _report_phase(console if lead else None, "data loaded (tokenizer included)", timer)
             return _loop(cfg, console, lead, mesh, checkpointer, bool(saved), corpus)
         finally:
+            timer = time.perf_counter()
             checkpointer.wait()
             checkpointer.close()
+            _report_phase(console if lead else None, "last checkpoint written", timer)
+
+
+# Phases that take at least this long are reported with their time (data, model set-up,
+# checkpoint writes): on large runs they are minutes that tokens/s does not show.
+PHASE_REPORT_SECONDS = 2.0
+
+
+def _report_phase(console, what: str, since: float) -> None:
+    """Prints ``what`` with the seconds since ``since`` when they reach
+    ``PHASE_REPORT_SECONDS`` (``console`` None: not the lead process, nothing printed)."""
+    seconds = time.perf_counter() - since
+    if console is not None and seconds >= PHASE_REPORT_SECONDS:
+        console.print(f"{what}: {seconds:.1f} s")
 
 
 def hardware_hint(cfg: config_lib.TrainConfig, flops_per_step: float, platform: str) -> str | None:
@@ -229,6 +246,7 @@ def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> di
     micro = cfg.batch_size // cfg.grad_accum
     batch_sharding = sharding.batch_sharding(mesh, 3)
     with sharding.mesh_context(mesh):
+        timer = time.perf_counter()
         setup = setup_model(cfg.model, cfg.seed, tx, mesh)
         restored_step = None
         if has_checkpoints:
@@ -240,6 +258,9 @@ def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> di
                 console.print(escape(f"set aside checkpoint(s) {', '.join(map(str, failed))} in {aside}"))
         else:
             state = setup.init()
+        jax.block_until_ready(state)
+        _report_phase(console if lead else None, "model set up" + (" (checkpoint restored)" if has_checkpoints else ""),
+                      timer)
         if lead:  # the run can go on: only now is its configuration (re)written
             workdir.mkdir(parents=True, exist_ok=True)
             config_lib.save(cfg, workdir / CONFIG_FILE)
@@ -350,8 +371,13 @@ def _loop(cfg, console, lead, mesh, checkpointer, has_checkpoints, corpus) -> di
                     # Amid skipped steps (nonfinite=skip) the periodic save waits for a good step,
                     # so a streak that ends the run never rotates out the checkpoints before it.
                     if final or not finished.skipped_in_a_row:
-                        checkpointer.save(done, state)
+                        saving = time.perf_counter()
+                        checkpointer.save(done, state)  # the copy to the host; the write goes on behind
                         finished.last_good_checkpoint = done
+                        _report_phase(progress.console if lead else None, f"checkpoint {done} copied to the host",
+                                      saving)
+                        if not final:
+                            timer_step, timer = done, time.perf_counter()  # keep the copy out of tokens/s
                 if stop_signal is not None:
                     raise Interrupted(stop_signal, done, str(workdir))
     return last
