@@ -8,11 +8,13 @@
 //   1. BackupListKernel: one warp a row applies the warp kernel's rule to the TwELL counts
 //      and appends the backed-up rows to a list (an atomic counter, zeroed first by a
 //      memset). The list's order varies from run to run; no result depends on it.
-//   2. gated: BackupGemmKernel<kGatherA, kScaleG>: h[i, :] = bf16(g[r, :] * bf16(x[r, :] @ Wu))
-//      for the listed rows r = list[i], into a compact [n, f] buffer (rounded as the
-//      reference rounds u and h);
-//   3. BackupGemmKernel<kGatherA = !gated>: y[r, :] = bf16(h[i, :] @ Wd) (non-gated: the
-//      activation's rows g[r, :] themselves are the left operand).
+//   2. gated: BackupGemmKernel: h[i, :] = bf16(g[r, :] * bf16(x[r, :] @ Wu)) for the listed
+//      rows r = list[i], into a compact [n, f] buffer (rounded as the reference rounds u
+//      and h). Where the caller has no g (the gate was packed in its matmul's epilogue), a
+//      first product recomputes the listed rows' gate, g_c[i] = bf16(relu(x[r] @ Wg)),
+//      into a second compact buffer, and h reads it;
+//   3. BackupGemmKernel: y[r, :] = bf16(h[i, :] @ Wd) (non-gated: the activation's rows
+//      g[r, :] themselves are the left operand).
 // The products are tensor-core tiles (mma.sync m16n8k16, f32 accumulators; 64 x 64 x 32
 // tiles, four warps, a four-stage cp.async pipeline). Their grids are persistent: a CTA
 // reads the count and walks the tiles it covers, so with no row to back up every CTA
@@ -23,6 +25,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "async_mma.cuh"
@@ -67,16 +70,24 @@ struct GemmArgs {
   int64_t lda;
   const uint16_t* b;  // B [K, N], row-major
   int64_t ldb;
-  uint16_t* c;        // C rows: c + i * ldc (kScaleG) or c + list[i] * ldc
+  uint16_t* c;        // C rows: c + list[i] * ldc (kStoreRows) or c + i * ldc
   int64_t ldc;
-  const uint16_t* g;  // kScaleG: the gate's rows g + list[i] * ldg
+  const uint16_t* g;  // kScaleRows: the gate's rows g + list[i] * ldg; kScaleCompact: g + i * ldg
   int64_t ldg;
   const int32_t* list;
   const int32_t* count;
   int n, k;
 };
 
-template <typename E, bool kGatherA, bool kScaleG>
+// What a product's epilogue does with its f32 sums v of list position i (row r = list[i]).
+enum Epilogue : int {
+  kStoreRows = 0,     // c[r] = bf16(v)
+  kRelu = 1,          // c[i] = bf16(relu(v))
+  kScaleRows = 2,     // c[i] = bf16(g[r] * bf16(v))
+  kScaleCompact = 3,  // c[i] = bf16(g[i] * bf16(v))
+};
+
+template <typename E, bool kGatherA, int kEpi>
 __global__ __launch_bounds__(kThreads) void BackupGemmKernel(const GemmArgs p) {
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t* sa = smem;
@@ -191,13 +202,19 @@ __global__ __launch_bounds__(kThreads) void BackupGemmKernel(const GemmArgs p) {
           if (col >= p.n) continue;
           float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
           uint16_t* out;
-          if constexpr (kScaleG) {
-            const uint32_t gv = *reinterpret_cast<const uint32_t*>(p.g + r * p.ldg + col);
-            v0 = E::ToFloat(gv) * Round<E>(v0);
-            v1 = E::ToFloat(gv >> 16) * Round<E>(v1);
-            out = p.c + static_cast<int64_t>(i) * p.ldc + col;
-          } else {
+          if constexpr (kEpi == kStoreRows) {
             out = p.c + r * p.ldc + col;
+          } else {
+            if constexpr (kEpi == kRelu) {  // NaN stays NaN, as XLA's max has it (fmaxf would drop it)
+              v0 = isnan(v0) ? v0 : fmaxf(v0, 0.f);
+              v1 = isnan(v1) ? v1 : fmaxf(v1, 0.f);
+            } else {
+              const int64_t grow = kEpi == kScaleRows ? r : static_cast<int64_t>(i);
+              const uint32_t gv = *reinterpret_cast<const uint32_t*>(p.g + grow * p.ldg + col);
+              v0 = E::ToFloat(gv) * Round<E>(v0);
+              v1 = E::ToFloat(gv >> 16) * Round<E>(v1);
+            }
+            out = p.c + static_cast<int64_t>(i) * p.ldc + col;
           }
           *reinterpret_cast<uint32_t*>(out) = E::FromFloat(v0) | (E::FromFloat(v1) << 16);
         }
@@ -218,64 +235,92 @@ int SmCount() {
 }
 
 // Persistent grid: enough CTAs for the tiles of all M rows, at most a few waves' worth.
-template <typename E, bool kGatherA, bool kScaleG>
+template <typename E, bool kGatherA, int kEpi>
 ffi::Error LaunchGemm(cudaStream_t stream, const GemmArgs& p, int64_t max_rows) {
   const int64_t max_tiles = CeilDiv(max_rows, kBM) * CeilDiv(p.n, kBN);
   const int grid = static_cast<int>(std::min<int64_t>(max_tiles, int64_t{4} * SmCount()));
-  BackupGemmKernel<E, kGatherA, kScaleG><<<grid, kThreads, kSmemBytes, stream>>>(p);
+  BackupGemmKernel<E, kGatherA, kEpi><<<grid, kThreads, kSmemBytes, stream>>>(p);
   return LaunchStatus("BackupGemmKernel");
 }
 
+// The operands of one backup call; null pointers for what the form does not take.
+struct BackupOperands {
+  const void* x;       // [M, d] (null: non-gated with g given)
+  const void* g;       // [M, f] the packed activation (null: recomputed from x and w_act)
+  const void* w_act;   // [d, f] the activation's weight, where g is recomputed
+  const void* w_up;    // [d, f] (null: non-gated)
+  const void* w_down;  // [f, d]
+  void* y;             // [M, d]
+  void* h;             // [M, f] compact scratch (gated, or g recomputed)
+  int32_t* list;       // [M + 1]
+};
+
 template <typename E>
-ffi::Error LaunchTyped(cudaStream_t stream, bool gated, int64_t rows, int64_t d, int64_t f, int n_tiles,
-                       int capacity, int max_entries, const void* x, const void* g, const int32_t* counts,
-                       const void* w_up, const void* w_down, void* y, void* h, int32_t* list) {
-  int32_t* count = list + rows;
+ffi::Error LaunchTyped(cudaStream_t stream, int64_t rows, int64_t d, int64_t f, int n_tiles, int capacity,
+                       int max_entries, const int32_t* counts, const BackupOperands& o) {
+  int32_t* count = o.list + rows;
   if (cudaMemsetAsync(count, 0, sizeof(int32_t), stream) != cudaSuccess) return LaunchStatus("backup count memset");
   BackupListKernel<<<static_cast<unsigned>(CeilDiv(rows, kListWarps)), kListWarps * 32, 0, stream>>>(
-      rows, n_tiles, capacity, max_entries, counts, list, count);
+      rows, n_tiles, capacity, max_entries, counts, o.list, count);
   if (auto e = LaunchStatus("BackupListKernel"); e.failure()) return e;
-  const auto* g16 = static_cast<const uint16_t*>(g);
-  if (gated) {
-    const GemmArgs up{static_cast<const uint16_t*>(x), d, static_cast<const uint16_t*>(w_up), f,
-                      static_cast<uint16_t*>(h), f, g16, f, list, count, static_cast<int>(f), static_cast<int>(d)};
-    if (auto e = LaunchGemm<E, true, true>(stream, up, rows); e.failure()) return e;
-    const GemmArgs down{static_cast<const uint16_t*>(h), f, static_cast<const uint16_t*>(w_down), d,
-                        static_cast<uint16_t*>(y), d, nullptr, 0, list, count, static_cast<int>(d), static_cast<int>(f)};
-    return LaunchGemm<E, false, false>(stream, down, rows);
+  const auto* x = static_cast<const uint16_t*>(o.x);
+  const auto* g = static_cast<const uint16_t*>(o.g);
+  auto* h = static_cast<uint16_t*>(o.h);
+  const int fi = static_cast<int>(f), di = static_cast<int>(d);
+  // The hidden rows h (compact) or, non-gated with g given, g's own rows.
+  if (g == nullptr) {  // g_c[i] = bf16(relu(x[r] @ W)), into h
+    const GemmArgs act{x, d, static_cast<const uint16_t*>(o.w_act), f, h, f, nullptr, 0, o.list, count, fi, di};
+    if (auto e = LaunchGemm<E, true, kRelu>(stream, act, rows); e.failure()) return e;
   }
-  const GemmArgs down{g16, f, static_cast<const uint16_t*>(w_down), d, static_cast<uint16_t*>(y), d, nullptr, 0,
-                      list, count, static_cast<int>(d), static_cast<int>(f)};
-  return LaunchGemm<E, true, false>(stream, down, rows);
+  if (o.w_up != nullptr) {  // h[i] = bf16(g[r or i] * bf16(x[r] @ Wu)): in place over g_c where recomputed
+    const GemmArgs up{x, d, static_cast<const uint16_t*>(o.w_up), f, h, f, g == nullptr ? h : g, f, o.list, count,
+                      fi, di};
+    auto e = g == nullptr ? LaunchGemm<E, true, kScaleCompact>(stream, up, rows)
+                          : LaunchGemm<E, true, kScaleRows>(stream, up, rows);
+    if (e.failure()) return e;
+  }
+  const bool compact = o.w_up != nullptr || g == nullptr;
+  const GemmArgs down{compact ? h : g, f, static_cast<const uint16_t*>(o.w_down), d, static_cast<uint16_t*>(o.y), d,
+                      nullptr, 0, o.list, count, di, fi};
+  return compact ? LaunchGemm<E, false, kStoreRows>(stream, down, rows)
+                 : LaunchGemm<E, true, kStoreRows>(stream, down, rows);
 }
 
-// Operands: x [M, d] (gated), g [M, f] (the activation relu(x @ W) the TwELL was packed
-// from), counts [M, n_tiles] s32 (its TwELL counts), w_up [d, f] (gated), w_down [f, d],
-// y_in [M, d] (the warp kernel's result; aliased to y). Results: y [M, d] (y_in with the
-// backed-up rows written), gated: h [M, f] (scratch: the backed-up rows' hidden, compact),
-// list [M + 1] s32 (the backed-up rows, their count last). Attributes: capacity (TwELL
-// slots a tile), max_entries (the warp kernel's row budget): the warp kernel's rule.
-ffi::Error BackupImpl(const char* op, bool gated, cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g,
-                      ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in,
-                      ffi::Result<ffi::AnyBuffer> y, void* h, ffi::Result<ffi::Buffer<ffi::S32>> list,
-                      int32_t capacity, int32_t max_entries) {
-  auto g_dims = g.dimensions();
-  if (g_dims.size() != 2) return Invalid(std::string(op) + ": g must have shape [M, f]");
-  const int64_t rows = g_dims[0], f = g_dims[1];
-  auto wd_dims = w_down.dimensions();
-  if (wd_dims.size() != 2 || wd_dims[0] != f) return Invalid(std::string(op) + ": w_down must have shape [f, d]");
-  const int64_t d = wd_dims[1];
-  if (gated && (!SameDims(x.dimensions(), {rows, d}) || !SameDims(w_up.dimensions(), {d, f})))
-    return Invalid(std::string(op) + ": x must have shape [M, d] and w_up [d, f]");
+// Dimension codes of Operand::dims: -1 = M, -2 = d, -3 = f.
+constexpr int64_t kM = -1, kD = -2, kF = -3;
+
+// Checks the shapes and dtypes of one backup call and launches it: M from counts, f and d
+// from w_down; `operands` lists (name, buffer, expected dims) of the others the form takes.
+struct Operand {
+  const char* name;
+  const ffi::AnyBuffer* buffer;
+  int64_t dims[2];  // codes kM, kD, kF below
+};
+
+ffi::Error BackupCall(const char* op, cudaStream_t stream, std::initializer_list<Operand> operands,
+                      ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in,
+                      ffi::Result<ffi::AnyBuffer> y, ffi::AnyBuffer::Dimensions h_dims, ffi::DataType h_type,
+                      ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity, int32_t max_entries,
+                      BackupOperands o) {
   auto c_dims = counts.dimensions();
-  if (c_dims.size() != 2 || c_dims[0] != rows) return Invalid(std::string(op) + ": counts must have shape [M, n_tiles]");
-  if (!SameDims(y_in.dimensions(), {rows, d}) || !SameDims(y->dimensions(), {rows, d}))
-    return Invalid(std::string(op) + ": y must have shape [M, d]");
+  auto wd_dims = w_down.dimensions();
+  if (c_dims.size() != 2 || wd_dims.size() != 2)
+    return Invalid(std::string(op) + ": counts must have shape [M, n_tiles] and w_down [f, d]");
+  const int64_t rows = c_dims[0], f = wd_dims[0], d = wd_dims[1];
+  const auto dtype = w_down.element_type();
+  for (const Operand& a : operands) {
+    auto size = [&](int64_t code) { return code == -1 ? rows : code == -2 ? d : f; };
+    auto got = a.buffer->dimensions();
+    const bool same = got.size() == 2 && got[0] == size(a.dims[0]) && got[1] == size(a.dims[1]);
+    if (!same) return Invalid(std::string(op) + ": " + a.name + " has the wrong shape (M, d, f from counts and w_down)");
+    if (a.buffer->element_type() != dtype) return Invalid(std::string(op) + ": " + a.name + " must have w_down's dtype");
+  }
+  if (!SameDims(y_in.dimensions(), {rows, d}) || !SameDims(y->dimensions(), {rows, d}) ||
+      y->element_type() != dtype || y_in.element_type() != dtype)
+    return Invalid(std::string(op) + ": y must have shape [M, d] and w_down's dtype");
+  if (o.h != nullptr && (!SameDims(h_dims, {rows, f}) || h_type != dtype))
+    return Invalid(std::string(op) + ": h must have shape [M, f] and w_down's dtype");
   if (!SameDims(list->dimensions(), {rows + 1})) return Invalid(std::string(op) + ": list must have shape [M + 1]");
-  const auto dtype = g.element_type();
-  if (w_down.element_type() != dtype || y->element_type() != dtype || y_in.element_type() != dtype ||
-      (gated && (x.element_type() != dtype || w_up.element_type() != dtype)))
-    return Invalid(std::string(op) + ": x, g, the weights and y must share one dtype");
   if (d % 8 != 0 || f % 8 != 0) return Invalid(std::string(op) + ": d and f must be multiples of 8");
   if (rows >= (int64_t{1} << 31) - 1 || f >= (int64_t{1} << 31) || d >= (int64_t{1} << 31))
     return Invalid(std::string(op) + ": M, d and f must be below 2^31");
@@ -283,40 +328,68 @@ ffi::Error BackupImpl(const char* op, bool gated, cudaStream_t stream, ffi::AnyB
   if (y->untyped_data() != y_in.untyped_data())
     return Invalid(std::string(op) + ": y must alias y_in (input_output_aliases)");
   if (rows == 0) return ffi::Error::Success();
+  o.w_down = w_down.untyped_data();
+  o.y = y->untyped_data();
+  o.list = list->typed_data();
   const int n_tiles = static_cast<int>(c_dims[1]);
-  const void* xp = gated ? x.untyped_data() : nullptr;
-  const void* wu = gated ? w_up.untyped_data() : nullptr;
   switch (dtype) {
     case ffi::DataType::BF16:
-      return LaunchTyped<Bf16>(stream, gated, rows, d, f, n_tiles, capacity, max_entries, xp, g.untyped_data(),
-                               counts.typed_data(), wu, w_down.untyped_data(), y->untyped_data(), h,
-                               list->typed_data());
+      return LaunchTyped<Bf16>(stream, rows, d, f, n_tiles, capacity, max_entries, counts.typed_data(), o);
     case ffi::DataType::F16:
-      return LaunchTyped<F16>(stream, gated, rows, d, f, n_tiles, capacity, max_entries, xp, g.untyped_data(),
-                              counts.typed_data(), wu, w_down.untyped_data(), y->untyped_data(), h,
-                              list->typed_data());
+      return LaunchTyped<F16>(stream, rows, d, f, n_tiles, capacity, max_entries, counts.typed_data(), o);
     default:
-      return Invalid(std::string(op) + ": g must be bf16 or f16");
+      return Invalid(std::string(op) + ": the operands must be bf16 or f16");
   }
 }
 
+// Results, every form: y [M, d] (y_in, aliased, with the backed-up rows written), list
+// [M + 1] s32 (the backed-up rows, their count last); gated or recomputing forms: h [M, f]
+// (scratch). Attributes: capacity (TwELL slots a tile) and max_entries (the warp kernel's
+// row budget): the warp kernel's rule, applied to the TwELL counts [M, n_tiles] s32.
+
+// Gated, g given: x [M, d], g [M, f], counts, w_up [d, f], w_down [f, d], y_in [M, d].
 ffi::Error BackupGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
                        ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in, ffi::Result<ffi::AnyBuffer> y,
                        ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity,
                        int32_t max_entries) {
-  if (!SameDims(h->dimensions(), {g.dimensions().size() == 2 ? g.dimensions()[0] : -1,
-                                  g.dimensions().size() == 2 ? g.dimensions()[1] : -1}) ||
-      h->element_type() != g.element_type())
-    return Invalid("ffn_backup (gated): h must have g's shape and dtype");
-  return BackupImpl("ffn_backup (gated)", true, stream, x, g, counts, w_up, w_down, y_in, y, h->untyped_data(), list,
-                    capacity, max_entries);
+  BackupOperands o{x.untyped_data(), g.untyped_data(), nullptr, w_up.untyped_data(), nullptr, nullptr,
+                   h->untyped_data(), nullptr};
+  return BackupCall("ffn_backup (gated)", stream, {{"x", &x, {kM, kD}}, {"g", &g, {kM, kF}}, {"w_up", &w_up, {kD, kF}}},
+                    counts, w_down, y_in, y, h->dimensions(), h->element_type(), list, capacity, max_entries, o);
 }
 
+// Non-gated, g given (the activation): g [M, f], counts, w_down [f, d], y_in [M, d].
 ffi::Error BackupUngated(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down,
                          ffi::AnyBuffer y_in, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> list,
                          int32_t capacity, int32_t max_entries) {
-  return BackupImpl("ffn_backup", false, stream, g, g, counts, w_down, w_down, y_in, y, nullptr, list, capacity,
-                    max_entries);
+  BackupOperands o{nullptr, g.untyped_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  return BackupCall("ffn_backup", stream, {{"g", &g, {kM, kF}}}, counts, w_down, y_in, y, {}, ffi::DataType::BF16,
+                    list, capacity, max_entries, o);
+}
+
+// Gated, the gate recomputed for the listed rows (no g: it was packed in its matmul's
+// epilogue): x [M, d], counts, w_gate [d, f], w_up [d, f], w_down [f, d], y_in [M, d].
+ffi::Error BackupGatedFromX(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
+                            ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
+                            ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity, int32_t max_entries) {
+  BackupOperands o{x.untyped_data(), nullptr, w_gate.untyped_data(), w_up.untyped_data(), nullptr, nullptr,
+                   h->untyped_data(), nullptr};
+  return BackupCall("ffn_backup (gated, from x)", stream,
+                    {{"x", &x, {kM, kD}}, {"w_gate", &w_gate, {kD, kF}}, {"w_up", &w_up, {kD, kF}}}, counts, w_down,
+                    y_in, y, h->dimensions(), h->element_type(), list, capacity, max_entries, o);
+}
+
+// Non-gated, the activation recomputed for the listed rows: x [M, d], counts, w_act [d, f],
+// w_down [f, d], y_in [M, d].
+ffi::Error BackupUngatedFromX(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
+                              ffi::AnyBuffer w_act, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in,
+                              ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
+                              ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity, int32_t max_entries) {
+  BackupOperands o{x.untyped_data(), nullptr, w_act.untyped_data(), nullptr, nullptr, nullptr, h->untyped_data(),
+                   nullptr};
+  return BackupCall("ffn_backup (from x)", stream, {{"x", &x, {kM, kD}}, {"w_act", &w_act, {kD, kF}}}, counts, w_down,
+                    y_in, y, h->dimensions(), h->element_type(), list, capacity, max_entries, o);
 }
 
 }  // namespace
@@ -346,6 +419,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackup, jax_twell::BackupUngated,
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 1]
+                                  .Attr<int32_t>("capacity")
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGatedFromX, jax_twell::BackupGatedFromX,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [M, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [M, n_tiles]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_gate [d, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up [d, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
+                                  .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
+                                  .Ret<xla::ffi::AnyBuffer>()  // h [M, f] (scratch)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 1]
+                                  .Attr<int32_t>("capacity")
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupFromX, jax_twell::BackupUngatedFromX,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [M, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [M, n_tiles]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_act [d, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
+                                  .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
+                                  .Ret<xla::ffi::AnyBuffer>()  // h [M, f] (scratch)
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 1]
                                   .Attr<int32_t>("capacity")
                                   .Attr<int32_t>("max_entries"),

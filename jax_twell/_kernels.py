@@ -39,6 +39,8 @@ HANDLERS = {
     "jax_twell_ffn_warp": "JaxTwellFfnWarp",
     "jax_twell_ffn_backup_gated": "JaxTwellFfnBackupGated",
     "jax_twell_ffn_backup": "JaxTwellFfnBackup",
+    "jax_twell_ffn_backup_gated_from_x": "JaxTwellFfnBackupGatedFromX",
+    "jax_twell_ffn_backup_from_x": "JaxTwellFfnBackupFromX",
     "jax_twell_ffn_blocked_gated": "JaxTwellFfnBlockedGated",
     "jax_twell_ffn_blocked": "JaxTwellFfnBlocked",
     "jax_twell_train_fwd_gated": "JaxTwellTrainFwdGated",

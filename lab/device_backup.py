@@ -13,7 +13,8 @@ Variants, timed interleaved: xla (XLA's dense FFN), default (``sparse_ffn``), pe
 kernel, the backup as a switch or on the device), known_switch (a known layer: the fused
 gate, the warp kernel, the switch) and known_device (XLA's gate, the pack, the warp kernel,
 the device backup: no conditional), known_device_kept (the same with ``w_up.T`` and the
-weights' finite columns kept, as a serving layer keeps them), backup_empty (the device
+weights' finite columns kept, as a serving layer keeps them), known_device_fused (the fused
+gate, no g: the device backup recomputes its rows' gate), backup_empty (the device
 backup alone on an activation with no row to back up) and backup_all (every row backed
 up: the backup's products over all M rows).
 """
@@ -64,6 +65,10 @@ def variants():
                                         w_up_t=wut if kept else None)
         return fn
 
+    def known_device_fused(x, wg, wu, wd, wut, cols):
+        act = cuda.gate_twell(x, wg, tile=256, capacity=32)
+        return warp.ffn_with_backup(x, None, act, wu, wd, finite_columns(wu, wd), w_act=wg)
+
     def backup_only(budget):
         def fn(x, wg, wu, wd, wut, cols):
             g = relu_matmul(x, wg)
@@ -78,6 +83,7 @@ def variants():
         "default": lambda x, wg, wu, wd, wut, cols: jt.sparse_ffn(x, wg, wu, wd),
         "percall_switch": percall(False), "percall_device": percall(True),
         "known_switch": known_switch, "known_device": known_device(False), "known_device_kept": known_device(True),
+        "known_device_fused": known_device_fused,
         "backup_empty": backup_only(warp.ROW_BUDGET), "backup_all": backup_only(0),
     }
 

@@ -938,6 +938,7 @@ def test_warp_path_with_the_device_backup(stand_ins, gated):
         return text.count(" cond[")
 
     for fn, n_cond in ((call(Side.SPARSE), 0), (call(active_fraction=0.005), 0), (call(), 1)):
+        assert "stand_in_gate" not in str(jax.make_jaxpr(fn)(inp.x, inp.w_down))  # below the fused gate's bound
         assert conditionals(fn) == n_cond
         for x, w_down in ((inp.x, inp.w_down), (inp.x.at[3, 1].set(jnp.nan), inp.w_down),
                           (inp.x, inp.w_down.at[2, 5].set(jnp.inf))):
@@ -946,3 +947,17 @@ def test_warp_path_with_the_device_backup(stand_ins, gated):
             assert np.array_equal(np.isnan(y), np.isnan(want))
             ok = np.isfinite(want)
             assert_close(np.where(ok, y, 0), np.where(ok, want, 0), fused_tolerance(jnp.bfloat16, 704), "device backup")
+
+
+def test_fused_gate_with_the_device_backup(stand_ins):
+    """A known layer from the fused gate's token bound: the gate packed in its matmul's
+    epilogue (no g), the device backup recomputing its rows' gate, no conditional; exact
+    with rows past the switch's largest size."""
+    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=warp.backup_rows_reference)
+    inp = case(m=2100, f=704, density=0.005, full=300, empty=5, key=15)
+    fn = lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, kernel="warp",
+                            rule=DenseCrossover(**NO_FIXED), active_fraction=1e-4, kernels=kernels)
+    text = str(jax.make_jaxpr(fn)(inp.x))
+    assert "stand_in_gate" in text and "stand_in_pack" not in text and " cond[" not in text
+    assert_close(jax.jit(fn)(inp.x), xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down), fused_tolerance(jnp.bfloat16, 704),
+                 "fused gate, device backup")

@@ -10,7 +10,7 @@ import pytest
 
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops.ffn import reference
-from jax_twell.ops.ffn import warp
+from jax_twell.ops.ffn import cuda, warp
 from jax_twell.ops import xla
 from jax_twell.ops.common import finite_columns
 from jax_twell.ops.pack.binding import pack_twell
@@ -122,14 +122,18 @@ def test_device_backup_rows_match_reference(spec, dtype, gated):
     act = _act(inp.x, w_act, 256, 32)
     sentinel = jnp.full(inp.x.shape, 3.0, dtype)
     tol = fused_tolerance(dtype, spec.f)
+    want = np.asarray(reference.twell_ffn(inp.x, act, w_act, w_up, inp.w_down), np.float32)
     for budget in (warp.ROW_BUDGET, 12, 0):
         left = np.asarray(warp.backed_up(act, budget))
-        y = np.asarray(jax.jit(lambda *a: warp.backup_rows(*a, row_budget=budget))(
-            x, g, act, w_up, inp.w_down, sentinel), np.float32)
-        want = np.asarray(reference.twell_ffn(inp.x, act, w_act, w_up, inp.w_down), np.float32)
-        assert np.all(y[~left] == 3.0), f"{spec} budget={budget}: a row not backed up was written"
-        if left.any():
-            assert_close(y[left], want[left], tol, f"{spec} budget={budget}")
+        # g given, or recomputed from x for the listed rows (the fused gate writes no g)
+        for given in (g, None):
+            y = np.asarray(jax.jit(lambda xx, gg, a, wa, wu, wd, yy: warp.backup_rows(
+                xx, gg, a, wu, wd, yy, row_budget=budget, w_act=wa))(
+                x if given is not None else inp.x, given, act, w_act, w_up, inp.w_down, sentinel), np.float32)
+            what = f"{spec} budget={budget} g {'given' if given is not None else 'recomputed'}"
+            assert np.all(y[~left] == 3.0), f"{what}: a row not backed up was written"
+            if left.any():
+                assert_close(y[left], want[left], tol, what)
 
 
 def test_device_backup_every_row_and_odd_shapes():
@@ -194,6 +198,11 @@ def test_with_device_backup_matches_reference(spec):
         act = pack_twell(g, tile=256, capacity=32)
         return warp.ffn_with_backup(x, g, act, wu, wd, finite_columns(wu, wd))
 
-    y = jax.jit(fn)(*inp)
+    def fused(x, wg, wu, wd):  # the gate packed in its matmul's epilogue: no g
+        act = cuda.gate_twell(x, wg, tile=256, capacity=32)
+        return warp.ffn_with_backup(x, None, act, wu, wd, finite_columns(wu, wd), w_act=wg)
+
     want = xla.ffn(*inp)
-    assert_close(y, want, fused_tolerance(jnp.bfloat16, spec.f), str(spec))
+    for form in (fn, fused):
+        y = jax.jit(form)(*inp)
+        assert_close(y, want, fused_tolerance(jnp.bfloat16, spec.f), f"{spec} {form.__name__}")

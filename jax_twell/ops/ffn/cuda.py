@@ -110,11 +110,15 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
                                w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
                                finite=operands_finite)
     columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
-    if plan.path == Path.WARP and device_backup and not plan.fused_gate:  # a known layer: no conditional at all
-        g = relu_matmul(x, w_act)
-        act = kernels.pack(g, tile=plan.options.tile, capacity=plan.options.capacity)
+    if plan.path == Path.WARP and device_backup:  # a known layer: no conditional at all
+        tile, capacity = plan.options.tile, plan.options.capacity
+        if plan.fused_gate:  # no g: the backup recomputes its rows' activation
+            g, act = None, kernels.gate_pack(x, w_act, tile=tile, capacity=capacity, variant=plan.gate_variant)
+        else:
+            g = relu_matmul(x, w_act)
+            act = kernels.pack(g, tile=tile, capacity=capacity)
         return warp.ffn_with_backup(x, g, act, w_up_k, w_down, columns, w_up_t=w_up_t, rows_kernel=kernels.warp_rows,
-                                    backup_kernel=kernels.warp_backup)
+                                    backup_kernel=kernels.warp_backup, w_act=w_act)
     ok = all_finite(x) & columns.all()
     if plan.path == Path.WARP:
         tile, capacity = plan.options.tile, plan.options.capacity

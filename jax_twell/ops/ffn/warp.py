@@ -99,47 +99,63 @@ def device_backup_supported(f: int) -> bool:
     return f % 8 == 0
 
 
-def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET):
-    """``jax_twell_ffn_backup[_gated]`` (ffi/twell_backup.cu): ``y`` with the rows the warp
-    kernel leaves (:func:`backed_up`) computed densely, ``(g * (x @ w_up)) @ w_down`` (or
-    ``g @ w_down`` with ``w_up`` None), rounded as the reference rounds u and h.
+def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None):
+    """``jax_twell_ffn_backup*`` (ffi/twell_backup.cu): ``y`` with the rows the warp kernel
+    leaves (:func:`backed_up`) computed densely, ``(g * (x @ w_up)) @ w_down`` (or
+    ``g @ w_down`` with ``w_up`` None), rounded as the reference rounds g, u and h.
 
     The kernel lists those rows and runs its tensor-core products over them with their
     count read on the device: no conditional, any number of rows, a few microseconds when
-    there are none. x: ``[M, d]`` (None for the non-gated FFN); g: ``[M, f]`` the
-    activation ``act`` was packed from; y: ``[M, d]`` the warp kernel's result (updated in
-    place). Returns y ``[M, d]``."""
+    there are none. x: ``[M, d]`` (None for the non-gated FFN with g given); g: ``[M, f]``
+    the activation ``act`` was packed from, or None where no g was written (the gate packed
+    in its matmul's epilogue): then the listed rows' activation is recomputed from x and
+    ``w_act`` (``[d, f]``, the activation's weight). y: ``[M, d]`` the warp kernel's result
+    (updated in place). Returns y ``[M, d]``."""
     m, d = y.shape
-    f = g.shape[1]
+    f = w_down.shape[0]
     attrs = dict(capacity=np.int32(act.capacity), max_entries=np.int32(row_budget))
     rows = jax.ShapeDtypeStruct((m + 1,), jnp.int32)
     out = jax.ShapeDtypeStruct((m, d), y.dtype)
+    h = jax.ShapeDtypeStruct((m, f), y.dtype)
+    if g is None:
+        if w_act is None or x is None:
+            raise ValueError("backup_rows: without g, x and w_act are needed to recompute the rows' activation")
+        if w_up is None:
+            y, _, _ = kernel_call("jax_twell_ffn_backup_from_x", (out, h, rows), vmap_method="sequential",
+                                  aliases={4: 0})(x, act.counts, w_act, w_down, y, **attrs)
+        else:
+            y, _, _ = kernel_call("jax_twell_ffn_backup_gated_from_x", (out, h, rows), vmap_method="sequential",
+                                  aliases={5: 0})(x, act.counts, w_act, w_up, w_down, y, **attrs)
+        return y
     if w_up is None:
         y, _ = kernel_call("jax_twell_ffn_backup", (out, rows), vmap_method="sequential", aliases={3: 0})(
             g, act.counts, w_down, y, **attrs)
         return y
-    h = jax.ShapeDtypeStruct((m, f), g.dtype)
     y, _, _ = kernel_call("jax_twell_ffn_backup_gated", (out, h, rows), vmap_method="sequential", aliases={5: 0})(
         x, g, act.counts, w_up, w_down, y, **attrs)
     return y
 
 
-def backup_rows_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET):
+def backup_rows_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None):
     """:func:`backup_rows`'s contract in XLA operations (the stand-in tests run on the CPU)."""
+    if g is None:
+        g = relu_matmul(x, w_act)
     dense = xla.up_down(x, g, w_up, w_down).astype(y.dtype)
     return jnp.where(backed_up(act, row_budget)[:, None], dense, y)
 
 
 def ffn_with_backup(x, g, act: TwELL, w_up, w_down, columns, *, w_up_t=None, row_budget: int = ROW_BUDGET,
-                    rows_kernel=ffn_rows, backup_kernel=backup_rows):
-    """The FFN from the gate ``g`` (``[M, f]``) and its TwELL ``act`` with no conditional:
-    the warp kernel, then :func:`backup_rows` over the rows it leaves. ``columns``: the
-    ``[d]`` bool :func:`jax_twell.ops.common.finite_columns` of the weights; y gets the
-    dense formula's NaN where x or those columns are not finite (one elementwise pass).
-    ``w_up`` None: the non-gated FFN (g is its activation)."""
+                    rows_kernel=ffn_rows, backup_kernel=backup_rows, w_act=None):
+    """The FFN from the gate's TwELL ``act`` with no conditional: the warp kernel, then
+    :func:`backup_rows` over the rows it leaves. g: ``[M, f]`` the activation act was
+    packed from, or None (then ``w_act``, the activation's weight, recomputes the backed-up
+    rows' activation). ``columns``: the ``[d]`` bool
+    :func:`jax_twell.ops.common.finite_columns` of the weights; y gets the dense formula's
+    NaN where x or those columns are not finite (one elementwise pass). ``w_up`` None: the
+    non-gated FFN (g is its activation)."""
     gated = w_up is not None
     y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
-    y = backup_kernel(x if gated else None, g, act, w_up, w_down, y, row_budget=row_budget)
+    y = backup_kernel(x if gated or g is None else None, g, act, w_up, w_down, y, row_budget=row_budget, w_act=w_act)
     return as_dense_nonfinite(y, x, columns)
 
 
