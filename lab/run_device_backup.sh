@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One GPU session for the device backup (ffi/twell_backup.cu): install with a prebuilt
+# library (JAX_TWELL_CUDA_LIB) or build, the warp path's GPU tests, compute-sanitizer
+# memcheck and racecheck on the backup's kernels, then lab/device_backup.py (the forms side
+# by side with XLA's dense FFN). Results under $OUT (device_backup.json and the logs).
+# Usage: JAX_TWELL_COMMIT=<commit> [JAX_TWELL_CUDA_LIB=...] [CONFIGS=2048:uniform,...] lab/run_device_backup.sh
+set -uo pipefail
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if [ -n "${JAX_TWELL_CUDA_LIB:-}" ]; then export JAX_TWELL_CUDA=OFF; fi
+python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+python3 -c "import jax_twell as jt; print(jt.kernel_status())"
+timeout -s INT ${GPU_TEST_SECONDS:-150} python3 -m pytest -q -rf -x -n ${GPU_TEST_WORKERS:-8} -m gpu \
+  tests/test_cuda_ffn_warp.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+for tool in memcheck racecheck; do
+  XLA_FLAGS="--xla_gpu_autotune_level=0" timeout 90 compute-sanitizer --tool $tool --kernel-name kns=Backup \
+    --print-limit 10 python3 -m pytest -q -x -m gpu tests/test_cuda_ffn_warp.py -k "odd_shapes or deterministic" \
+    > "$OUT/sanitizer_$tool.log" 2>&1
+  echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
+done
+timeout ${BENCH_SECONDS:-300} python3 lab/device_backup.py ${CONFIGS:+--configs "$CONFIGS"} \
+  --out "$OUT/device_backup.json" 2>&1 | grep -v "^WARNING"
