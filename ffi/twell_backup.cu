@@ -8,18 +8,19 @@
 //   1. BackupListKernel: one warp a row applies the warp kernel's rule to the TwELL counts
 //      and appends the backed-up rows to a list (an atomic counter, zeroed first by a
 //      memset). The list's order varies from run to run; no result depends on it.
-//   2. gated: BackupGemmKernel: h[i, :] = bf16(g[r, :] * bf16(x[r, :] @ Wu)) for the listed
-//      rows r = list[i], into a compact [n, f] buffer (rounded as the reference rounds u
-//      and h). Where the caller has no g (the gate was packed in its matmul's epilogue), a
-//      first product recomputes the listed rows' gate, g_c[i] = bf16(relu(x[r] @ Wg)),
-//      into a second compact buffer, and h reads it;
-//   3. BackupGemmKernel: y[r, :] = bf16(h[i, :] @ Wd) (non-gated: the activation's rows
-//      g[r, :] themselves are the left operand).
+//   2. BackupKernel, one cooperative launch of persistent CTAs that reads the count and
+//      returns at once when it is zero; else, chunk by chunk of the scratch's rows:
+//      - where the caller has no g (the gate was packed in its matmul's epilogue): the
+//        listed rows' activation, h[i] = bf16(relu(x[r] @ Wg)) (r = list[i]);
+//      - gated: h[i] = bf16(g * bf16(x[r] @ Wu)), g = g[r] or the recomputed h[i] (in
+//        place), rounded as the reference rounds u and h;
+//      - y[r] = bf16(h[i] @ Wd) (non-gated with g given: g[r] @ Wd, no scratch);
+//      a grid barrier between a product and the next one that reads it, and between chunks.
 // The products are tensor-core tiles (mma.sync m16n8k16, f32 accumulators; 64 x 64 x 32
-// tiles, four warps, a four-stage cp.async pipeline). Their grids are persistent: a CTA
-// reads the count and walks the tiles it covers, so with no row to back up every CTA
-// returns after one load (a launch and no more). Each row's sums run over K in one fixed
-// order whatever its place in the list: the results are deterministic.
+// tiles, four warps, a four-stage cp.async pipeline), shared out over the grid. The
+// scratch holds a chunk of rows ([chunk, f], the caller's choice), so any number of rows is
+// exact at a bounded memory cost. Each row's sums run over K in one fixed order whatever
+// its place in the list or chunk: the results are deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -74,8 +75,7 @@ struct GemmArgs {
   int64_t ldc;
   const uint16_t* g;  // kScaleRows: the gate's rows g + list[i] * ldg; kScaleCompact: g + i * ldg
   int64_t ldg;
-  const int32_t* list;
-  const int32_t* count;
+  const int32_t* list;  // this chunk's part of the list: position i is list[i]
   int n, k;
 };
 
@@ -87,15 +87,14 @@ enum Epilogue : int {
   kScaleCompact = 3,  // c[i] = bf16(g[i] * bf16(v))
 };
 
+// One product over the `count` list positions of a chunk, its tiles shared out over the
+// grid (tile t to CTA t mod gridDim.x).
 template <typename E, bool kGatherA, int kEpi>
-__global__ __launch_bounds__(kThreads) void BackupGemmKernel(const GemmArgs p) {
-  extern __shared__ __align__(16) uint16_t smem[];
+__device__ __forceinline__ void GemmPhase(const GemmArgs& p, int count, uint16_t* smem) {
   uint16_t* sa = smem;
   uint16_t* sb = smem + kStages * kAStage;
-  const int count = *p.count;
   const int col_tiles = (p.n + kBN - 1) / kBN;
   const int tiles = ((count + kBM - 1) / kBM) * col_tiles;
-  if (static_cast<int>(blockIdx.x) >= tiles) return;
   const int k_steps = (p.k + kBK - 1) / kBK;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm = warp / 2, wn = warp % 2;
@@ -209,8 +208,9 @@ __global__ __launch_bounds__(kThreads) void BackupGemmKernel(const GemmArgs p) {
               v0 = isnan(v0) ? v0 : fmaxf(v0, 0.f);
               v1 = isnan(v1) ? v1 : fmaxf(v1, 0.f);
             } else {
+              // L2, not L1: in the compact form g is this call's scratch, rewritten chunk by chunk.
               const int64_t grow = kEpi == kScaleRows ? r : static_cast<int64_t>(i);
-              const uint32_t gv = *reinterpret_cast<const uint32_t*>(p.g + grow * p.ldg + col);
+              const uint32_t gv = __ldcg(reinterpret_cast<const unsigned int*>(p.g + grow * p.ldg + col));
               v0 = E::ToFloat(gv) * Round<E>(v0);
               v1 = E::ToFloat(gv >> 16) * Round<E>(v1);
             }
@@ -220,6 +220,76 @@ __global__ __launch_bounds__(kThreads) void BackupGemmKernel(const GemmArgs p) {
         }
       }
     }
+  }
+}
+
+// A barrier of the whole grid (all CTAs are resident: the launch is cooperative). The
+// counter only grows: barrier k (from 1) waits for k arrivals a CTA. Stores before it are
+// made visible by the arriving thread's fence; the reads after it go to L2 (cp.async.cg
+// and __ldcg) or follow the waiting thread's fence.
+__device__ __forceinline__ void GridBarrier(unsigned int* counter, unsigned int k) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+    const unsigned int target = k * gridDim.x;
+    unsigned int seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+      if (seen < target) __nanosleep(64);
+    } while (seen < target);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// The operands of one backup call; null pointers for what the form does not take.
+struct BackupOperands {
+  const void* x;       // [M, d] (null: non-gated with g given)
+  const void* g;       // [M, f] the packed activation (null: recomputed from x and w_act)
+  const void* w_act;   // [d, f] the activation's weight, where g is recomputed
+  const void* w_up;    // [d, f] (null: non-gated)
+  const void* w_down;  // [f, d]
+  void* y;             // [M, d]
+  void* h;             // [chunk, f] compact scratch (gated, or g recomputed)
+  int32_t* list;       // [M + 2]: the rows, then their count, then the barrier's counter
+  int64_t d, f, chunk;
+};
+
+// The backup's products, chunk by chunk of `o.chunk` listed rows (the scratch's rows):
+// [the activation recomputed,] [h,] y, with a grid barrier where a product reads what the
+// one before wrote, and between chunks (the next one rewrites the scratch).
+template <typename E, bool kGated, bool kRecompute>
+__global__ __launch_bounds__(kThreads) void BackupKernel(const BackupOperands o, const int32_t* __restrict__ count_in) {
+  extern __shared__ __align__(16) uint16_t smem[];
+  const int count = *count_in;
+  if (count == 0) return;
+  auto* barrier = reinterpret_cast<unsigned int*>(const_cast<int32_t*>(count_in) + 1);
+  unsigned int barriers = 0;
+  const auto* x = static_cast<const uint16_t*>(o.x);
+  const auto* g = static_cast<const uint16_t*>(o.g);
+  auto* h = static_cast<uint16_t*>(o.h);
+  const int fi = static_cast<int>(o.f), di = static_cast<int>(o.d);
+  constexpr bool kCompact = kGated || kRecompute;  // the down product reads h, else g's own rows
+  const int64_t chunk = kCompact ? o.chunk : count;
+  for (int64_t c0 = 0; c0 < count; c0 += chunk) {
+    if (c0 > 0) GridBarrier(barrier, ++barriers);  // the chunk before has read the scratch
+    const int n = static_cast<int>(std::min<int64_t>(chunk, count - c0));
+    const int32_t* list = o.list + c0;
+    if constexpr (kRecompute) {  // h[i] = bf16(relu(x[r] @ W))
+      const GemmArgs act{x, o.d, static_cast<const uint16_t*>(o.w_act), o.f, h, o.f, nullptr, 0, list, fi, di};
+      GemmPhase<E, true, kRelu>(act, n, smem);
+      GridBarrier(barrier, ++barriers);
+    }
+    if constexpr (kGated) {  // h[i] = bf16(g * bf16(x[r] @ Wu)), g = g[r] or (recomputed) h[i], in place
+      const GemmArgs up{x, o.d, static_cast<const uint16_t*>(o.w_up), o.f, h, o.f, kRecompute ? h : g, o.f,
+                        list, fi, di};
+      GemmPhase<E, true, kRecompute ? kScaleCompact : kScaleRows>(up, n, smem);
+      GridBarrier(barrier, ++barriers);
+    }
+    const GemmArgs down{kCompact ? h : g, o.f, static_cast<const uint16_t*>(o.w_down), o.d,
+                        static_cast<uint16_t*>(o.y), o.d, nullptr, 0, list, di, fi};
+    GemmPhase<E, !kCompact, kStoreRows>(down, n, smem);
   }
 }
 
@@ -234,56 +304,46 @@ int SmCount() {
   return count;
 }
 
-// Persistent grid: enough CTAs for the tiles of all M rows, at most a few waves' worth.
-template <typename E, bool kGatherA, int kEpi>
-ffi::Error LaunchGemm(cudaStream_t stream, const GemmArgs& p, int64_t max_rows) {
-  const int64_t max_tiles = CeilDiv(max_rows, kBM) * CeilDiv(p.n, kBN);
-  const int grid = static_cast<int>(std::min<int64_t>(max_tiles, int64_t{4} * SmCount()));
-  BackupGemmKernel<E, kGatherA, kEpi><<<grid, kThreads, kSmemBytes, stream>>>(p);
-  return LaunchStatus("BackupGemmKernel");
+template <typename E, bool kGated, bool kRecompute>
+ffi::Error LaunchBackup(cudaStream_t stream, int64_t rows, const BackupOperands& o) {
+  auto kernel = BackupKernel<E, kGated, kRecompute>;
+  static const int per_sm = [kernel] {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmemBytes) != cudaSuccess) return 1;
+    return std::max(n, 1);
+  }();
+  // Every CTA must be resident (the barriers); no more than the largest product's tiles.
+  const int64_t most_rows = (kGated || kRecompute) ? std::min(rows, o.chunk) : rows;
+  const int64_t max_tiles = CeilDiv(most_rows, kBM) * CeilDiv(std::max(o.d, o.f), kBN);
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, int64_t{per_sm} * SmCount())));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cooperative = {};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
+  if (cudaLaunchKernelEx(&config, kernel, o, static_cast<const int32_t*>(o.list + rows)) != cudaSuccess)
+    return LaunchStatus("BackupKernel (cooperative launch)");
+  return LaunchStatus("BackupKernel");
 }
 
-// The operands of one backup call; null pointers for what the form does not take.
-struct BackupOperands {
-  const void* x;       // [M, d] (null: non-gated with g given)
-  const void* g;       // [M, f] the packed activation (null: recomputed from x and w_act)
-  const void* w_act;   // [d, f] the activation's weight, where g is recomputed
-  const void* w_up;    // [d, f] (null: non-gated)
-  const void* w_down;  // [f, d]
-  void* y;             // [M, d]
-  void* h;             // [M, f] compact scratch (gated, or g recomputed)
-  int32_t* list;       // [M + 1]
-};
-
 template <typename E>
-ffi::Error LaunchTyped(cudaStream_t stream, int64_t rows, int64_t d, int64_t f, int n_tiles, int capacity,
-                       int max_entries, const int32_t* counts, const BackupOperands& o) {
-  int32_t* count = o.list + rows;
-  if (cudaMemsetAsync(count, 0, sizeof(int32_t), stream) != cudaSuccess) return LaunchStatus("backup count memset");
+ffi::Error LaunchTyped(cudaStream_t stream, int64_t rows, int n_tiles, int capacity, int max_entries,
+                       const int32_t* counts, const BackupOperands& o) {
+  int32_t* count = o.list + rows;  // then the barrier's counter
+  if (cudaMemsetAsync(count, 0, 2 * sizeof(int32_t), stream) != cudaSuccess) return LaunchStatus("backup memset");
   BackupListKernel<<<static_cast<unsigned>(CeilDiv(rows, kListWarps)), kListWarps * 32, 0, stream>>>(
       rows, n_tiles, capacity, max_entries, counts, o.list, count);
   if (auto e = LaunchStatus("BackupListKernel"); e.failure()) return e;
-  const auto* x = static_cast<const uint16_t*>(o.x);
-  const auto* g = static_cast<const uint16_t*>(o.g);
-  auto* h = static_cast<uint16_t*>(o.h);
-  const int fi = static_cast<int>(f), di = static_cast<int>(d);
-  // The hidden rows h (compact) or, non-gated with g given, g's own rows.
-  if (g == nullptr) {  // g_c[i] = bf16(relu(x[r] @ W)), into h
-    const GemmArgs act{x, d, static_cast<const uint16_t*>(o.w_act), f, h, f, nullptr, 0, o.list, count, fi, di};
-    if (auto e = LaunchGemm<E, true, kRelu>(stream, act, rows); e.failure()) return e;
-  }
-  if (o.w_up != nullptr) {  // h[i] = bf16(g[r or i] * bf16(x[r] @ Wu)): in place over g_c where recomputed
-    const GemmArgs up{x, d, static_cast<const uint16_t*>(o.w_up), f, h, f, g == nullptr ? h : g, f, o.list, count,
-                      fi, di};
-    auto e = g == nullptr ? LaunchGemm<E, true, kScaleCompact>(stream, up, rows)
-                          : LaunchGemm<E, true, kScaleRows>(stream, up, rows);
-    if (e.failure()) return e;
-  }
-  const bool compact = o.w_up != nullptr || g == nullptr;
-  const GemmArgs down{compact ? h : g, f, static_cast<const uint16_t*>(o.w_down), d, static_cast<uint16_t*>(o.y), d,
-                      nullptr, 0, o.list, count, di, fi};
-  return compact ? LaunchGemm<E, false, kStoreRows>(stream, down, rows)
-                 : LaunchGemm<E, true, kStoreRows>(stream, down, rows);
+  const bool gated = o.w_up != nullptr, recompute = o.g == nullptr;
+  if (gated && recompute) return LaunchBackup<E, true, true>(stream, rows, o);
+  if (gated) return LaunchBackup<E, true, false>(stream, rows, o);
+  if (recompute) return LaunchBackup<E, false, true>(stream, rows, o);
+  return LaunchBackup<E, false, false>(stream, rows, o);
 }
 
 // Dimension codes of Operand::dims: -1 = M, -2 = d, -3 = f.
@@ -318,9 +378,14 @@ ffi::Error BackupCall(const char* op, cudaStream_t stream, std::initializer_list
   if (!SameDims(y_in.dimensions(), {rows, d}) || !SameDims(y->dimensions(), {rows, d}) ||
       y->element_type() != dtype || y_in.element_type() != dtype)
     return Invalid(std::string(op) + ": y must have shape [M, d] and w_down's dtype");
-  if (o.h != nullptr && (!SameDims(h_dims, {rows, f}) || h_type != dtype))
-    return Invalid(std::string(op) + ": h must have shape [M, f] and w_down's dtype");
-  if (!SameDims(list->dimensions(), {rows + 1})) return Invalid(std::string(op) + ": list must have shape [M + 1]");
+  int64_t chunk = rows;
+  if (o.h != nullptr) {
+    if (h_dims.size() != 2 || h_dims[0] < 1 || h_dims[0] > std::max<int64_t>(rows, 1) || h_dims[1] != f ||
+        h_type != dtype)
+      return Invalid(std::string(op) + ": h must have shape [chunk, f] (1 <= chunk <= M) and w_down's dtype");
+    chunk = h_dims[0];
+  }
+  if (!SameDims(list->dimensions(), {rows + 2})) return Invalid(std::string(op) + ": list must have shape [M + 2]");
   if (d % 8 != 0 || f % 8 != 0) return Invalid(std::string(op) + ": d and f must be multiples of 8");
   if (rows >= (int64_t{1} << 31) - 1 || f >= (int64_t{1} << 31) || d >= (int64_t{1} << 31))
     return Invalid(std::string(op) + ": M, d and f must be below 2^31");
@@ -331,12 +396,15 @@ ffi::Error BackupCall(const char* op, cudaStream_t stream, std::initializer_list
   o.w_down = w_down.untyped_data();
   o.y = y->untyped_data();
   o.list = list->typed_data();
+  o.d = d;
+  o.f = f;
+  o.chunk = chunk;
   const int n_tiles = static_cast<int>(c_dims[1]);
   switch (dtype) {
     case ffi::DataType::BF16:
-      return LaunchTyped<Bf16>(stream, rows, d, f, n_tiles, capacity, max_entries, counts.typed_data(), o);
+      return LaunchTyped<Bf16>(stream, rows, n_tiles, capacity, max_entries, counts.typed_data(), o);
     case ffi::DataType::F16:
-      return LaunchTyped<F16>(stream, rows, d, f, n_tiles, capacity, max_entries, counts.typed_data(), o);
+      return LaunchTyped<F16>(stream, rows, n_tiles, capacity, max_entries, counts.typed_data(), o);
     default:
       return Invalid(std::string(op) + ": the operands must be bf16 or f16");
   }
@@ -353,7 +421,7 @@ ffi::Error BackupGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, 
                        ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity,
                        int32_t max_entries) {
   BackupOperands o{x.untyped_data(), g.untyped_data(), nullptr, w_up.untyped_data(), nullptr, nullptr,
-                   h->untyped_data(), nullptr};
+                   h->untyped_data(), nullptr, 0, 0, 0};
   return BackupCall("ffn_backup (gated)", stream, {{"x", &x, {kM, kD}}, {"g", &g, {kM, kF}}, {"w_up", &w_up, {kD, kF}}},
                     counts, w_down, y_in, y, h->dimensions(), h->element_type(), list, capacity, max_entries, o);
 }
@@ -362,7 +430,7 @@ ffi::Error BackupGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, 
 ffi::Error BackupUngated(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down,
                          ffi::AnyBuffer y_in, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> list,
                          int32_t capacity, int32_t max_entries) {
-  BackupOperands o{nullptr, g.untyped_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  BackupOperands o{nullptr, g.untyped_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0};
   return BackupCall("ffn_backup", stream, {{"g", &g, {kM, kF}}}, counts, w_down, y_in, y, {}, ffi::DataType::BF16,
                     list, capacity, max_entries, o);
 }
@@ -374,7 +442,7 @@ ffi::Error BackupGatedFromX(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
                             ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity, int32_t max_entries) {
   BackupOperands o{x.untyped_data(), nullptr, w_gate.untyped_data(), w_up.untyped_data(), nullptr, nullptr,
-                   h->untyped_data(), nullptr};
+                   h->untyped_data(), nullptr, 0, 0, 0};
   return BackupCall("ffn_backup (gated, from x)", stream,
                     {{"x", &x, {kM, kD}}, {"w_gate", &w_gate, {kD, kF}}, {"w_up", &w_up, {kD, kF}}}, counts, w_down,
                     y_in, y, h->dimensions(), h->element_type(), list, capacity, max_entries, o);
@@ -387,7 +455,7 @@ ffi::Error BackupUngatedFromX(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer
                               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
                               ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity, int32_t max_entries) {
   BackupOperands o{x.untyped_data(), nullptr, w_act.untyped_data(), nullptr, nullptr, nullptr, h->untyped_data(),
-                   nullptr};
+                   nullptr, 0, 0, 0};
   return BackupCall("ffn_backup (from x)", stream, {{"x", &x, {kM, kD}}, {"w_act", &w_act, {kD, kF}}}, counts, w_down,
                     y_in, y, h->dimensions(), h->element_type(), list, capacity, max_entries, o);
 }

@@ -149,6 +149,27 @@ def test_device_backup_every_row_and_odd_shapes():
         assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"m={m} d={d} f={f}")
 
 
+@pytest.mark.parametrize("gated,given", [(True, True), (True, False), (False, True), (False, False)])
+def test_device_backup_in_chunks(gated, given):
+    """More backed-up rows than the scratch holds (chunks of 64 and of 1 row): every row
+    exact, the products gone through chunk by chunk in one launch (its grid barriers)."""
+    m, d, f = 700, 264, 520
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(31), m, d, f, density=0.01), full=230, empty=4)
+    w_act = inp.w_gate if gated else inp.w_up
+    w_up = inp.w_up if gated else None
+    g = relu_matmul(inp.x, w_act)
+    act = _act(inp.x, w_act, 256, 32)
+    left = np.asarray(warp.backed_up(act, warp.ROW_BUDGET))
+    assert left.sum() >= 230
+    want = np.asarray(reference.twell_ffn(inp.x, act, w_act, w_up, inp.w_down), np.float32)
+    for chunk in (64, 1):
+        y = warp.backup_rows(inp.x if gated or not given else None, g if given else None, act, w_up, inp.w_down,
+                             jnp.zeros_like(inp.x), w_act=w_act, chunk_rows=chunk)
+        y = np.asarray(y, np.float32)
+        assert_close(y[left], want[left], fused_tolerance(jnp.bfloat16, f), f"chunk={chunk}")
+        assert np.all(y[~left] == 0)
+
+
 def test_device_backup_is_deterministic():
     """The list's order varies with the atomics; no bit of y may."""
     m, d, f = 4096, 256, 1024

@@ -99,7 +99,16 @@ def device_backup_supported(f: int) -> bool:
     return f % 8 == 0
 
 
-def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None):
+def backup_chunk_rows(m: int) -> int:
+    """Rows of the device backup's scratch (``[rows, f]``) for an M-token call: an eighth of
+    M, rounded up to its 64-row tiles (the switch's largest bucket; the per-call choice
+    sends calls past half of it to the dense side), at most M. More backed-up rows than
+    this run in further chunks of the same launch: exact, at a bounded memory cost."""
+    return max(1, min(m, -(-max(m // 8, 1) // 64) * 64))
+
+
+def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
+                chunk_rows: int | None = None):
     """``jax_twell_ffn_backup*`` (ffi/twell_backup.cu): ``y`` with the rows the warp kernel
     leaves (:func:`backed_up`) computed densely, ``(g * (x @ w_up)) @ w_down`` (or
     ``g @ w_down`` with ``w_up`` None), rounded as the reference rounds g, u and h.
@@ -110,13 +119,15 @@ def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDG
     the activation ``act`` was packed from, or None where no g was written (the gate packed
     in its matmul's epilogue): then the listed rows' activation is recomputed from x and
     ``w_act`` (``[d, f]``, the activation's weight). y: ``[M, d]`` the warp kernel's result
-    (updated in place). Returns y ``[M, d]``."""
+    (updated in place). ``chunk_rows``: rows of the scratch the products go through at a
+    time (default :func:`backup_chunk_rows`). Returns y ``[M, d]``."""
     m, d = y.shape
     f = w_down.shape[0]
     attrs = dict(capacity=np.int32(act.capacity), max_entries=np.int32(row_budget))
-    rows = jax.ShapeDtypeStruct((m + 1,), jnp.int32)
+    rows = jax.ShapeDtypeStruct((m + 2,), jnp.int32)
     out = jax.ShapeDtypeStruct((m, d), y.dtype)
-    h = jax.ShapeDtypeStruct((m, f), y.dtype)
+    chunk = backup_chunk_rows(m) if chunk_rows is None else max(1, min(int(chunk_rows), m))
+    h = jax.ShapeDtypeStruct((chunk, f), y.dtype)
     if g is None:
         if w_act is None or x is None:
             raise ValueError("backup_rows: without g, x and w_act are needed to recompute the rows' activation")
@@ -136,7 +147,8 @@ def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDG
     return y
 
 
-def backup_rows_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None):
+def backup_rows_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
+                          chunk_rows: int | None = None):
     """:func:`backup_rows`'s contract in XLA operations (the stand-in tests run on the CPU)."""
     if g is None:
         g = relu_matmul(x, w_act)
