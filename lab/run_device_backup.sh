@@ -3,7 +3,8 @@
 # library (JAX_TWELL_CUDA_LIB) or build, the warp path's GPU tests, compute-sanitizer
 # memcheck and racecheck on the backup's kernels, then lab/device_backup.py (the forms side
 # by side with XLA's dense FFN). Results under $OUT (device_backup.json and the logs).
-# Usage: JAX_TWELL_COMMIT=<commit> [JAX_TWELL_CUDA_LIB=...] [CONFIGS=2048:uniform,...] lab/run_device_backup.sh
+# Usage: JAX_TWELL_COMMIT=<commit> [JAX_TWELL_CUDA_LIB=...] [CONFIGS=2048:uniform,...] [TRAIN_NOCOND=1]
+#        lab/run_device_backup.sh  (TRAIN_NOCOND: also lab/nocond_train.py)
 set -uo pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
@@ -21,3 +22,6 @@ for tool in memcheck racecheck; do
 done
 timeout ${BENCH_SECONDS:-300} python3 lab/device_backup.py ${CONFIGS:+--configs "$CONFIGS"} \
   --out "$OUT/device_backup.json" 2>&1 | grep -v "^WARNING"
+if [ -n "${TRAIN_NOCOND:-}" ]; then  # what the training step's two conditionals cost
+  timeout ${TRAIN_BENCH_SECONDS:-200} python3 lab/nocond_train.py --out "$OUT/nocond_train.json" 2>&1 | grep -v "^WARNING"
+fi
