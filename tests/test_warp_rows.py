@@ -83,6 +83,34 @@ def test_likely_sparse_follows_the_sample():
     assert not bool(warp.likely_sparse(relu_matmul(past_backup.x, past_backup.w_gate), **kw))
 
 
+@pytest.mark.parametrize("m", [1, 255, 256, 257, 4096, 16385, 131072])
+def test_sample_rows_spread_over_the_call(m):
+    idx = warp.sample_row_indices(m)
+    n = min(m, warp.SAMPLE_ROWS)
+    assert len(idx) == n and len(set(idx.tolist())) == n and idx.min() >= 0 and idx.max() < m
+    if m > warp.SAMPLE_ROWS:
+        stride = m // warp.SAMPLE_ROWS
+        assert np.all(idx // stride == np.arange(n))  # one row in each block
+        if stride > 1:
+            assert len(set((idx % stride).tolist())) > 1  # not one fixed offset
+
+
+@pytest.mark.parametrize("period,phase", [(2, 1), (16, 3), (64, 1)])
+def test_likely_sparse_sees_periodic_dense_rows(period, phase):
+    """Dense rows every ``period`` tokens (e.g. every other row): a sample at one fixed
+    offset per block could miss all of them and send the call to the backup; the spread
+    sample sees its share of them."""
+    m, d, f = 4096, 128, 1024
+    inp = synthetic_ffn_inputs(jax.random.key(9), m, d, f, density=0.003)
+    g = relu_matmul(inp.x, inp.w_gate)
+    kw = dict(d=d, itemsize=2, tile=256, capacity=32, row_budget=warp.ROW_BUDGET, backup=warp.backup_size(m))
+    assert bool(warp.likely_sparse(g, **kw))  # sparse before the dense rows are put in
+    dense = np.zeros(m, bool)
+    dense[phase::period] = True
+    g = jnp.where(jnp.asarray(dense)[:, None], jnp.ones_like(g), g)
+    assert not bool(warp.likely_sparse(g, **kw))
+
+
 @pytest.mark.parametrize("case", ["sparse", "one_full_row", "dense", "nan"])
 def test_per_call_form_exact(case):
     """The per-call form with the kernels replaced by the reference, on each side it can

@@ -215,17 +215,30 @@ def sparse_cheaper(entries: jax.Array, m: int, d: int, f: int, itemsize: int,
 SAMPLE_ROWS = 256  # rows of g the per-call form counts to choose its side
 
 
+def sample_row_indices(m: int, rows: int = SAMPLE_ROWS) -> np.ndarray:
+    """The rows the per-call choice reads of an M-row call: all of them where M <= rows,
+    else one row in each of ``rows`` equal blocks, at an offset in the block that a fixed
+    hash of the block's index sets. So a periodic pattern (dense rows every k tokens, as
+    at sequence starts or every other row) is neither always hit nor always missed, as it
+    could be with one fixed offset."""
+    if m <= rows:
+        return np.arange(m)
+    stride = m // rows
+    k = np.arange(rows, dtype=np.uint64)
+    offset = ((k * np.uint64(0x9E3779B1)) % np.uint64(2**32)) >> np.uint64(8)
+    return (k * np.uint64(stride) + offset % np.uint64(stride)).astype(np.int64)
+
+
 def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_budget: int, backup: int,
                   rows: int = SAMPLE_ROWS) -> jax.Array:
-    """Device bool: the per-call choice, from ``rows`` evenly spaced rows of ``g [M, f]``
-    (all of them where M <= rows): their kept entries and backed-up rows, scaled to M,
+    """Device bool: the per-call choice, from ``rows`` rows of ``g [M, f]`` spread over it
+    (:func:`sample_row_indices`; all of them where M <= rows): their kept entries and backed-up rows, scaled to M,
     price the warp path (:func:`sparse_cheaper`) below the dense up and down products,
     and the backed-up rows fill at most half the backup (room for the sample's error).
     Only how fast: the exact counts still send a call whose rows overflow the backup to
     the dense side."""
     m, f = g.shape
-    stride = max(1, m // rows)
-    sample = g[: stride * rows: stride] if m > rows else g
+    sample = g if m <= rows else jnp.take(g, jnp.asarray(sample_row_indices(m, rows)), axis=0)
     n_tiles = -(-f // tile)
     active = sample != 0
     if n_tiles * tile != f:
