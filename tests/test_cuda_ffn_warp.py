@@ -234,14 +234,17 @@ def test_with_device_backup_matches_reference(spec):
 def test_op_with_the_device_backup(layer, m):
     """The inference op with ``FFNKernels.warp_backup`` set: the per-call form (one
     conditional), a known layer and a forced one (none; XLA's gate below 2,048 tokens, from
-    there the fused gate, whose backup recomputes its rows' gate), on tails past the
-    switch's largest size (the plans are checked on the CPU in test_cuda_dispatch.py)."""
+    there the fused gate, whose backup recomputes its rows' gate), with fully active rows
+    (the plans are checked on the CPU in test_cuda_dispatch.py)."""
     from jax_twell.ops.ffn import cuda as ffn_cuda
     from jax_twell.ops.plan import FFNOptions, Kernel, LayerInfo, Side
     from jax_twell.ops.costs import DenseCrossover
 
     d, f = 2048, 5632
-    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + 41), m, d, f, density=0.005), full=m // 6, empty=3)
+    # Known and forced: past the switch's largest size (M/8); per call, under the sample's
+    # bound (M/16), so that its sparse side runs.
+    full = m // 30 if layer == "per_call" else m // 6
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + 41), m, d, f, density=0.005), full=full, empty=3)
     kernels = dataclasses.replace(ffn_cuda.BINDINGS, warp_backup=warp.backup_rows)
     info = {"per_call": LayerInfo(), "known": LayerInfo(active_fraction=0.001), "forced": LayerInfo(side=Side.SPARSE)}[layer]
     rule = DenseCrossover(per_call_min_tokens=0, layer_min_tokens=0)
