@@ -13,7 +13,7 @@ from jax_twell.models import PRESETS as MODEL_PRESETS
 from jax_twell.models import TransformerLM
 from jax_twell.train import config, data, optimizer, sharding
 from jax_twell.train.dead_neurons import REINIT_KEEP, reinit_dead_gates, update_since_fired
-from jax_twell.train.loss import l1_coefficient, lm_loss
+from jax_twell.train.loss import l1_coefficient, layer_l1_weights, lm_loss
 from jax_twell.train.state import setup_model
 from jax_twell.train.step import make_eval_step, make_train_step
 
@@ -51,6 +51,41 @@ def test_loss_is_cross_entropy_plus_scaled_mean_layer_l1():
     np.testing.assert_allclose(aux.l1, stats.l1.mean(), rtol=1e-6)
     np.testing.assert_allclose(loss, ce + 0.5 * stats.l1.mean(), rtol=1e-6)
     assert aux.l1 > 1.0, "per-token sum over f, not a per-element mean"
+
+
+def test_l1_target_weighs_only_the_layers_above_it():
+    """With an active-fraction ceiling, a layer above it has its L1 term multiplied by
+    fraction / ceiling, the others by 1; without one the loss is unchanged; the weights are
+    outside the gradient."""
+    model = TransformerLM(MODEL, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(_batch(0)[0])
+    _, stats = nnx.jit(lambda m, t: m(t))(model, tokens[:, :-1])
+    active = np.asarray(stats.nnz_mean, np.float64) / MODEL.d_ff
+    target = float(np.sort(active)[0] * 1.01)  # between the layers: one weight stays 1
+    assert active.max() > target
+    base, aux0 = nnx.jit(lm_loss)(model, tokens, jnp.float32(0.5))
+    loss, aux = nnx.jit(lm_loss, static_argnums=3)(model, tokens, jnp.float32(0.5), target)
+    weight = np.maximum(1.0, active / target)
+    np.testing.assert_allclose(aux.l1_weight, weight, rtol=1e-5)
+    assert weight.min() == 1.0 and weight.max() > 1.0
+    np.testing.assert_allclose(loss, aux.ce + 0.5 * np.mean(weight * np.asarray(stats.l1)), rtol=1e-5)
+    np.testing.assert_allclose(aux.l1, aux0.l1, rtol=1e-6)  # the logged l1 stays unweighted
+    np.testing.assert_allclose(aux0.l1_weight, np.ones_like(weight))
+    np.testing.assert_allclose(base, aux0.ce + 0.5 * aux0.l1, rtol=1e-6)
+    grad = jax.grad(lambda n: layer_l1_weights(stats._replace(nnz_mean=n), target).sum())(stats.nnz_mean)
+    assert not np.asarray(grad).any()
+
+
+def test_l1_target_in_the_train_step():
+    cfg = dataclasses.replace(CFG, l1_target=0.01, steps=3)
+    _, state, step = _trainer(cfg)
+    state, metrics = step(state, _batch(0, cfg))
+    weight = np.asarray(metrics["l1_weight"])
+    assert weight.shape == (MODEL.n_layers,) and np.all(weight >= 1.0)
+    active = np.asarray(metrics["nnz_mean"]) / MODEL.d_ff
+    np.testing.assert_allclose(weight, np.maximum(1.0, active / 0.01), rtol=1e-5)
+    with pytest.raises(config.ConfigError, match="l1_target"):
+        config.validate(dataclasses.replace(CFG, l1_target=1.0))
 
 
 def test_l1_warmup():

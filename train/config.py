@@ -69,7 +69,11 @@ class TrainConfig:
 
     l1_coef multiplies the mean over layers of the per-token sum of |h| (docs/design.md,
     section 1, The job); it ramps linearly from 0 over `l1_warmup_steps` (0: full strength
-    from step 0). batch_size counts sequences per optimizer step over all devices and hosts;
+    from step 0). l1_target (0: off) is a ceiling on each layer's active fraction: a layer
+    whose mean fraction of active neurons on a step's batch is above it has its L1 term
+    multiplied by fraction / l1_target in that step's loss (never below 1), so the layers
+    that stay dense under one coefficient are pushed harder and the others are not
+    (`jax_twell.train.loss.lm_loss`). batch_size counts sequences per optimizer step over all devices and hosts;
     with `grad_accum` > 1 each step runs that many micro-batches of batch_size / grad_accum.
     seq_len 0 means the model's context length. dead_reinit re-initialises gate columns that
     have not fired for `dead_window` steps (docs/design.md, section 6, Model and training
@@ -89,6 +93,7 @@ class TrainConfig:
     mesh: MeshConfig = MeshConfig()
     l1_coef: float = 1e-3
     l1_warmup_steps: int = 0
+    l1_target: float = 0.0
     steps: int = 300
     batch_size: int = 16
     grad_accum: int = 1
@@ -344,6 +349,7 @@ RANGES: dict[str, _Range] = {
     "optim.grad_clip": _Range(float, 0, low_open=True),
     "l1_coef": _NON_NEGATIVE,
     "l1_warmup_steps": _NON_NEGATIVE_INT,
+    "l1_target": _Range(float, 0, 1, high_open=True),
     "steps": _COUNT,
     "batch_size": _COUNT,
     "grad_accum": _COUNT,

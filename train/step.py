@@ -10,6 +10,8 @@ device arrays, fetched by the caller only when it logs):
     finite                                                  [] bool: loss, gradient and update
                                                             finite (else the state is unchanged)
     nnz_mean [L] f32, nnz_max [L] int32                     non-zeros per token per layer
+    l1_weight [L] f32                                       each layer's L1 weight (1 unless
+                                                            cfg.l1_target: train/loss.py)
     rows_over_capacity [L] int32                            summed over micro-batches
     fired_fraction [L] f32                                  neurons that fired this step
     dead_fraction [L] f32                                   silent for >= dead_window steps
@@ -40,7 +42,7 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
 
     def micro_step(params, l1_coef, tokens):
         def loss_fn(p):
-            return lm_loss(setup.bind(p), tokens, l1_coef)
+            return lm_loss(setup.bind(p), tokens, l1_coef, cfg.l1_target)
 
         (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         return grads, aux
@@ -67,8 +69,8 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
         if cfg.dead_reinit:
             params = reinit_dead_gates(params, dead, jax.random.fold_in(base_key, state.step))
 
-        ce, l1 = aux.ce.mean(), aux.l1.mean()
-        loss = ce + l1_coef * l1
+        ce, l1, l1_weighted = aux.ce.mean(), aux.l1.mean(), aux.l1_weighted.mean()
+        loss = ce + l1_coef * l1_weighted
         # The non-finite guard: a step whose loss, gradient or update is not finite keeps
         # the state it started from (the loop then stops or skips, cfg.nonfinite).
         update_norm = optax.tree.norm(updates)
@@ -84,8 +86,9 @@ def make_train_step(cfg: TrainConfig, setup: ModelSetup, tx: optax.GradientTrans
             finite=finite,
             ce=ce,
             l1=l1,
-            l1_term=l1_coef * l1,
+            l1_term=l1_coef * l1_weighted,
             l1_coef=l1_coef,
+            l1_weight=aux.l1_weight.mean(axis=0),
             lr=jnp.asarray(schedule(state.step), jnp.float32),
             grad_norm=grad_norm,
             update_norm=update_norm,
