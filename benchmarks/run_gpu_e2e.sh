@@ -13,7 +13,9 @@
 #   PRESET   model shape (default 0.5b); STEPS, BATCH, SEQ, LR, WARMUP, L1: the recipe
 #            (defaults below: 1,400 steps of 16 x 2,048 tokens at L1 2e-4, ten times the
 #            paper's 2e-5, so that the FFNs pass 99% sparsity in about five minutes on one
-#            H200; L1 1e-3 left 0.05% active and up to 60% of the neurons dead)
+#            H200; L1 1e-3 left 0.05% active and up to 60% of the neurons dead);
+#            L1_TARGET: the layers' active-fraction ceiling (default 0.005: a layer above
+#            it gets a heavier L1 term; at L1 2e-4 alone the last layer stayed at 1.8%)
 #   RUNS     where the runs go (default runs/e2e); OUT: where the JSON and PNG go
 #   TRAIN_ARGS  key=value overrides of both training runs (default: dead_reinit=true)
 #   CORPUS   data.source of both runs. Default: what the corpus stage gathered, if it ran:
@@ -39,7 +41,7 @@
 set -uo pipefail
 PRESET=${PRESET:-0.5b}
 STEPS=${STEPS:-1400} BATCH=${BATCH:-16} SEQ=${SEQ:-2048}
-LR=${LR:-1e-3} WARMUP=${WARMUP:-60} L1=${L1:-2e-4}
+LR=${LR:-1e-3} WARMUP=${WARMUP:-60} L1=${L1:-2e-4} L1_TARGET=${L1_TARGET:-0.005}
 RUNS=${RUNS:-runs/e2e} OUT=${OUT:-bench}
 STAGES=${STAGES:-corpus sparse relu bench stats}
 CORPUS_MB=${CORPUS_MB:-100}
@@ -60,7 +62,7 @@ train_run() {
   fi
 }
 recipe=(steps=$STEPS batch_size=$BATCH seq_len=$SEQ optim.lr=$LR optim.warmup_steps=$WARMUP
-        l1_coef=$L1 log_every=25 eval_every=$STEPS eval_batches=16 checkpoint_every=$STEPS keep_checkpoints=1
+        l1_coef=$L1 l1_target=$L1_TARGET log_every=25 eval_every=$STEPS eval_batches=16 checkpoint_every=$STEPS keep_checkpoints=1
         ${TRAIN_ARGS:-dead_reinit=true})
 # The data options, read when a training stage starts (after the corpus stage).
 data_args() {
