@@ -293,6 +293,15 @@ __global__ __launch_bounds__(kThreads) void BackupKernel(const BackupOperands o,
   }
 }
 
+// The error a runtime call returned (launches through cudaLaunchKernelEx and memsets report
+// theirs this way, not only through cudaGetLastError), cleared from the thread's last error.
+ffi::Error CallStatus(cudaError_t err, const char* what) {
+  cudaGetLastError();
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax-twell: ") + what + " failed: " + cudaGetErrorString(err));
+  return LaunchStatus(what);
+}
+
 int SmCount() {
   static const int count = [] {
     int device = 0, sms = 0;
@@ -326,16 +335,16 @@ ffi::Error LaunchBackup(cudaStream_t stream, int64_t rows, const BackupOperands&
   cooperative.val.cooperative = 1;
   config.attrs = &cooperative;
   config.numAttrs = 1;
-  if (cudaLaunchKernelEx(&config, kernel, o, static_cast<const int32_t*>(o.list + rows)) != cudaSuccess)
-    return LaunchStatus("BackupKernel (cooperative launch)");
-  return LaunchStatus("BackupKernel");
+  return CallStatus(cudaLaunchKernelEx(&config, kernel, o, static_cast<const int32_t*>(o.list + rows)),
+                    "cooperative launch of BackupKernel");
 }
 
 template <typename E>
 ffi::Error LaunchTyped(cudaStream_t stream, int64_t rows, int n_tiles, int capacity, int max_entries,
                        const int32_t* counts, const BackupOperands& o) {
   int32_t* count = o.list + rows;  // then the barrier's counter
-  if (cudaMemsetAsync(count, 0, 2 * sizeof(int32_t), stream) != cudaSuccess) return LaunchStatus("backup memset");
+  if (auto e = CallStatus(cudaMemsetAsync(count, 0, 2 * sizeof(int32_t), stream), "backup memset"); e.failure())
+    return e;
   BackupListKernel<<<static_cast<unsigned>(CeilDiv(rows, kListWarps)), kListWarps * 32, 0, stream>>>(
       rows, n_tiles, capacity, max_entries, counts, o.list, count);
   if (auto e = LaunchStatus("BackupListKernel"); e.failure()) return e;
