@@ -299,7 +299,7 @@ ffi::Error CallStatus(cudaError_t err, const char* what) {
   cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("jax-twell: ") + what + " failed: " + cudaGetErrorString(err));
-  return LaunchStatus(what);
+  return ffi::Error::Success();
 }
 
 int SmCount() {
@@ -482,8 +482,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGated, jax_twell::BackupGated,
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
-                                  .Ret<xla::ffi::AnyBuffer>()  // h [M, f] (scratch)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 1]
+                                  .Ret<xla::ffi::AnyBuffer>()  // h [chunk, f] (scratch)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 2]
                                   .Attr<int32_t>("capacity")
                                   .Attr<int32_t>("max_entries"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -496,7 +496,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackup, jax_twell::BackupUngated,
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 1]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 2]
                                   .Attr<int32_t>("capacity")
                                   .Attr<int32_t>("max_entries"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -511,8 +511,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGatedFromX, jax_twell::BackupGate
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
-                                  .Ret<xla::ffi::AnyBuffer>()  // h [M, f] (scratch)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 1]
+                                  .Ret<xla::ffi::AnyBuffer>()  // h [chunk, f] (scratch)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 2]
                                   .Attr<int32_t>("capacity")
                                   .Attr<int32_t>("max_entries"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -526,8 +526,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupFromX, jax_twell::BackupUngatedFr
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
-                                  .Ret<xla::ffi::AnyBuffer>()  // h [M, f] (scratch)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 1]
+                                  .Ret<xla::ffi::AnyBuffer>()  // h [chunk, f] (scratch)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 2]
                                   .Attr<int32_t>("capacity")
                                   .Attr<int32_t>("max_entries"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
