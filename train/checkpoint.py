@@ -6,7 +6,8 @@ rename), so killing the process at any moment, even with SIGKILL mid-write, leav
 previous checkpoints intact; leftover temporary folders are removed on the next start.
 Rotation is atomic too: a checkpoint that falls out of the `keep` newest is first renamed
 out of the listing (into `checkpoints/.rotated`) and only then deleted, so a kill during a
-deletion never leaves a half-deleted checkpoint among the listed ones.
+deletion never leaves a half-deleted checkpoint among the listed ones. A kill between a
+save and its rotation leaves `keep` + 1 listed; the next start rotates the oldest out.
 Saves are asynchronous: training continues while the arrays are written.
 
 A state with a NaN or Inf anywhere is never saved (`save` raises instead), so rotation
@@ -75,6 +76,24 @@ class Checkpointer:
             ),
         )
         self._writer = not read_only and jax.process_index() == 0
+        self._keep = 0 if read_only else keep
+        self._empty_rotated()
+        self._rotate_excess()
+
+    def _rotate_excess(self) -> None:
+        """Rotates out the oldest checkpoints past `keep`, as the save that a kill cut short
+        would have: so a run killed between a save and its rotation, again and again, never
+        piles up more than `keep` + 1 checkpoints."""
+        if not self._writer or self._keep == 0:
+            return
+        excess = self.all_steps()[: -self._keep]
+        if not excess:
+            return
+        rotated = self.directory / ROTATED_DIR
+        rotated.mkdir(exist_ok=True)
+        for step in excess:  # a rename takes it out of the listing atomically
+            (self.directory / str(step)).rename(rotated / f"{step}.excess")
+        self._manager.reload()
         self._empty_rotated()
 
     def _empty_rotated(self) -> None:
