@@ -28,10 +28,12 @@
 #            it ran; else each run trains its own BPE on its training split)
 #   BENCH_ARGS  extra `jax-twell bench` options
 #   GROW     a deeper preset of the same widths (e.g. 1.5b): the stages grow (`jax-twell grow`
-#            from the sparse run into $RUNS/$GROW-grown, then GROW_STEPS steps of fine-tuning
-#            under the same recipe at learning rate GROW_LR, default 200 and 3e-4, 20 warm-up
-#            steps) and bench-grown (its benchmark, written as bench_${GROW}_grown.json: a
-#            grown model's figures, to be labelled so)
+#            from the sparse run into $RUNS/$GROW-grown: quiet copies, so every FFN sees its
+#            trained layer's activations and the model computes the sparse run's function;
+#            GROW_STEPS > 0 fine-tunes it that many steps under the same recipe at learning
+#            rate GROW_LR, default 0 and 3e-4, 20 warm-up steps) and bench-grown (its
+#            benchmark, written as bench_${GROW}_grown.json: a grown model's figures, to be
+#            labelled so)
 #   TRAIN_SECONDS  stop a training stage after this many seconds (SIGTERM: the run saves a
 #            checkpoint and the script exits 143); RESUME=1 continues the stage's run from
 #            its newest checkpoint instead of starting afresh. Together they split a long
@@ -45,7 +47,7 @@ LR=${LR:-1e-3} WARMUP=${WARMUP:-60} L1=${L1:-2e-4} L1_TARGET=${L1_TARGET:-0.005}
 RUNS=${RUNS:-runs/e2e} OUT=${OUT:-bench}
 STAGES=${STAGES:-corpus sparse relu bench stats}
 CORPUS_MB=${CORPUS_MB:-100}
-GROW=${GROW:-} GROW_STEPS=${GROW_STEPS:-200} GROW_LR=${GROW_LR:-3e-4}
+GROW=${GROW:-} GROW_STEPS=${GROW_STEPS:-0} GROW_LR=${GROW_LR:-3e-4}
 mkdir -p "$RUNS" "$OUT"
 export PYTHONUNBUFFERED=1
 cli() { python3 -m jax_twell.cli "$@"; }
@@ -115,11 +117,13 @@ EOF
       [ -n "$GROW" ] || { echo "the grow stage needs GROW=<preset>" >&2; exit 2; }
       if [ "${RESUME:-0}" != 1 ]; then
         rm -rf "$RUNS/$GROW-grown"
-        cli grow --from "$RUNS/$PRESET-sparse" --preset "$GROW" --workdir "$RUNS/$GROW-grown" \
-          steps=$GROW_STEPS optim.lr=$GROW_LR optim.warmup_steps=20 checkpoint_every=$GROW_STEPS eval_every=$GROW_STEPS || exit $?
+        tune=()
+        [ "$GROW_STEPS" -gt 0 ] && tune=(steps=$GROW_STEPS optim.lr=$GROW_LR optim.warmup_steps=20 \
+          checkpoint_every=$GROW_STEPS eval_every=$GROW_STEPS)
+        cli grow --from "$RUNS/$PRESET-sparse" --preset "$GROW" --workdir "$RUNS/$GROW-grown" "${tune[@]}" || exit $?
         cp "$RUNS/$GROW-grown/grow.json" "$OUT/grow_$GROW.json"
       fi
-      train_run --resume workdir="$RUNS/$GROW-grown" || exit $?
+      if [ "$GROW_STEPS" -gt 0 ]; then train_run --resume workdir="$RUNS/$GROW-grown" || exit $?; fi
       ;;
     bench-grown)
       [ -n "$GROW" ] || { echo "the bench-grown stage needs GROW=<preset>" >&2; exit 2; }

@@ -103,23 +103,27 @@ def _parser() -> argparse.ArgumentParser:
 
     grow = commands.add_parser(
         "grow",
-        help="a deeper model from a trained run (each trained layer repeated), with both models' FFN "
-        "statistics side by side (for benchmarking shapes too large to train to sparsity; GPU for the paper's presets)",
-        description="Make a run of a deeper shape whose layers start from a trained run's layers (depth "
-        "up-scaling): layer i of L takes trained layer floor(i * L0 / L); embedding, final norm and head are the "
-        "source's. Writes the run (config, tokenizer, a checkpoint at step 0 with a fresh optimizer state) and "
-        "grow.json: per layer, the source's and the grown model's fraction of active neurons and non-zeros per "
-        "token (50th / 99th percentile, max) on the same held-out tokens.",
+        help="a deeper model from a trained run whose every FFN reads what its trained layer read (for "
+        "benchmarking shapes too large to train to sparsity; GPU for the paper's presets)",
+        description="Make a run of a deeper shape from a trained run's layers: layer i of L is a copy of trained "
+        "layer floor(i * L0 / L); embedding, final norm and head are the source's. In each block of copies the "
+        "first keeps its attention output, the last its FFN output, and the others' outputs are scaled by 2^-64 "
+        "(quiet): the grown model computes the source's function and each FFN sees its trained layer's "
+        "activations token by token, at the deeper model's cost. --full-copies keeps every copy whole (depth "
+        "up-scaling, a start for a fine-tune; later layers then fire less than their trained ones). Writes the "
+        "run (config, tokenizer, a checkpoint at step 0 with a fresh optimizer state) and grow.json: per layer, "
+        "the source's and the grown model's fraction of active neurons and non-zeros per token (50th / 99th "
+        "percentile, max) on the same held-out tokens.",
         epilog="Example: jax-twell grow --from runs/e2e/0.5b-sparse --preset 1.5b --workdir runs/e2e/1.5b-grown\n"
         "then: jax-twell bench --workdir runs/e2e/1.5b-grown   (label its figures: a grown model, not a trained one)\n"
-        "or fine-tune it first: jax-twell train --resume workdir=runs/e2e/1.5b-grown steps=200\n"
-        "Exit status: 0 done; 2 refused (another shape, fewer layers, a non-empty --workdir, no checkpoint).",
+        "Exit status: 0 done; 2 refused (another shape, fewer layers, a non-empty --workdir, no checkpoint, float16 parameters).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     grow.add_argument("--from", dest="source", required=True, help="the trained run directory")
     grow.add_argument("--step", type=int, default=None, help="its checkpoint step (default: the newest)")
     grow.add_argument("--preset", required=True, choices=list(PRESETS), help="the deeper shape (same widths as the source)")
     grow.add_argument("--workdir", required=True, help="the new run directory (must be new or empty)")
+    grow.add_argument("--full-copies", action="store_true", help="every copy the whole trained layer (no quiet outputs)")
     grow.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides of the new run (e.g. model.n_layers=, steps=)")
     return parser
 
@@ -391,10 +395,10 @@ def _grow(args, console) -> int:
     from jax_twell.train.grow import GROW_FILE, grow_run
 
     result = grow_run(
-        args.source, args.preset, args.workdir, args.overrides, step=args.step,
+        args.source, args.preset, args.workdir, args.overrides, step=args.step, full_copies=args.full_copies,
         report=lambda m: console.print(escape(m), highlight=False, soft_wrap=True),
     )
-    table = Table(title=f"FFN statistics on {result['tokens']:,} held-out tokens: grown layer <- trained layer")
+    table = Table(title=f"FFN statistics on {result['tokens']:,} held-out tokens: grown layer <- trained layer ({result['layout']})")
     for name in ("layer", "from", "active %", "(trained)", "nnz p50", "(trained)", "nnz p99", "(trained)", "nnz max", "(trained)"):
         table.add_column(name, justify="right")
     for i, (src, row) in enumerate(zip(result["layer_sources"], result["layers"])):

@@ -1,6 +1,7 @@
-"""`jax-twell grow` (depth up-scaling of a trained run) on the tiny preset (CPU): the layer
-map, the copied weights, the first layer's statistics, the new run's checkpoint loading and
-evaluating, the per-token counts against a direct count, and the refusals."""
+"""`jax-twell grow` on the tiny preset (CPU): the layer map, the quiet layout, the copied
+weights, the grown model's function and every layer's statistics against its trained
+layer's (quiet copies) or the first layer's (full copies), the new run's checkpoint loading
+and evaluating, the per-token counts against a direct count, and the refusals."""
 
 import json
 
@@ -31,6 +32,14 @@ def grown(source, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def grown_full(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grow") / "full"
+    assert main(["grow", "--from", str(source), "--preset", "tiny", "--workdir", str(out), "--full-copies",
+                 "model.n_layers=5"]) == 0
+    return out
+
+
 @pytest.mark.parametrize("l0,l", [(1, 1), (1, 4), (2, 5), (8, 28), (8, 38), (3, 3)])
 def test_layer_sources_use_every_layer_once_as_ordered_blocks(l0, l):
     sources = grow.layer_sources(l0, l)
@@ -45,7 +54,19 @@ def test_layer_sources_refuse_fewer_layers():
         grow.layer_sources(4, 3)
 
 
-def test_the_grown_run_holds_the_source_layers_in_order(source, grown):
+@pytest.mark.parametrize("sources,want", [
+    ([0], [(False, False)]),
+    ([0, 1], [(False, False), (False, False)]),
+    ([0, 0, 1], [(False, True), (True, False), (False, False)]),
+    ([0, 0, 0, 1, 1], [(False, True), (True, True), (True, False), (False, True), (True, False)]),
+])
+def test_quiet_outputs_keep_the_first_attention_and_the_last_ffn_of_each_block(sources, want):
+    assert grow.quiet_outputs(sources) == want
+
+
+@pytest.mark.parametrize("fixture,full", [("grown", False), ("grown_full", True)])
+def test_the_grown_run_holds_the_source_layers_in_order(source, fixture, full, request):
+    grown = request.getfixturevalue(fixture)
     src_cfg, big_cfg = trainer.load_run_config(source), trainer.load_run_config(grown)
     assert big_cfg.model.n_layers == 5 and big_cfg.model.d_model == src_cfg.model.d_model
     assert big_cfg.data == src_cfg.data
@@ -53,9 +74,18 @@ def test_the_grown_run_holds_the_source_layers_in_order(source, grown):
     _, big = trainer.restore_run(big_cfg, 0, shard_tokens=False)
     assert int(big.step) == 0
     sources = grow.layer_sources(2, 5)
+    quiet = grow.quiet_outputs(sources)
+    assert any(a or f for a, f in quiet)
     for i, s in enumerate(sources):
-        for a, b in zip(jax.tree.leaves(big.params["layers"][i]), jax.tree.leaves(src.params["layers"][s])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        got, want = big.params["layers"][i], src.params["layers"][s]
+        for path, a in jax.tree_util.tree_leaves_with_path(got):
+            b = want
+            for key in path:
+                b = b[key.key]
+            name = jax.tree_util.keystr(path)
+            scaled = not full and ((name == "['attn']['wo']" and quiet[i][0]) or (name == "['ffn']['w_down']" and quiet[i][1]))
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b) * (grow.QUIET if scaled else 1), err_msg=f"{i} {name}")
+            assert not scaled or np.count_nonzero(np.asarray(a)) == np.count_nonzero(np.asarray(b)), "quiet, not zero"
     for key in ("embed", "final_norm"):
         for a, b in zip(jax.tree.leaves(big.params[key]), jax.tree.leaves(src.params[key])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -63,14 +93,35 @@ def test_the_grown_run_holds_the_source_layers_in_order(source, grown):
     assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(big.opt_state) if x.dtype == jnp.float32 and x.ndim)
 
 
-def test_the_report_first_layer_matches_its_trained_layer(grown):
+def test_quiet_copies_reproduce_every_layer_and_the_function(source, grown):
     report = json.loads((grown / grow.GROW_FILE).read_text())
-    assert report["layer_sources"] == grow.layer_sources(2, 5)
+    sources = grow.layer_sources(2, 5)
+    assert report["layer_sources"] == sources and report["layout"] == "quiet copies"
     assert len(report["layers"]) == 5 and len(report["source_layers"]) == 2 and report["tokens"] > 0
-    # Layer 0 reads exactly what the trained layer 0 read: the same statistics.
-    assert report["layers"][0] == report["source_layers"][0]
+    # Every copy's FFN reads what its trained layer's read: the same statistics.
+    for i, s in enumerate(sources):
+        assert report["layers"][i] == report["source_layers"][s], i
     for row in report["layers"] + report["source_layers"]:
         assert 0 <= row["active_fraction"] <= 1 and row["nnz_p50"] <= row["nnz_p99"] <= row["nnz_max"]
+    # Token by token, and the logits: the grown model computes the source's function.
+    src_cfg, big_cfg = trainer.load_run_config(source), trainer.load_run_config(grown)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, src_cfg.model.vocab_size, (2, 24)), jnp.int32)
+    out = {}
+    for name, cfg in (("src", src_cfg), ("big", big_cfg)):
+        setup, state = trainer.restore_run(cfg, shard_tokens=False)
+        with sharding.mesh_context(setup.mesh):
+            model = setup.bind(state.params)
+            out[name] = (np.asarray(grow.token_nnz(model, state.params, tokens)), np.asarray(model(tokens)[0], np.float32))
+    np.testing.assert_array_equal(out["big"][0], out["src"][0][sources])
+    assert out["big"][0].sum() > 0
+    np.testing.assert_allclose(out["big"][1], out["src"][1], rtol=1e-5, atol=1e-5)
+
+
+def test_full_copies_match_the_first_layer_only(source, grown_full):
+    report = json.loads((grown_full / grow.GROW_FILE).read_text())
+    assert report["layout"] == "full copies"
+    # Layer 0 reads exactly what the trained layer 0 read: the same statistics.
+    assert report["layers"][0] == report["source_layers"][0]
 
 
 def test_the_grown_run_evaluates_and_resumes(grown):
@@ -109,3 +160,6 @@ def test_refusals(source, grown, tmp_path, capsys):
     assert "is not empty" in capsys.readouterr().out
     # No run at all.
     assert main(["grow", "--from", str(tmp_path / "none"), "--preset", "tiny", "--workdir", str(tmp_path / "c")]) == 2
+    # float16 parameters cannot hold a quiet projection (2^-64 underflows there).
+    with pytest.raises(ValueError, match="float16"):
+        grow._quiet(jnp.ones((2, 2), jnp.float16))

@@ -229,7 +229,7 @@ def run_metadata(device: jax.Device) -> dict:
     "unknown"."""
     import jax_twell
 
-    commit = os.environ.get("JAX_TWELL_COMMIT") or _git_commit(Path(__file__).resolve().parent)
+    commit = code_commit()
     status = jax_twell.kernel_status()
     return dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -243,6 +243,12 @@ def run_metadata(device: jax.Device) -> dict:
         cpu_kernels=jax_twell.cpu_kernels_available(),
         commit=commit,
     )
+
+
+def code_commit() -> str:
+    """The commit of the code that runs: ``JAX_TWELL_COMMIT`` when set (a copy of the tree
+    without its git history), else git's HEAD, with ``+dirty`` for uncommitted changes."""
+    return os.environ.get("JAX_TWELL_COMMIT") or _git_commit(Path(__file__).resolve().parent)
 
 
 def _git_commit(folder: Path) -> str:

@@ -1,11 +1,9 @@
-"""A deeper model from a trained one (depth up-scaling), with its FFN statistics measured.
+"""A deeper model from a trained one, whose every FFN reads what its trained layer read.
 
 Training a large shape until its FFNs are sparse takes long; its speed figures, though,
 depend mostly on each layer's activation statistics (the fraction of active neurons, and
 the tail of non-zeros per token that the kernels' dense backup handles). `grow_run` makes
-a run of a deeper shape whose layers start from a trained run's layers (depth
-up-scaling), a start that needs a short fine-tune, not a training to sparsity from
-scratch:
+a run of a deeper shape from a trained run's layers:
 
 - the two shapes must agree in everything but the number of layers (the paper's presets
   0.5b, 1b, 1.5b and 2b differ only there);
@@ -16,20 +14,37 @@ scratch:
   the source's tokenizer, and one checkpoint at step 0 with a fresh optimizer state: it can
   be benchmarked (`jax-twell bench --workdir`) or fine-tuned (`jax-twell train --resume`).
 
-Both models' FFN statistics are then measured on the same held-out tokens (per layer: the
-mean fraction of active neurons, and the 50th / 99th percentile and the maximum of the
-non-zeros a token), printed side by side and written to ``grow.json`` in the new run, so a
-reader sees how closely the grown layers reproduce the trained ones. Figures measured on a
-grown model are to be labelled as such: its quality is not a trained model's.
+**Quiet copies (the default).** In a pre-norm block the stream after a layer is
+``h = s + attn(norm(s))``, then ``h + ffn(norm(h))``. A block of ``k`` copies of trained
+layer ``j`` is laid out so that every copy's FFN reads exactly ``norm(h_j)``, what the
+trained layer's FFN read:
 
-What to expect: only the first layer reads exactly what its trained layer read and keeps
-its statistics; every later layer reads a stream that more copies have written, and fires
-less, with thinner tails (on the `small` preset grown from 8 to 28 layers: 1.4-10x below
-the trained layer's mean active fraction, the largest token counts several times lower). A grown model is therefore sparser than a trained one, and speed figures
-measured on it flatter the sparse path. Fine-tune it first with the source's L1 recipe
-(`jax-twell train --resume` on the new run), which trains every layer under the penalty
-that made the source sparse, and read where the statistics went: `train` logs them per
-layer, and `jax-twell bench` records each layer's calibrated density.
+- the first copy keeps its attention output and makes its FFN output quiet;
+- the middle copies make both outputs quiet;
+- the last copy makes its attention output quiet and keeps its FFN output.
+
+A quiet output is the trained projection (`wo`, `w_down`) scaled by ``QUIET`` = 2^-64: it
+adds ~1e-20 of the stream's size, which rounds away in every addition, so the grown model
+computes the source's function (the same logits and cross-entropy, up to that rounding)
+and each of its FFNs has its trained layer's statistics, token by token. The projections
+are scaled rather than zeroed so that the products still multiply the trained weights'
+bits (a GPU draws less power on zero operands, which would flatter energy figures);
+every product of the grown model costs what it costs in a trained model of its depth.
+(Function-preserving expansion with zeroed output projections is how LLaMA Pro's block
+expansion starts; here the copies are placed so that the FFNs' inputs are kept too.)
+What a grown model does not have is a trained model's quality at its depth, nor its
+attention statistics: label its figures as a grown model's.
+
+**Full copies** (``full_copies=True``): every copy the whole trained layer (depth
+up-scaling). Only the first layer then reads what its trained layer read; every later
+layer reads a stream that more copies have written, and fires less, with thinner tails
+(on the `small` preset grown from 8 to 28 layers: 1.4-10x below the trained layer's mean
+active fraction, the largest token counts several times lower, held-out CE 2.49 against
+1.97). A start for a fine-tune, not a stand-in for a trained model's statistics.
+
+Both models' FFN statistics are measured on the same held-out tokens (per layer: the
+mean fraction of active neurons, and the 50th / 99th percentile and the maximum of the
+non-zeros a token), printed side by side and written to ``grow.json`` in the new run.
 """
 
 from __future__ import annotations
@@ -47,11 +62,14 @@ from flax import nnx
 
 from jax_twell.train import config as config_lib
 from jax_twell.train import data, sharding, trainer
+from jax_twell.train.bench_measure import code_commit
 from jax_twell.train.checkpoint import Checkpointer
 from jax_twell.train.dead_neurons import gate_weight_name
 from jax_twell.train.tokenizer import BPE_FILE
 
 GROW_FILE = "grow.json"
+# The scale of a quiet copy's output projection: its additions to the stream round away.
+QUIET = 2.0**-64
 # Held-out tokens for the statistics: at most this many sequences of the run's length.
 STAT_SEQUENCES = 8
 
@@ -92,11 +110,41 @@ def grown_config(source: config_lib.TrainConfig, preset: str, overrides: list[st
     return cfg
 
 
-def grow_params(params: dict, sources: list[int]) -> dict:
-    """A pure params dict with ``layers[i]`` a copy of ``params["layers"][sources[i]]``."""
+def quiet_outputs(sources: list[int]) -> list[tuple[bool, bool]]:
+    """Per new layer, whether its (attention, FFN) outputs are quiet, so that every copy's
+    FFN reads what its source layer's FFN read: in a block of copies the first keeps its
+    attention, the last its FFN, and a block of one keeps both."""
+    flags = []
+    for i, s in enumerate(sources):
+        first = i == 0 or sources[i - 1] != s
+        last = i == len(sources) - 1 or sources[i + 1] != s
+        flags.append((not first, not last))
+    return flags
+
+
+def grow_params(params: dict, sources: list[int], *, full_copies: bool = False) -> dict:
+    """A pure params dict with ``layers[i]`` a copy of ``params["layers"][sources[i]]``;
+    unless ``full_copies``, with the output projections that `quiet_outputs` names scaled
+    by ``QUIET`` (attention ``wo``, FFN ``w_down``)."""
     grown = {k: v for k, v in params.items() if k != "layers"}
-    grown["layers"] = {i: jax.tree.map(jnp.copy, params["layers"][s]) for i, s in enumerate(sources)}
+    grown["layers"] = {}
+    for i, (s, (quiet_attn, quiet_ffn)) in enumerate(zip(sources, quiet_outputs(sources))):
+        layer = jax.tree.map(jnp.copy, params["layers"][s])
+        if not full_copies:
+            if quiet_attn:
+                layer["attn"]["wo"] = _quiet(layer["attn"]["wo"])
+            if quiet_ffn:
+                layer["ffn"]["w_down"] = _quiet(layer["ffn"]["w_down"])
+        grown["layers"][i] = layer
     return grown
+
+
+def _quiet(w: jax.Array) -> jax.Array:
+    # A power of two: an exact exponent shift in f32 and bf16, whose smallest normal
+    # (~1e-38) lies far below 2^-64 times any trained weight; in f16 it would underflow.
+    if w.dtype == jnp.float16:
+        raise ValueError("quiet copies need a parameter dtype with f32's exponent range (float32 or bfloat16), not float16")
+    return (w.astype(jnp.float32) * QUIET).astype(w.dtype)
 
 
 def token_nnz(model, params: dict, tokens: jax.Array) -> jax.Array:
@@ -171,12 +219,15 @@ def grow_run(
     overrides: list[str] = (),
     *,
     step: int | None = None,
+    full_copies: bool = False,
     report: Callable[[str], None] = print,
 ) -> dict:
     """Writes a run of ``preset``'s depth in ``workdir`` from the run in ``source_workdir``
     (its checkpoint ``step``, default the newest) and returns the report also written to
     ``workdir/grow.json``: the layer map and both models' per-layer FFN statistics on the
     same held-out tokens (``STAT_SEQUENCES`` sequences of the run's length at most).
+    ``full_copies``: every layer a whole copy of its trained layer instead of the quiet
+    layout (see the module's docstring).
 
     Raises ValueError for a preset of another shape or fewer layers, or a ``workdir`` that
     already holds files; ``checkpoint.RestoreError`` when the source has no checkpoint that
@@ -198,7 +249,7 @@ def grow_run(
     tokens = data.eval_batch(corpus.eval, 0, num_batches=1, batch_size=n_seq, seq_len=seq_len)[:, :-1]
     source_stats = _measure(source_cfg, src_setup, src_state.params, tokens)
 
-    setup, state = run_state(cfg, grow_params(src_state.params, sources), step=0)
+    setup, state = run_state(cfg, grow_params(src_state.params, sources, full_copies=full_copies), step=0)
     del src_state
     grown_stats = _measure(cfg, setup, state.params, tokens)
     save_run(cfg, setup, state, tokenizer_from=source_workdir)
@@ -207,6 +258,8 @@ def grow_run(
         "source_step": src_step,
         "source_preset": source_cfg.preset,
         "preset": cfg.preset,
+        "commit": code_commit(),
+        "layout": "full copies" if full_copies else "quiet copies",
         "layer_sources": sources,
         "tokens": int(tokens.size),
         "source_layers": source_stats,
