@@ -25,6 +25,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -260,11 +261,11 @@ struct BackupOperands {
 // [the activation recomputed,] [h,] y, with a grid barrier where a product reads what the
 // one before wrote, and between chunks (the next one rewrites the scratch).
 template <typename E, bool kGated, bool kRecompute>
-__global__ __launch_bounds__(kThreads) void BackupKernel(const BackupOperands o, const int32_t* __restrict__ count_in) {
+__global__ __launch_bounds__(kThreads) void BackupKernel(const BackupOperands o, const int32_t* count_in,
+                                                         unsigned int* barrier) {
   extern __shared__ __align__(16) uint16_t smem[];
-  const int count = *count_in;
-  if (count == 0) return;
-  auto* barrier = reinterpret_cast<unsigned int*>(const_cast<int32_t*>(count_in) + 1);
+  const int count = *count_in;  // written by the list kernel before this launch
+  if (count == 0) return;  // every CTA reads the same count: all return, or none
   unsigned int barriers = 0;
   const auto* x = static_cast<const uint16_t*>(o.x);
   const auto* g = static_cast<const uint16_t*>(o.g);
@@ -302,29 +303,47 @@ ffi::Error CallStatus(cudaError_t err, const char* what) {
   return ffi::Error::Success();
 }
 
-int SmCount() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-      return 132;
-    return sms;
-  }();
-  return count;
+// How many CTAs of `kernel` the current device holds at once (its SMs times the CTAs an SM
+// holds at kThreads threads and kSmemBytes of shared memory), cached per device: a
+// cooperative grid larger than this fails to launch, and its grid barriers need every CTA
+// resident. Returns an error where the runtime cannot say.
+template <typename Kernel>
+ffi::Error ResidentCtas(Kernel kernel, int* resident) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string("jax-twell: cudaGetDevice failed: ") + cudaGetErrorString(err));
+  }
+  if (device >= 0 && device < kMaxDevices) {
+    if (const int known = cached[device].load(std::memory_order_relaxed); known > 0) {
+      *resident = known;
+      return ffi::Error::Success();
+    }
+  }
+  int sms = 0, per_sm = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, kSmemBytes);
+  if (err != cudaSuccess || sms < 1 || per_sm < 1) {
+    cudaGetLastError();
+    return ffi::Error::Internal(std::string("jax-twell: the backup kernel's occupancy is unknown: ") +
+                                (err != cudaSuccess ? cudaGetErrorString(err) : "no CTA fits an SM"));
+  }
+  if (device >= 0 && device < kMaxDevices) cached[device].store(sms * per_sm, std::memory_order_relaxed);
+  *resident = sms * per_sm;
+  return ffi::Error::Success();
 }
 
 template <typename E, bool kGated, bool kRecompute>
 ffi::Error LaunchBackup(cudaStream_t stream, int64_t rows, const BackupOperands& o) {
   auto kernel = BackupKernel<E, kGated, kRecompute>;
-  static const int per_sm = [kernel] {
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, kSmemBytes) != cudaSuccess) return 1;
-    return std::max(n, 1);
-  }();
+  int resident = 0;
+  if (auto e = ResidentCtas(kernel, &resident); e.failure()) return e;
   // Every CTA must be resident (the barriers); no more than the largest product's tiles.
   const int64_t most_rows = (kGated || kRecompute) ? std::min(rows, o.chunk) : rows;
   const int64_t max_tiles = CeilDiv(most_rows, kBM) * CeilDiv(std::max(o.d, o.f), kBN);
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, int64_t{per_sm} * SmCount())));
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, int64_t{resident})));
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(kThreads);
@@ -335,14 +354,18 @@ ffi::Error LaunchBackup(cudaStream_t stream, int64_t rows, const BackupOperands&
   cooperative.val.cooperative = 1;
   config.attrs = &cooperative;
   config.numAttrs = 1;
-  return CallStatus(cudaLaunchKernelEx(&config, kernel, o, static_cast<const int32_t*>(o.list + rows)),
-                    "cooperative launch of BackupKernel");
+  const int32_t* count = o.list + rows;
+  auto* barrier = reinterpret_cast<unsigned int*>(o.list + rows + 1);
+  return CallStatus(cudaLaunchKernelEx(&config, kernel, o, count, barrier), "cooperative launch of BackupKernel");
 }
 
 template <typename E>
 ffi::Error LaunchTyped(cudaStream_t stream, int64_t rows, int n_tiles, int capacity, int max_entries,
                        const int32_t* counts, const BackupOperands& o) {
   int32_t* count = o.list + rows;  // then the barrier's counter
+  // An error left by an earlier launch on this thread is reported, not cleared unseen.
+  if (cudaError_t earlier = cudaPeekAtLastError(); earlier != cudaSuccess)
+    return CallStatus(earlier, "a launch before the backup");
   if (auto e = CallStatus(cudaMemsetAsync(count, 0, 2 * sizeof(int32_t), stream), "backup memset"); e.failure())
     return e;
   BackupListKernel<<<static_cast<unsigned>(CeilDiv(rows, kListWarps)), kListWarps * 32, 0, stream>>>(
@@ -396,8 +419,9 @@ ffi::Error BackupCall(const char* op, cudaStream_t stream, std::initializer_list
   }
   if (!SameDims(list->dimensions(), {rows + 2})) return Invalid(std::string(op) + ": list must have shape [M + 2]");
   if (d % 8 != 0 || f % 8 != 0) return Invalid(std::string(op) + ": d and f must be multiples of 8");
-  if (rows >= (int64_t{1} << 31) - 1 || f >= (int64_t{1} << 31) || d >= (int64_t{1} << 31))
-    return Invalid(std::string(op) + ": M, d and f must be below 2^31");
+  // Below 2^30, so that the tile counts' rounding-up sums stay in int.
+  if (rows >= (int64_t{1} << 30) || f >= (int64_t{1} << 30) || d >= (int64_t{1} << 30))
+    return Invalid(std::string(op) + ": M, d and f must be below 2^30");
   if (capacity < 0 || max_entries < 0) return Invalid(std::string(op) + ": capacity and max_entries must be >= 0");
   if (y->untyped_data() != y_in.untyped_data())
     return Invalid(std::string(op) + ": y must alias y_in (input_output_aliases)");
@@ -420,8 +444,8 @@ ffi::Error BackupCall(const char* op, cudaStream_t stream, std::initializer_list
 }
 
 // Results, every form: y [M, d] (y_in, aliased, with the backed-up rows written), list
-// [M + 1] s32 (the backed-up rows, their count last); gated or recomputing forms: h [M, f]
-// (scratch). Attributes: capacity (TwELL slots a tile) and max_entries (the warp kernel's
+// [M + 2] s32 (the backed-up rows, then their count, then the grid barrier's counter);
+// gated or recomputing forms: h [chunk, f] (scratch, 1 <= chunk <= M). Attributes: capacity (TwELL slots a tile) and max_entries (the warp kernel's
 // row budget): the warp kernel's rule, applied to the TwELL counts [M, n_tiles] s32.
 
 // Gated, g given: x [M, d], g [M, f], counts, w_up [d, f], w_down [f, d], y_in [M, d].

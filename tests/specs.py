@@ -30,6 +30,23 @@ def assert_close(actual, expected, tol: float, what: str = "") -> None:
     assert err <= tol, f"{what}: relative error {err:.3g} > {tol:.3g}"
 
 
+def assert_rows_close(actual, expected, dtype, what: str = "", *, ulps: float = 8) -> None:
+    """Row by row: each row's largest error at most ``ulps`` units of the output dtype's
+    rounding of that row's largest value. For kernels that round where the reference
+    rounds (only the f32 sums' order differs): a row left unwritten, written with another
+    row's values or with columns missing fails, as do small rows beside large ones."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    assert np.all(np.isfinite(a)), f"{what}: non-finite values in result"
+    a2, e2 = a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1), e.reshape(-1, e.shape[-1]) if e.ndim else e.reshape(1, 1)
+    scale = np.maximum(np.abs(e2).max(axis=-1, initial=0.0), 1e-30)
+    err = np.abs(a2 - e2).max(axis=-1, initial=0.0) / scale
+    tol = ulps * _EPS[jnp.dtype(dtype)]
+    worst = int(np.argmax(err)) if err.size else 0
+    assert err.size == 0 or err[worst] <= tol, f"{what}: row {worst}'s relative error {err[worst]:.3g} > {tol:.3g}"
+
+
 def fused_tolerance(dtype, f: int) -> float:
     """Tolerance of a fused FFN kernel against the reference: g, u and h are each rounded
     to the element type before the down projection, so twice the plain one."""

@@ -15,7 +15,7 @@ from jax_twell.ops import xla
 from jax_twell.ops.common import finite_columns
 from jax_twell.ops.pack.binding import pack_twell
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
-from specs import GPU_SPECS, assert_close, fused_tolerance
+from specs import GPU_SPECS, assert_close, assert_rows_close, fused_tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -121,7 +121,6 @@ def test_device_backup_rows_match_reference(spec, dtype, gated):
     g = relu_matmul(inp.x, w_act)
     act = _act(inp.x, w_act, 256, 32)
     sentinel = jnp.full(inp.x.shape, 3.0, dtype)
-    tol = fused_tolerance(dtype, spec.f)
     want = np.asarray(reference.twell_ffn(inp.x, act, w_act, w_up, inp.w_down), np.float32)
     for budget in (warp.ROW_BUDGET, 12, 0):
         left = np.asarray(warp.backed_up(act, budget))
@@ -133,20 +132,46 @@ def test_device_backup_rows_match_reference(spec, dtype, gated):
             what = f"{spec} budget={budget} g {'given' if given is not None else 'recomputed'}"
             assert np.all(y[~left] == 3.0), f"{what}: a row not backed up was written"
             if left.any():
-                assert_close(y[left], want[left], tol, what)
+                assert_rows_close(y[left], want[left], dtype, what)
 
 
-def test_device_backup_every_row_and_odd_shapes():
+def _every_row(inp, w_act):
+    """The TwELL form of ``w_act``'s activation with every row past a row budget of 0."""
+    act = _act(inp.x, w_act, 256, 32)
+    return dataclasses.replace(act, counts=jnp.maximum(act.counts, 1))
+
+
+def _dense_rows(inp, w_act, gated):
+    return xla.up_down(inp.x, relu_matmul(inp.x, w_act), inp.w_up if gated else None, inp.w_down)
+
+
+@pytest.mark.parametrize("gated,given", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_device_backup_every_row_and_odd_shapes(dtype, gated, given):
     """Shapes off the tiles (M, d and f not multiples of 64; f below one K step) with
-    every row backed up: the products' edges are masked, and every row is exact."""
+    every row backed up, in each form: the products' edges are masked, and every row is
+    the dense formula's (y starts as a sentinel, so an unwritten row fails)."""
     for m, d, f in [(1, 8, 8), (67, 72, 200), (130, 264, 1032), (2049, 512, 1416)]:
-        inp = synthetic_ffn_inputs(jax.random.key(m + d), m, d, f, density=0.3, dtype=jnp.bfloat16)
-        g = relu_matmul(inp.x, inp.w_gate)
-        act = _act(inp.x, inp.w_gate, 256, 32)
-        act = dataclasses.replace(act, counts=jnp.maximum(act.counts, 1))  # every row past a budget of 0
-        y = warp.backup_rows(inp.x, g, act, inp.w_up, inp.w_down, jnp.zeros_like(inp.x), row_budget=0)
-        want = xla.up_down(inp.x, g, inp.w_up, inp.w_down)
-        assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"m={m} d={d} f={f}")
+        inp = synthetic_ffn_inputs(jax.random.key(m + d), m, d, f, density=0.3, dtype=dtype)
+        w_act = inp.w_gate if gated else inp.w_up
+        g = relu_matmul(inp.x, w_act) if given else None
+        y = warp.backup_rows(inp.x if gated or not given else None, g, _every_row(inp, w_act),
+                             inp.w_up if gated else None, inp.w_down, jnp.full_like(inp.x, 3.0), row_budget=0,
+                             w_act=w_act)
+        assert_rows_close(y, _dense_rows(inp, w_act, gated), dtype, f"m={m} d={d} f={f}")
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_device_backup_more_tiles_than_ctas(given):
+    """2,048 rows of d=2048, f=5632 in one chunk: 2,816 tiles in the up product and 1,024 in
+    the down product, more than the grid's CTAs (a few hundred), so each CTA goes through
+    several tiles and refills its pipeline between them."""
+    m, d, f = 2048, 2048, 5632
+    inp = synthetic_ffn_inputs(jax.random.key(77), m, d, f, density=0.3)
+    g = relu_matmul(inp.x, inp.w_gate)
+    y = warp.backup_rows(inp.x, g if given else None, _every_row(inp, inp.w_gate), inp.w_up, inp.w_down,
+                         jnp.full_like(inp.x, 3.0), row_budget=0, w_act=inp.w_gate, chunk_rows=m)
+    assert_rows_close(y, xla.up_down(inp.x, g, inp.w_up, inp.w_down), jnp.bfloat16, "tiles > CTAs")
 
 
 @pytest.mark.parametrize("gated,given", [(True, True), (True, False), (False, True), (False, False)])
@@ -164,10 +189,10 @@ def test_device_backup_in_chunks(gated, given):
     want = np.asarray(reference.twell_ffn(inp.x, act, w_act, w_up, inp.w_down), np.float32)
     for chunk in (64, 1):
         y = warp.backup_rows(inp.x if gated or not given else None, g if given else None, act, w_up, inp.w_down,
-                             jnp.zeros_like(inp.x), w_act=w_act, chunk_rows=chunk)
+                             jnp.full_like(inp.x, 3.0), w_act=w_act, chunk_rows=chunk)
         y = np.asarray(y, np.float32)
-        assert_close(y[left], want[left], fused_tolerance(jnp.bfloat16, f), f"chunk={chunk}")
-        assert np.all(y[~left] == 0)
+        assert_rows_close(y[left], want[left], jnp.bfloat16, f"chunk={chunk}")
+        assert np.all(y[~left] == 3.0)
 
 
 def test_device_backup_is_deterministic():

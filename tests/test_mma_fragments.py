@@ -189,7 +189,7 @@ def test_decode_gate_fragments(m, d, splits):
     assert not np.isnan(np.stack(tiles)[:, :, :cols]).any()  # every (token, column) written
 
 
-# BackupGemmKernel (ffi/twell_backup.cu): 64 x 64 x 32 tiles, four warps of 32 x 32, padded
+# The backup products (GemmPhase of BackupKernel, ffi/twell_backup.cu): 64 x 64 x 32 tiles, four warps of 32 x 32, padded
 # shared-memory rows (A: 40 elements, B: 72), 128 threads copying two 16-byte pieces each.
 BM, BN, BK, A_STRIDE, B_STRIDE, THREADS = 64, 64, 32, 40, 72, 128
 
