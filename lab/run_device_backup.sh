@@ -15,12 +15,12 @@ if [ -n "${JAX_TWELL_CUDA_LIB:-}" ]; then export JAX_TWELL_CUDA=OFF; fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
 python3 -c "import jax_twell as jt; print(jt.kernel_status())"
 if [ "${TESTS:-1}" = 1 ]; then
-timeout -s INT ${GPU_TEST_SECONDS:-150} python3 -m pytest -q -rf -x -n ${GPU_TEST_WORKERS:-8} -m gpu \
+timeout -s INT ${GPU_TEST_SECONDS:-240} python3 -m pytest -q -rf -x -n ${GPU_TEST_WORKERS:-8} -m gpu \
   tests/test_cuda_ffn_warp.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
 for tool in $([ "${SANITIZE:-1}" = 1 ] && echo memcheck racecheck); do
   XLA_FLAGS="--xla_gpu_autotune_level=0" timeout 90 compute-sanitizer --tool $tool --kernel-name kns=Backup \
-    --print-limit 10 python3 -m pytest -q -x -m gpu tests/test_cuda_ffn_warp.py -k "odd_shapes or deterministic" \
+    --print-limit 10 python3 -m pytest -q -x -m gpu tests/test_cuda_ffn_warp.py -k "odd_shapes and bfloat16 or deterministic" \
     > "$OUT/sanitizer_$tool.log" 2>&1
   echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
 done

@@ -53,6 +53,12 @@ def test_every_metric_for_every_model(fresh):
             assert result["metrics"][f"{case}_tokens_per_s"]["values"][n] == row["tokens_per_s"]
     assert result["cases"]["decode_b1"]["tokens_per_call"] == 4 and result["cases"]["train"]["tokens_per_call"] == 64
     assert all(result["metrics"][m]["values"][n] > 0 for m in ("train_peak_bytes", "serve_peak_bytes") for n in MODELS)
+    # Each layer's active fraction in the first and last training step run, for every model.
+    for n in MODELS:
+        steps = result["cases"]["train"]["models"][n]["active_fraction_steps"]
+        assert set(steps) == {"first", "last"} and all(len(v) == 1 and 0 <= v[0] <= 1 for v in steps.values()), n
+    assert result["cases"]["train"]["models"]["sparse"]["active_fraction_steps"]["first"][0] > 0
+    assert "d_ff" not in result["cases"]["train"]
 
 
 @pytest.mark.slow  # a whole bench run

@@ -277,7 +277,7 @@ def _train_programs(models, tokens, mesh, tx, schedule) -> dict:
     batch = tokens.get(first.batch_size, seq + 1, split="train").reshape(accum, -1, seq + 1)
     batch = sharding.put_batch(batch, sharding.batch_sharding(mesh, 3))
     case = {"kind": "train", "batch": first.batch_size, "grad_accum": accum, "seq": seq,
-            "tokens_per_call": first.batch_size * seq, "programs": {}, "flops_per_token": {}}
+            "tokens_per_call": first.batch_size * seq, "programs": {}, "flops_per_token": {}, "d_ff": {}}
     for name, entry in models.items():
         cfg, setup, state = entry["cfg"], entry["setup"], entry.pop("state")
         traced = setup
@@ -286,6 +286,7 @@ def _train_programs(models, tokens, mesh, tx, schedule) -> dict:
         compiled = make_train_step(cfg, traced, tx, schedule).lower(state, batch).compile()
         case["programs"][name] = (compiled, [state, batch])
         case["flops_per_token"][name] = metrics.flops_per_token(setup.num_params, setup.num_layers, cfg.model.d_model, seq)
+        case["d_ff"][name] = cfg.model.d_ff
     return case
 
 
@@ -293,11 +294,15 @@ def _time_case(case: dict, options: BenchOptions, advance, min_calls: int = 1) -
     """Times one case's programs (:func:`bench_measure.time_rounds`); the case's description
     with a row per model: seconds, spread, calls, tokens/s, peak bytes, windows."""
     programs = case.pop("programs")
-    runners = {}
+    runners, step_stats = {}, {}
     for name, (compiled, args) in programs.items():
         if case["kind"] == "train":
-            def run(compiled=compiled, args=args):
-                args[0] = compiled(*args)[0]  # the state, donated and replaced
+            step_stats[name] = held = {}
+
+            def run(compiled=compiled, args=args, held=held):
+                args[0], out = compiled(*args)  # the state, donated and replaced
+                held.setdefault("first", out["nnz_mean"])  # device arrays: read after the timing
+                held["last"] = out["nnz_mean"]
                 return args[0]
         else:
             run = lambda compiled=compiled, args=args: compiled(*args)
@@ -313,6 +318,14 @@ def _time_case(case: dict, options: BenchOptions, advance, min_calls: int = 1) -
         )
         for name, t in timings.items()
     }
+    # Each layer's active fraction in the first and the last step run (warm-up included):
+    # the steps update the weights, so a model's sparsity may move while it is timed.
+    d_ff = case.pop("d_ff", {})
+    for name, held in step_stats.items():
+        if "first" in held:
+            case["models"][name]["active_fraction_steps"] = {
+                k: [round(float(v) / d_ff[name], 6) for v in jax.device_get(held[k])] for k in ("first", "last")
+            }
     return case
 
 
