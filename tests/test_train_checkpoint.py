@@ -135,7 +135,7 @@ def test_keep_zero_keeps_every_checkpoint(tmp_path, setup_state):
     ckpt.close()
 
 
-def test_a_start_rotates_out_what_killed_runs_left_past_keep(tmp_path, setup_state):
+def test_the_first_save_rotates_out_what_killed_runs_left_past_keep(tmp_path, setup_state):
     """A kill between a save and its rotation leaves keep + 1 checkpoints; without a
     rotation at start, kills in that window again and again would pile them up."""
     setup, state = setup_state
@@ -148,13 +148,13 @@ def test_a_start_rotates_out_what_killed_runs_left_past_keep(tmp_path, setup_sta
     assert reader.all_steps() == [1, 2, 3, 4, 5], "a reader next to a live run rotates nothing"
     reader.close()
     writer = Checkpointer(tmp_path, keep=2)
-    assert writer.all_steps() == [4, 5]
-    assert [p.name for p in (tmp_path / "checkpoints" / ROTATED_DIR).iterdir()] == []
+    assert writer.all_steps() == [1, 2, 3, 4, 5], "a run that never saves deletes nothing"
     assert int(writer.restore(setup.abstract_state).step) == 5
-    writer.save(6, at_step(state, 6))
+    writer.save(6, at_step(state, 6))  # its first save rotates the excess out before it writes
     writer.wait()
     assert writer.all_steps() == [5, 6]
     writer.close()
+    assert [p.name for p in (tmp_path / "checkpoints" / ROTATED_DIR).iterdir()] == []
 
 
 def test_a_non_finite_state_is_never_saved_so_never_rotates_good_ones_out(tmp_path, setup_state):

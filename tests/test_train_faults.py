@@ -276,7 +276,7 @@ def test_kill9_at_random_moments_sigterm_and_a_concurrent_run_lose_nothing(tmp_p
         assert f"pid={proc.pid}" in (workdir / LOCK_FILE).read_text(), "a killed holder leaves its lock file"
         steps = verify_checkpoints(workdir)  # everything listed loads and verifies
         # keep_checkpoints=3, plus one where the kill fell between a save and the rotation
-        # that follows it (the next start rotates it out).
+        # that follows it (the next run's first save rotates it out).
         assert len(steps) <= 4 and (steps or [0])[-1] >= newest, (seed, moment, steps, newest)
         newest, killed_pid = (steps or [0])[-1], proc.pid
     assert newest > 0, "the runs got far enough to checkpoint"

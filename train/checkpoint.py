@@ -7,7 +7,8 @@ previous checkpoints intact; leftover temporary folders are removed on the next 
 Rotation is atomic too: a checkpoint that falls out of the `keep` newest is first renamed
 out of the listing (into `checkpoints/.rotated`) and only then deleted, so a kill during a
 deletion never leaves a half-deleted checkpoint among the listed ones. A kill between a
-save and its rotation leaves `keep` + 1 listed; the next start rotates the oldest out.
+save and its rotation leaves `keep` + 1 listed; the next run's first save rotates the
+oldest out before it writes.
 Saves are asynchronous: training continues while the arrays are written.
 
 A state with a NaN or Inf anywhere is never saved (`save` raises instead), so rotation
@@ -77,13 +78,14 @@ class Checkpointer:
         )
         self._writer = not read_only and jax.process_index() == 0
         self._keep = 0 if read_only else keep
+        self._excess_checked = False
         self._empty_rotated()
-        self._rotate_excess()
 
     def _rotate_excess(self) -> None:
         """Rotates out the oldest checkpoints past `keep`, as the save that a kill cut short
         would have: so a run killed between a save and its rotation, again and again, never
-        piles up more than `keep` + 1 checkpoints."""
+        piles up more than `keep` + 1 checkpoints. Done at this process's first save, not at
+        start: a run that stops before it saves (a diverged step) deletes nothing."""
         if not self._writer or self._keep == 0:
             return
         excess = self.all_steps()[: -self._keep]
@@ -122,6 +124,9 @@ class Checkpointer:
             return
         if not is_finite(state):
             raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf values; it was not checkpointed")
+        if not self._excess_checked:
+            self._rotate_excess()
+            self._excess_checked = True
         self._empty_rotated()
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
 
