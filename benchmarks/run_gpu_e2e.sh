@@ -30,8 +30,9 @@
 #   GROW     a deeper preset of the same widths (e.g. 1.5b): the stages grow (`jax-twell grow`
 #            from the sparse run into $RUNS/$GROW-grown: quiet copies, so every FFN sees its
 #            trained layer's activations and the model computes the sparse run's function;
-#            GROW_STEPS > 0 fine-tunes it that many steps under the same recipe at learning
-#            rate GROW_LR, default 0 and 3e-4, 20 warm-up steps) and bench-grown (its
+#            it continues the sparse run's step, optimizer state and layer sides;
+#            GROW_STEPS > 0 fine-tunes it that many more steps under the same recipe at
+#            peak learning rate GROW_LR, default 0 and 3e-4) and bench-grown (its
 #            benchmark, written as bench_${GROW}_grown.json: a grown model's figures, to be
 #            labelled so)
 #   TRAIN_SECONDS  stop a training stage after this many seconds (SIGTERM: the run saves a
@@ -118,7 +119,8 @@ EOF
       if [ "${RESUME:-0}" != 1 ]; then
         rm -rf "$RUNS/$GROW-grown"
         tune=()
-        [ "$GROW_STEPS" -gt 0 ] && tune=(steps=$GROW_STEPS optim.lr=$GROW_LR optim.warmup_steps=20 \
+        # the grown run continues the sparse run's step and schedule: GROW_STEPS more steps
+        [ "$GROW_STEPS" -gt 0 ] && tune=(steps=$((STEPS + GROW_STEPS)) optim.lr=$GROW_LR \
           checkpoint_every=$GROW_STEPS eval_every=$GROW_STEPS)
         cli grow --from "$RUNS/$PRESET-sparse" --preset "$GROW" --workdir "$RUNS/$GROW-grown" "${tune[@]}" || exit $?
         cp "$RUNS/$GROW-grown/grow.json" "$OUT/grow_$GROW.json"

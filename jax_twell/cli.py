@@ -111,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
         "(quiet): the grown model computes the source's function and each FFN sees its trained layer's "
         "activations token by token, at the deeper model's cost. --full-copies keeps every copy whole (depth "
         "up-scaling, a start for a fine-tune; later layers then fire less than their trained ones). Writes the "
-        "run (config, tokenizer, a checkpoint at step 0 with a fresh optimizer state) and grow.json: per layer, "
+        "run (config, tokenizer, a checkpoint at the source's step whose optimizer state, dead-neuron counters and "
+        "training sides follow the same layer map) and grow.json: per layer, "
         "the source's and the grown model's fraction of active neurons and non-zeros per token (50th / 99th "
         "percentile, max) on the same held-out tokens.",
         epilog="Example: jax-twell grow --from runs/e2e/0.5b-sparse --preset 1.5b --workdir runs/e2e/1.5b-grown\n"
@@ -410,7 +411,8 @@ def _grow(args, console) -> int:
             str(row["nnz_max"]), str(ref["nnz_max"]),
         )
     console.print(table)
-    console.print(f"wrote {args.workdir} (checkpoint at step 0) and {Path(args.workdir) / GROW_FILE}", soft_wrap=True)
+    console.print(f"wrote {args.workdir} (checkpoint at step {result['source_step']}, the source's) and "
+                  f"{Path(args.workdir) / GROW_FILE}", soft_wrap=True)
     return 0
 
 

@@ -71,8 +71,8 @@ def test_the_grown_run_holds_the_source_layers_in_order(source, fixture, full, r
     assert big_cfg.model.n_layers == 5 and big_cfg.model.d_model == src_cfg.model.d_model
     assert big_cfg.data == src_cfg.data
     _, src = trainer.restore_run(src_cfg, shard_tokens=False)
-    _, big = trainer.restore_run(big_cfg, 0, shard_tokens=False)
-    assert int(big.step) == 0
+    _, big = trainer.restore_run(big_cfg, 2, shard_tokens=False)  # the grown step (a later test resumes it)
+    assert int(big.step) == int(src.step) == 2, "the source's step: its schedule continues"
     sources = grow.layer_sources(2, 5)
     quiet = grow.quiet_outputs(sources)
     assert any(a or f for a, f in quiet)
@@ -89,8 +89,42 @@ def test_the_grown_run_holds_the_source_layers_in_order(source, fixture, full, r
     for key in ("embed", "final_norm"):
         for a, b in zip(jax.tree.leaves(big.params[key]), jax.tree.leaves(src.params[key])):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # Adam's moments start at zero: a fresh optimizer state, not the source's.
-    assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(big.opt_state) if x.dtype == jnp.float32 and x.ndim)
+    _assert_training_state_mapped(src, big, sources)
+
+
+def _assert_training_state_mapped(src, big, sources):
+    """The optimizer's moments, dead-neuron counters and traced sides follow the layer map."""
+    src_leaves = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(src.opt_state)}
+    layer_leaves = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(big.opt_state):
+        key = jax.tree_util.keystr(grow._layer_map_path(path, sources))
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(src_leaves[key]), err_msg=key)
+        layer_leaves += "['layers']" in key
+    assert layer_leaves > 0
+    assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(big.opt_state) if x.ndim), "the source's moments"
+    np.testing.assert_array_equal(np.asarray(big.since_fired), np.asarray(src.since_fired)[sources])
+    np.testing.assert_array_equal(np.asarray(big.ffn_sparse), np.asarray(src.ffn_sparse)[sources])
+
+
+def test_training_state_follows_the_layer_map(source):
+    """With distinct per-layer values (the tiny source's layers all run dense on the CPU):
+    each grown layer takes its source layer's side, counters and moments."""
+    cfg = trainer.load_run_config(source)
+    _, src = trainer.restore_run(cfg, shard_tokens=False)
+    src = src._replace(
+        since_fired=src.since_fired + jnp.arange(src.since_fired.shape[0], dtype=src.since_fired.dtype)[:, None] * 7,
+        ffn_sparse=jnp.asarray([True, False]),
+        opt_state=jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 1000 * int(str(p).count("DictKey(key=1)") > 0) if x.ndim else x, src.opt_state),
+    )
+    sources = grow.layer_sources(2, 5)
+    big_cfg = grow.grown_config(cfg, "tiny", ["model.n_layers=5"])
+    setup, state = grow.run_state(big_cfg, grow.grow_params(src.params, sources), step=0)
+    with sharding.mesh_context(setup.mesh):
+        big = grow.grow_training_state(src, state, sources)
+    assert int(big.step) == int(src.step)
+    assert list(np.asarray(big.ffn_sparse)) == [True, True, True, False, False]
+    _assert_training_state_mapped(src, big, sources)
 
 
 def test_quiet_copies_reproduce_every_layer_and_the_function(source, grown):
@@ -108,7 +142,7 @@ def test_quiet_copies_reproduce_every_layer_and_the_function(source, grown):
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, src_cfg.model.vocab_size, (2, 24)), jnp.int32)
     out = {}
     for name, cfg in (("src", src_cfg), ("big", big_cfg)):
-        setup, state = trainer.restore_run(cfg, shard_tokens=False)
+        setup, state = trainer.restore_run(cfg, 2, shard_tokens=False)
         with sharding.mesh_context(setup.mesh):
             model = setup.bind(state.params)
             out[name] = (np.asarray(grow.token_nnz(model, state.params, tokens)), np.asarray(model(tokens)[0], np.float32))
@@ -126,9 +160,9 @@ def test_full_copies_match_the_first_layer_only(source, grown_full):
 
 def test_the_grown_run_evaluates_and_resumes(grown):
     assert main(["eval", "--workdir", str(grown), "--batches", "1"]) == 0
-    assert main(["train", "--resume", "--sample-tokens", "0", f"workdir={grown}", "steps=1"]) == 0
+    assert main(["train", "--resume", "--sample-tokens", "0", f"workdir={grown}", "steps=3"]) == 0
     _, state = trainer.restore_run(trainer.load_run_config(grown), shard_tokens=False)
-    assert int(state.step) == 1
+    assert int(state.step) == 3
 
 
 def test_token_counts_are_the_gate_signs(source):

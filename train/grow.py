@@ -11,8 +11,14 @@ a run of a deeper shape from a trained run's layers:
   ``L0`` source layers: each source layer becomes a block of consecutive copies, in order;
 - the embedding, the final norm and the output head are the source's;
 - the new run directory holds the config (the source's, with the new shape and preset),
-  the source's tokenizer, and one checkpoint at step 0 with a fresh optimizer state: it can
-  be benchmarked (`jax-twell bench --workdir`) or fine-tuned (`jax-twell train --resume`).
+  the source's tokenizer, and one checkpoint of the source's step whose per-layer training
+  state follows the same map as its weights: the optimizer's moments, the dead-neuron
+  counters and each layer's traced side (sparse or dense training kernels). So the run
+  continues the source's schedule where it stopped, as a trained model would, and its
+  training step runs each FFN on the side its trained layer ran (a fresh state would
+  start every layer on the dense side and at the warm-up's learning rate). It can be
+  benchmarked (`jax-twell bench --workdir`) or fine-tuned (`jax-twell train --resume`
+  with a larger ``steps=``).
 
 **Quiet copies (the default).** In a pre-norm block the stream after a layer is
 ``h = s + attn(norm(s))``, then ``h + ffn(norm(h))``. A block of ``k`` copies of trained
@@ -175,6 +181,41 @@ def layer_statistics(counts: np.ndarray, d_ff: int) -> list[dict]:
     ]
 
 
+def _layer_map_path(path: tuple, sources: list[int]) -> tuple:
+    """``path`` (a key path of a tree holding ``["layers"][i]``) with ``i`` replaced by
+    its source layer."""
+    keys = list(path)
+    for k, key in enumerate(keys[:-1]):
+        if isinstance(key, jax.tree_util.DictKey) and key.key == "layers":
+            nxt = keys[k + 1]
+            if isinstance(nxt, jax.tree_util.DictKey) and isinstance(nxt.key, int):
+                keys[k + 1] = jax.tree_util.DictKey(sources[nxt.key])
+    return tuple(keys)
+
+
+def grow_training_state(src_state, state, sources: list[int]):
+    """``state`` (the grown run's, with its grown params) given the source run's step,
+    and its optimizer state, dead-neuron counters and traced sides mapped layer by layer
+    as the weights are (``sources``); placed as ``state``'s leaves are sharded."""
+    src_leaves = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(src_state.opt_state)}
+
+    def mapped(path, like):
+        key = jax.tree_util.keystr(_layer_map_path(path, sources))
+        if key not in src_leaves:
+            raise ValueError(f"the source's optimizer state has no {key} (another optimizer?)")
+        value = src_leaves[key]
+        if value.shape != like.shape:
+            raise ValueError(f"the source's optimizer state {key} has shape {value.shape}, the grown run's {like.shape}")
+        return jax.device_put(jnp.asarray(value).astype(like.dtype), like.sharding)
+
+    opt_state = jax.tree_util.tree_map_with_path(mapped, state.opt_state)
+    index = np.asarray(sources)
+    since_fired = jax.device_put(jnp.asarray(np.asarray(src_state.since_fired)[index]), state.since_fired.sharding)
+    ffn_sparse = jax.device_put(jnp.asarray(np.asarray(src_state.ffn_sparse)[index]), state.ffn_sparse.sharding)
+    step = jax.device_put(jnp.asarray(src_state.step, state.step.dtype), state.step.sharding)
+    return state._replace(step=step, opt_state=opt_state, since_fired=since_fired, ffn_sparse=ffn_sparse)
+
+
 def _measure(cfg: config_lib.TrainConfig, setup, params: dict, tokens: np.ndarray) -> list[dict]:
     with sharding.mesh_context(setup.mesh):
         model = setup.bind(params)
@@ -249,7 +290,9 @@ def grow_run(
     tokens = data.eval_batch(corpus.eval, 0, num_batches=1, batch_size=n_seq, seq_len=seq_len)[:, :-1]
     source_stats = _measure(source_cfg, src_setup, src_state.params, tokens)
 
-    setup, state = run_state(cfg, grow_params(src_state.params, sources, full_copies=full_copies), step=0)
+    setup, state = run_state(cfg, grow_params(src_state.params, sources, full_copies=full_copies), step=src_step)
+    with sharding.mesh_context(setup.mesh):
+        state = grow_training_state(src_state, state, sources)
     del src_state
     grown_stats = _measure(cfg, setup, state.params, tokens)
     save_run(cfg, setup, state, tokenizer_from=source_workdir)
