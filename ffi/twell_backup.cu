@@ -46,6 +46,14 @@ constexpr int kAStage = kBM * kAStride;
 constexpr int kBStage = kBK * kBStride;
 constexpr int kSmemBytes = kStages * (kAStage + kBStage) * 2;
 constexpr int kListWarps = 8;
+// Split-K: a product with fewer tiles than half the grid's CTAs splits its K loop into up
+// to kMaxSplit slices, each a work item whose f32 partial tile goes to a scratch of
+// kPartialTiles tiles; a reduction phase then sums the slices in slice order (a fixed order:
+// deterministic) and applies the product's epilogue. A few backed-up rows then take a few
+// microseconds instead of one tile's whole K loop (176 steps of 32 for f = 5,632).
+constexpr int kMaxSplit = 16;
+constexpr int kPartialTiles = 512;  // 8 MB of f32 64 x 64 tiles
+constexpr int kTileElems = kBM * kBN;
 
 __global__ __launch_bounds__(kListWarps * 32) void BackupListKernel(int64_t rows, int n_tiles, int capacity,
                                                                      int max_entries, const int32_t* __restrict__ counts,
@@ -88,20 +96,61 @@ enum Epilogue : int {
   kScaleCompact = 3,  // c[i] = bf16(g[i] * bf16(v))
 };
 
-// One product over the `count` list positions of a chunk, its tiles shared out over the
-// grid (tile t to CTA t mod gridDim.x).
+// The epilogue of a product for list position i (row r = list[i]) and columns col, col + 1
+// (col even, below n): the f32 sums v0, v1 rounded and stored as kEpi says.
+template <typename E, int kEpi>
+__device__ __forceinline__ void StorePair(const GemmArgs& p, int i, int col, float v0, float v1) {
+  const int64_t r = p.list[i];
+  uint16_t* out;
+  if constexpr (kEpi == kStoreRows) {
+    out = p.c + r * p.ldc + col;
+  } else {
+    if constexpr (kEpi == kRelu) {  // NaN stays NaN, as XLA's max has it (fmaxf would drop it)
+      v0 = isnan(v0) ? v0 : fmaxf(v0, 0.f);
+      v1 = isnan(v1) ? v1 : fmaxf(v1, 0.f);
+    } else {
+      // L2, not L1: in the compact form g is this call's scratch, rewritten chunk by chunk.
+      const int64_t grow = kEpi == kScaleRows ? r : static_cast<int64_t>(i);
+      const uint32_t gv = __ldcg(reinterpret_cast<const unsigned int*>(p.g + grow * p.ldg + col));
+      v0 = E::ToFloat(gv) * Round<E>(v0);
+      v1 = E::ToFloat(gv >> 16) * Round<E>(v1);
+    }
+    out = p.c + static_cast<int64_t>(i) * p.ldc + col;
+  }
+  *reinterpret_cast<uint32_t*>(out) = E::FromFloat(v0) | (E::FromFloat(v1) << 16);
+}
+
+// How many K slices a product of `tiles` tiles and `k_steps` K steps runs as (1: no
+// split): every CTA computes the same value, so the barriers that follow a split are
+// reached by all. With `partials` null, never split.
+__device__ __forceinline__ int SplitOf(int tiles, int k_steps, const float* partials) {
+  if (partials == nullptr || tiles * 2 > static_cast<int>(gridDim.x)) return 1;
+  int split = min(min(kMaxSplit, static_cast<int>(gridDim.x) / tiles), min(kPartialTiles / tiles, max(1, k_steps / 4)));
+  if (split <= 1) return 1;
+  const int k_per = (k_steps + split - 1) / split;
+  return (k_steps + k_per - 1) / k_per;  // every slice non-empty
+}
+
+// One product over the `count` list positions of a chunk, its work items shared out over
+// the grid (item t to CTA t mod gridDim.x): its tiles, or with a split (SplitOf) each
+// tile's K slices, whose f32 partials go to `partials` for ReducePhase. Returns the split.
 template <typename E, bool kGatherA, int kEpi>
-__device__ __forceinline__ void GemmPhase(const GemmArgs& p, int count, uint16_t* smem) {
+__device__ __forceinline__ int GemmPhase(const GemmArgs& p, int count, uint16_t* smem, float* partials) {
   uint16_t* sa = smem;
   uint16_t* sb = smem + kStages * kAStage;
   const int col_tiles = (p.n + kBN - 1) / kBN;
   const int tiles = ((count + kBM - 1) / kBM) * col_tiles;
-  const int k_steps = (p.k + kBK - 1) / kBK;
+  const int k_steps_all = (p.k + kBK - 1) / kBK;
+  const int split = SplitOf(tiles, k_steps_all, partials);
+  const int k_per = (k_steps_all + split - 1) / split;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wm = warp / 2, wn = warp % 2;
 
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int row0 = (t / col_tiles) * kBM, col0 = (t % col_tiles) * kBN;
+  for (int t = blockIdx.x; t < tiles * split; t += gridDim.x) {
+    const int tile = t % tiles, slice = t / tiles;
+    const int ks0 = slice * k_per;
+    const int k_steps = min(k_steps_all, ks0 + k_per) - ks0;
+    const int row0 = (tile / col_tiles) * kBM, col0 = (tile % col_tiles) * kBN;
     // This thread's two 16-byte pieces of each stage's A (64 rows x 4) and B (32 rows x 8).
     const uint16_t* a_src[2];
     bool a_ok[2];
@@ -125,8 +174,8 @@ __device__ __forceinline__ void GemmPhase(const GemmArgs& p, int count, uint16_t
       b_dst[j] = br * kBStride + nc;
       b_k[j] = br;
     }
-    auto load_stage = [&](int ks, int stage) {
-      const int k0 = ks * kBK;
+    auto load_stage = [&](int ks, int stage) {  // ks counts from this slice's first step
+      const int k0 = (ks0 + ks) * kBK;
       const uint32_t a_base = SmemAddr(sa + stage * kAStage), b_base = SmemAddr(sb + stage * kBStage);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -189,38 +238,50 @@ __device__ __forceinline__ void GemmPhase(const GemmArgs& p, int count, uint16_t
     __syncthreads();  // the next tile's prologue overwrites the stages
 
     // Accumulator (mi, ni): rows lane / 4 and lane / 4 + 8 of its 16, columns 2 (lane % 4) + {0, 1}.
+    float* part = split > 1 ? partials + (static_cast<int64_t>(slice) * tiles + tile) * kTileElems : nullptr;
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int i = row0 + wm * 32 + mi * 16 + (lane >> 2) + half * 8;
-        if (i >= count) continue;
-        const int64_t r = p.list[i];
+        const int lr = wm * 32 + mi * 16 + (lane >> 2) + half * 8;
+        const int i = row0 + lr;
+        if (split == 1 && i >= count) continue;
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) {
-          const int col = col0 + wn * 32 + ni * 8 + (lane & 3) * 2;
-          if (col >= p.n) continue;
-          float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
-          uint16_t* out;
-          if constexpr (kEpi == kStoreRows) {
-            out = p.c + r * p.ldc + col;
-          } else {
-            if constexpr (kEpi == kRelu) {  // NaN stays NaN, as XLA's max has it (fmaxf would drop it)
-              v0 = isnan(v0) ? v0 : fmaxf(v0, 0.f);
-              v1 = isnan(v1) ? v1 : fmaxf(v1, 0.f);
-            } else {
-              // L2, not L1: in the compact form g is this call's scratch, rewritten chunk by chunk.
-              const int64_t grow = kEpi == kScaleRows ? r : static_cast<int64_t>(i);
-              const uint32_t gv = __ldcg(reinterpret_cast<const unsigned int*>(p.g + grow * p.ldg + col));
-              v0 = E::ToFloat(gv) * Round<E>(v0);
-              v1 = E::ToFloat(gv >> 16) * Round<E>(v1);
-            }
-            out = p.c + static_cast<int64_t>(i) * p.ldc + col;
+          const int lc = wn * 32 + ni * 8 + (lane & 3) * 2;
+          const float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
+          if (split > 1) {  // the whole tile (rows and columns past the ends hold zeros)
+            *reinterpret_cast<float2*>(part + lr * kBN + lc) = make_float2(v0, v1);
+          } else if (col0 + lc < p.n) {
+            StorePair<E, kEpi>(p, i, col0 + lc, v0, v1);
           }
-          *reinterpret_cast<uint32_t*>(out) = E::FromFloat(v0) | (E::FromFloat(v1) << 16);
         }
       }
     }
+  }
+  return split;
+}
+
+// After a split GemmPhase and a grid barrier: each (list position, column pair) of the
+// product summed over its `split` slices in slice order, then stored by the epilogue.
+template <typename E, int kEpi>
+__device__ __forceinline__ void ReducePhase(const GemmArgs& p, int count, const float* partials, int split) {
+  const int col_tiles = (p.n + kBN - 1) / kBN;
+  const int tiles = ((count + kBM - 1) / kBM) * col_tiles;
+  const int pairs = p.n / 2;
+  const int64_t total = static_cast<int64_t>(count) * pairs;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; q < total;
+       q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int i = static_cast<int>(q / pairs), col = static_cast<int>(q % pairs) * 2;
+    const int tile = (i / kBM) * col_tiles + col / kBN;
+    const int64_t offset = static_cast<int64_t>(tile) * kTileElems + (i % kBM) * kBN + col % kBN;
+    float v0 = 0.f, v1 = 0.f;
+    for (int s = 0; s < split; ++s) {
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(partials + static_cast<int64_t>(s) * tiles * kTileElems + offset));
+      v0 += v.x;
+      v1 += v.y;
+    }
+    StorePair<E, kEpi>(p, i, col, v0, v1);
   }
 }
 
@@ -254,6 +315,7 @@ struct BackupOperands {
   void* y;             // [M, d]
   void* h;             // [chunk, f] compact scratch (gated, or g recomputed)
   int32_t* list;       // [M + 2]: the rows, then their count, then the barrier's counter
+  float* partials;     // [kPartialTiles * kBM * kBN] the split products' f32 partial tiles
   int64_t d, f, chunk;
 };
 
@@ -277,20 +339,32 @@ __global__ __launch_bounds__(kThreads) void BackupKernel(const BackupOperands o,
     if (c0 > 0) GridBarrier(barrier, ++barriers);  // the chunk before has read the scratch
     const int n = static_cast<int>(std::min<int64_t>(chunk, count - c0));
     const int32_t* list = o.list + c0;
+    // A split product's partials are reduced after a barrier; the partials scratch is
+    // rewritten only by a later product, after the barrier that follows this one's reduction.
     if constexpr (kRecompute) {  // h[i] = bf16(relu(x[r] @ W))
       const GemmArgs act{x, o.d, static_cast<const uint16_t*>(o.w_act), o.f, h, o.f, nullptr, 0, list, fi, di};
-      GemmPhase<E, true, kRelu>(act, n, smem);
+      if (const int split = GemmPhase<E, true, kRelu>(act, n, smem, o.partials); split > 1) {
+        GridBarrier(barrier, ++barriers);
+        ReducePhase<E, kRelu>(act, n, o.partials, split);
+      }
       GridBarrier(barrier, ++barriers);
     }
     if constexpr (kGated) {  // h[i] = bf16(g * bf16(x[r] @ Wu)), g = g[r] or (recomputed) h[i], in place
+      constexpr int kEpi = kRecompute ? kScaleCompact : kScaleRows;
       const GemmArgs up{x, o.d, static_cast<const uint16_t*>(o.w_up), o.f, h, o.f, kRecompute ? h : g, o.f,
                         list, fi, di};
-      GemmPhase<E, true, kRecompute ? kScaleCompact : kScaleRows>(up, n, smem);
+      if (const int split = GemmPhase<E, true, kEpi>(up, n, smem, o.partials); split > 1) {
+        GridBarrier(barrier, ++barriers);
+        ReducePhase<E, kEpi>(up, n, o.partials, split);
+      }
       GridBarrier(barrier, ++barriers);
     }
     const GemmArgs down{kCompact ? h : g, o.f, static_cast<const uint16_t*>(o.w_down), o.d,
                         static_cast<uint16_t*>(o.y), o.d, nullptr, 0, list, di, fi};
-    GemmPhase<E, !kCompact, kStoreRows>(down, n, smem);
+    if (const int split = GemmPhase<E, !kCompact, kStoreRows>(down, n, smem, o.partials); split > 1) {
+      GridBarrier(barrier, ++barriers);
+      ReducePhase<E, kStoreRows>(down, n, o.partials, split);
+    }
   }
 }
 
@@ -343,7 +417,8 @@ ffi::Error LaunchBackup(cudaStream_t stream, int64_t rows, const BackupOperands&
   // Every CTA must be resident (the barriers); no more than the largest product's tiles.
   const int64_t most_rows = (kGated || kRecompute) ? std::min(rows, o.chunk) : rows;
   const int64_t max_tiles = CeilDiv(most_rows, kBM) * CeilDiv(std::max(o.d, o.f), kBN);
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, int64_t{resident})));
+  // (times kMaxSplit: a product of few tiles splits its K loop over more CTAs)
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles * kMaxSplit, int64_t{resident})));
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(kThreads);
@@ -392,8 +467,8 @@ struct Operand {
 ffi::Error BackupCall(const char* op, cudaStream_t stream, std::initializer_list<Operand> operands,
                       ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in,
                       ffi::Result<ffi::AnyBuffer> y, ffi::AnyBuffer::Dimensions h_dims, ffi::DataType h_type,
-                      ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity, int32_t max_entries,
-                      BackupOperands o) {
+                      ffi::Result<ffi::Buffer<ffi::S32>> list, ffi::Result<ffi::Buffer<ffi::F32>> partials,
+                      int32_t capacity, int32_t max_entries, BackupOperands o) {
   auto c_dims = counts.dimensions();
   auto wd_dims = w_down.dimensions();
   if (c_dims.size() != 2 || wd_dims.size() != 2)
@@ -418,6 +493,8 @@ ffi::Error BackupCall(const char* op, cudaStream_t stream, std::initializer_list
     chunk = h_dims[0];
   }
   if (!SameDims(list->dimensions(), {rows + 2})) return Invalid(std::string(op) + ": list must have shape [M + 2]");
+  if (!SameDims(partials->dimensions(), {int64_t{kPartialTiles} * kTileElems}))
+    return Invalid(std::string(op) + ": partials must have shape [" + std::to_string(kPartialTiles * kTileElems) + "]");
   if (d % 8 != 0 || f % 8 != 0) return Invalid(std::string(op) + ": d and f must be multiples of 8");
   // Below 2^30, so that the tile counts' rounding-up sums stay in int.
   if (rows >= (int64_t{1} << 30) || f >= (int64_t{1} << 30) || d >= (int64_t{1} << 30))
@@ -429,6 +506,7 @@ ffi::Error BackupCall(const char* op, cudaStream_t stream, std::initializer_list
   o.w_down = w_down.untyped_data();
   o.y = y->untyped_data();
   o.list = list->typed_data();
+  o.partials = partials->typed_data();
   o.d = d;
   o.f = f;
   o.chunk = chunk;
@@ -444,28 +522,29 @@ ffi::Error BackupCall(const char* op, cudaStream_t stream, std::initializer_list
 }
 
 // Results, every form: y [M, d] (y_in, aliased, with the backed-up rows written), list
-// [M + 2] s32 (the backed-up rows, then their count, then the grid barrier's counter);
+// [M + 2] s32 (the backed-up rows, then their count, then the grid barrier's counter),
+// partials [kPartialTiles * 64 * 64] f32 (scratch of the split products);
 // gated or recomputing forms: h [chunk, f] (scratch, 1 <= chunk <= M). Attributes: capacity (TwELL slots a tile) and max_entries (the warp kernel's
 // row budget): the warp kernel's rule, applied to the TwELL counts [M, n_tiles] s32.
 
 // Gated, g given: x [M, d], g [M, f], counts, w_up [d, f], w_down [f, d], y_in [M, d].
 ffi::Error BackupGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
                        ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in, ffi::Result<ffi::AnyBuffer> y,
-                       ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity,
-                       int32_t max_entries) {
+                       ffi::Result<ffi::AnyBuffer> h, ffi::Result<ffi::Buffer<ffi::S32>> list,
+                       ffi::Result<ffi::Buffer<ffi::F32>> partials, int32_t capacity, int32_t max_entries) {
   BackupOperands o{x.untyped_data(), g.untyped_data(), nullptr, w_up.untyped_data(), nullptr, nullptr,
-                   h->untyped_data(), nullptr, 0, 0, 0};
+                   h->untyped_data(), nullptr, nullptr, 0, 0, 0};
   return BackupCall("ffn_backup (gated)", stream, {{"x", &x, {kM, kD}}, {"g", &g, {kM, kF}}, {"w_up", &w_up, {kD, kF}}},
-                    counts, w_down, y_in, y, h->dimensions(), h->element_type(), list, capacity, max_entries, o);
+                    counts, w_down, y_in, y, h->dimensions(), h->element_type(), list, partials, capacity, max_entries, o);
 }
 
 // Non-gated, g given (the activation): g [M, f], counts, w_down [f, d], y_in [M, d].
 ffi::Error BackupUngated(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down,
                          ffi::AnyBuffer y_in, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> list,
-                         int32_t capacity, int32_t max_entries) {
-  BackupOperands o{nullptr, g.untyped_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0};
+                         ffi::Result<ffi::Buffer<ffi::F32>> partials, int32_t capacity, int32_t max_entries) {
+  BackupOperands o{nullptr, g.untyped_data(), nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 0, 0};
   return BackupCall("ffn_backup", stream, {{"g", &g, {kM, kF}}}, counts, w_down, y_in, y, {}, ffi::DataType::BF16,
-                    list, capacity, max_entries, o);
+                    list, partials, capacity, max_entries, o);
 }
 
 // Gated, the gate recomputed for the listed rows (no g: it was packed in its matmul's
@@ -473,12 +552,13 @@ ffi::Error BackupUngated(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi:
 ffi::Error BackupGatedFromX(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
                             ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in,
                             ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
-                            ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity, int32_t max_entries) {
+                            ffi::Result<ffi::Buffer<ffi::S32>> list, ffi::Result<ffi::Buffer<ffi::F32>> partials,
+                            int32_t capacity, int32_t max_entries) {
   BackupOperands o{x.untyped_data(), nullptr, w_gate.untyped_data(), w_up.untyped_data(), nullptr, nullptr,
-                   h->untyped_data(), nullptr, 0, 0, 0};
+                   h->untyped_data(), nullptr, nullptr, 0, 0, 0};
   return BackupCall("ffn_backup (gated, from x)", stream,
                     {{"x", &x, {kM, kD}}, {"w_gate", &w_gate, {kD, kF}}, {"w_up", &w_up, {kD, kF}}}, counts, w_down,
-                    y_in, y, h->dimensions(), h->element_type(), list, capacity, max_entries, o);
+                    y_in, y, h->dimensions(), h->element_type(), list, partials, capacity, max_entries, o);
 }
 
 // Non-gated, the activation recomputed for the listed rows: x [M, d], counts, w_act [d, f],
@@ -486,11 +566,12 @@ ffi::Error BackupGatedFromX(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
 ffi::Error BackupUngatedFromX(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
                               ffi::AnyBuffer w_act, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in,
                               ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> h,
-                              ffi::Result<ffi::Buffer<ffi::S32>> list, int32_t capacity, int32_t max_entries) {
+                              ffi::Result<ffi::Buffer<ffi::S32>> list, ffi::Result<ffi::Buffer<ffi::F32>> partials,
+                              int32_t capacity, int32_t max_entries) {
   BackupOperands o{x.untyped_data(), nullptr, w_act.untyped_data(), nullptr, nullptr, nullptr, h->untyped_data(),
-                   nullptr, 0, 0, 0};
+                   nullptr, nullptr, 0, 0, 0};
   return BackupCall("ffn_backup (from x)", stream, {{"x", &x, {kM, kD}}, {"w_act", &w_act, {kD, kF}}}, counts, w_down,
-                    y_in, y, h->dimensions(), h->element_type(), list, capacity, max_entries, o);
+                    y_in, y, h->dimensions(), h->element_type(), list, partials, capacity, max_entries, o);
 }
 
 }  // namespace
@@ -508,6 +589,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGated, jax_twell::BackupGated,
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
                                   .Ret<xla::ffi::AnyBuffer>()  // h [chunk, f] (scratch)
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 2]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partials (scratch)
                                   .Attr<int32_t>("capacity")
                                   .Attr<int32_t>("max_entries"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -521,6 +603,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackup, jax_twell::BackupUngated,
                                   .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 2]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partials (scratch)
                                   .Attr<int32_t>("capacity")
                                   .Attr<int32_t>("max_entries"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -537,6 +620,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGatedFromX, jax_twell::BackupGate
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
                                   .Ret<xla::ffi::AnyBuffer>()  // h [chunk, f] (scratch)
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 2]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partials (scratch)
                                   .Attr<int32_t>("capacity")
                                   .Attr<int32_t>("max_entries"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -552,6 +636,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupFromX, jax_twell::BackupUngatedFr
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
                                   .Ret<xla::ffi::AnyBuffer>()  // h [chunk, f] (scratch)
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 2]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // partials (scratch)
                                   .Attr<int32_t>("capacity")
                                   .Attr<int32_t>("max_entries"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

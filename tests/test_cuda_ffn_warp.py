@@ -195,6 +195,31 @@ def test_device_backup_in_chunks(gated, given):
         assert np.all(y[~left] == 3.0)
 
 
+@pytest.mark.parametrize("gated,given", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("full", [1, 3, 70])
+def test_device_backup_split_products(gated, given, full):
+    """A few backed-up rows of a wide layer: each product has fewer tiles than half the grid,
+    so its K loop is split over CTAs and the slices' partials summed in a reduction phase
+    (70 rows: two row tiles). Every row as the dense formula has it, the others untouched,
+    and the same bits call after call."""
+    m, d, f = 1024, 1024, 5632
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(full + 5), m, d, f, density=0.003), full=full, empty=2)
+    w_act = inp.w_gate if gated else inp.w_up
+    w_up = inp.w_up if gated else None
+    g = relu_matmul(inp.x, w_act)
+    act = _act(inp.x, w_act, 256, 32)
+    left = np.asarray(warp.backed_up(act, warp.ROW_BUDGET))
+    assert full <= left.sum() < 2 * full + 8
+    want = np.asarray(reference.twell_ffn(inp.x, act, w_act, w_up, inp.w_down), np.float32)
+    fn = jax.jit(lambda xx, gg, a, wa, wu, wd, yy: warp.backup_rows(xx, gg, a, wu, wd, yy, w_act=wa))
+    args = (inp.x if gated or not given else None, g if given else None, act, w_act, w_up, inp.w_down,
+            jnp.full_like(inp.x, 3.0))
+    y = np.asarray(fn(*args), np.float32)
+    assert np.all(y[~left] == 3.0)
+    assert_rows_close(y[left], want[left], jnp.bfloat16, f"full={full}")
+    assert np.array_equal(np.asarray(fn(*args), np.float32), y)
+
+
 def test_device_backup_is_deterministic():
     """The list's order varies with the atomics; no bit of y may."""
     m, d, f = 4096, 256, 1024

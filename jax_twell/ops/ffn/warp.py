@@ -99,12 +99,24 @@ def device_backup_supported(f: int) -> bool:
     return f % 8 == 0
 
 
-def backup_chunk_rows(m: int) -> int:
+# The device backup's split products keep their f32 partial tiles in a scratch of this many
+# elements (kPartialTiles 64 x 64 tiles in ffi/twell_backup.cu: 8 MB).
+BACKUP_PARTIALS = 512 * 64 * 64
+# Scratch rows the device backup may take whatever M: 16 MB of bf16 at f = 5,632 (1,472 rows).
+BACKUP_SCRATCH_ELEMENTS = 1 << 23
+
+
+def backup_chunk_rows(m: int, f: int | None = None) -> int:
     """Rows of the device backup's scratch (``[rows, f]``) for an M-token call: an eighth of
-    M, rounded up to its 64-row tiles (the switch's largest bucket; the per-call choice
-    sends calls past half of it to the dense side), at most M. More backed-up rows than
-    this run in further chunks of the same launch: exact, at a bounded memory cost."""
-    return max(1, min(m, -(-max(m // 8, 1) // 64) * 64))
+    M rounded up to its 64-row tiles, or as many 64-row tiles as ``BACKUP_SCRATCH_ELEMENTS``
+    holds at ``f`` neurons where that is more, at most M. More backed-up rows than this run
+    in further chunks of the same launch: exact, at a bounded memory cost (fewer, larger
+    chunks keep more tiles in flight a product: at M=2,048 an eighth of M gave the down
+    product 128 tiles for 132 SMs)."""
+    rows = -(-max(m // 8, 1) // 64) * 64
+    if f:
+        rows = max(rows, BACKUP_SCRATCH_ELEMENTS // max(f, 1) // 64 * 64)
+    return max(1, min(m, rows))
 
 
 def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
@@ -126,23 +138,24 @@ def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDG
     attrs = dict(capacity=np.int32(act.capacity), max_entries=np.int32(row_budget))
     rows = jax.ShapeDtypeStruct((m + 2,), jnp.int32)
     out = jax.ShapeDtypeStruct((m, d), y.dtype)
-    chunk = backup_chunk_rows(m) if chunk_rows is None else max(1, min(int(chunk_rows), m))
+    chunk = backup_chunk_rows(m, f) if chunk_rows is None else max(1, min(int(chunk_rows), m))
     h = jax.ShapeDtypeStruct((chunk, f), y.dtype)
+    parts = jax.ShapeDtypeStruct((BACKUP_PARTIALS,), jnp.float32)
     if g is None:
         if w_act is None or x is None:
             raise ValueError("backup_rows: without g, x and w_act are needed to recompute the rows' activation")
         if w_up is None:
-            y, _, _ = kernel_call("jax_twell_ffn_backup_from_x", (out, h, rows), vmap_method="sequential",
+            y, *_ = kernel_call("jax_twell_ffn_backup_from_x", (out, h, rows, parts), vmap_method="sequential",
                                   aliases={4: 0})(x, act.counts, w_act, w_down, y, **attrs)
         else:
-            y, _, _ = kernel_call("jax_twell_ffn_backup_gated_from_x", (out, h, rows), vmap_method="sequential",
+            y, *_ = kernel_call("jax_twell_ffn_backup_gated_from_x", (out, h, rows, parts), vmap_method="sequential",
                                   aliases={5: 0})(x, act.counts, w_act, w_up, w_down, y, **attrs)
         return y
     if w_up is None:
-        y, _ = kernel_call("jax_twell_ffn_backup", (out, rows), vmap_method="sequential", aliases={3: 0})(
+        y, *_ = kernel_call("jax_twell_ffn_backup", (out, rows, parts), vmap_method="sequential", aliases={3: 0})(
             g, act.counts, w_down, y, **attrs)
         return y
-    y, _, _ = kernel_call("jax_twell_ffn_backup_gated", (out, h, rows), vmap_method="sequential", aliases={5: 0})(
+    y, *_ = kernel_call("jax_twell_ffn_backup_gated", (out, h, rows, parts), vmap_method="sequential", aliases={5: 0})(
         x, g, act.counts, w_up, w_down, y, **attrs)
     return y
 
