@@ -204,7 +204,7 @@ def test_device_backup_split_products(gated, given, full):
     and the same bits call after call."""
     m, d, f = 1024, 1024, 5632
     inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(full + 5), m, d, f, density=0.003), full=full, empty=2)
-    w_act = inp.w_gate if gated else inp.w_up
+    w_act = inp.w_gate  # the sparse activation's weight, gated or not (w_up's activation would be dense)
     w_up = inp.w_up if gated else None
     g = relu_matmul(inp.x, w_act)
     act = _act(inp.x, w_act, 256, 32)

@@ -37,8 +37,8 @@ class FFNKernels:
     w_down, *, w_up_t) -> y; decode_rows(x, w_act_t, w_down, *, w_up_t) -> y;
     warp_rows(x, act, w_up_t, w_down, *, row_budget) -> y (zeros on the rows left to the backup);
     warp_backup(x, g, act, w_up, w_down, y, *, row_budget) -> y with those rows computed
-    densely, their count read on the device (:func:`warp.backup_rows`); None (the default
-    until that kernel is measured on the GPU): the ``lax.switch`` over static sizes.
+    densely, their count read on the device (:func:`warp.backup_rows`, the default; measured
+    in ffi/notes/twell_backup.md); None: the ``lax.switch`` over static sizes.
     """
 
     pack: Callable = pack_binding.pack_twell
@@ -49,7 +49,7 @@ class FFNKernels:
     decode_gate: Callable = binding.decode_ffn_gate
     decode_rows: Callable = binding.decode_ffn_rows
     warp_rows: Callable = warp.ffn_rows
-    warp_backup: Callable | None = None
+    warp_backup: Callable | None = warp.backup_rows
 
 
 BINDINGS = FFNKernels()
@@ -111,12 +111,12 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
                                finite=operands_finite)
     columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
     if plan.path == Path.WARP and device_backup:  # a known layer: no conditional at all
+        # XLA's gate and the pack, not the fused gate: with no g the backup recomputes its
+        # rows' gate, which cost heavy-tailed rows 9% at M=16,384 (1.10x against 1.20x of
+        # XLA's dense FFN) for 2% on uniform rows (lab/results/device_backup_ee16371.json).
         tile, capacity = plan.options.tile, plan.options.capacity
-        if plan.fused_gate:  # no g: the backup recomputes its rows' activation
-            g, act = None, kernels.gate_pack(x, w_act, tile=tile, capacity=capacity, variant=plan.gate_variant)
-        else:
-            g = relu_matmul(x, w_act)
-            act = kernels.pack(g, tile=tile, capacity=capacity)
+        g = relu_matmul(x, w_act)
+        act = kernels.pack(g, tile=tile, capacity=capacity)
         return warp.ffn_with_backup(x, g, act, w_up_k, w_down, columns, w_up_t=w_up_t, rows_kernel=kernels.warp_rows,
                                     backup_kernel=kernels.warp_backup, w_act=w_act)
     ok = all_finite(x) & columns.all()
