@@ -17,10 +17,13 @@
 //      - y[r] = bf16(h[i] @ Wd) (non-gated with g given: g[r] @ Wd, no scratch);
 //      a grid barrier between a product and the next one that reads it, and between chunks.
 // The products are tensor-core tiles (mma.sync m16n8k16, f32 accumulators; 64 x 64 x 32
-// tiles, four warps, a four-stage cp.async pipeline), shared out over the grid. The
+// tiles, four warps, a four-stage cp.async pipeline), shared out over the grid; a product
+// with fewer tiles than half the grid splits its K loop over CTAs (f32 partial tiles in a
+// scratch, then a reduction phase in slice order that applies the product's epilogue). The
 // scratch holds a chunk of rows ([chunk, f], the caller's choice), so any number of rows is
-// exact at a bounded memory cost. Each row's sums run over K in one fixed order whatever
-// its place in the list or chunk: the results are deterministic.
+// exact at a bounded memory cost. Each row's sums run over K in an order fixed by the
+// shapes, the row count and the device (its CTAs), whatever its place in the list or chunk: the results are
+// deterministic.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

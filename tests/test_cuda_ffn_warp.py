@@ -283,9 +283,9 @@ def test_with_device_backup_matches_reference(spec):
 @pytest.mark.parametrize("m", [1100, 2048])
 def test_op_with_the_device_backup(layer, m):
     """The inference op with ``FFNKernels.warp_backup`` set: the per-call form (one
-    conditional), a known layer and a forced one (none; XLA's gate below 2,048 tokens, from
-    there the fused gate, whose backup recomputes its rows' gate), with fully active rows
-    (the plans are checked on the CPU in test_cuda_dispatch.py)."""
+    conditional), a known layer and a forced one (none: XLA's gate, the pack, the warp
+    kernel and the device backup), with fully active rows (the plans are checked on the CPU
+    in test_cuda_dispatch.py)."""
     from jax_twell.ops.ffn import cuda as ffn_cuda
     from jax_twell.ops.plan import FFNOptions, Kernel, LayerInfo, Side
     from jax_twell.ops.costs import DenseCrossover

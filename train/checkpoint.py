@@ -95,8 +95,7 @@ class Checkpointer:
         rotated.mkdir(exist_ok=True)
         for step in excess:  # a rename takes it out of the listing atomically
             (self.directory / str(step)).rename(rotated / f"{step}.excess")
-        self._manager.reload()
-        self._empty_rotated()
+        self._manager.reload()  # save() empties the rotated folder next
 
     def _empty_rotated(self) -> None:
         """Deletes the checkpoints rotated out so far (a kill mid-way loses nothing listed)."""
