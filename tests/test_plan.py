@@ -112,21 +112,39 @@ def test_a_call_that_knows_nothing_runs_dense_where_its_choice_would_cost_more()
 
 
 def test_a_known_layer_runs_dense_below_its_token_floor_past_decode_sizes():
-    """A known fraction below the rule's layer_min_tokens (and past the decode sizes) is
-    planned dense: measured losing inside a model there. At the floor the kernels run; decode
-    sizes keep their own bounds; a given side or an asked kernel is not overridden."""
+    """A known fraction below the rule's floor (and past the decode sizes) is planned dense:
+    measured losing inside a model there. The floor is ``layer_min_tokens_no_conditional``
+    where the warp path holds no conditional (the device backup, ``w_up.T`` given), else
+    ``layer_min_tokens``. At the floor the kernels run; decode sizes keep their own bounds;
+    a given side or an asked kernel is not overridden."""
     rule = DenseCrossover()
     d, f = 2048, 5632
     known = LayerInfo(0.002)
-    for m in (65, 512, 2048, rule.layer_min_tokens - 1):
+    low = rule.layer_min_tokens_no_conditional
+    assert 2048 <= low < rule.layer_min_tokens
+    for m in (65, 512, low - 1):
         assert plan_ffn(m, d, f, BF16, gated=True, layer=known, w_up_t=True).path == Path.DENSE, m
-    assert plan_ffn(rule.layer_min_tokens, d, f, BF16, gated=True, layer=known, w_up_t=True).path == Path.WARP
+    for m in (low, 4096, rule.layer_min_tokens):
+        assert plan_ffn(m, d, f, BF16, gated=True, layer=known, w_up_t=True).path == Path.WARP, m
+    # without the transposed copy, or with the switch-form backup: the conditional's floor
+    switch = FFNOptions(device_backup=False)
+    for m in (low, rule.layer_min_tokens - 1):
+        assert plan_ffn(m, d, f, BF16, gated=True, layer=known).path == Path.DENSE, m
+        assert plan_ffn(m, d, f, BF16, gated=True, layer=known, w_up_t=True, options=switch).path == Path.DENSE, m
+    assert plan_ffn(rule.layer_min_tokens, d, f, BF16, gated=True, layer=known).path == Path.WARP
+    assert plan_ffn(rule.layer_min_tokens, d, f, BF16, gated=True, layer=known, w_up_t=True,
+                    options=switch).path == Path.WARP
+    # a shape the device backup does not take (f not a multiple of 8) keeps the higher floor
+    assert plan_ffn(low, d, 5636, BF16, gated=True, layer=known, w_up_t=True).path == Path.DENSE
     assert plan_ffn(1, d, f, BF16, gated=True, layer=known, w_up_t=True, w_act_t=True).path == Path.DECODE_ROWS
     assert plan_ffn(2048, d, f, BF16, gated=True, layer=LayerInfo(side=Side.SPARSE)).path == Path.WARP
     asked = FFNOptions(kernel=Kernel.BLOCKED_UNION)
     assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, options=asked).path == Path.TILES
     lower = FFNOptions(rule=dataclasses.replace(rule, layer_min_tokens=1024))
-    assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, w_up_t=True, options=lower).path == Path.WARP
+    assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, options=lower).path == Path.WARP
+    # the floor never goes below the conditional's own where that is set lower
+    both = FFNOptions(rule=dataclasses.replace(rule, layer_min_tokens=0, layer_min_tokens_no_conditional=4096))
+    assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, w_up_t=True, options=both).path == Path.WARP
 
 
 def test_the_headline_shape_on_the_blocked_kernel():

@@ -84,6 +84,13 @@ class DenseCrossover:
     # sequence at 0.95x the dense models' tokens/s, and 8 x 2,048 at 1.03x
     # (benchmarks/results/bench_0.5b_51eb2d1.json).
     layer_min_tokens: int = 8192
+    # The same floor where no conditional is left: the known layer's backup reads its row
+    # count on the device (ffi/twell_backup.cu) and its up weight is kept transposed, as a
+    # serving model keeps it. One layer at M=2,048, 0.5% active, against XLA's dense FFN in
+    # the same process: 1.28x on uniform rows, 1.07x with 2% of the tokens at 10-50% of f
+    # (lab/results/device_backup_ee16371.json, known_device_kept); without the transposed
+    # copy 1.07x and 0.92x, so that form keeps layer_min_tokens.
+    layer_min_tokens_no_conditional: int = 2048
     count_sample_rows: int = 1024  # rows of g the per-call choice counts, at most
     count_sample_min_rows: int = 256  # ... and at least (else M / 8)
     decode_gather_max_tokens: int = 0  # tokens up to which xla.gather_ffn runs (0: off; measured slower)

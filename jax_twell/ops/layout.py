@@ -270,6 +270,13 @@ WARP_ROW_BUDGET = 64  # entries a row may hold and stay on the kernel (past it: 
 WARP_MIN_TOKENS = 2048  # from here the warp path measured at least XLA's dense FFN (M=2,048: 1.00x)
 
 
+def device_backup_supported(f: int) -> bool:
+    """Whether the device backup (``jax_twell.ops.ffn.warp.backup_rows``) takes an FFN of
+    ``f`` neurons (its products copy rows in 16-byte pieces: f a multiple of 8; the warp
+    kernel already needs d a multiple of 8)."""
+    return f % 8 == 0
+
+
 def warp_supported(d: int, dtype) -> bool:
     """True where the warp kernel takes rows of width ``d`` in ``dtype`` (bf16/f16, d a
     multiple of 8 up to :data:`WARP_MAX_D`)."""

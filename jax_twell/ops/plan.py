@@ -139,6 +139,10 @@ class FFNOptions:
       fused_gate: pack the gate in the matmul's epilogue where it measured faster
         (:func:`fused_gate_preferred`); False: XLA's matmul + the pack kernel everywhere.
       gate_variant: the fused gate GEMM's configuration; None: :func:`fused_gate_variant`.
+      device_backup: the warp path's rows past its layout go to the backup that reads
+        their count on the device (no conditional; ffi/twell_backup.cu) where it takes
+        the shape; False: a ``lax.switch`` over static backup sizes. A known layer with
+        it and ``w_up.T`` given runs sparse from ``rule.layer_min_tokens_no_conditional``.
     """
 
     tile: int = 256
@@ -147,6 +151,7 @@ class FFNOptions:
     rule: DenseCrossover = DenseCrossover()
     fused_gate: bool = True
     gate_variant: int | None = None
+    device_backup: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "kernel", Kernel(self.kernel))  # a Kernel or its name
@@ -197,6 +202,16 @@ def _kernel(options: FFNOptions, m: int, d: int, f: int, gated: bool) -> Kernel:
     return kernel
 
 
+def _layer_min_tokens(rule: DenseCrossover, options: FFNOptions, d: int, f: int, dtype, transposed: bool) -> int:
+    """Tokens from which a layer of known fraction runs sparse past the decode sizes: the
+    rule's ``layer_min_tokens_no_conditional`` where its warp path holds no conditional
+    (the device backup, ``w_up.T`` given), else its ``layer_min_tokens``."""
+    no_conditional = (options.device_backup and transposed and options.kernel == Kernel.AUTO
+                      and layout.warp_supported(d, dtype) and layout.device_backup_supported(f))
+    floor = min(rule.layer_min_tokens_no_conditional, rule.layer_min_tokens) if no_conditional else rule.layer_min_tokens
+    return max(floor, layout.WARP_MIN_TOKENS) if no_conditional else floor
+
+
 def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = LayerInfo(),
              options: FFNOptions = FFNOptions(), w_up_t: bool = False, w_act_t: bool = False) -> FFNPlan:
     """The inference plan for ``m`` tokens of ``x [m, d]`` in ``dtype`` through an FFN of
@@ -209,7 +224,8 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
     (no fraction, no side, no kernel asked for), fewer tokens than the rule's
     ``per_call_min_tokens`` or d below its ``per_call_min_d`` run dense (the per-call
     choice costs more than it saves there); a known fraction with fewer tokens than its
-    ``layer_min_tokens``, or one the rule prices dense, runs dense; else the warp or TwELL path, with the sparse-or-dense choice left to the device
+    ``layer_min_tokens`` (``layer_min_tokens_no_conditional`` where the warp path holds no
+    conditional: the device backup, ``w_up.T`` given), or one the rule prices dense, runs dense; else the warp or TwELL path, with the sparse-or-dense choice left to the device
     unless the side is known.
     """
     dtype = jnp.dtype(dtype)
@@ -246,7 +262,8 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
             return FFNPlan(Path.GATHER, gather_width=xla.gather_width(m, f, rule.decode_active_per_token), **base)
         if af is None and options.kernel == Kernel.AUTO and (m < rule.per_call_min_tokens or d < rule.per_call_min_d):
             return FFNPlan(Path.DENSE, **base)  # nothing known: the per-call choice would cost more than it saves
-        if af is not None and options.kernel == Kernel.AUTO and m < rule.layer_min_tokens:
+        if af is not None and options.kernel == Kernel.AUTO and m < _layer_min_tokens(rule, options, d, f, dtype,
+                                                                                        transposed):
             return FFNPlan(Path.DENSE, **base)  # a known layer past decode sizes: measured losing in a model
         if not rule.sparse_can_win(m, d, f, itemsize, transposed):
             return FFNPlan(Path.DENSE, **base)

@@ -91,7 +91,7 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         return jnp.zeros((0, d), x.dtype)
     if plan.path == Path.DENSE:
         return xla.ffn(x, w_gate, w_up, w_down)
-    device_backup = kernels.warp_backup is not None and warp.device_backup_supported(f)
+    device_backup = plan.options.device_backup and kernels.warp_backup is not None and warp.device_backup_supported(f)
     if plan.path == Path.WARP and plan.device_choice and device_backup:
         # No conditional past the sample's choice: the backup reads its row count on the
         # device, and y gets the dense formula's NaN by one pass (on the sparse side only).

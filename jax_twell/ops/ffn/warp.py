@@ -22,6 +22,7 @@ from jax_twell.ops import xla
 from jax_twell.ops.common import as_dense_nonfinite
 from jax_twell.ops.layout import WARP_MAX_D as MAX_D  # noqa: F401  (the names the tests use)
 from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
+from jax_twell.ops.layout import device_backup_supported  # noqa: F401  (re-exported)
 from jax_twell.ops.layout import warp_backup_size as backup_size
 from jax_twell.ops.layout import warp_supported as supported  # noqa: F401
 from jax_twell.ops.pack.binding import pack_twell
@@ -91,12 +92,6 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET):
             x, act.values, act.cols, act.counts, w_down, **attrs)
     return kernel_call("jax_twell_ffn_warp_gated", out, vmap_method="sequential")(
         x, act.values, act.cols, act.counts, w_up_t, w_down, **attrs)
-
-
-def device_backup_supported(f: int) -> bool:
-    """Whether :func:`backup_rows` takes an FFN of ``f`` neurons (its products copy rows in
-    16-byte pieces: f a multiple of 8; the warp kernel already needs d a multiple of 8)."""
-    return f % 8 == 0
 
 
 # The device backup's split products keep their f32 partial tiles in a scratch of this many
