@@ -59,7 +59,7 @@ from jax_twell.ops.common import finite_columns
 from jax_twell.ops.ffn.api import sparse_ffn_for_layer
 from jax_twell.ops.ffn_train.api import sparse_ffn_train_for_layer
 from jax_twell.ops.plan import LayerInfo, Side, TrainOptions
-from jax_twell.ops.stats import block_union_fraction, hidden_stats, make_aux
+from jax_twell.ops.stats import block_union_fraction, hidden_stats, make_aux, warp_layout_fit
 
 __all__ = [
     "SparseFFN",
@@ -227,6 +227,11 @@ class SparseFFN(_FFN):
         blocks as a fraction of f (a Python float or None; :meth:`block_union`, or
         ``TransformerLM.calibrate_ffn``); with ``active_fraction`` it prices the union
         kernels at trace time. A plain attribute, like ``active_fraction``.
+      overflow_fraction, kept_fraction: this layer's measured fraction of tokens past the
+        warp kernel's layout, and of (token, neuron) pairs in the tokens that fit it
+        (Python floats or None; :meth:`layout_stats`, or ``TransformerLM.calibrate_ffn``):
+        with ``active_fraction`` they price that kernel and its dense backup at trace
+        time (``LayerInfo``). Plain attributes, like ``active_fraction``.
       side: ``jax_twell.ops.plan.Side``: a side decided for the layer (the trainer's
         per-layer choice, ``jax_twell.train.ffn_paths``); AUTO lets the ops decide.
       rngs: ``nnx.Rngs`` with a ``params`` stream.
@@ -247,6 +252,8 @@ class SparseFFN(_FFN):
         active_fraction: float | None = None,
         union_fraction: float | None = None,
         side: Side = Side.AUTO,
+        overflow_fraction: float | None = None,
+        kept_fraction: float | None = None,
         rngs: nnx.Rngs,
     ):
         super().__init__(d_model, d_ff, gated=gated, width=width, param_dtype=param_dtype, rngs=rngs)
@@ -255,6 +262,8 @@ class SparseFFN(_FFN):
         self.active_fraction = active_fraction
         self.union_fraction = union_fraction
         self.side = side
+        self.overflow_fraction = overflow_fraction
+        self.kept_fraction = kept_fraction
         self.w_up_t: InferenceCache | None = nnx.data(None)  # data, not structure: set later
         self.w_act_t: InferenceCache | None = nnx.data(None)
         self.weights_finite: InferenceCache | None = nnx.data(None)
@@ -314,9 +323,27 @@ class SparseFFN(_FFN):
         (tokens in order, leading dimensions flattened), as a fraction of f: what the
         ``union_fraction`` attribute wants (``jax_twell.ops.stats.block_union_fraction`` of
         ``relu(x @ w_act)``; pure JAX, one extra gate matmul)."""
+        return block_union_fraction(self._gate(x))
+
+    def layout_stats(self, x: jax.Array) -> jax.Array:
+        """``[3]`` f32 of the gate activation ``relu(x @ w_act)`` for ``x [..., d]`` (tokens
+        in order, leading dimensions flattened; one extra gate matmul): the mean 64-token
+        union (as :meth:`block_union`), the fraction of tokens past the warp kernel's
+        layout and the fraction of (token, neuron) pairs in the tokens that fit it
+        (``jax_twell.ops.stats.warp_layout_fit``): what the ``union_fraction``,
+        ``overflow_fraction`` and ``kept_fraction`` attributes want."""
+        g = self._gate(x)
+        return jnp.concatenate([block_union_fraction(g)[None], warp_layout_fit(g)])
+
+    def _gate(self, x: jax.Array) -> jax.Array:
         w_gate, w_up, _ = self._weights(x.dtype)
-        g = relu_matmul(x.reshape(-1, x.shape[-1]), w_up if w_gate is None else w_gate)
-        return block_union_fraction(g)
+        return relu_matmul(x.reshape(-1, x.shape[-1]), w_up if w_gate is None else w_gate)
+
+    def layer_info(self) -> LayerInfo:
+        """What the inference ops are told of this layer: its attributes (the measured
+        fractions count only with ``active_fraction``)."""
+        return LayerInfo(self.active_fraction, self.union_fraction, self.side,
+                         overflow_fraction=self.overflow_fraction, kept_fraction=self.kept_fraction)
 
     def infer(self, x: jax.Array) -> jax.Array:
         """Inference forward, no statistics: ``x [..., d]`` -> ``y [..., d]`` of ``x.dtype``."""
@@ -324,7 +351,7 @@ class SparseFFN(_FFN):
         return sparse_ffn_for_layer(
             x,
             *self._weights(x.dtype),
-            layer=LayerInfo(self.active_fraction, self.union_fraction, self.side),
+            layer=self.layer_info(),
             w_up_t=cached(self.w_up_t),
             w_act_t=cached(self.w_act_t),
             weights_finite=None if self.weights_finite is None else self.weights_finite[...],

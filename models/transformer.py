@@ -263,12 +263,14 @@ class Block(nnx.Module):
         return x, self.ffn_norm(x)
 
     def forward_with_union(self, x: jax.Array, *, union: bool = True):
-        """As ``__call__``, plus the FFN's mean 64-token union of active neurons as a fraction
-        of f (``SparseFFN.block_union`` of its input; NaN for a dense FFN or ``union=False``):
-        ``(x, FFNAux, [] f32)``."""
+        """As ``__call__``, plus ``SparseFFN.layout_stats`` of the FFN's input: its mean
+        64-token union of active neurons as a fraction of f, its fraction of tokens past the
+        warp kernel's layout and of pairs in the tokens that fit it (NaN for a dense FFN or
+        ``union=False``): ``(x, FFNAux, [3] f32)``."""
         x, h = self.attend(x)
         y, aux = self.ffn.forward_with_stats(h)
-        measured = self.ffn.block_union(h) if union and isinstance(self.ffn, SparseFFN) else jnp.float32(jnp.nan)
+        measured = (self.ffn.layout_stats(h) if union and isinstance(self.ffn, SparseFFN)
+                    else jnp.full((3,), jnp.nan, jnp.float32))
         return x + y, aux, measured
 
     def cached(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array):
@@ -334,13 +336,20 @@ class TransformerLM(nnx.Module):
         union of active neurons over blocks of 64 consecutive tokens, as a fraction of f
         (``SparseFFN.block_union``; NaN for a dense FFN): ``(FFNStats, [L] f32)``.
         Traceable; one extra gate matmul per sparse layer."""
+        stats, layouts = self.measure_ffn_layouts(tokens)
+        return stats, layouts[:, 0]
+
+    def measure_ffn_layouts(self, tokens: jax.Array) -> tuple[FFNStats, jax.Array]:
+        """As :meth:`measure_ffn`, with each layer's ``SparseFFN.layout_stats`` (NaN for a
+        dense FFN): ``(FFNStats, [L, 3] f32)``, the columns union, overflow and kept
+        fractions. Traceable; one extra gate matmul per sparse layer."""
         x = self._embed(tokens)
-        auxes, unions = [], []
+        auxes, layouts = [], []
         for layer in self.layers:
-            x, aux, union = layer.forward_with_union(x)
+            x, aux, measured = layer.forward_with_union(x)
             auxes.append(aux)
-            unions.append(union)
-        return stack_stats(auxes), jnp.stack(unions)
+            layouts.append(measured)
+        return stack_stats(auxes), jnp.stack(layouts)
 
     def ffn_inputs(self, tokens: jax.Array, layers: Sequence[int]) -> tuple[jax.Array, ...]:
         """The input the FFN of each layer in ``layers`` receives in the training forward on
@@ -369,15 +378,21 @@ class TransformerLM(nnx.Module):
         (decode kernels or dense for inference; kernels or XLA for training); also each
         layer's mean union of active neurons over blocks of 64 consecutive tokens, as its
         ``union_fraction`` (what the CUDA union kernels read; a trained layer's is well
-        below the uniform pattern's at the same density). Returns the active fractions, one
-        per layer. Re-jit code that captured the model after calling it.
+        below the uniform pattern's at the same density), and the fractions of tokens past
+        the warp kernel's layout and of pairs in the tokens that fit it, as its
+        ``overflow_fraction`` and ``kept_fraction`` (what that kernel and its dense backup
+        are priced by). Returns the active fractions, one per layer. Re-jit code that
+        captured the model after calling it.
         """
-        stats, unions = nnx.jit(TransformerLM.measure_ffn)(self, jnp.asarray(tokens, jnp.int32))
+        stats, layouts = nnx.jit(TransformerLM.measure_ffn_layouts)(self, jnp.asarray(tokens, jnp.int32))
         fractions = [float(v) / self.cfg.d_ff for v in np.asarray(stats.nnz_mean, np.float64)]
-        for layer, fraction, union in zip(self.layers, fractions, np.asarray(unions, np.float64)):
+        clip = lambda v: min(max(float(v), 0.0), 1.0)
+        for layer, fraction, (union, over, kept) in zip(self.layers, fractions, np.asarray(layouts, np.float64)):
             if isinstance(layer.ffn, SparseFFN):
-                layer.ffn.active_fraction = min(max(fraction, 0.0), 1.0)
-                layer.ffn.union_fraction = min(max(float(union), 0.0), 1.0)
+                layer.ffn.active_fraction = clip(fraction)
+                layer.ffn.union_fraction = clip(union)
+                layer.ffn.overflow_fraction = clip(over)
+                layer.ffn.kept_fraction = clip(kept)
         return fractions
 
     def cache_for_decode(self, dtype=None, *, activation_weight: bool = False) -> None:

@@ -13,10 +13,10 @@ from jax_twell.ops.plan import FFNOptions, Kernel, LayerInfo, Side, TrainOptions
 
 def cuda_ffn(x, w_gate, w_up, w_down, *, tile=256, capacity=32, rule=None, kernel="auto", side=Side.AUTO,
              active_fraction=None, union_fraction=None, w_up_t=None, w_act_t=None, gate_variant=None,
-             kernels=ffn_cuda.BINDINGS):
+             kernels=ffn_cuda.BINDINGS, device_backup=True):
     """``jax_twell.ops.ffn.cuda.sparse_ffn`` for ``x [M, d]``: ``y [M, d]``."""
     options = FFNOptions(tile=tile, capacity=capacity, kernel=kernel, rule=rule or DenseCrossover(),
-                         gate_variant=gate_variant)
+                         gate_variant=gate_variant, device_backup=device_backup)
     layer = LayerInfo(active_fraction, union_fraction, side)
     return ffn_cuda.sparse_ffn(x, w_gate, w_up, w_down, layer=layer, options=options, w_up_t=w_up_t, w_act_t=w_act_t,
                                kernels=kernels)

@@ -37,7 +37,7 @@ ROW_MARK, BLOCKED_MARK, WARP_MARK = 3.0, 5.0, 7.0  # constant outputs of the sta
 # Rules without fixed costs (nor the row kernel's small-M rate), so that the small test shapes
 # are not decided dense at trace time.
 NO_FIXED = dict(fixed_overhead=0.0, transpose_bandwidth=float("inf"), row_full_tokens=1, per_call_min_tokens=0,
-                per_call_min_d=0, layer_min_tokens=0)
+                per_call_min_d=0, layer_min_tokens=0, layer_min_tokens_no_conditional=0, warp_fixed_overhead=0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "capacity"))

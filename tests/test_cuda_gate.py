@@ -212,7 +212,10 @@ def test_sparse_ffn_with_the_fused_gate(gated, how):
         fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=TILE, capacity=32, side=Side.SPARSE)
     else:
         rule = DenseCrossover(margin=1e9, layer_min_tokens=0)  # a known fraction the rule sends to the kernels
-        fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=TILE, capacity=32, active_fraction=1e-4, w_up_t=None if wg is None else wu.T, rule=rule)
+        # the known layer's fused-gate form is the one with the backup's switch (with the
+        # device backup it takes XLA's gate and the pack: test_cuda_ffn_warp.py)
+        fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=TILE, capacity=32, active_fraction=1e-4,
+                                            w_up_t=None if wg is None else wu.T, rule=rule, device_backup=False)
     args = (inp.x, w_gate, w_up, inp.w_down)
     assert "jax_twell_gate_pack" in _custom_calls(fn, *args)
     y = jax.jit(fn)(*args)

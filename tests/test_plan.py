@@ -5,6 +5,7 @@ import dataclasses
 import inspect
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_twell as jt
@@ -204,3 +205,64 @@ def test_training_plans():
         plan_ffn_train(m, 96, f, BF16, gated=True)
     with pytest.raises(ValueError, match="with active_fraction"):
         plan_ffn_train(m, d, f, BF16, gated=True, layer=LayerInfo(union_fraction=0.2))
+
+
+def test_warp_layout_fit_counts_the_rows_past_the_layout_and_the_pairs_it_keeps():
+    """Rows past 64 entries or with a 256-neuron tile past 32 are over; the kept fraction
+    counts only the other rows' pairs."""
+    from jax_twell.ops.stats import warp_layout_fit, warp_rows_over
+
+    f = 600  # three tiles, the last one partial
+    g = np.zeros((6, f), np.float32)
+    g[0, :65 * 9:9] = 1.0  # 65 entries spread: past the budget
+    g[1, :33] = 2.0  # 33 in the first tile: past its capacity
+    g[2, :64 * 9:9] = 1.0  # 64 spread: fits
+    g[3, 512:544] = 1.0  # 32 in the partial tile: fits
+    g[4, 1] = -1.0  # negative values count as entries (the op's g is relu'd: not here)
+    over, entries = warp_rows_over(jnp.asarray(g))
+    assert np.asarray(over).tolist() == [True, True, False, False, False, False]
+    assert np.asarray(entries).tolist() == [65, 33, 64, 32, 1, 0]
+    fit = np.asarray(warp_layout_fit(jnp.asarray(g)))
+    np.testing.assert_allclose(fit, [2 / 6, (64 + 32 + 1) / (6 * f)], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(warp_layout_fit(jnp.zeros((0, f)))), [0.0, 0.0])
+
+
+def test_poisson_tail():
+    from jax_twell.ops.costs import poisson_tail
+
+    assert poisson_tail(0.0, 64) == 0.0
+    assert poisson_tail(3.0, 0) == pytest.approx(1 - np.exp(-3.0))
+    assert poisson_tail(65.0, 64) == pytest.approx(0.5164955945, rel=1e-8)  # scipy.stats.poisson.sf(64, 65)
+    assert poisson_tail(28.0, 64) == pytest.approx(1.67934e-09, rel=1e-4)
+    tails = [poisson_tail(mean, 64) for mean in (10.0, 40.0, 60.0, 80.0, 200.0)]
+    assert tails == sorted(tails) and tails[-1] == pytest.approx(1.0)
+
+
+def test_a_known_layer_on_the_warp_path_is_priced_by_its_backed_up_rows():
+    """The warp path's price counts the rows its backup computes: a layer whose mean sits
+    near the 64-entry budget runs dense, where the blocked kernels' model (not the kernel
+    that runs) had sent it to the warp path; a measured overflow and kept fraction replace
+    the Poisson stand-in."""
+    rule = DenseCrossover()
+    d, f, m = 2048, 5632, 16384
+    assert rule.sparse_predicted(m, d, f, 2, 0.0115, True, Kernel.BLOCKED_UNION.value)  # the old pricing
+    assert plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.0115), w_up_t=True).path == Path.DENSE
+    assert plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.005), w_up_t=True).path == Path.WARP
+    assert plan_ffn(2048, d, f, BF16, gated=True, layer=LayerInfo(0.005), w_up_t=True).path == Path.WARP
+    # 2% of the tokens at 10-50% of f over a 0.5% bulk (mean 1.07%): sparse when measured
+    tails = LayerInfo(0.0107, overflow_fraction=0.0195, kept_fraction=0.005)
+    assert plan_ffn(m, d, f, BF16, gated=True, layer=tails, w_up_t=True).path == Path.WARP
+    assert plan_ffn(m, d, f, BF16, gated=True, layer=LayerInfo(0.0107), w_up_t=True).path == Path.DENSE
+    # a measured overflow of half the tokens at a low mean: the backup's products lose
+    crowded = LayerInfo(0.005, overflow_fraction=0.5, kept_fraction=0.001)
+    assert plan_ffn(m, d, f, BF16, gated=True, layer=crowded, w_up_t=True).path == Path.DENSE
+    # the price: entries at the warp rate, backed-up rows at the backup's, fixed; transpose if not kept
+    cost = rule.warp_cost(m, d, f, 2, 0.0107, 0.0195, 0.005)
+    want = (0.005 * m * f * 2 * d * 2 / rule.warp_entry_bandwidth + 0.0195 * m * 4 * d * f / rule.warp_backup_flops
+            + rule.warp_fixed_overhead)
+    assert cost == pytest.approx(want)
+    assert rule.warp_cost(m, d, f, 2, 0.0107, 0.0195, 0.005, transposed=False) > cost
+    with pytest.raises(ValueError, match="overflow_fraction"):
+        rule.warp_cost(m, d, f, 2, 0.01, 1.5)
+    with pytest.raises(ValueError, match="kept_fraction"):
+        LayerInfo(0.01, kept_fraction=-0.1)

@@ -18,7 +18,19 @@ import jax.numpy as jnp
 
 from jax_twell.ops import layout
 
-__all__ = ["DenseCrossover", "TrainCrossover", "UNION_STEPS_CONSTANTS", "train_crossover_for"]
+__all__ = ["DenseCrossover", "TrainCrossover", "UNION_STEPS_CONSTANTS", "poisson_tail", "train_crossover_for"]
+
+
+def poisson_tail(mean: float, k: int) -> float:
+    """P(X > k) for X Poisson of ``mean`` (a Python float; the fraction of tokens with more
+    than ``k`` active neurons where each token's count is Poisson at the layer's mean)."""
+    if mean <= 0.0:
+        return 0.0
+    log_term, below = -mean, 0.0  # log P(X = 0)
+    for i in range(k + 1):
+        below += math.exp(log_term)
+        log_term += math.log(mean) - math.log(i + 1)
+    return min(1.0, max(0.0, 1.0 - below))
 
 
 def _check_fraction(name: str, value) -> None:
@@ -91,6 +103,16 @@ class DenseCrossover:
     # (lab/results/device_backup_ee16371.json, known_device_kept); without the transposed
     # copy 1.07x and 0.92x, so that form keeps layer_min_tokens.
     layer_min_tokens_no_conditional: int = 2048
+    # The warp path of a known layer (ffi/twell_ffn_warp.cu, ffi/twell_backup.cu): its
+    # kernel reads a d-row of Wu^T and one of Wd per kept entry at warp_entry_bandwidth
+    # (H200, bf16, 0.5% active: 6.1 TB/s at M=2,048, 7.9 TB/s at 16,384); the rows past its
+    # layout (more than WARP_ROW_BUDGET entries, or a tile past its capacity) go to the
+    # device backup's tensor-core products at warp_backup_flops (every row backed up at
+    # M=16,384: about 1.3e14; a few hundred rows about 0.9e14); warp_fixed_overhead: the
+    # pack, the backup's list and launches and the pass for NaN (twell_backup.md).
+    warp_entry_bandwidth: float = 6.0e12
+    warp_backup_flops: float = 9.0e13
+    warp_fixed_overhead: float = 2.0e-5
     count_sample_rows: int = 1024  # rows of g the per-call choice counts, at most
     count_sample_min_rows: int = 256  # ... and at least (else M / 8)
     decode_gather_max_tokens: int = 0  # tokens up to which xla.gather_ffn runs (0: off; measured slower)
@@ -225,6 +247,36 @@ class DenseCrossover:
             p = nnz / float(max(1, m * f))
             cost = min(cost, self.kernel_cost(nnz, m, d, f, itemsize, kernel == "blocked_union", union_fraction,
                                               transposed, p))
+        return cost < self.margin * self.dense_cost(m, d, f, itemsize)
+
+    def warp_cost(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,
+                  overflow_fraction: float | None = None, kept_fraction: float | None = None,
+                  transposed: bool = True) -> float:
+        """Seconds of the warp path past the gate for ``m`` tokens of a layer at
+        ``active_fraction``: its kept entries, the backed-up rows' dense products and its
+        fixed costs. ``overflow_fraction``: the measured fraction of tokens past the warp
+        layout, ``kept_fraction``: of (token, neuron) pairs in the rows that fit it
+        (``LayerInfo``; ``TransformerLM.calibrate_ffn`` measures both). Unmeasured: a
+        Poisson count of active neurons a token at the layer's mean (:func:`poisson_tail`;
+        real layers' tails exceed it) and the backed-up rows at the mean's density (an
+        upper bound of the kept pairs). Not ``transposed``: w_up's transpose in the call."""
+        for name, value in (("active_fraction", active_fraction), ("overflow_fraction", overflow_fraction),
+                            ("kept_fraction", kept_fraction)):
+            _check_fraction(name, value)
+        if overflow_fraction is None:
+            overflow_fraction = poisson_tail(active_fraction * f, layout.WARP_ROW_BUDGET)
+        if kept_fraction is None:
+            kept_fraction = active_fraction * (1.0 - overflow_fraction)
+        return (kept_fraction * m * f * 2.0 * d * itemsize / self.warp_entry_bandwidth
+                + overflow_fraction * m * 4.0 * d * f / self.warp_backup_flops + self.warp_fixed_overhead
+                + (0.0 if transposed else 2.0 * d * f * itemsize / self.transpose_bandwidth))
+
+    def warp_predicted(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,
+                       overflow_fraction: float | None = None, kept_fraction: float | None = None,
+                       transposed: bool = True) -> bool:
+        """Static: True where the warp path (:meth:`warp_cost`) is predicted below
+        ``margin`` times dense up + down for a layer at ``active_fraction``."""
+        cost = self.warp_cost(m, d, f, itemsize, active_fraction, overflow_fraction, kept_fraction, transposed)
         return cost < self.margin * self.dense_cost(m, d, f, itemsize)
 
     def blocked_preferred(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,

@@ -106,14 +106,23 @@ class LayerInfo:
         fraction of f (:func:`jax_twell.ops.stats.block_union_fraction`); it prices the
         union products (a trained layer's is about half the uniform pattern's).
       side: a side decided for the layer (a training loop's per-layer choice, a benchmark).
+      overflow_fraction: measured fraction of tokens past the warp kernel's layout (more
+        than ``layout.WARP_ROW_BUDGET`` active neurons, or a 256-neuron tile past its
+        capacity): the rows its dense backup computes.
+      kept_fraction: measured fraction of (token, neuron) pairs in the rows that fit that
+        layout (the entries the warp kernel reads). With ``overflow_fraction`` it prices
+        the warp path (:meth:`jax_twell.ops.costs.DenseCrossover.warp_cost`); without
+        them a Poisson count at the mean stands in.
     """
 
     active_fraction: float | None = None
     union_fraction: float | None = None
     side: Side = Side.AUTO
+    overflow_fraction: float | None = None
+    kept_fraction: float | None = None
 
     def __post_init__(self):
-        for name in ("active_fraction", "union_fraction"):
+        for name in ("active_fraction", "union_fraction", "overflow_fraction", "kept_fraction"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, numbers.Real) and 0.0 <= value <= 1.0):
                 raise ValueError(f"{name} must be a Python float in [0, 1] or None, got {value!r}")
@@ -253,6 +262,9 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
                 decode_gate_supported(m, d, f):
             return FFNPlan(Path.DECODE_GATE, **base)
         return FFNPlan(Path.DECODE, decode_check=not unchecked, **base)
+    tile, capacity = options.tile, options.capacity
+    warp = layout.warp_supported(d, dtype) and (
+        options.kernel == Kernel.WARP or (options.kernel == Kernel.AUTO and m >= layout.WARP_MIN_TOKENS))
     if not forced:
         # Decode-sized with the fraction known past the decode kernels' bound: the row
         # kernel would lose there (0.16x measured at M=4, 2% active).
@@ -267,12 +279,13 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
             return FFNPlan(Path.DENSE, **base)  # a known layer past decode sizes: measured losing in a model
         if not rule.sparse_can_win(m, d, f, itemsize, transposed):
             return FFNPlan(Path.DENSE, **base)
-        if af is not None and not rule.sparse_predicted(m, d, f, itemsize, af, transposed, kernel.value,
-                                                        layer.union_fraction):
+        if af is not None and warp:  # priced as the warp path that runs, its backed-up rows included
+            if not rule.warp_predicted(m, d, f, itemsize, af, layer.overflow_fraction, layer.kept_fraction,
+                                       transposed):
+                return FFNPlan(Path.DENSE, **base)
+        elif af is not None and not rule.sparse_predicted(m, d, f, itemsize, af, transposed, kernel.value,
+                                                          layer.union_fraction):
             return FFNPlan(Path.DENSE, **base)
-    tile, capacity = options.tile, options.capacity
-    warp = layout.warp_supported(d, dtype) and (
-        options.kernel == Kernel.WARP or (options.kernel == Kernel.AUTO and m >= layout.WARP_MIN_TOKENS))
     if warp:
         # Known or forced: the fused gate and no device check (the backup's overflow still
         # runs dense); otherwise XLA's gate, so a call that turns out dense reuses g. (A

@@ -20,6 +20,8 @@ __all__ = [
     "sampled_gate_counts",
     "sampled_block_union",
     "block_union_fraction",
+    "warp_rows_over",
+    "warp_layout_fit",
 ]
 
 
@@ -136,3 +138,33 @@ def block_union_fraction(g: jax.Array) -> jax.Array:
     partial block where M < 64) of the fraction of neurons active for some token of the
     block: a layer's ``LayerInfo.union_fraction``, measured on its gate activations."""
     return sampled_block_union(g, rows=max(g.shape[0], 1))
+
+
+def warp_rows_over(g: jax.Array, *, tile: int = 256, capacity: int = 32,
+                   row_budget: int = layout.WARP_ROW_BUDGET) -> tuple[jax.Array, jax.Array]:
+    """The rows of ``g [M, f]`` the warp kernel leaves to its dense backup, and each row's
+    active neurons: ``(over [M] bool, entries [M] int32)``. A row is over where it has more
+    than ``row_budget`` active neurons or a ``tile``-neuron tile with more than
+    ``capacity`` (the TwELL layout's)."""
+    m, f = g.shape
+    n_tiles = -(-f // tile)
+    active = g != 0
+    if n_tiles * tile != f:
+        active = jnp.pad(active, ((0, 0), (0, n_tiles * tile - f)))
+    per_tile = active.reshape(m, n_tiles, tile).sum(axis=-1, dtype=jnp.int32)
+    entries = per_tile.sum(axis=-1)
+    return jnp.any(per_tile > capacity, axis=-1) | (entries > row_budget), entries
+
+
+def warp_layout_fit(g: jax.Array, *, tile: int = 256, capacity: int = 32,
+                    row_budget: int = layout.WARP_ROW_BUDGET) -> jax.Array:
+    """``[2]`` float32 of a layer's gate activation ``g [M, f]``: the fraction of its rows
+    past the warp kernel's layout (:func:`warp_rows_over`) and the fraction of its
+    (token, neuron) pairs in the rows that fit it: ``LayerInfo.overflow_fraction`` and
+    ``LayerInfo.kept_fraction``."""
+    m, f = g.shape
+    if m == 0 or f == 0:
+        return jnp.zeros((2,), jnp.float32)
+    over, entries = warp_rows_over(g, tile=tile, capacity=capacity, row_budget=row_budget)
+    kept = jnp.sum(jnp.where(over, 0, entries), dtype=jnp.float32) / (float(m) * f)
+    return jnp.stack([over.mean(dtype=jnp.float32), kept])

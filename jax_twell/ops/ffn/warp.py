@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
-from jax_twell.ops import xla
+from jax_twell.ops import stats, xla
 from jax_twell.ops.common import as_dense_nonfinite
 from jax_twell.ops.layout import WARP_MAX_D as MAX_D  # noqa: F401  (the names the tests use)
 from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
@@ -247,13 +247,7 @@ def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_bud
     the dense side."""
     m, f = g.shape
     sample = g if m <= rows else jnp.take(g, jnp.asarray(sample_row_indices(m, rows)), axis=0)
-    n_tiles = -(-f // tile)
-    active = sample != 0
-    if n_tiles * tile != f:
-        active = jnp.pad(active, ((0, 0), (0, n_tiles * tile - f)))
-    per_tile = active.reshape(sample.shape[0], n_tiles, tile).sum(axis=-1, dtype=jnp.int32)
-    entries = per_tile.sum(axis=-1)
-    over = jnp.any(per_tile > capacity, axis=-1) | (entries > row_budget)
+    over, entries = stats.warp_rows_over(sample, tile=tile, capacity=capacity, row_budget=row_budget)
     scale = m / sample.shape[0]
     est_rows = jnp.sum(over, dtype=jnp.float32) * scale
     kept = jnp.sum(jnp.where(over, 0, entries), dtype=jnp.float32) * scale
