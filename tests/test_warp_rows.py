@@ -83,6 +83,30 @@ def test_likely_sparse_follows_the_sample():
     assert not bool(warp.likely_sparse(relu_matmul(past_backup.x, past_backup.w_gate), **kw))
 
 
+def test_likely_sparse_with_the_device_backup_prices_by_the_rule():
+    """The device backup's form: the sample's kept entries and backed-up rows priced by the
+    rule's warp_seconds against its margin of dense (no cap at half the switch's backup).
+    At M <= 256 the sample is every row, so the choice is the formula's on the exact counts."""
+    from jax_twell.ops.costs import DenseCrossover
+    from jax_twell.ops.stats import warp_rows_over
+
+    m, d, f = 256, 128, 1024
+    rule = DenseCrossover(warp_fixed_overhead=0.0)
+    kw = dict(d=d, itemsize=2, tile=256, capacity=32, row_budget=warp.ROW_BUDGET, backup=warp.backup_size(m))
+    seen = set()
+    for density, full in ((0.003, 0), (0.003, 8), (0.003, 40), (0.003, 120), (0.05, 0), (0.3, 0)):
+        inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(5), m, d, f, density=density), full=full)
+        g = relu_matmul(inp.x, inp.w_gate)
+        over, entries = (np.asarray(a) for a in warp_rows_over(g))
+        kept, backed = float(np.where(over, 0, entries).sum()), float(over.sum())
+        for transposed in (True, False):
+            want = rule.warp_seconds(kept, backed, d, f, 2, transposed) < rule.margin * rule.dense_cost(m, d, f, 2)
+            got = bool(warp.likely_sparse(g, rule=rule, transposed=transposed, **kw))
+            assert got == want, (density, full, transposed)
+            seen.add(got)
+    assert seen == {True, False}  # both sides taken over the cases
+
+
 @pytest.mark.parametrize("m", [1, 255, 256, 257, 4096, 16385, 131072])
 def test_sample_rows_spread_over_the_call(m):
     idx = warp.sample_row_indices(m)

@@ -267,8 +267,14 @@ class DenseCrossover:
             overflow_fraction = poisson_tail(active_fraction * f, layout.WARP_ROW_BUDGET)
         if kept_fraction is None:
             kept_fraction = active_fraction * (1.0 - overflow_fraction)
-        return (kept_fraction * m * f * 2.0 * d * itemsize / self.warp_entry_bandwidth
-                + overflow_fraction * m * 4.0 * d * f / self.warp_backup_flops + self.warp_fixed_overhead
+        return self.warp_seconds(kept_fraction * m * f, overflow_fraction * m, d, f, itemsize, transposed)
+
+    def warp_seconds(self, kept_entries, backed_rows, d: int, f: int, itemsize: int, transposed: bool = True):
+        """Seconds of the warp path past the gate (floats, or device arrays for a per-call
+        choice): ``kept_entries`` on its kernel, ``backed_rows`` on the device backup's
+        products, its fixed costs, and w_up's transpose where not ``transposed``."""
+        return (kept_entries * (2.0 * d * itemsize / self.warp_entry_bandwidth)
+                + backed_rows * (4.0 * d * f / self.warp_backup_flops) + self.warp_fixed_overhead
                 + (0.0 if transposed else 2.0 * d * f * itemsize / self.transpose_bandwidth))
 
     def warp_predicted(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,

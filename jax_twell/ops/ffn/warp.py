@@ -20,6 +20,7 @@ from jax_twell._kernels import kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import stats, xla
 from jax_twell.ops.common import as_dense_nonfinite
+from jax_twell.ops.costs import DenseCrossover
 from jax_twell.ops.layout import WARP_MAX_D as MAX_D  # noqa: F401  (the names the tests use)
 from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
 from jax_twell.ops.layout import device_backup_supported  # noqa: F401  (re-exported)
@@ -238,25 +239,32 @@ def sample_row_indices(m: int, rows: int = SAMPLE_ROWS) -> np.ndarray:
 
 
 def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_budget: int, backup: int,
-                  rows: int = SAMPLE_ROWS) -> jax.Array:
+                  rows: int = SAMPLE_ROWS, rule: DenseCrossover | None = None, transposed: bool = True) -> jax.Array:
     """Device bool: the per-call choice, from ``rows`` rows of ``g [M, f]`` spread over it
-    (:func:`sample_row_indices`; all of them where M <= rows): their kept entries and backed-up rows, scaled to M,
-    price the warp path (:func:`sparse_cheaper`) below the dense up and down products,
-    and the backed-up rows fill at most half the backup (room for the sample's error).
-    Only how fast: the exact counts still send a call whose rows overflow the backup to
-    the dense side."""
+    (:func:`sample_row_indices`; all of them where M <= rows): their kept entries and
+    backed-up rows, scaled to M, price the warp path below the dense up and down products.
+    With a ``rule`` (the device backup's form: it takes any number of rows) the price is
+    the rule's (:meth:`~jax_twell.ops.costs.DenseCrossover.warp_seconds`: backed-up rows at
+    the backup's tensor-core rate, w_up's transpose where not ``transposed``) below its
+    ``margin`` of dense; without one (the ``lax.switch`` form) :func:`sparse_cheaper`, and
+    the backed-up rows fill at most half the ``backup`` (room for the sample's error; the
+    exact counts still send a call whose rows overflow it to the dense side). Only how
+    fast: either side is exact."""
     m, f = g.shape
     sample = g if m <= rows else jnp.take(g, jnp.asarray(sample_row_indices(m, rows)), axis=0)
     over, entries = stats.warp_rows_over(sample, tile=tile, capacity=capacity, row_budget=row_budget)
     scale = m / sample.shape[0]
     est_rows = jnp.sum(over, dtype=jnp.float32) * scale
     kept = jnp.sum(jnp.where(over, 0, entries), dtype=jnp.float32) * scale
+    if rule is not None:
+        return rule.warp_seconds(kept, est_rows, d, f, itemsize, transposed) < rule.margin * rule.dense_cost(
+            m, d, f, itemsize)
     return (est_rows <= backup / 2) & sparse_cheaper(kept, m, d, f, itemsize, est_rows)
 
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
                row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows, finite=True,
-               backup_kernel=None, columns=None):
+               backup_kernel=None, columns=None, rule: DenseCrossover | None = None):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
     g; a sample of its rows (:func:`likely_sparse`) chooses: dense, the dense up and down
     products from the same g (no gate recompute, no pack, no count of all of g); sparse,
@@ -269,7 +277,9 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     computed only on the sparse side). ``backup_kernel`` (:func:`backup_rows` or a stand-in):
     the sparse side runs :func:`ffn_with_backup`, with no conditional of its own, and
     ``columns`` (a function returning the weights' ``[d]`` finite columns, run on the
-    sparse side) replaces ``finite``; None: the ``lax.switch`` over static backup sizes."""
+    sparse side) replaces ``finite``; None: the ``lax.switch`` over static backup sizes.
+    ``rule``: the cost model the device backup's form prices its side with (default
+    ``DenseCrossover()``; see :func:`likely_sparse`)."""
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -292,6 +302,9 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
             lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
             lambda: dense(None))
 
+    if backup_kernel is not None and rule is None:
+        rule = DenseCrossover()
     likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile, capacity=capacity, row_budget=row_budget,
-                           backup=backup)
+                           backup=backup, rule=rule if backup_kernel is not None else None,
+                           transposed=w_up_t is not None or not gated)
     return jax.lax.cond(likely, sparse, dense, None)
