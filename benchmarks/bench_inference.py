@@ -129,11 +129,13 @@ def main():
         return dict(sparse=cuda_op(kernel, FORCED, DenseCrossover()), pret=cuda_op(kernel, FORCED, DenseCrossover(), True),
                     auto=auto_op)
 
-    def layer_op(kernel, fraction, union, pret=False):
-        # The trace-time choice of a layer whose active fraction and union are known
-        # (SparseFFN's active_fraction and union_fraction): dense is XLA's FFN itself.
+    def layer_op(kernel, base, pret=False):
+        # The trace-time choice of a layer whose fractions are known (what
+        # TransformerLM.calibrate_ffn measures for a SparseFFN): dense is XLA's FFN itself.
         # With pret, the layer also gives the up weight as [f, d] (five operands).
-        return cuda_op(kernel, LayerInfo(active_fraction=fraction, union_fraction=union), pret=pret)
+        info = LayerInfo(active_fraction=base["measured_active_fraction"], union_fraction=base["measured_union_fraction"],
+                         overflow_fraction=base["measured_overflow_fraction"], kept_fraction=base["measured_kept_fraction"])
+        return cuda_op(kernel, info, pret=pret)
 
     rows = []
     for m, d, f, density, pattern in grid(args.quick, [int(v) for v in args.m.split(",")] if args.m else None, args.configs):
@@ -148,6 +150,8 @@ def main():
             overflowed_tiles=int((counts > act.capacity).sum()),
             measured_union_fraction=float(stats.block_union_fraction(jt.formats.relu_matmul(inp.x, inp.w_gate))),
         )
+        over, kept = stats.warp_layout_fit(jt.formats.relu_matmul(inp.x, inp.w_gate)).tolist()
+        base.update(measured_overflow_fraction=float(over), measured_kept_fraction=float(kept))
         clock = "loop" if m <= 64 else "call"
         w_up_t = inp.w_up.T.copy()
         operands = tuple(inp) + (w_up_t,)  # every variant gets w_up_t; only the *_pret ones use it
@@ -164,8 +168,8 @@ def main():
         for kernel in kernels:
             ops = dict(
                 kernel_ops(kernel),
-                layer=layer_op(kernel, base["measured_active_fraction"], base["measured_union_fraction"]),
-                layer_pret=layer_op(kernel, base["measured_active_fraction"], base["measured_union_fraction"], pret=True),
+                layer=layer_op(kernel, base),
+                layer_pret=layer_op(kernel, base, pret=True),
             )
             for name, op in ops.items():
                 variants[f"{kernel}/{name}"] = op if name in ("pret", "layer_pret") else four(op)

@@ -37,7 +37,8 @@ ROW_MARK, BLOCKED_MARK, WARP_MARK = 3.0, 5.0, 7.0  # constant outputs of the sta
 # Rules without fixed costs (nor the row kernel's small-M rate), so that the small test shapes
 # are not decided dense at trace time.
 NO_FIXED = dict(fixed_overhead=0.0, transpose_bandwidth=float("inf"), row_full_tokens=1, per_call_min_tokens=0,
-                per_call_min_d=0, layer_min_tokens=0, layer_min_tokens_no_conditional=0, warp_fixed_overhead=0.0)
+                per_call_min_d=0, layer_min_tokens=0, layer_min_tokens_no_conditional=0, warp_fixed_overhead=0.0,
+                warp_pack_bandwidth=float("inf"))
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "capacity"))
@@ -962,3 +963,22 @@ def test_known_layer_past_the_fused_gate_bound_with_the_device_backup(stand_ins)
     assert "stand_in_gate" not in text and "stand_in_pack" in text and " cond[" not in text
     assert_close(jax.jit(fn)(inp.x), xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down), fused_tolerance(jnp.bfloat16, 704),
                  "known layer, device backup")
+
+
+def test_the_per_call_choice_with_the_device_backup_uses_the_plans_rule(stand_ins):
+    """The per-call form with the device backup chooses its side by the rule the plan was
+    given: sparse rows under the default margin (the warp stand-in's mark shows), the
+    dense formula itself where the rule's margin leaves the sparse side no room."""
+    kernels = dataclasses.replace(stand_ins(mark=True), warp_backup=warp.backup_rows_reference)
+    inp = case(m=1100, f=704, density=0.005, key=16)
+
+    def call(rule):
+        return jax.jit(lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, kernel="warp",
+                                          rule=rule, kernels=kernels))
+
+    sparse = np.asarray(call(DenseCrossover(**NO_FIXED))(inp.x), np.float32)
+    assert (sparse == np.float32(WARP_MARK)).all(axis=1).mean() > 0.9  # the sparse side: the stand-in's rows
+    dense = np.asarray(call(DenseCrossover(**dict(NO_FIXED, margin=0.0)))(inp.x), np.float32)
+    want = np.asarray(xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down), np.float32)
+    assert not (dense == np.float32(WARP_MARK)).any()
+    np.testing.assert_array_equal(dense, want)

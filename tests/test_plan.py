@@ -143,7 +143,11 @@ def test_a_known_layer_runs_dense_below_its_token_floor_past_decode_sizes():
     assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, options=asked).path == Path.TILES
     lower = FFNOptions(rule=dataclasses.replace(rule, layer_min_tokens=1024))
     assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, options=lower).path == Path.WARP
-    # the floor never goes below the conditional's own where that is set lower
+    # a floor set below the warp path's tokens holds for the form without a conditional too
+    # (w_up.T given never plans denser than without it)
+    assert plan_ffn(2047, d, f, BF16, gated=True, layer=known, options=lower).path == Path.TILES
+    assert plan_ffn(2047, d, f, BF16, gated=True, layer=known, w_up_t=True, options=lower).path == Path.TILES
+    # the lower floor never lies above the conditional's own, where that is set lower
     both = FFNOptions(rule=dataclasses.replace(rule, layer_min_tokens=0, layer_min_tokens_no_conditional=4096))
     assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, w_up_t=True, options=both).path == Path.WARP
 
@@ -256,13 +260,32 @@ def test_a_known_layer_on_the_warp_path_is_priced_by_its_backed_up_rows():
     # a measured overflow of half the tokens at a low mean: the backup's products lose
     crowded = LayerInfo(0.005, overflow_fraction=0.5, kept_fraction=0.001)
     assert plan_ffn(m, d, f, BF16, gated=True, layer=crowded, w_up_t=True).path == Path.DENSE
-    # the price: entries at the warp rate, backed-up rows at the backup's, fixed; transpose if not kept
+    # the price: g's pack, entries at the warp rate, backed-up rows at the backup's, fixed;
+    # transpose if not kept
     cost = rule.warp_cost(m, d, f, 2, 0.0107, 0.0195, 0.005)
-    want = (0.005 * m * f * 2 * d * 2 / rule.warp_entry_bandwidth + 0.0195 * m * 4 * d * f / rule.warp_backup_flops
-            + rule.warp_fixed_overhead)
+    want = (m * f * 2 / rule.warp_pack_bandwidth + 0.005 * m * f * 2 * d * 2 / rule.warp_entry_bandwidth
+            + 0.0195 * m * 4 * d * f / rule.warp_backup_flops + rule.warp_fixed_overhead)
     assert cost == pytest.approx(want)
     assert rule.warp_cost(m, d, f, 2, 0.0107, 0.0195, 0.005, transposed=False) > cost
     with pytest.raises(ValueError, match="overflow_fraction"):
         rule.warp_cost(m, d, f, 2, 0.01, 1.5)
     with pytest.raises(ValueError, match="kept_fraction"):
         LayerInfo(0.01, kept_fraction=-0.1)
+
+
+def test_known_layers_the_warp_path_loses_on_stay_dense():
+    """Shapes where every sparse path measured below dense stay dense for a known layer:
+    d=512 (f=1,408, M=16,384: 0.72-0.90x with w_up.T kept), whatever the fraction; and
+    where the device backup does not apply (f not a multiple of 8, or the option off) the
+    known layer is priced as before (the switch's form), not as the device backup."""
+    rule = DenseCrossover()
+    for d, f in ((512, 1408), (768, 2048)):
+        for af in (0.001, 0.005):
+            assert plan_ffn(16384, d, f, BF16, gated=True, layer=LayerInfo(af), w_up_t=True).path == Path.DENSE
+    # the pack's price grows with M f: at d=1,024 a layer at 0.5% still runs sparse at 16,384
+    assert plan_ffn(16384, 1024, 2816, BF16, gated=True, layer=LayerInfo(0.002), w_up_t=True).path == Path.WARP
+    switch = FFNOptions(device_backup=False)
+    for m, af in ((16384, 0.0115), (16384, 0.005), (65536, 0.009)):
+        old = rule.sparse_predicted(m, 2048, 5632, 2, af, True, Kernel.BLOCKED_UNION.value)
+        got = plan_ffn(m, 2048, 5632, BF16, gated=True, layer=LayerInfo(af), w_up_t=True, options=switch).path
+        assert got == (Path.WARP if old else Path.DENSE), (m, af)

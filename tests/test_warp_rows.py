@@ -91,7 +91,7 @@ def test_likely_sparse_with_the_device_backup_prices_by_the_rule():
     from jax_twell.ops.stats import warp_rows_over
 
     m, d, f = 256, 128, 1024
-    rule = DenseCrossover(warp_fixed_overhead=0.0)
+    rule = DenseCrossover(warp_fixed_overhead=0.0, warp_pack_bandwidth=float("inf"))  # small shapes: no fixed costs
     kw = dict(d=d, itemsize=2, tile=256, capacity=32, row_budget=warp.ROW_BUDGET, backup=warp.backup_size(m))
     seen = set()
     for density, full in ((0.003, 0), (0.003, 8), (0.003, 40), (0.003, 120), (0.05, 0), (0.3, 0)):
@@ -100,7 +100,7 @@ def test_likely_sparse_with_the_device_backup_prices_by_the_rule():
         over, entries = (np.asarray(a) for a in warp_rows_over(g))
         kept, backed = float(np.where(over, 0, entries).sum()), float(over.sum())
         for transposed in (True, False):
-            want = rule.warp_seconds(kept, backed, d, f, 2, transposed) < rule.margin * rule.dense_cost(m, d, f, 2)
+            want = rule.warp_seconds(kept, backed, m, d, f, 2, transposed) < rule.margin * rule.dense_cost(m, d, f, 2)
             got = bool(warp.likely_sparse(g, rule=rule, transposed=transposed, **kw))
             assert got == want, (density, full, transposed)
             seen.add(got)

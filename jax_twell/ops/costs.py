@@ -51,6 +51,10 @@ class DenseCrossover:
       (:meth:`blocked_cost`); with union products, each 64-token block's union rows
       (:meth:`union_cost`), or the down step on the stationary weight.
 
+    - the warp path (one warp a token row, its overflow on the device backup): the pack,
+      its kept entries, its backed-up rows' dense products and fixed costs
+      (:meth:`warp_cost`, :meth:`warp_seconds`).
+
     A sparse side runs where its price is below ``margin`` times dense's. The decode
     fields say which decode-sized paths run (ffi/notes/decode.md).
     """
@@ -110,9 +114,12 @@ class DenseCrossover:
     # device backup's tensor-core products at warp_backup_flops (every row backed up at
     # M=16,384: about 1.3e14; a few hundred rows about 0.9e14); warp_fixed_overhead: the
     # pack, the backup's list and launches and the pass for NaN (twell_backup.md).
+    # The pack reads g ([M, f]) at warp_pack_bandwidth (XLA's gate plus the pack measured
+    # within 2% of the fused gate, ~47 us over XLA's gate at M=16,384: lab/results/nocond_056f859.json).
     warp_entry_bandwidth: float = 6.0e12
     warp_backup_flops: float = 9.0e13
     warp_fixed_overhead: float = 2.0e-5
+    warp_pack_bandwidth: float = 3.5e12
     count_sample_rows: int = 1024  # rows of g the per-call choice counts, at most
     count_sample_min_rows: int = 256  # ... and at least (else M / 8)
     decode_gather_max_tokens: int = 0  # tokens up to which xla.gather_ffn runs (0: off; measured slower)
@@ -267,13 +274,16 @@ class DenseCrossover:
             overflow_fraction = poisson_tail(active_fraction * f, layout.WARP_ROW_BUDGET)
         if kept_fraction is None:
             kept_fraction = active_fraction * (1.0 - overflow_fraction)
-        return self.warp_seconds(kept_fraction * m * f, overflow_fraction * m, d, f, itemsize, transposed)
+        return self.warp_seconds(kept_fraction * m * f, overflow_fraction * m, m, d, f, itemsize, transposed)
 
-    def warp_seconds(self, kept_entries, backed_rows, d: int, f: int, itemsize: int, transposed: bool = True):
-        """Seconds of the warp path past the gate (floats, or device arrays for a per-call
-        choice): ``kept_entries`` on its kernel, ``backed_rows`` on the device backup's
-        products, its fixed costs, and w_up's transpose where not ``transposed``."""
-        return (kept_entries * (2.0 * d * itemsize / self.warp_entry_bandwidth)
+    def warp_seconds(self, kept_entries, backed_rows, m: int, d: int, f: int, itemsize: int, transposed: bool = True):
+        """Seconds of the warp path past the gate for ``m`` tokens (floats, or device arrays
+        for a per-call choice): the pack of g, ``kept_entries`` on its kernel,
+        ``backed_rows`` on the device backup's products, its fixed costs, and w_up's
+        transpose where not ``transposed``. Priced as the gated FFN (the non-gated one
+        reads half the bytes an entry and does half the flops a row, as its dense side)."""
+        return (m * f * itemsize / self.warp_pack_bandwidth
+                + kept_entries * (2.0 * d * itemsize / self.warp_entry_bandwidth)
                 + backed_rows * (4.0 * d * f / self.warp_backup_flops) + self.warp_fixed_overhead
                 + (0.0 if transposed else 2.0 * d * f * itemsize / self.transpose_bandwidth))
 

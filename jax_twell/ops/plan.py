@@ -214,11 +214,14 @@ def _kernel(options: FFNOptions, m: int, d: int, f: int, gated: bool) -> Kernel:
 def _layer_min_tokens(rule: DenseCrossover, options: FFNOptions, d: int, f: int, dtype, transposed: bool) -> int:
     """Tokens from which a layer of known fraction runs sparse past the decode sizes: the
     rule's ``layer_min_tokens_no_conditional`` where its warp path holds no conditional
-    (the device backup, ``w_up.T`` given), else its ``layer_min_tokens``."""
+    (the device backup, ``w_up.T`` given), else its ``layer_min_tokens``. The lower floor
+    counts only from ``layout.WARP_MIN_TOKENS`` (below it the TwELL path runs) and never
+    raises ``layer_min_tokens``."""
     no_conditional = (options.device_backup and transposed and options.kernel == Kernel.AUTO
                       and layout.warp_supported(d, dtype) and layout.device_backup_supported(f))
-    floor = min(rule.layer_min_tokens_no_conditional, rule.layer_min_tokens) if no_conditional else rule.layer_min_tokens
-    return max(floor, layout.WARP_MIN_TOKENS) if no_conditional else floor
+    if not no_conditional:
+        return rule.layer_min_tokens
+    return min(rule.layer_min_tokens, max(rule.layer_min_tokens_no_conditional, layout.WARP_MIN_TOKENS))
 
 
 def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = LayerInfo(),
@@ -279,7 +282,10 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
             return FFNPlan(Path.DENSE, **base)  # a known layer past decode sizes: measured losing in a model
         if not rule.sparse_can_win(m, d, f, itemsize, transposed):
             return FFNPlan(Path.DENSE, **base)
-        if af is not None and warp:  # priced as the warp path that runs, its backed-up rows included
+        device_form = warp and options.device_backup and layout.device_backup_supported(f)
+        if af is not None and device_form and options.kernel == Kernel.AUTO and d < rule.per_call_min_d:
+            return FFNPlan(Path.DENSE, **base)  # every sparse path measured below dense at d=512 (0.40-0.90x)
+        if af is not None and device_form:  # priced as the warp path that runs, its backed-up rows included
             if not rule.warp_predicted(m, d, f, itemsize, af, layer.overflow_fraction, layer.kept_fraction,
                                        transposed):
                 return FFNPlan(Path.DENSE, **base)

@@ -257,7 +257,7 @@ def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_bud
     est_rows = jnp.sum(over, dtype=jnp.float32) * scale
     kept = jnp.sum(jnp.where(over, 0, entries), dtype=jnp.float32) * scale
     if rule is not None:
-        return rule.warp_seconds(kept, est_rows, d, f, itemsize, transposed) < rule.margin * rule.dense_cost(
+        return rule.warp_seconds(kept, est_rows, m, d, f, itemsize, transposed) < rule.margin * rule.dense_cost(
             m, d, f, itemsize)
     return (est_rows <= backup / 2) & sparse_cheaper(kept, m, d, f, itemsize, est_rows)
 
