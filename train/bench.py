@@ -237,9 +237,11 @@ def _serving_model(name, entry, tokens, options, serve_notes):
         sample = tokens.get(max(1, min(8, CALIBRATION_TOKENS // seq)), seq, index=1)
         fractions = model.calibrate_ffn(sample)
         model.cache_for_decode(activation_weight=True)
+        over = [layer.ffn.overflow_fraction for layer in model.layers if layer.ffn.overflow_fraction is not None]
         serve_notes[name] = (
             f"calibrated on {sample.size:,} tokens (active fraction per layer "
-            f"{', '.join(f'{f:.4f}' for f in fractions)}); decode layouts kept (w_up.T, w_act.T)"
+            f"{', '.join(f'{f:.4f}' for f in fractions)}; tokens past the warp layout "
+            f"{', '.join(f'{f:.4f}' for f in over)}); decode layouts kept (w_up.T, w_act.T)"
         )
     return nnx.split(model)
 
