@@ -289,3 +289,22 @@ def test_known_layers_the_warp_path_loses_on_stay_dense():
         old = rule.sparse_predicted(m, 2048, 5632, 2, af, True, Kernel.BLOCKED_UNION.value)
         got = plan_ffn(m, 2048, 5632, BF16, gated=True, layer=LayerInfo(af), w_up_t=True, options=switch).path
         assert got == (Path.WARP if old else Path.DENSE), (m, af)
+
+
+def test_the_non_gated_warp_path_is_priced_against_its_own_dense_side():
+    """The non-gated FFN's entries read one weight row and its backed-up rows do one product,
+    against a dense side of one product: both halves of the gated price, while the pack and
+    the fixed costs stay whole. So it needs more tokens to win (M=2,048 at 0.5% runs dense
+    non-gated, sparse gated), and no transpose is ever priced (it has no w_up)."""
+    rule = DenseCrossover()
+    m, d, f = 16384, 2048, 5632
+    gated = rule.warp_seconds(1e6, 100.0, m, d, f, 2, transposed=False)
+    plain = rule.warp_seconds(1e6, 100.0, m, d, f, 2, transposed=False, gated=False)
+    fixed = m * f * 2 / rule.warp_pack_bandwidth + rule.warp_fixed_overhead
+    transpose = 2.0 * d * f * 2 / rule.transpose_bandwidth
+    assert plain - fixed == pytest.approx((gated - fixed - transpose) / 2)
+    assert rule.dense_side_cost(m, d, f, 2, gated=False) == pytest.approx(rule.dense_cost(m, d, f, 2) / 2)
+    known = LayerInfo(0.005)
+    assert plan_ffn(2048, d, f, BF16, gated=True, layer=known, w_up_t=True).path == Path.WARP
+    assert plan_ffn(2048, d, f, BF16, gated=False, layer=known).path == Path.DENSE
+    assert plan_ffn(16384, d, f, BF16, gated=False, layer=known).path == Path.WARP

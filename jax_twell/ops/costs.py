@@ -258,7 +258,7 @@ class DenseCrossover:
 
     def warp_cost(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,
                   overflow_fraction: float | None = None, kept_fraction: float | None = None,
-                  transposed: bool = True) -> float:
+                  transposed: bool = True, gated: bool = True) -> float:
         """Seconds of the warp path past the gate for ``m`` tokens of a layer at
         ``active_fraction``: its kept entries, the backed-up rows' dense products and its
         fixed costs. ``overflow_fraction``: the measured fraction of tokens past the warp
@@ -266,7 +266,8 @@ class DenseCrossover:
         (``LayerInfo``; ``TransformerLM.calibrate_ffn`` measures both). Unmeasured: a
         Poisson count of active neurons a token at the layer's mean (:func:`poisson_tail`;
         real layers' tails exceed it) and the backed-up rows at the mean's density (an
-        upper bound of the kept pairs). Not ``transposed``: w_up's transpose in the call."""
+        upper bound of the kept pairs). Not ``transposed``: w_up's transpose in the call;
+        not ``gated``: the non-gated FFN (:meth:`warp_seconds`)."""
         for name, value in (("active_fraction", active_fraction), ("overflow_fraction", overflow_fraction),
                             ("kept_fraction", kept_fraction)):
             _check_fraction(name, value)
@@ -274,26 +275,35 @@ class DenseCrossover:
             overflow_fraction = poisson_tail(active_fraction * f, layout.WARP_ROW_BUDGET)
         if kept_fraction is None:
             kept_fraction = active_fraction * (1.0 - overflow_fraction)
-        return self.warp_seconds(kept_fraction * m * f, overflow_fraction * m, m, d, f, itemsize, transposed)
+        return self.warp_seconds(kept_fraction * m * f, overflow_fraction * m, m, d, f, itemsize, transposed, gated)
 
-    def warp_seconds(self, kept_entries, backed_rows, m: int, d: int, f: int, itemsize: int, transposed: bool = True):
+    def warp_seconds(self, kept_entries, backed_rows, m: int, d: int, f: int, itemsize: int, transposed: bool = True,
+                     gated: bool = True):
         """Seconds of the warp path past the gate for ``m`` tokens (floats, or device arrays
         for a per-call choice): the pack of g, ``kept_entries`` on its kernel,
         ``backed_rows`` on the device backup's products, its fixed costs, and w_up's
-        transpose where not ``transposed``. Priced as the gated FFN (the non-gated one
-        reads half the bytes an entry and does half the flops a row, as its dense side)."""
+        transpose where not ``transposed``. Not ``gated``: the non-gated FFN, whose entries
+        read a row of Wd only and whose backed-up rows do the down product only (half the
+        gated one's, as its dense side past the gate: :meth:`dense_side_cost`)."""
+        half = 1.0 if gated else 0.5
         return (m * f * itemsize / self.warp_pack_bandwidth
-                + kept_entries * (2.0 * d * itemsize / self.warp_entry_bandwidth)
-                + backed_rows * (4.0 * d * f / self.warp_backup_flops) + self.warp_fixed_overhead
-                + (0.0 if transposed else 2.0 * d * f * itemsize / self.transpose_bandwidth))
+                + half * (kept_entries * (2.0 * d * itemsize / self.warp_entry_bandwidth)
+                          + backed_rows * (4.0 * d * f / self.warp_backup_flops)) + self.warp_fixed_overhead
+                + (0.0 if transposed or not gated else 2.0 * d * f * itemsize / self.transpose_bandwidth))
+
+    def dense_side_cost(self, m: int, d: int, f: int, itemsize: int, gated: bool = True) -> float:
+        """Seconds of XLA's dense products past the gate: :meth:`dense_cost` (up + down) for
+        the gated FFN, half of it (the down product) for the non-gated one."""
+        return self.dense_cost(m, d, f, itemsize) * (1.0 if gated else 0.5)
 
     def warp_predicted(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,
                        overflow_fraction: float | None = None, kept_fraction: float | None = None,
-                       transposed: bool = True) -> bool:
+                       transposed: bool = True, gated: bool = True) -> bool:
         """Static: True where the warp path (:meth:`warp_cost`) is predicted below
-        ``margin`` times dense up + down for a layer at ``active_fraction``."""
-        cost = self.warp_cost(m, d, f, itemsize, active_fraction, overflow_fraction, kept_fraction, transposed)
-        return cost < self.margin * self.dense_cost(m, d, f, itemsize)
+        ``margin`` times the dense products past the gate (:meth:`dense_side_cost`) for a
+        layer at ``active_fraction``."""
+        cost = self.warp_cost(m, d, f, itemsize, active_fraction, overflow_fraction, kept_fraction, transposed, gated)
+        return cost < self.margin * self.dense_side_cost(m, d, f, itemsize, gated)
 
     def blocked_preferred(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,
                           transposed: bool = False, kernel: str = "blocked_union",

@@ -287,7 +287,7 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
             return FFNPlan(Path.DENSE, **base)  # every sparse path measured below dense at d=512 (0.40-0.90x)
         if af is not None and device_form:  # priced as the warp path that runs, its backed-up rows included
             if not rule.warp_predicted(m, d, f, itemsize, af, layer.overflow_fraction, layer.kept_fraction,
-                                       transposed):
+                                       transposed, gated):
                 return FFNPlan(Path.DENSE, **base)
         elif af is not None and not rule.sparse_predicted(m, d, f, itemsize, af, transposed, kernel.value,
                                                           layer.union_fraction):

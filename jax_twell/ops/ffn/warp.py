@@ -239,14 +239,15 @@ def sample_row_indices(m: int, rows: int = SAMPLE_ROWS) -> np.ndarray:
 
 
 def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_budget: int, backup: int,
-                  rows: int = SAMPLE_ROWS, rule: DenseCrossover | None = None, transposed: bool = True) -> jax.Array:
+                  rows: int = SAMPLE_ROWS, rule: DenseCrossover | None = None, transposed: bool = True,
+                  gated: bool = True) -> jax.Array:
     """Device bool: the per-call choice, from ``rows`` rows of ``g [M, f]`` spread over it
     (:func:`sample_row_indices`; all of them where M <= rows): their kept entries and
     backed-up rows, scaled to M, price the warp path below the dense up and down products.
     With a ``rule`` (the device backup's form: it takes any number of rows) the price is
     the rule's (:meth:`~jax_twell.ops.costs.DenseCrossover.warp_seconds`: backed-up rows at
-    the backup's tensor-core rate, w_up's transpose where not ``transposed``) below its
-    ``margin`` of dense; without one (the ``lax.switch`` form) :func:`sparse_cheaper`, and
+    the backup's tensor-core rate, w_up's transpose where not ``transposed``, the
+    non-gated FFN's half where not ``gated``) below its ``margin`` of dense; without one (the ``lax.switch`` form) :func:`sparse_cheaper`, and
     the backed-up rows fill at most half the ``backup`` (room for the sample's error; the
     exact counts still send a call whose rows overflow it to the dense side). Only how
     fast: either side is exact."""
@@ -257,8 +258,8 @@ def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_bud
     est_rows = jnp.sum(over, dtype=jnp.float32) * scale
     kept = jnp.sum(jnp.where(over, 0, entries), dtype=jnp.float32) * scale
     if rule is not None:
-        return rule.warp_seconds(kept, est_rows, m, d, f, itemsize, transposed) < rule.margin * rule.dense_cost(
-            m, d, f, itemsize)
+        return rule.warp_seconds(kept, est_rows, m, d, f, itemsize, transposed, gated) < (
+            rule.margin * rule.dense_side_cost(m, d, f, itemsize, gated))
     return (est_rows <= backup / 2) & sparse_cheaper(kept, m, d, f, itemsize, est_rows)
 
 
@@ -306,5 +307,5 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
         rule = DenseCrossover()
     likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile, capacity=capacity, row_budget=row_budget,
                            backup=backup, rule=rule if backup_kernel is not None else None,
-                           transposed=w_up_t is not None or not gated)
+                           transposed=w_up_t is not None or not gated, gated=gated)
     return jax.lax.cond(likely, sparse, dense, None)
