@@ -57,6 +57,8 @@
 #include <string>
 #include <vector>
 
+#include "probe_fill.cuh"  // FillKernel
+
 using BF16 = __nv_bfloat16;
 
 namespace {
@@ -97,17 +99,6 @@ void CheckLt(cublasStatus_t s, const char* call, const char* file, int line) {
 
 // ---- kernels ---------------------------------------------------------------------------
 
-// Values in [-1, 1] in steps of 1e-3 from a hash of the index (random bits, as real operands:
-// a GEMM's power, and so its clock, depends on them).
-__global__ void FillKernel(BF16* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = __float2bfloat16((int(h % 2001) - 1000) * 1e-3f);
-  }
-}
 
 // h = bf16(float(g) * float(u)), eight elements (16 bytes) per step.
 __global__ void MulKernel(const uint4* g, const uint4* u, uint4* h, size_t vectors) {

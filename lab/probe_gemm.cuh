@@ -11,21 +11,9 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "probe_fill.cuh"  // FillKernel
 
 using BF16 = cutlass::bfloat16_t;
-
-// Values in [-1, 1] in steps of 1e-3 from a hash of the index: random bits, as real
-// operands (a GEMM's power, and so its clock, depends on them).
-__global__ void FillKernel(BF16* p, size_t n, uint32_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = BF16((int(h % 2001) - 1000) * 1e-3f);
-  }
-}
-
 
 // CUDA-event milliseconds of one call() over `reps` calls, after 5 warm-up calls.
 template <class Call>

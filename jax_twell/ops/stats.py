@@ -16,6 +16,7 @@ __all__ = [
     "hidden_stats",
     "make_aux",
     "tile_widths",
+    "tile_counts",
     "gate_counts",
     "sampled_gate_counts",
     "sampled_block_union",
@@ -73,6 +74,17 @@ def tile_widths(f: int, tile: int) -> jax.Array:
     return jnp.minimum(tile, f - tile * jnp.arange(n_tiles, dtype=jnp.int32))
 
 
+def tile_counts(g: jax.Array, *, tile: int) -> jax.Array:
+    """``[M, n_tiles]`` int32: the non-zeros of ``g [M, f]`` in each ``tile``-column tile
+    (the last one may be narrower): the pack's per-tile counts before the capacity."""
+    m, f = g.shape
+    n_tiles = -(-f // tile)
+    active = g != 0
+    if n_tiles * tile != f:
+        active = jnp.pad(active, ((0, 0), (0, n_tiles * tile - f)))
+    return active.reshape(m, n_tiles, tile).sum(axis=-1, dtype=jnp.int32)
+
+
 def gate_counts(g: jax.Array, *, tile: int, capacity: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """What the dispatch needs from ``g [M, f]``, without packing it (one XLA reduction).
 
@@ -80,17 +92,12 @@ def gate_counts(g: jax.Array, *, tile: int, capacity: int) -> tuple[jax.Array, j
     (``overflowed.sum()``) and the entries the blocked kernel needs (stored entries, plus
     the whole width of each overflowed tile).
     """
-    m, f = g.shape
-    n_tiles = -(-f // tile)
-    active = g != 0
-    if n_tiles * tile != f:
-        active = jnp.pad(active, ((0, 0), (0, n_tiles * tile - f)))
-    per_tile = active.reshape(m, n_tiles, tile).sum(axis=-1, dtype=jnp.int32)
+    per_tile = tile_counts(g, tile=tile)
     over = per_tile > capacity
     return (
         per_tile.sum(dtype=jnp.int32),
         over.sum(dtype=jnp.int32),
-        jnp.where(over, tile_widths(f, tile), per_tile).sum(dtype=jnp.int32),
+        jnp.where(over, tile_widths(g.shape[1], tile), per_tile).sum(dtype=jnp.int32),
     )
 
 
@@ -146,12 +153,7 @@ def warp_rows_over(g: jax.Array, *, tile: int = 256, capacity: int = 32,
     active neurons: ``(over [M] bool, entries [M] int32)``. A row is over where it has more
     than ``row_budget`` active neurons or a ``tile``-neuron tile with more than
     ``capacity`` (the TwELL layout's)."""
-    m, f = g.shape
-    n_tiles = -(-f // tile)
-    active = g != 0
-    if n_tiles * tile != f:
-        active = jnp.pad(active, ((0, 0), (0, n_tiles * tile - f)))
-    per_tile = active.reshape(m, n_tiles, tile).sum(axis=-1, dtype=jnp.int32)
+    per_tile = tile_counts(g, tile=tile)
     entries = per_tile.sum(axis=-1)
     return jnp.any(per_tile > capacity, axis=-1) | (entries > row_budget), entries
 

@@ -243,20 +243,19 @@ def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_bud
                   gated: bool = True) -> jax.Array:
     """Device bool: the per-call choice, from ``rows`` rows of ``g [M, f]`` spread over it
     (:func:`sample_row_indices`; all of them where M <= rows): their kept entries and
-    backed-up rows, scaled to M, price the warp path below the dense up and down products.
-    With a ``rule`` (the device backup's form: it takes any number of rows) the price is
-    the rule's (:meth:`~jax_twell.ops.costs.DenseCrossover.warp_seconds`: backed-up rows at
-    the backup's tensor-core rate, w_up's transpose where not ``transposed``, the
-    non-gated FFN's half where not ``gated``) below its ``margin`` of dense; without one (the ``lax.switch`` form) :func:`sparse_cheaper`, and
-    the backed-up rows fill at most half the ``backup`` (room for the sample's error; the
-    exact counts still send a call whose rows overflow it to the dense side). Only how
-    fast: either side is exact."""
+    backed-up rows (:func:`jax_twell.ops.stats.warp_layout_fit`), scaled to M, price the
+    warp path below the dense products. With a ``rule`` (the device backup's form: it
+    takes any number of rows) the price is the rule's
+    (:meth:`~jax_twell.ops.costs.DenseCrossover.warp_seconds`: backed-up rows at the
+    backup's tensor-core rate, w_up's transpose where not ``transposed``, the non-gated
+    FFN's half where not ``gated``) below its ``margin`` of dense; without one (the
+    ``lax.switch`` form) :func:`sparse_cheaper`, and the backed-up rows fill at most half
+    the ``backup`` (room for the sample's error; the exact counts still send a call whose
+    rows overflow it to the dense side). Only how fast: either side is exact."""
     m, f = g.shape
     sample = g if m <= rows else jnp.take(g, jnp.asarray(sample_row_indices(m, rows)), axis=0)
-    over, entries = stats.warp_rows_over(sample, tile=tile, capacity=capacity, row_budget=row_budget)
-    scale = m / sample.shape[0]
-    est_rows = jnp.sum(over, dtype=jnp.float32) * scale
-    kept = jnp.sum(jnp.where(over, 0, entries), dtype=jnp.float32) * scale
+    over, kept = stats.warp_layout_fit(sample, tile=tile, capacity=capacity, row_budget=row_budget)
+    est_rows, kept = over * m, kept * (float(m) * f)
     if rule is not None:
         return rule.warp_seconds(kept, est_rows, m, d, f, itemsize, transposed, gated) < (
             rule.margin * rule.dense_side_cost(m, d, f, itemsize, gated))
@@ -303,9 +302,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
             lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
             lambda: dense(None))
 
-    if backup_kernel is not None and rule is None:
-        rule = DenseCrossover()
     likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile, capacity=capacity, row_budget=row_budget,
-                           backup=backup, rule=rule if backup_kernel is not None else None,
+                           backup=backup, rule=None if backup_kernel is None else rule or DenseCrossover(),
                            transposed=w_up_t is not None or not gated, gated=gated)
     return jax.lax.cond(likely, sparse, dense, None)
