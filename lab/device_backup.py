@@ -16,7 +16,8 @@ the device backup: no conditional), known_device_kept (the same with ``w_up.T`` 
 weights' finite columns kept, as a serving layer keeps them), known_device_fused (the fused
 gate, no g: the device backup recomputes its rows' gate), backup_empty (the device
 backup alone on an activation with no row to back up) and backup_all (every row backed
-up: the backup's products over all M rows).
+up: the backup's products over all M rows); the *_gemm variants run the same on the
+wgmma backup (ffi/twell_backup_gemm.cu).
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ from jax_twell.ops.pack.binding import pack_twell  # noqa: E402
 
 
 def variants():
-    def percall(device):
+    def percall(device, kernel=warp.backup_rows):
         def fn(x, wg, wu, wd, wut, cols):
             if device:
-                return warp.sparse_ffn(x, wg, wu, wd, backup_kernel=warp.backup_rows,
+                return warp.sparse_ffn(x, wg, wu, wd, backup_kernel=kernel,
                                        columns=lambda: finite_columns(wu, wd))
             return warp.sparse_ffn(x, wg, wu, wd, finite=lambda: all_finite(x) & finite_columns(wu, wd).all())
         return fn
@@ -57,34 +58,42 @@ def variants():
         act = cuda.gate_twell(x, wg, tile=256, capacity=32)
         return warp.ffn_from_gate(x, act, wg, wu, wd, finite=ok)
 
-    def known_device(kept):
+    def known_device(kept, kernel=warp.backup_rows):
         def fn(x, wg, wu, wd, wut, cols):
             g = relu_matmul(x, wg)
             act = pack_twell(g, tile=256, capacity=32)
             return warp.ffn_with_backup(x, g, act, wu, wd, cols if kept else finite_columns(wu, wd),
-                                        w_up_t=wut if kept else None)
+                                        w_up_t=wut if kept else None, backup_kernel=kernel)
         return fn
 
-    def known_device_fused(x, wg, wu, wd, wut, cols):
-        act = cuda.gate_twell(x, wg, tile=256, capacity=32)
-        return warp.ffn_with_backup(x, None, act, wu, wd, finite_columns(wu, wd), w_act=wg)
+    def known_device_fused(kernel=warp.backup_rows):
+        def fn(x, wg, wu, wd, wut, cols):
+            act = cuda.gate_twell(x, wg, tile=256, capacity=32)
+            return warp.ffn_with_backup(x, None, act, wu, wd, finite_columns(wu, wd), w_act=wg, backup_kernel=kernel)
+        return fn
 
-    def backup_only(budget):
+    def backup_only(budget, kernel=warp.backup_rows):
         def fn(x, wg, wu, wd, wut, cols):
             g = relu_matmul(x, wg)
             act = pack_twell(g, tile=256, capacity=32)
             if budget == 0:  # every row with an entry is backed up
                 act = dataclasses.replace(act, counts=jnp.maximum(act.counts, 1))
-            return warp.backup_rows(x, g, act, wu, wd, jnp.zeros_like(x), row_budget=budget)
+            return kernel(x, g, act, wu, wd, jnp.zeros_like(x), row_budget=budget)
         return fn
+
+    gemm = warp.backup_rows_gemm
 
     return {
         "xla": lambda x, wg, wu, wd, wut, cols: xla.ffn(x, wg, wu, wd),
         "default": lambda x, wg, wu, wd, wut, cols: jt.sparse_ffn(x, wg, wu, wd),
         "percall_switch": percall(False), "percall_device": percall(True),
         "known_switch": known_switch, "known_device": known_device(False), "known_device_kept": known_device(True),
-        "known_device_fused": known_device_fused,
+        "known_device_fused": known_device_fused(),
         "backup_empty": backup_only(warp.ROW_BUDGET), "backup_all": backup_only(0),
+        # the same on the wgmma backup (ffi/twell_backup_gemm.cu)
+        "percall_gemm": percall(True, gemm), "known_kept_gemm": known_device(True, gemm),
+        "known_fused_gemm": known_device_fused(gemm),
+        "backup_empty_gemm": backup_only(warp.ROW_BUDGET, gemm), "backup_all_gemm": backup_only(0, gemm),
     }
 
 

@@ -23,6 +23,13 @@ SPECS = [s for s in GPU_SPECS if s.d <= warp.MAX_D and s.d % 8 == 0]
 DEVICE_SPECS = [s for s in SPECS if warp.device_backup_supported(s.f)]
 
 
+@pytest.fixture(params=["mma", "wgmma"])
+def backup(request):
+    """The device backup's two kernels, one contract: ffi/twell_backup.cu (mma.sync tiles in
+    one cooperative launch) and ffi/twell_backup_gemm.cu (CUTLASS grouped GEMMs on wgmma)."""
+    return warp.backup_rows if request.param == "mma" else warp.backup_rows_gemm
+
+
 def _act(x, w_act, tile, capacity):
     return pack_twell_reference(relu_matmul(x, w_act), tile=tile, capacity=capacity)
 
@@ -107,7 +114,7 @@ def test_per_call_choice_matches_reference(spec):
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("spec", DEVICE_SPECS, ids=str)
-def test_device_backup_rows_match_reference(spec, dtype, gated):
+def test_device_backup_rows_match_reference(spec, dtype, gated, backup):
     """The device backup (ffi/twell_backup.cu) writes exactly the backed-up rows, each as
     the dense formula has it, and leaves every other row of y bit for bit; with no row to
     back up, y is untouched; with every row backed up, all of y is the dense FFN."""
@@ -126,7 +133,7 @@ def test_device_backup_rows_match_reference(spec, dtype, gated):
         left = np.asarray(warp.backed_up(act, budget))
         # g given, or recomputed from x for the listed rows (the fused gate writes no g)
         for given in (g, None):
-            y = np.asarray(jax.jit(lambda xx, gg, a, wa, wu, wd, yy: warp.backup_rows(
+            y = np.asarray(jax.jit(lambda xx, gg, a, wa, wu, wd, yy: backup(
                 xx, gg, a, wu, wd, yy, row_budget=budget, w_act=wa))(
                 x if given is not None else inp.x, given, act, w_act, w_up, inp.w_down, sentinel), np.float32)
             what = f"{spec} budget={budget} g {'given' if given is not None else 'recomputed'}"
@@ -147,7 +154,7 @@ def _dense_rows(inp, w_act, gated):
 
 @pytest.mark.parametrize("gated,given", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_device_backup_every_row_and_odd_shapes(dtype, gated, given):
+def test_device_backup_every_row_and_odd_shapes(dtype, gated, given, backup):
     """Shapes off the tiles (M, d and f not multiples of 64; f below one K step) with
     every row backed up, in each form: the products' edges are masked, and every row is
     the dense formula's (y starts as a sentinel, so an unwritten row fails)."""
@@ -155,27 +162,27 @@ def test_device_backup_every_row_and_odd_shapes(dtype, gated, given):
         inp = synthetic_ffn_inputs(jax.random.key(m + d), m, d, f, density=0.3, dtype=dtype)
         w_act = inp.w_gate if gated else inp.w_up
         g = relu_matmul(inp.x, w_act) if given else None
-        y = warp.backup_rows(inp.x if gated or not given else None, g, _every_row(inp, w_act),
+        y = backup(inp.x if gated or not given else None, g, _every_row(inp, w_act),
                              inp.w_up if gated else None, inp.w_down, jnp.full_like(inp.x, 3.0), row_budget=0,
                              w_act=w_act)
         assert_rows_close(y, _dense_rows(inp, w_act, gated), dtype, f"m={m} d={d} f={f}")
 
 
 @pytest.mark.parametrize("given", [True, False])
-def test_device_backup_more_tiles_than_ctas(given):
+def test_device_backup_more_tiles_than_ctas(given, backup):
     """2,048 rows of d=2048, f=5632 in one chunk: 2,816 tiles in the up product and 1,024 in
     the down product, more than the grid's CTAs (a few hundred), so each CTA goes through
     several tiles and refills its pipeline between them."""
     m, d, f = 2048, 2048, 5632
     inp = synthetic_ffn_inputs(jax.random.key(77), m, d, f, density=0.3)
     g = relu_matmul(inp.x, inp.w_gate)
-    y = warp.backup_rows(inp.x, g if given else None, _every_row(inp, inp.w_gate), inp.w_up, inp.w_down,
+    y = backup(inp.x, g if given else None, _every_row(inp, inp.w_gate), inp.w_up, inp.w_down,
                          jnp.full_like(inp.x, 3.0), row_budget=0, w_act=inp.w_gate, chunk_rows=m)
     assert_rows_close(y, xla.up_down(inp.x, g, inp.w_up, inp.w_down), jnp.bfloat16, "tiles > CTAs")
 
 
 @pytest.mark.parametrize("gated,given", [(True, True), (True, False), (False, True), (False, False)])
-def test_device_backup_in_chunks(gated, given):
+def test_device_backup_in_chunks(gated, given, backup):
     """More backed-up rows than the scratch holds (chunks of 64 and of 1 row): every row
     exact, the products gone through chunk by chunk in one launch (its grid barriers)."""
     m, d, f = 700, 264, 520
@@ -188,7 +195,7 @@ def test_device_backup_in_chunks(gated, given):
     assert left.sum() >= 230
     want = np.asarray(reference.twell_ffn(inp.x, act, w_act, w_up, inp.w_down), np.float32)
     for chunk in (64, 1):
-        y = warp.backup_rows(inp.x if gated or not given else None, g if given else None, act, w_up, inp.w_down,
+        y = backup(inp.x if gated or not given else None, g if given else None, act, w_up, inp.w_down,
                              jnp.full_like(inp.x, 3.0), w_act=w_act, chunk_rows=chunk)
         y = np.asarray(y, np.float32)
         assert_rows_close(y[left], want[left], jnp.bfloat16, f"chunk={chunk}")
@@ -197,7 +204,7 @@ def test_device_backup_in_chunks(gated, given):
 
 @pytest.mark.parametrize("gated,given", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("full", [1, 3, 70])
-def test_device_backup_split_products(gated, given, full):
+def test_device_backup_split_products(gated, given, full, backup):
     """A few backed-up rows of a wide layer: each product has fewer tiles than half the grid,
     so its K loop is split over CTAs and the slices' partials summed in a reduction phase
     (70 rows: two row tiles). Every row as the dense formula has it, the others untouched,
@@ -211,7 +218,7 @@ def test_device_backup_split_products(gated, given, full):
     left = np.asarray(warp.backed_up(act, warp.ROW_BUDGET))
     assert full <= left.sum() < 2 * full + 8
     want = np.asarray(reference.twell_ffn(inp.x, act, w_act, w_up, inp.w_down), np.float32)
-    fn = jax.jit(lambda xx, gg, a, wa, wu, wd, yy: warp.backup_rows(xx, gg, a, wu, wd, yy, w_act=wa))
+    fn = jax.jit(lambda xx, gg, a, wa, wu, wd, yy: backup(xx, gg, a, wu, wd, yy, w_act=wa))
     args = (inp.x if gated or not given else None, g if given else None, act, w_act, w_up, inp.w_down,
             jnp.full_like(inp.x, 3.0))
     y = np.asarray(fn(*args), np.float32)
@@ -220,13 +227,13 @@ def test_device_backup_split_products(gated, given, full):
     assert np.array_equal(np.asarray(fn(*args), np.float32), y)
 
 
-def test_device_backup_is_deterministic():
+def test_device_backup_is_deterministic(backup):
     """The list's order varies with the atomics; no bit of y may."""
     m, d, f = 4096, 256, 1024
     inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(8), m, d, f, density=0.01), full=300)
     g = relu_matmul(inp.x, inp.w_gate)
     act = _act(inp.x, inp.w_gate, 256, 32)
-    fn = jax.jit(lambda *a: warp.backup_rows(*a))
+    fn = jax.jit(lambda *a: backup(*a))
     first = np.asarray(fn(inp.x, g, act, inp.w_up, inp.w_down, jnp.zeros_like(inp.x)))
     for _ in range(3):
         assert np.array_equal(np.asarray(fn(inp.x, g, act, inp.w_up, inp.w_down, jnp.zeros_like(inp.x))), first)

@@ -156,6 +156,80 @@ def backup_rows(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDG
     return y
 
 
+# The wgmma backup's scratch (ffi/twell_backup_gemm.cu, LayoutOf): a parameter block, two
+# GEMM workspaces, then the compact rows and the f32 partials of the down product.
+_GEMM_PARAM_BYTES = 4096
+_GEMM_WORKSPACE_BYTES = 512 * 1024
+_GEMM_SPLIT_ROWS_CAP = 1024
+_GEMM_ALIGN = 256
+
+
+def backup_work_bytes(m: int, d: int, f: int, itemsize: int, *, gated: bool, recompute: bool) -> int:
+    """Bytes of :func:`backup_rows_gemm`'s scratch for an M-token call (the kernel checks
+    the same layout): the listed rows' x ``[M, d]`` (forms that read x), the activation
+    ``[M, f]`` (recomputed, or the listed rows of g for the non-gated FFN with g given),
+    ``u``/``h`` ``[M, f]`` (gated) and f32 partials ``[max(M, 1024), d]``, plus ~1 MB of
+    parameters and GEMM descriptors. At most what XLA's dense FFN keeps of its own
+    intermediates ([M, f] g, u and h)."""
+    off = 0
+
+    def take(nbytes: int) -> None:
+        nonlocal off
+        off = -(-(off + nbytes) // _GEMM_ALIGN) * _GEMM_ALIGN
+
+    take(_GEMM_PARAM_BYTES)
+    take(_GEMM_WORKSPACE_BYTES)
+    take(_GEMM_WORKSPACE_BYTES)
+    if gated or recompute:
+        take(m * d * itemsize)
+    if recompute or not gated:
+        take(m * f * itemsize)
+    if gated:
+        take(m * f * itemsize)
+    take(max(m, _GEMM_SPLIT_ROWS_CAP) * d * 4)
+    return off + _GEMM_ALIGN  # slack: the kernel aligns the buffer's start
+
+
+def backup_rows_gemm(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
+                     chunk_rows: int | None = None):
+    """:func:`backup_rows`'s contract on Hopper's wgmma (``jax_twell_ffn_backup_gemm*``,
+    ffi/twell_backup_gemm.cu): the listed rows gathered to a compact scratch, CUTLASS grouped
+    GEMMs whose row count lives in device memory, an elementwise pass for h and a scatter of
+    the rows into y. No conditional; every launch reads the count on the device.
+    ``chunk_rows`` is accepted for the contract's sake and unused: the scratch holds every
+    row (:func:`backup_work_bytes`)."""
+    del chunk_rows
+    m, d = y.shape
+    f = w_down.shape[0]
+    attrs = dict(capacity=np.int32(act.capacity), max_entries=np.int32(row_budget))
+    rows = jax.ShapeDtypeStruct((m + 4,), jnp.int32)
+    out = jax.ShapeDtypeStruct((m, d), y.dtype)
+    itemsize = jnp.dtype(y.dtype).itemsize
+
+    def work(gated: bool, recompute: bool):
+        return jax.ShapeDtypeStruct((backup_work_bytes(m, d, f, itemsize, gated=gated, recompute=recompute),),
+                                    jnp.uint8)
+
+    if g is None:
+        if w_act is None or x is None:
+            raise ValueError("backup_rows_gemm: without g, x and w_act are needed to recompute the rows' activation")
+        if w_up is None:
+            y, *_ = kernel_call("jax_twell_ffn_backup_gemm_from_x", (out, rows, work(False, True)),
+                                vmap_method="sequential", aliases={4: 0})(x, act.counts, w_act, w_down, y, **attrs)
+        else:
+            y, *_ = kernel_call("jax_twell_ffn_backup_gemm_gated_from_x", (out, rows, work(True, True)),
+                                vmap_method="sequential", aliases={5: 0})(
+                x, act.counts, w_act, w_up, w_down, y, **attrs)
+        return y
+    if w_up is None:
+        y, *_ = kernel_call("jax_twell_ffn_backup_gemm", (out, rows, work(False, False)), vmap_method="sequential",
+                            aliases={3: 0})(g, act.counts, w_down, y, **attrs)
+        return y
+    y, *_ = kernel_call("jax_twell_ffn_backup_gemm_gated", (out, rows, work(True, False)), vmap_method="sequential",
+                        aliases={5: 0})(x, g, act.counts, w_up, w_down, y, **attrs)
+    return y
+
+
 def backup_rows_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
                           chunk_rows: int | None = None):
     """:func:`backup_rows`'s contract in XLA operations (the stand-in tests run on the CPU)."""
