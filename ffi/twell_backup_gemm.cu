@@ -21,6 +21,10 @@
 //      split into up to kMaxSplit groups when the rows are few (each group a slice of f
 //      writing its own f32 partial), so that a handful of rows still spreads over the SMs.
 //   5. ScatterKernel: y[list[i]] = bf16(sum of the slices' partials, in slice order).
+// The forms with g given take a device flag `dense` (the per-call choice, made on the device
+// from a sample of g): where it is set every row is computed, straight from x and g, the
+// down product writing y itself (no gather, no partials, no scatter), whatever the counts:
+// the dense FFN at the GEMMs' rate, with no conditional and no host round trip.
 // With no row listed every launch finds nothing to do: the GEMMs' CTAs see empty problems.
 // The list's order varies from run to run; no result depends on it (a row's sums run over K
 // in an order fixed by the shapes and the row count).
@@ -104,13 +108,15 @@ template <class Element>
 struct DeviceParams {
   GroupArgs<Element, Element, 2> first;
   GroupArgs<Element, float, kMaxSplit> down;
+  GroupArgs<Element, Element, 1> down_direct;  // the dense flag's form: h @ w_down straight into y
   int32_t split;
+  int32_t scatter_rows;  // rows the scatter writes (0 in the dense flag's form)
   int32_t slice_rows;  // rows between two slices' partials (the row count)
 };
 
 // Where each scratch lies in `work` (byte offsets; 0 size: the form does not use it).
 struct WorkLayout {
-  int64_t params, ws_first, ws_down, xb, ab, ub, partials, total;
+  int64_t params, ws_first, ws_down, ws_direct, xb, ab, ub, partials, total;
 };
 
 // The forms: gated (w_up given) or not; g given or recomputed from x.
@@ -132,6 +138,7 @@ WorkLayout LayoutOf(int64_t m, int64_t d, int64_t f, int64_t esize, Form form) {
   w.params = take(kParamBytes);
   w.ws_first = take(kGemmWorkspaceBytes);
   w.ws_down = take(kGemmWorkspaceBytes);
+  w.ws_direct = take(kGemmWorkspaceBytes);
   const bool has_x = form.gated || form.recompute;  // non-gated with g given reads no x
   w.xb = has_x ? take(m * d * esize) : -1;
   // ab: the recomputed activation, or (non-gated, g given) the listed rows of g.
@@ -151,16 +158,18 @@ struct Operands {
   const uint16_t* w_down; // [f, d]
   uint16_t* y;            // [M, d]
   int32_t* list;          // [M + 4]: rows, then count, finished CTAs
+  const int32_t* dense;   // [] device flag (forms with g given; null elsewhere): every row, directly
   uint8_t* work;
   int64_t m, d, f;
   int sms;
 };
 
 template <class Element>
-__device__ void WriteParams(const Operands& o, const WorkLayout& w, Form form, int count) {
+__device__ void WriteParams(const Operands& o, const WorkLayout& w, Form form, int count, bool all) {
   auto* p = reinterpret_cast<DeviceParams<Element>*>(o.work + w.params);
   const int d = static_cast<int>(o.d), f = static_cast<int>(o.f);
-  auto* xb = reinterpret_cast<const Element*>(o.work + w.xb);
+  // every row (the dense flag): A is x itself, the list the identity
+  auto* xb = all ? reinterpret_cast<const Element*>(o.x) : reinterpret_cast<const Element*>(o.work + w.xb);
   auto* ab = reinterpret_cast<Element*>(o.work + w.ab);
   auto* ub = reinterpret_cast<Element*>(o.work + w.ub);
   // The first product: up (gated) and/or the activation (recomputed).
@@ -188,10 +197,11 @@ __device__ void WriteParams(const Operands& o, const WorkLayout& w, Form form, i
   }
   // The down product over h (gated: ub; else ab), split along f when its tiles are few.
   const Element* h = form.gated ? ub : ab;
+  if (all && !form.gated && !form.recompute) h = reinterpret_cast<const Element*>(o.g);  // g's own rows
   const int tiles = ((count + kTileM - 1) / kTileM) * ((d + kTileN - 1) / kTileN);
   const int64_t cap_rows = o.m > kSplitRowsCap ? o.m : static_cast<int64_t>(kSplitRowsCap);
   int split = 1;
-  if (count > 0 && tiles * 2 <= o.sms) {
+  if (!all && count > 0 && tiles * 2 <= o.sms) {
     split = min(kMaxSplit, max(1, o.sms / max(tiles, 1)));
     split = min(split, max(1, f / kMinSliceK));
     const int64_t fit = cap_rows / count;
@@ -204,7 +214,7 @@ __device__ void WriteParams(const Operands& o, const WorkLayout& w, Form form, i
   for (int s = 0; s < kMaxSplit; ++s) {
     const int k0 = min(s * slice, f - 1);
     const int k = s < split ? min(slice, f - s * slice) : slice;
-    p->down.shapes[s] = Shape3{s < split ? count : 0, d, k};
+    p->down.shapes[s] = Shape3{s < split && !all ? count : 0, d, k};
     p->down.a[s] = h + k0;
     p->down.b[s] = reinterpret_cast<const Element*>(o.w_down) + static_cast<int64_t>(k0) * d;
     p->down.d[s] = partials + (s < split ? static_cast<int64_t>(s) * count * d : 0);
@@ -212,8 +222,16 @@ __device__ void WriteParams(const Operands& o, const WorkLayout& w, Form form, i
     cute::get<1>(p->down.stride_b[s]) = d;
     cute::get<0>(p->down.stride_d[s]) = d;
   }
+  p->down_direct.shapes[0] = Shape3{all ? count : 0, d, f};
+  p->down_direct.a[0] = h;
+  p->down_direct.b[0] = reinterpret_cast<const Element*>(o.w_down);
+  p->down_direct.d[0] = reinterpret_cast<Element*>(o.y);
+  cute::get<0>(p->down_direct.stride_a[0]) = f;
+  cute::get<1>(p->down_direct.stride_b[0]) = d;
+  cute::get<0>(p->down_direct.stride_d[0]) = d;
   p->split = split;
   p->slice_rows = count;
+  p->scatter_rows = all ? 0 : count;
 }
 
 // Step 1. One warp a row: the warp kernel's rule (a tile past capacity or more than
@@ -227,7 +245,10 @@ __global__ __launch_bounds__(kListWarps * 32) void ListGatherKernel(Operands o, 
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kListWarps + threadIdx.x / 32;
   int32_t* count = o.list + o.m;
   unsigned int* finished = reinterpret_cast<unsigned int*>(o.list + o.m + 1);
-  if (row < o.m) {
+  const bool all = o.dense != nullptr && *o.dense != 0;
+  if (all) {
+    if (row < o.m && lane == 0) o.list[row] = static_cast<int32_t>(row);
+  } else if (row < o.m) {
     const int32_t* row_counts = counts + row * n_tiles;
     int total = 0;
     bool over = false;
@@ -263,8 +284,12 @@ __global__ __launch_bounds__(kListWarps * 32) void ListGatherKernel(Operands o, 
     const unsigned int done = atomicAdd(finished, 1u);
     if (done == gridDim.x - 1) {
       __threadfence();
-      const int n = atomicAdd(count, 0);
-      WriteParams<Element>(o, w, form, n);
+      int n = atomicAdd(count, 0);
+      if (all) {
+        n = static_cast<int>(o.m);
+        atomicExch(count, n);
+      }
+      WriteParams<Element>(o, w, form, n, all);
       __threadfence();
     }
   }
@@ -311,7 +336,7 @@ __global__ __launch_bounds__(256) void MixKernel(Operands o, WorkLayout w) {
 template <class E, class Element>
 __global__ __launch_bounds__(256) void ScatterKernel(Operands o, WorkLayout w) {
   const auto* p = reinterpret_cast<const DeviceParams<Element>*>(o.work + w.params);
-  const int count = o.list[o.m];
+  const int count = p->scatter_rows;
   const int split = p->split;
   const int64_t vecs_per_row = o.d / 4;
   const int64_t total = static_cast<int64_t>(count) * vecs_per_row;
@@ -411,6 +436,12 @@ ffi::Error LaunchAll(cudaStream_t stream, Operands o, Form form, int n_tiles, in
   if (auto e = RunGroups<Element, float, kMaxSplit>(stream, &params->down, o.work + w.ws_down, "backup down product");
       e.failure())
     return e;
+  if (o.dense != nullptr) {
+    if (auto e = RunGroups<Element, Element, 1>(stream, &params->down_direct, o.work + w.ws_direct,
+                                                "backup down product (every row)");
+        e.failure())
+      return e;
+  }
   ScatterKernel<E, Element><<<std::max(1, o.sms * 4), 256, 0, stream>>>(o, w);
   return LaunchStatus("ScatterKernel");
 }
@@ -493,10 +524,12 @@ const uint16_t* Bits(const ffi::AnyBuffer& b) { return static_cast<const uint16_
 
 // Gated, g given: x [M, d], g [M, f], counts, w_up [d, f], w_down [f, d], y_in [M, d].
 ffi::Error GemmGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
-                     ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in, ffi::Result<ffi::AnyBuffer> y,
-                     ffi::Result<ffi::Buffer<ffi::S32>> list, ffi::Result<ffi::Buffer<ffi::U8>> work,
-                     int32_t capacity, int32_t max_entries) {
+                     ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer y_in, ffi::Buffer<ffi::S32> dense,
+                     ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> list,
+                     ffi::Result<ffi::Buffer<ffi::U8>> work, int32_t capacity, int32_t max_entries) {
+  if (dense.element_count() != 1) return Invalid("ffn_backup_gemm (gated): dense must be one s32 flag");
   Operands o{Bits(x), Bits(g), nullptr, Bits(w_up)};
+  o.dense = dense.typed_data();
   return BackupCall("ffn_backup_gemm (gated)", stream,
                     {{"x", &x, {kM, kD}}, {"g", &g, {kM, kF}}, {"w_up", &w_up, {kD, kF}}}, Form{true, false}, counts,
                     w_down, y_in, y, list, work, capacity, max_entries, o);
@@ -504,9 +537,12 @@ ffi::Error GemmGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ff
 
 // Non-gated, g given (the activation): g [M, f], counts, w_down [f, d], y_in [M, d].
 ffi::Error GemmUngated(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down,
-                       ffi::AnyBuffer y_in, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::S32>> list,
-                       ffi::Result<ffi::Buffer<ffi::U8>> work, int32_t capacity, int32_t max_entries) {
+                       ffi::AnyBuffer y_in, ffi::Buffer<ffi::S32> dense, ffi::Result<ffi::AnyBuffer> y,
+                       ffi::Result<ffi::Buffer<ffi::S32>> list, ffi::Result<ffi::Buffer<ffi::U8>> work,
+                       int32_t capacity, int32_t max_entries) {
+  if (dense.element_count() != 1) return Invalid("ffn_backup_gemm: dense must be one s32 flag");
   Operands o{nullptr, Bits(g)};
+  o.dense = dense.typed_data();
   return BackupCall("ffn_backup_gemm", stream, {{"g", &g, {kM, kF}}}, Form{false, false}, counts, w_down, y_in, y,
                     list, work, capacity, max_entries, o);
 }
@@ -546,6 +582,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemmGated, jax_twell::GemmGated,
                                   .Arg<xla::ffi::AnyBuffer>()  // w_up [d, f]
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dense [] (flag: every row)
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 4]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // work (scratch)
@@ -559,6 +596,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemm, jax_twell::GemmUngated,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [M, n_tiles]
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // y_in [M, d] (aliased to y)
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // dense [] (flag: every row)
                                   .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 4]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // work (scratch)

@@ -17,7 +17,8 @@ weights' finite columns kept, as a serving layer keeps them), known_device_fused
 gate, no g: the device backup recomputes its rows' gate), backup_empty (the device
 backup alone on an activation with no row to back up) and backup_all (every row backed
 up: the backup's products over all M rows); the *_gemm variants run the same on the
-wgmma backup (ffi/twell_backup_gemm.cu).
+wgmma backup (ffi/twell_backup_gemm.cu); percall_flag is the per-call form with no
+conditional at all (the sample's choice a device flag to that backup).
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ from jax_twell.ops.pack.binding import pack_twell  # noqa: E402
 
 
 def variants():
-    def percall(device, kernel=warp.backup_rows):
+    def percall(device, kernel=warp.backup_rows, flag=False):
         def fn(x, wg, wu, wd, wut, cols):
             if device:
-                return warp.sparse_ffn(x, wg, wu, wd, backup_kernel=kernel,
+                return warp.sparse_ffn(x, wg, wu, wd, backup_kernel=kernel, device_choice=flag,
                                        columns=lambda: finite_columns(wu, wd))
             return warp.sparse_ffn(x, wg, wu, wd, finite=lambda: all_finite(x) & finite_columns(wu, wd).all())
         return fn
@@ -91,7 +92,7 @@ def variants():
         "known_device_fused": known_device_fused(),
         "backup_empty": backup_only(warp.ROW_BUDGET), "backup_all": backup_only(0),
         # the same on the wgmma backup (ffi/twell_backup_gemm.cu)
-        "percall_gemm": percall(True, gemm), "known_kept_gemm": known_device(True, gemm),
+        "percall_gemm": percall(True, gemm), "percall_flag": percall(True, gemm, True), "known_kept_gemm": known_device(True, gemm),
         "known_fused_gemm": known_device_fused(gemm),
         "backup_empty_gemm": backup_only(warp.ROW_BUDGET, gemm), "backup_all_gemm": backup_only(0, gemm),
     }

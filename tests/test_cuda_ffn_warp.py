@@ -239,10 +239,37 @@ def test_device_backup_is_deterministic(backup):
         assert np.array_equal(np.asarray(fn(inp.x, g, act, inp.w_up, inp.w_down, jnp.zeros_like(inp.x))), first)
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m,d,f", [(2048, 256, 1024), (67, 72, 200), (1, 8, 8)])
+def test_gemm_backup_dense_flag(gated, m, d, f):
+    """The wgmma backup's dense flag: set, every row of y is the dense formula's whatever
+    the counts (y starts as a sentinel, so a row left unwritten fails); unset, only the
+    backed-up rows are written, on the same inputs."""
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + 3), m, d, f, density=0.01), full=min(3, m),
+                            empty=0)
+    w_act = inp.w_gate if gated else inp.w_up
+    w_up = inp.w_up if gated else None
+    g = relu_matmul(inp.x, w_act)
+    act = _act(inp.x, w_act, 256, 32)
+    sentinel = jnp.full(inp.x.shape, 3.0, inp.x.dtype)
+    fn = jax.jit(lambda xx, gg, a, wu, wd, yy, flag: warp.backup_rows_gemm(xx, gg, a, wu, wd, yy, dense=flag))
+    x = inp.x if gated else None
+    y = fn(x, g, act, w_up, inp.w_down, sentinel, jnp.asarray(True))
+    assert_rows_close(y, _dense_rows(inp, w_act, gated), inp.x.dtype, f"dense m={m}")
+    left = np.asarray(warp.backed_up(act, warp.ROW_BUDGET))
+    y = np.asarray(fn(x, g, act, w_up, inp.w_down, sentinel, jnp.asarray(False)), np.float32)
+    assert np.all(y[~left] == 3.0)
+    want = np.asarray(_dense_rows(inp, w_act, gated), np.float32)
+    if left.any():
+        assert_rows_close(y[left], want[left], inp.x.dtype, f"sparse m={m}")
+
+
 @pytest.mark.parametrize("case", ["sparse", "tail", "dense", "nan_x", "nan_w_down", "inf_w_up"])
-def test_per_call_device_backup_exact(case):
+@pytest.mark.parametrize("device_choice", [False, True], ids=["cond", "flag"])
+def test_per_call_device_backup_exact(case, device_choice):
     """The per-call form with the device backup (no switch) on each side and with
-    non-finite operands: the dense formula's values and NaN."""
+    non-finite operands: the dense formula's values and NaN; with the choice as a device
+    flag to the wgmma backup (no conditional) as with the ``lax.cond``."""
     m, d, f = 2048, 256, 1024
     inp = synthetic_ffn_inputs(jax.random.key(21), m, d, f, density=0.3 if case == "dense" else 0.004)
     if case == "tail":
@@ -253,8 +280,10 @@ def test_per_call_device_backup_exact(case):
         inp = inp._replace(w_down=inp.w_down.at[9, 5].set(jnp.nan))
     if case == "inf_w_up":
         inp = inp._replace(w_up=inp.w_up.at[4, 11].set(jnp.inf))
-    fn = jax.jit(lambda x, wg, wu, wd: warp.sparse_ffn(x, wg, wu, wd, backup_kernel=warp.backup_rows,
-                                                       columns=lambda: finite_columns(wu, wd)))
+    kernel = warp.backup_rows_gemm if device_choice else warp.backup_rows
+    fn = jax.jit(lambda x, wg, wu, wd: warp.sparse_ffn(x, wg, wu, wd, backup_kernel=kernel,
+                                                       columns=lambda: finite_columns(wu, wd),
+                                                       device_choice=device_choice))
     y = np.asarray(fn(*inp), np.float32)
     want = np.asarray(xla.ffn(*inp), np.float32)
     assert np.array_equal(np.isnan(y), np.isnan(want)), case

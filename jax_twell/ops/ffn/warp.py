@@ -180,6 +180,7 @@ def backup_work_bytes(m: int, d: int, f: int, itemsize: int, *, gated: bool, rec
     take(_GEMM_PARAM_BYTES)
     take(_GEMM_WORKSPACE_BYTES)
     take(_GEMM_WORKSPACE_BYTES)
+    take(_GEMM_WORKSPACE_BYTES)
     if gated or recompute:
         take(m * d * itemsize)
     if recompute or not gated:
@@ -191,13 +192,16 @@ def backup_work_bytes(m: int, d: int, f: int, itemsize: int, *, gated: bool, rec
 
 
 def backup_rows_gemm(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
-                     chunk_rows: int | None = None):
+                     chunk_rows: int | None = None, dense=None):
     """:func:`backup_rows`'s contract on Hopper's wgmma (``jax_twell_ffn_backup_gemm*``,
     ffi/twell_backup_gemm.cu): the listed rows gathered to a compact scratch, CUTLASS grouped
     GEMMs whose row count lives in device memory, an elementwise pass for h and a scatter of
     the rows into y. No conditional; every launch reads the count on the device.
     ``chunk_rows`` is accepted for the contract's sake and unused: the scratch holds every
-    row (:func:`backup_work_bytes`)."""
+    row (:func:`backup_work_bytes`). ``dense``: with g given, a device bool (the per-call
+    choice made on the device); where true every row of y is computed densely from x and
+    g, whatever the counts, the down product writing y directly: the per-call form's dense
+    side with no conditional."""
     del chunk_rows
     m, d = y.shape
     f = w_down.shape[0]
@@ -210,6 +214,9 @@ def backup_rows_gemm(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW
         return jax.ShapeDtypeStruct((backup_work_bytes(m, d, f, itemsize, gated=gated, recompute=recompute),),
                                     jnp.uint8)
 
+    if dense is not None and g is None:
+        raise ValueError("backup_rows_gemm: the dense flag needs g (the per-call form's gate)")
+    flag = jnp.asarray(False if dense is None else dense).astype(jnp.int32)
     if g is None:
         if w_act is None or x is None:
             raise ValueError("backup_rows_gemm: without g, x and w_act are needed to recompute the rows' activation")
@@ -223,10 +230,10 @@ def backup_rows_gemm(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW
         return y
     if w_up is None:
         y, *_ = kernel_call("jax_twell_ffn_backup_gemm", (out, rows, work(False, False)), vmap_method="sequential",
-                            aliases={3: 0})(g, act.counts, w_down, y, **attrs)
+                            aliases={3: 0})(g, act.counts, w_down, y, flag, **attrs)
         return y
     y, *_ = kernel_call("jax_twell_ffn_backup_gemm_gated", (out, rows, work(True, False)), vmap_method="sequential",
-                        aliases={5: 0})(x, g, act.counts, w_up, w_down, y, **attrs)
+                        aliases={5: 0})(x, g, act.counts, w_up, w_down, y, flag, **attrs)
     return y
 
 
@@ -338,7 +345,7 @@ def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_bud
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
                row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows, finite=True,
-               backup_kernel=None, columns=None, rule: DenseCrossover | None = None):
+               backup_kernel=None, columns=None, rule: DenseCrossover | None = None, device_choice: bool = False):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
     g; a sample of its rows (:func:`likely_sparse`) chooses: dense, the dense up and down
     products from the same g (no gate recompute, no pack, no count of all of g); sparse,
@@ -353,7 +360,10 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     ``columns`` (a function returning the weights' ``[d]`` finite columns, run on the
     sparse side) replaces ``finite``; None: the ``lax.switch`` over static backup sizes.
     ``rule``: the cost model the device backup's form prices its side with (default
-    ``DenseCrossover()``; see :func:`likely_sparse`)."""
+    ``DenseCrossover()``; see :func:`likely_sparse`). ``device_choice`` (with a
+    ``backup_kernel`` that takes a ``dense`` flag, :func:`backup_rows_gemm`): no
+    conditional at all; the sample's choice reaches the backup as a device flag, and a
+    dense call is the backup over every row from x and g."""
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -379,4 +389,12 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile, capacity=capacity, row_budget=row_budget,
                            backup=backup, rule=None if backup_kernel is None else rule or DenseCrossover(),
                            transposed=w_up_t is not None or not gated, gated=gated)
+    if device_choice:
+        if backup_kernel is None:
+            raise ValueError("sparse_ffn: device_choice needs a backup_kernel that takes the dense flag")
+        act = pack(g, tile=tile, capacity=capacity)
+        y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
+        y = backup_kernel(x if gated else None, g, act, w_up if gated else None, w_down, y, row_budget=row_budget,
+                          dense=jnp.logical_not(likely))
+        return as_dense_nonfinite(y, x, columns())
     return jax.lax.cond(likely, sparse, dense, None)
