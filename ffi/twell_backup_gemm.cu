@@ -573,6 +573,8 @@ ffi::Error GemmUngatedFromX(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<f
 }  // namespace
 }  // namespace jax_twell
 
+// The handlers only launch work on the stream (no host synchronisation): XLA may capture
+// them into its CUDA graphs.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemmGated, jax_twell::GemmGated,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
@@ -587,7 +589,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemmGated, jax_twell::GemmGated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 4]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // work (scratch)
                                   .Attr<int32_t>("capacity")
-                                  .Attr<int32_t>("max_entries"));
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemm, jax_twell::GemmUngated,
                               xla::ffi::Ffi::Bind()
@@ -601,7 +604,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemm, jax_twell::GemmUngated,
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 4]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // work (scratch)
                                   .Attr<int32_t>("capacity")
-                                  .Attr<int32_t>("max_entries"));
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemmGatedFromX, jax_twell::GemmGatedFromX,
                               xla::ffi::Ffi::Bind()
@@ -616,7 +620,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemmGatedFromX, jax_twell::GemmGa
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 4]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // work (scratch)
                                   .Attr<int32_t>("capacity")
-                                  .Attr<int32_t>("max_entries"));
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemmFromX, jax_twell::GemmUngatedFromX,
                               xla::ffi::Ffi::Bind()
@@ -630,4 +635,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnBackupGemmFromX, jax_twell::GemmUngated
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // list [M + 4]
                                   .Ret<xla::ffi::Buffer<xla::ffi::U8>>()   // work (scratch)
                                   .Attr<int32_t>("capacity")
-                                  .Attr<int32_t>("max_entries"));
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
