@@ -920,13 +920,21 @@ def test_the_module_keeps_its_weights_check_with_the_decode_layout():
     assert ffn.weights_finite is None
 
 
+# The two device backups' stand-ins: the mma.sync kernel's contract (the per-call choice a
+# lax.cond) and the wgmma kernel's, which takes the choice as a device flag (no conditional).
+DEVICE_BACKUPS = {"cond": (warp.backup_rows_reference, 1), "flag": (warp.backup_rows_gemm_reference, 0)}
+
+
+@pytest.mark.parametrize("backup", sorted(DEVICE_BACKUPS))
 @pytest.mark.parametrize("gated", [True, False])
-def test_warp_path_with_the_device_backup(stand_ins, gated):
+def test_warp_path_with_the_device_backup(stand_ins, gated, backup):
     """With a backup that reads its row count on the device (``FFNKernels.warp_backup``,
     here its reference contract): a known or forced layer's warp path holds no conditional
-    at all, the per-call form only the sample's choice; every side computes the dense
-    formula, with rows past the switch's largest size and with non-finite operands."""
-    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=warp.backup_rows_reference)
+    at all, the per-call form only the sample's choice (none where the backup takes it as
+    a device flag); every side computes the dense formula, with rows past the switch's
+    largest size and with non-finite operands."""
+    kernel, per_call_conds = DEVICE_BACKUPS[backup]
+    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=kernel)
     inp = case(m=1100, f=704, density=0.005, full=200, empty=5, key=14)  # 200 rows: past the switch's M/8
     w_gate = inp.w_gate if gated else None
     rule = DenseCrossover(**NO_FIXED)
@@ -939,7 +947,7 @@ def test_warp_path_with_the_device_backup(stand_ins, gated):
         text = str(jax.make_jaxpr(fn)(inp.x, inp.w_down))
         return text.count(" cond[")
 
-    for fn, n_cond in ((call(Side.SPARSE), 0), (call(active_fraction=0.005), 0), (call(), 1)):
+    for fn, n_cond in ((call(Side.SPARSE), 0), (call(active_fraction=0.005), 0), (call(), per_call_conds)):
         assert "stand_in_gate" not in str(jax.make_jaxpr(fn)(inp.x, inp.w_down))  # below the fused gate's bound
         assert conditionals(fn) == n_cond
         for x, w_down in ((inp.x, inp.w_down), (inp.x.at[3, 1].set(jnp.nan), inp.w_down),
@@ -965,11 +973,13 @@ def test_known_layer_past_the_fused_gate_bound_with_the_device_backup(stand_ins)
                  "known layer, device backup")
 
 
-def test_the_per_call_choice_with_the_device_backup_uses_the_plans_rule(stand_ins):
+@pytest.mark.parametrize("backup", sorted(DEVICE_BACKUPS))
+def test_the_per_call_choice_with_the_device_backup_uses_the_plans_rule(stand_ins, backup):
     """The per-call form with the device backup chooses its side by the rule the plan was
     given: sparse rows under the default margin (the warp stand-in's mark shows), the
-    dense formula itself where the rule's margin leaves the sparse side no room."""
-    kernels = dataclasses.replace(stand_ins(mark=True), warp_backup=warp.backup_rows_reference)
+    dense formula itself where the rule's margin leaves the sparse side no room (with the
+    flag: the backup over every row)."""
+    kernels = dataclasses.replace(stand_ins(mark=True), warp_backup=DEVICE_BACKUPS[backup][0])
     inp = case(m=1100, f=704, density=0.005, key=16)
 
     def call(rule):

@@ -238,12 +238,32 @@ def backup_rows_gemm(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW
 
 
 def backup_rows_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
-                          chunk_rows: int | None = None):
-    """:func:`backup_rows`'s contract in XLA operations (the stand-in tests run on the CPU)."""
+                          chunk_rows: int | None = None, dense=None):
+    """:func:`backup_rows`'s contract in XLA operations (the stand-in tests run on the CPU),
+    with :func:`backup_rows_gemm`'s ``dense`` flag (every row)."""
     if g is None:
         g = relu_matmul(x, w_act)
-    dense = xla.up_down(x, g, w_up, w_down).astype(y.dtype)
-    return jnp.where(backed_up(act, row_budget)[:, None], dense, y)
+    full = xla.up_down(x, g, w_up, w_down).astype(y.dtype)
+    rows = backed_up(act, row_budget)
+    if dense is not None:
+        rows = rows | jnp.asarray(dense, bool)
+    return jnp.where(rows[:, None], full, y)
+
+
+def backup_rows_gemm_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
+                               chunk_rows: int | None = None, dense=None):
+    """:func:`backup_rows_gemm`'s contract in XLA operations (its stand-in on the CPU)."""
+    return backup_rows_reference(x, g, act, w_up, w_down, y, row_budget=row_budget, w_act=w_act, dense=dense)
+
+
+# Backups that take the per-call choice as a device flag (``dense=``): with them the
+# per-call form holds no conditional (sparse_ffn's device_choice).
+_TAKES_DENSE_FLAG = (backup_rows_gemm, backup_rows_gemm_reference)
+
+
+def takes_dense_flag(backup_kernel) -> bool:
+    """Whether ``backup_kernel`` takes the per-call choice as a device flag (``dense=``)."""
+    return any(backup_kernel is k for k in _TAKES_DENSE_FLAG)
 
 
 def ffn_with_backup(x, g, act: TwELL, w_up, w_down, columns, *, w_up_t=None, row_budget: int = ROW_BUDGET,
