@@ -47,6 +47,7 @@ constexpr int kMaxChunks = 8;          // d <= 2048 (registers: x and the accumu
 struct Shapes {
   int64_t rows;
   int d, n_tiles, tile, capacity, max_entries;
+  const int32_t* skip;  // device flag (the *_unless handlers): set, the kernel does nothing
 };
 
 // Sixteen bytes of 2-byte elements from read-only global memory; the compiler may reorder
@@ -98,6 +99,7 @@ __global__ __launch_bounds__(kSplit * kLanes) void TwellWarpFfnKernel(
   const int part = threadIdx.x / kLanes;
   const int64_t row = blockIdx.x;
   const int d = s.d;
+  if (s.skip != nullptr && *s.skip != 0) return;  // the call runs dense (y is written by its backup)
   const int32_t* row_counts = counts + row * s.n_tiles;
   uint16_t* y_row = y + row * d;
 
@@ -243,7 +245,7 @@ template <bool kGated>
 ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                             ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up_t,
                             ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, int32_t tile,
-                            int32_t max_entries) {
+                            int32_t max_entries, const int32_t* skip = nullptr) {
   const char* op = kGated ? "twell_ffn_warp (gated)" : "twell_ffn_warp";
   auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return Invalid(std::string(op) + ": x must have shape [M, d]");
@@ -275,7 +277,8 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   if (f > (int64_t{1} << 30) || rows > (int64_t{1} << 40))
     return Invalid(std::string(op) + ": f must be < 2^30");
   if (rows == 0) return ffi::Error::Success();
-  const Shapes s{rows, static_cast<int>(d), static_cast<int>(n_tiles), tile, static_cast<int>(capacity), max_entries};
+  const Shapes s{rows, static_cast<int>(d), static_cast<int>(n_tiles), tile, static_cast<int>(capacity), max_entries,
+                 skip};
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   switch (dtype) {
     case ffi::DataType::BF16:
@@ -300,6 +303,32 @@ ffi::Error TwellWarpFfnUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                                ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down,
                                ffi::Result<ffi::AnyBuffer> y, int32_t tile, int32_t max_entries) {
   return TwellWarpFfnImpl<false>(stream, x, values, cols, counts, w_down, w_down, y, tile, max_entries);
+}
+
+// The same with a device flag `skip` (one s32; the per-call choice's "dense"): set, the
+// kernel's CTAs return at once, leaving y to the backup that computes every row.
+ffi::Error SkipFlag(ffi::Buffer<ffi::S32> skip, const char* op, const int32_t** out) {
+  if (skip.element_count() != 1) return Invalid(std::string(op) + ": skip must be one s32 flag");
+  *out = skip.typed_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error TwellWarpFfnGatedUnless(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                                   ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up_t,
+                                   ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> skip, ffi::Result<ffi::AnyBuffer> y,
+                                   int32_t tile, int32_t max_entries) {
+  const int32_t* flag = nullptr;
+  if (auto e = SkipFlag(skip, "twell_ffn_warp (gated)", &flag); e.failure()) return e;
+  return TwellWarpFfnImpl<true>(stream, x, values, cols, counts, w_up_t, w_down, y, tile, max_entries, flag);
+}
+
+ffi::Error TwellWarpFfnUngatedUnless(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
+                                     ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down,
+                                     ffi::Buffer<ffi::S32> skip, ffi::Result<ffi::AnyBuffer> y, int32_t tile,
+                                     int32_t max_entries) {
+  const int32_t* flag = nullptr;
+  if (auto e = SkipFlag(skip, "twell_ffn_warp", &flag); e.failure()) return e;
+  return TwellWarpFfnImpl<false>(stream, x, values, cols, counts, w_down, w_down, y, tile, max_entries, flag);
 }
 
 }  // namespace
@@ -327,6 +356,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarp, jax_twell::TwellWarpFfnUngated,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S16>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarpGatedUnless, jax_twell::TwellWarpFfnGatedUnless,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [M, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // values
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S16>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up_t [f, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // skip []
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarpUnless, jax_twell::TwellWarpFfnUngatedUnless,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [M, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // values
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S16>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // skip []
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("max_entries"),

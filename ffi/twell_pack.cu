@@ -116,8 +116,9 @@ template <typename Bits>
 __global__ void TwellPackKernel(const Bits* __restrict__ g, Bits* __restrict__ values,
                                 int16_t* __restrict__ cols, int32_t* __restrict__ counts,
                                 int64_t rows, int64_t f, int tile, int capacity,
-                                int n_tiles, bool vector_loads) {
+                                int n_tiles, bool vector_loads, const int32_t* __restrict__ skip) {
   constexpr int V = 16 / sizeof(Bits);
+  if (skip != nullptr && *skip != 0) return;  // the call runs dense: nothing reads the TwELL
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= rows * n_tiles) return;  // uniform per warp
@@ -154,8 +155,9 @@ constexpr int kLoads = 4;
 template <typename Bits, int kSteps>
 __global__ void TwellPackBatchKernel(const Bits* __restrict__ g, Bits* __restrict__ values,
                                      int16_t* __restrict__ cols, int32_t* __restrict__ counts, int64_t items,
-                                     int64_t f, int capacity, int n_tiles) {
+                                     int64_t f, int capacity, int n_tiles, const int32_t* __restrict__ skip) {
   constexpr int V = 16 / sizeof(Bits);
+  if (skip != nullptr && *skip != 0) return;  // the call runs dense: nothing reads the TwELL
   constexpr int kItems = kLoads / kSteps;
   constexpr int kTile = 32 * V * kSteps;
   static_assert(kItems * kSteps == kLoads, "kSteps must divide kLoads");
@@ -205,38 +207,38 @@ __global__ void TwellPackBatchKernel(const Bits* __restrict__ g, Bits* __restric
 
 template <typename Bits, int kSteps>
 void LaunchBatch(cudaStream_t stream, const void* g, void* values, int16_t* cols, int32_t* counts, int64_t items,
-                 int64_t f, int capacity, int n_tiles) {
+                 int64_t f, int capacity, int n_tiles, const int32_t* skip) {
   constexpr int kItemsPerBlock = kWarpsPerBlock * (kLoads / kSteps);
   TwellPackBatchKernel<Bits, kSteps><<<CeilDiv(items, kItemsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(
-      static_cast<const Bits*>(g), static_cast<Bits*>(values), cols, counts, items, f, capacity, n_tiles);
+      static_cast<const Bits*>(g), static_cast<Bits*>(values), cols, counts, items, f, capacity, n_tiles, skip);
 }
 
 template <typename Bits>
 ffi::Error LaunchPack(cudaStream_t stream, const void* g, void* values, int16_t* cols,
                       int32_t* counts, int64_t rows, int64_t f, int tile, int capacity,
-                      int n_tiles) {
+                      int n_tiles, const int32_t* skip) {
   constexpr int V = 16 / sizeof(Bits);
   const bool vector_loads = (f % V == 0) && (tile % V == 0) &&
                             (reinterpret_cast<uintptr_t>(g) % 16 == 0);
   const int64_t items = rows * n_tiles;
   if (vector_loads && tile == 32 * V) {
-    LaunchBatch<Bits, 1>(stream, g, values, cols, counts, items, f, capacity, n_tiles);
+    LaunchBatch<Bits, 1>(stream, g, values, cols, counts, items, f, capacity, n_tiles, skip);
   } else if (vector_loads && tile == 64 * V) {
-    LaunchBatch<Bits, 2>(stream, g, values, cols, counts, items, f, capacity, n_tiles);
+    LaunchBatch<Bits, 2>(stream, g, values, cols, counts, items, f, capacity, n_tiles, skip);
   } else if (vector_loads && tile == 128 * V) {
-    LaunchBatch<Bits, 4>(stream, g, values, cols, counts, items, f, capacity, n_tiles);
+    LaunchBatch<Bits, 4>(stream, g, values, cols, counts, items, f, capacity, n_tiles, skip);
   } else {
     TwellPackKernel<Bits><<<CeilDiv(items, kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(
         static_cast<const Bits*>(g), static_cast<Bits*>(values), cols, counts, rows, f, tile, capacity, n_tiles,
-        vector_loads);
+        vector_loads, skip);
   }
   return LaunchStatus("twell_pack");
 }
 
-ffi::Error TwellPackImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> values,
+ffi::Error TwellPackCore(cudaStream_t stream, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> values,
                          ffi::Result<ffi::Buffer<ffi::S16>> cols,
                          ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t tile,
-                         int32_t capacity) {
+                         int32_t capacity, const int32_t* skip) {
   // Leading dimensions are flattened: g is [..., f] and the outputs [..., n_tiles, capacity].
   auto g_dims = g.dimensions();
   if (g_dims.size() < 1) return Invalid("twell_pack: g must have rank >= 1 [..., f]");
@@ -268,14 +270,29 @@ ffi::Error TwellPackImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Result<ffi:
     case ffi::DataType::F16:
       return LaunchPack<uint16_t>(stream, g.untyped_data(), values->untyped_data(),
                                   cols->typed_data(), counts->typed_data(), rows, f, tile,
-                                  capacity, static_cast<int>(n_tiles));
+                                  capacity, static_cast<int>(n_tiles), skip);
     case ffi::DataType::F32:
       return LaunchPack<uint32_t>(stream, g.untyped_data(), values->untyped_data(),
                                   cols->typed_data(), counts->typed_data(), rows, f, tile,
-                                  capacity, static_cast<int>(n_tiles));
+                                  capacity, static_cast<int>(n_tiles), skip);
     default:
       return Invalid("twell_pack: g must be bf16, f16 or f32");
   }
+}
+
+ffi::Error TwellPackImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> values,
+                         ffi::Result<ffi::Buffer<ffi::S16>> cols, ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                         int32_t tile, int32_t capacity) {
+  return TwellPackCore(stream, g, values, cols, counts, tile, capacity, nullptr);
+}
+
+// The same with a device flag `skip` (one s32; the per-call choice's "dense"): set, the
+// kernels return at once and the outputs are left unwritten (nothing reads them then).
+ffi::Error TwellPackUnlessImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> skip,
+                               ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::Buffer<ffi::S16>> cols,
+                               ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t tile, int32_t capacity) {
+  if (skip.element_count() != 1) return Invalid("twell_pack: skip must be one s32 flag");
+  return TwellPackCore(stream, g, values, cols, counts, tile, capacity, skip.typed_data());
 }
 
 }  // namespace
@@ -287,6 +304,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellPack, jax_twell::TwellPackImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S16>>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("capacity"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellPackUnless, jax_twell::TwellPackUnlessImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // skip []
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S16>>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()

@@ -26,7 +26,7 @@ from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
 from jax_twell.ops.layout import device_backup_supported  # noqa: F401  (re-exported)
 from jax_twell.ops.layout import warp_backup_size as backup_size
 from jax_twell.ops.layout import warp_supported as supported  # noqa: F401
-from jax_twell.ops.pack.binding import pack_twell
+from jax_twell.ops.pack.binding import pack_twell, pack_twell_unless
 
 
 def backed_up(act: TwELL, row_budget: int, row_entries: jax.Array | None = None) -> jax.Array:
@@ -93,6 +93,21 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET):
             x, act.values, act.cols, act.counts, w_down, **attrs)
     return kernel_call("jax_twell_ffn_warp_gated", out, vmap_method="sequential")(
         x, act.values, act.cols, act.counts, w_up_t, w_down, **attrs)
+
+
+def ffn_rows_unless(x, act: TwELL, w_up_t, w_down, skip, *, row_budget: int = ROW_BUDGET):
+    """:func:`ffn_rows` unless the device bool ``skip`` is set
+    (``jax_twell_ffn_warp[_gated]_unless``): then its CTAs return at once and y holds
+    anything (the per-call choice's dense side, where the backup writes every row)."""
+    m, d = x.shape
+    out = jax.ShapeDtypeStruct((m, d), x.dtype)
+    attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget))
+    flag = jnp.asarray(skip).astype(jnp.int32)
+    if w_up_t is None:
+        return kernel_call("jax_twell_ffn_warp_unless", out, vmap_method="sequential")(
+            x, act.values, act.cols, act.counts, w_down, flag, **attrs)
+    return kernel_call("jax_twell_ffn_warp_gated_unless", out, vmap_method="sequential")(
+        x, act.values, act.cols, act.counts, w_up_t, w_down, flag, **attrs)
 
 
 # The device backup's split products keep their f32 partial tiles in a scratch of this many
@@ -412,9 +427,15 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     if device_choice:
         if backup_kernel is None:
             raise ValueError("sparse_ffn: device_choice needs a backup_kernel that takes the dense flag")
-        act = pack(g, tile=tile, capacity=capacity)
-        y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
+        dense_side = jnp.logical_not(likely)
+        if pack is pack_twell and rows_kernel is ffn_rows:  # the kernels: skip their work on the dense side
+            act = pack_twell_unless(g, dense_side, tile=tile, capacity=capacity)
+            y = ffn_rows_unless(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, dense_side,
+                                row_budget=row_budget)
+        else:
+            act = pack(g, tile=tile, capacity=capacity)
+            y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
         y = backup_kernel(x if gated else None, g, act, w_up if gated else None, w_down, y, row_budget=row_budget,
-                          dense=jnp.logical_not(likely))
+                          dense=dense_side)
         return as_dense_nonfinite(y, x, columns())
     return jax.lax.cond(likely, sparse, dense, None)
