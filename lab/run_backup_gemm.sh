@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session for the wgmma backup (ffi/twell_backup_gemm.cu): install (a prebuilt
-# library may be given as JAX_TWELL_CUDA_LIB), the GPU tests named in TESTS, the graph
+# library may be given as JAX_TWELL_CUDA_LIB), the GPU tests named in TESTS (TESTS_K: a -k
+# expression), the graph
 # probe (lab/run_graph_cond_probe.sh) built while the tests run, then lab/device_backup.py
 # over CONFIGS. Results under $OUT.
 set -uo pipefail
@@ -11,7 +12,8 @@ if [ -n "${JAX_TWELL_CUDA_LIB:-}" ]; then export JAX_TWELL_CUDA=OFF; fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
 python3 -c "import jax, jax_twell as jt; print(jax.__version__, jax.devices()); print(jt.kernel_status())"
 if [ -n "${TESTS:-}" ]; then
-  timeout -s INT ${GPU_TEST_SECONDS:-180} python3 -m pytest -q -rf -n ${GPU_TEST_WORKERS:-8} -m gpu $TESTS 2>&1 \
+  timeout -s INT ${GPU_TEST_SECONDS:-180} python3 -m pytest -q -rf -n ${GPU_TEST_WORKERS:-8} -m gpu $TESTS \
+    ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -25
 fi
 if [ -n "${PROBE:-}" ]; then
