@@ -90,16 +90,30 @@ def test_the_headline_shape_takes_the_warp_path():
 
 
 def test_a_call_that_knows_nothing_runs_dense_where_its_choice_would_cost_more():
-    """Below the rule's per_call_min_tokens, or d below per_call_min_d, a call with no
+    """Below the rule's per_call_min_tokens (per_call_min_tokens_no_conditional where the
+    choice is the device backup's flag), or d below per_call_min_d, a call with no
     fraction, side or kernel given is planned dense (measured losses there); a known
     fraction, a given side or an asked kernel still plan the kernels."""
     rule = DenseCrossover()
     d, f = 2048, 5632
-    for m in (1, 64, 512, 2048, rule.per_call_min_tokens - 1):
+    for m in (1, 64, 512, 2048, rule.per_call_min_tokens - 1):  # the default: the choice is a conditional
         assert plan_ffn(m, d, f, BF16, gated=True).path == Path.DENSE, m
     assert plan_ffn(rule.per_call_min_tokens, d, f, BF16, gated=True).path == Path.WARP
+    rule = dataclasses.replace(rule, per_call_min_tokens_no_conditional=2048)  # the choice as a device flag
+    floor = rule.per_call_min_tokens_no_conditional
+    for m in (1, 64, 512, floor - 1):
+        assert plan_ffn(m, d, f, BF16, gated=True, options=FFNOptions(rule=rule)).path == Path.DENSE, m
+    assert plan_ffn(floor, d, f, BF16, gated=True, options=FFNOptions(rule=rule)).path == Path.WARP
+    # without the device backup the choice is a conditional: the higher floor
+    switch = FFNOptions(device_backup=False, rule=rule)
+    for m in (floor, rule.per_call_min_tokens - 1):
+        assert plan_ffn(m, d, f, BF16, gated=True, options=switch).path == Path.DENSE, m
+    assert plan_ffn(rule.per_call_min_tokens, d, f, BF16, gated=True, options=switch).path == Path.WARP
+    lowered = FFNOptions(rule=dataclasses.replace(rule, per_call_min_tokens=1024))  # never raised
+    assert plan_ffn(1024, d, f, BF16, gated=True, options=lowered).path != Path.DENSE
     assert plan_ffn(16384, 512, 1408, BF16, gated=True).path == Path.DENSE
     assert plan_ffn(16384, rule.per_call_min_d, 2816, BF16, gated=True).path == Path.WARP
+    rule = DenseCrossover()
     no_per_call = FFNOptions(rule=dataclasses.replace(rule, per_call_min_tokens=0, per_call_min_d=0))
     for m in (64, 2048, 4096, 16384):  # the per-call floors do not reach a known fraction
         known = LayerInfo(0.005)

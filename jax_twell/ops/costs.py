@@ -92,6 +92,12 @@ class DenseCrossover:
     # every sparse path below 1x there (0.90x at best). 8,192 leaves a margin below the
     # unmeasured crossover between 2,048 and 16,384.
     per_call_min_tokens: int = 8192
+    # The same floor where the per-call choice holds no conditional: the sample's choice is
+    # a device flag to the wgmma backup (ffi/twell_backup_gemm.cu), whose dense side is
+    # the backup over every row, with the pack and the warp kernel skipped. None: no such
+    # floor, the per-call choice being a lax.cond (the wgmma backup is not the default
+    # until measured; 2,048 with it).
+    per_call_min_tokens_no_conditional: int | None = None
     per_call_min_d: int = 1024
     # A layer whose fraction is known runs dense below this many tokens past the decode
     # sizes too: in a whole model its sparse path keeps the backup's conditional (a host

@@ -211,6 +211,20 @@ def _kernel(options: FFNOptions, m: int, d: int, f: int, gated: bool) -> Kernel:
     return kernel
 
 
+def _per_call_min_tokens(rule: DenseCrossover, options: FFNOptions, d: int, f: int, dtype) -> int:
+    """Tokens below which a call with nothing known of its layer runs dense: the rule's
+    ``per_call_min_tokens_no_conditional`` where one is set and the per-call choice holds
+    no conditional (the device backup, which takes the choice as a device flag, and the
+    warp kernel take the shape), else its ``per_call_min_tokens``. Never raises
+    ``per_call_min_tokens``."""
+    no_conditional = (rule.per_call_min_tokens_no_conditional is not None and options.device_backup
+                      and options.kernel == Kernel.AUTO and layout.warp_supported(d, dtype)
+                      and layout.device_backup_supported(f))
+    if not no_conditional:
+        return rule.per_call_min_tokens
+    return min(rule.per_call_min_tokens, max(rule.per_call_min_tokens_no_conditional, layout.WARP_MIN_TOKENS))
+
+
 def _layer_min_tokens(rule: DenseCrossover, options: FFNOptions, d: int, f: int, dtype, transposed: bool) -> int:
     """Tokens from which a layer of known fraction runs sparse past the decode sizes: the
     rule's ``layer_min_tokens_no_conditional`` where its warp path holds no conditional
@@ -275,7 +289,8 @@ def plan_ffn(m: int, d: int, f: int, dtype, *, gated: bool, layer: LayerInfo = L
             return FFNPlan(Path.DENSE, **base)
         if 0 < m <= rule.decode_gather_max_tokens:
             return FFNPlan(Path.GATHER, gather_width=xla.gather_width(m, f, rule.decode_active_per_token), **base)
-        if af is None and options.kernel == Kernel.AUTO and (m < rule.per_call_min_tokens or d < rule.per_call_min_d):
+        if af is None and options.kernel == Kernel.AUTO and (m < _per_call_min_tokens(rule, options, d, f, dtype)
+                                                             or d < rule.per_call_min_d):
             return FFNPlan(Path.DENSE, **base)  # nothing known: the per-call choice would cost more than it saves
         if af is not None and options.kernel == Kernel.AUTO and m < _layer_min_tokens(rule, options, d, f, dtype,
                                                                                         transposed):
