@@ -94,11 +94,12 @@ def test_a_call_that_knows_nothing_runs_dense_where_its_choice_would_cost_more()
     choice is the device backup's flag), or d below per_call_min_d, a call with no
     fraction, side or kernel given is planned dense (measured losses there); a known
     fraction, a given side or an asked kernel still plan the kernels."""
-    rule = DenseCrossover()
+    rule = dataclasses.replace(DenseCrossover(), per_call_min_tokens_no_conditional=None)
     d, f = 2048, 5632
-    for m in (1, 64, 512, 2048, rule.per_call_min_tokens - 1):  # the default: the choice is a conditional
-        assert plan_ffn(m, d, f, BF16, gated=True).path == Path.DENSE, m
-    assert plan_ffn(rule.per_call_min_tokens, d, f, BF16, gated=True).path == Path.WARP
+    cond = FFNOptions(rule=rule)  # the choice a conditional
+    for m in (1, 64, 512, 2048, rule.per_call_min_tokens - 1):
+        assert plan_ffn(m, d, f, BF16, gated=True, options=cond).path == Path.DENSE, m
+    assert plan_ffn(rule.per_call_min_tokens, d, f, BF16, gated=True, options=cond).path == Path.WARP
     rule = dataclasses.replace(rule, per_call_min_tokens_no_conditional=2048)  # the choice as a device flag
     floor = rule.per_call_min_tokens_no_conditional
     for m in (1, 64, 512, floor - 1):
