@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session for the wgmma backup (ffi/twell_backup_gemm.cu): install (a prebuilt
 # library may be given as JAX_TWELL_CUDA_LIB), the GPU tests named in TESTS (TESTS_K: a -k
-# expression), the graph
+# expression), compute-sanitizer over SANITIZE_K's tests, the graph
 # probe (lab/run_graph_cond_probe.sh) built while the tests run, then lab/device_backup.py
 # over CONFIGS. Results under $OUT.
 set -uo pipefail
@@ -15,6 +15,14 @@ if [ -n "${TESTS:-}" ]; then
   timeout -s INT ${GPU_TEST_SECONDS:-180} python3 -m pytest -q -rf -n ${GPU_TEST_WORKERS:-8} -m gpu $TESTS \
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -25
+fi
+if [ -n "${SANITIZE_K:-}" ]; then  # e.g. SANITIZE_K="wgmma and odd_shapes"
+  for tool in memcheck racecheck; do
+    XLA_FLAGS="--xla_gpu_autotune_level=0" timeout ${SANITIZE_SECONDS:-120} compute-sanitizer --tool $tool \
+      --print-limit 20 python3 -m pytest -q -x -m gpu tests/test_cuda_ffn_warp.py -k "$SANITIZE_K" \
+      > "$OUT/sanitizer_$tool.log" 2>&1
+    echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
+  done
 fi
 if [ -n "${PROBE:-}" ]; then
   OUT=$OUT/probe timeout 90 lab/run_graph_cond_probe.sh 2>&1 | tail -12
