@@ -49,6 +49,7 @@
 #pragma GCC diagnostic pop
 
 #include "common.h"
+#include "cutlass_hardware.cuh"
 #include "elements.cuh"
 
 namespace jax_twell {
@@ -360,18 +361,6 @@ __global__ __launch_bounds__(256) void ScatterKernel(Operands o, WorkLayout w) {
   }
 }
 
-// Hardware facts per device for the GEMM kernels, queried once.
-template <class Kernel>
-cutlass::KernelHardwareInfo GemmHardware() {
-  constexpr int kMaxDevices = 64;
-  static cutlass::KernelHardwareInfo cache[kMaxDevices];
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device < 0 || device >= kMaxDevices) return cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
-  if (cache[device].sm_count == 0) cache[device] = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
-  return cache[device];
-}
-
 // One grouped GEMM launch over the device-side arguments `args` (kGroups groups).
 template <class Element, class ElementOut, int kGroups>
 ffi::Error RunGroups(cudaStream_t stream, GroupArgs<Element, ElementOut, kGroups>* args, void* workspace,
@@ -389,7 +378,7 @@ ffi::Error RunGroups(cudaStream_t stream, GroupArgs<Element, ElementOut, kGroups
   a.epilogue.dC = nullptr;
   a.epilogue.ptr_D = args->d;
   a.epilogue.dD = args->stride_d;
-  a.hw_info = GemmHardware<typename Gemm::GemmKernel>();
+  a.hw_info = CachedHardwareInfo<typename Gemm::GemmKernel>();
   if (Gemm::get_workspace_size(a) > static_cast<size_t>(kGemmWorkspaceBytes))
     return ffi::Error::Internal(std::string("jax-twell: ") + what + ": CUTLASS workspace larger than reserved");
   Gemm gemm;
@@ -417,7 +406,7 @@ ffi::Error LaunchAll(cudaStream_t stream, Operands o, Form form, int n_tiles, in
     cudaGetLastError();
     return ffi::Error::Internal(std::string("jax-twell: backup memset failed: ") + cudaGetErrorString(err));
   }
-  const auto hw = GemmHardware<typename BackupGemm<Element, Element>::Kernel>();
+  const auto hw = CachedHardwareInfo<typename BackupGemm<Element, Element>::Kernel>();
   o.sms = hw.sm_count;
   ListGatherKernel<Element><<<static_cast<unsigned>(CeilDiv(o.m, kListWarps)), kListWarps * 32, 0, stream>>>(
       o, w, form, n_tiles, capacity, max_entries, counts);

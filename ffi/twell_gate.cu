@@ -38,6 +38,7 @@
 #pragma GCC diagnostic pop
 
 #include "common.h"
+#include "cutlass_hardware.cuh"
 #include "elements.cuh"
 #include "twell_gate_epilogue.cuh"
 
@@ -66,18 +67,6 @@ struct GatePackGemm {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// Hardware facts per device, queried once (the query costs a few microseconds).
-template <class Kernel>
-cutlass::KernelHardwareInfo HardwareInfo() {
-  constexpr int kMaxDevices = 64;
-  static cutlass::KernelHardwareInfo cache[kMaxDevices];
-  int device = 0;
-  cudaGetDevice(&device);
-  if (device < 0 || device >= kMaxDevices) return cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
-  if (cache[device].sm_count == 0) cache[device] = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
-  return cache[device];
-}
-
 template <class Element, int kConfig>
 ffi::Error LaunchGatePack(cudaStream_t stream, const void* x, const void* w, void* values, int16_t* cols,
                           int32_t* counts, int m, int d, int f, int n_tiles, int capacity, int raster,
@@ -93,7 +82,7 @@ ffi::Error LaunchGatePack(cudaStream_t stream, const void* x, const void* w, voi
       {m, f, d, 1},
       {static_cast<const Element*>(x), stride_a, static_cast<const Element*>(w), stride_b},
       {static_cast<uint16_t*>(values), cols, counts, m, n_tiles, capacity},
-      HardwareInfo<typename Gemm::GemmKernel>()};
+      CachedHardwareInfo<typename Gemm::GemmKernel>()};
   using Raster = cutlass::gemm::kernel::detail::RasterOrderOptions;
   args.scheduler.raster_order = raster == 1 ? Raster::AlongM : raster == 2 ? Raster::AlongN : Raster::Heuristic;
   args.scheduler.max_swizzle_size = swizzle;

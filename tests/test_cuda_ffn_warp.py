@@ -243,17 +243,17 @@ def test_device_backup_is_deterministic(backup):
 def test_unless_kernels_match_when_not_skipped(gated):
     """The pack and the warp kernel with a skip flag (the per-call choice's dense side): with
     the flag unset, the same arrays and rows bit for bit as without it."""
-    from jax_twell.ops.pack.binding import pack_twell_unless
     m, d, f = 1100, 256, 1032
     inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(5), m, d, f, density=0.01), full=20, empty=3)
     g = relu_matmul(inp.x, inp.w_gate)
     want = pack_twell(g, tile=256, capacity=32)
-    got = jax.jit(lambda a, s: pack_twell_unless(a, s, tile=256, capacity=32))(g, jnp.asarray(False))
+    got = jax.jit(lambda a, s: pack_twell(a, tile=256, capacity=32, skip=s))(g, jnp.asarray(False))
     for a, b in zip((want.values, want.cols, want.counts), (got.values, got.cols, got.counts)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     w_up_t = inp.w_up.T if gated else None
     y0 = warp.ffn_rows(inp.x, want, w_up_t, inp.w_down)
-    y1 = jax.jit(lambda *a: warp.ffn_rows_unless(*a))(inp.x, want, w_up_t, inp.w_down, jnp.asarray(False))
+    y1 = jax.jit(lambda x, a, wu, wd, s: warp.ffn_rows(x, a, wu, wd, skip=s))(inp.x, want, w_up_t, inp.w_down,
+                                                                               jnp.asarray(False))
     np.testing.assert_array_equal(np.asarray(y0, np.float32), np.asarray(y1, np.float32))
 
 

@@ -26,7 +26,7 @@ from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
 from jax_twell.ops.layout import device_backup_supported  # noqa: F401  (re-exported)
 from jax_twell.ops.layout import warp_backup_size as backup_size
 from jax_twell.ops.layout import warp_supported as supported  # noqa: F401
-from jax_twell.ops.pack.binding import pack_twell, pack_twell_unless
+from jax_twell.ops.pack.binding import pack_twell
 
 
 def backed_up(act: TwELL, row_budget: int, row_entries: jax.Array | None = None) -> jax.Array:
@@ -78,36 +78,23 @@ def _rows_of(a, idx):
     return a.at[idx].get(mode="fill", fill_value=0)
 
 
-def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET):
+def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, skip=None):
     """``jax_twell_ffn_warp[_gated]``: y for the rows that fit, zeros for the others.
 
     x: ``[M, d]`` bf16/f16; act: TwELL ``[M, n_tiles, capacity]`` of the activation;
     w_up_t: ``[f, d]`` (``w_up.T``; None for the non-gated FFN, where the activation is
-    the hidden); w_down: ``[f, d]``. Returns y ``[M, d]``.
+    the hidden); w_down: ``[f, d]``. ``skip``: a device bool (the ``_unless`` handlers);
+    where set the kernel's CTAs return at once and y holds anything (the per-call
+    choice's dense side, where the backup writes every row). Returns y ``[M, d]``.
     """
     m, d = x.shape
     out = jax.ShapeDtypeStruct((m, d), x.dtype)
     attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget))
-    if w_up_t is None:
-        return kernel_call("jax_twell_ffn_warp", out, vmap_method="sequential")(
-            x, act.values, act.cols, act.counts, w_down, **attrs)
-    return kernel_call("jax_twell_ffn_warp_gated", out, vmap_method="sequential")(
-        x, act.values, act.cols, act.counts, w_up_t, w_down, **attrs)
-
-
-def ffn_rows_unless(x, act: TwELL, w_up_t, w_down, skip, *, row_budget: int = ROW_BUDGET):
-    """:func:`ffn_rows` unless the device bool ``skip`` is set
-    (``jax_twell_ffn_warp[_gated]_unless``): then its CTAs return at once and y holds
-    anything (the per-call choice's dense side, where the backup writes every row)."""
-    m, d = x.shape
-    out = jax.ShapeDtypeStruct((m, d), x.dtype)
-    attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget))
-    flag = jnp.asarray(skip).astype(jnp.int32)
-    if w_up_t is None:
-        return kernel_call("jax_twell_ffn_warp_unless", out, vmap_method="sequential")(
-            x, act.values, act.cols, act.counts, w_down, flag, **attrs)
-    return kernel_call("jax_twell_ffn_warp_gated_unless", out, vmap_method="sequential")(
-        x, act.values, act.cols, act.counts, w_up_t, w_down, flag, **attrs)
+    name = "jax_twell_ffn_warp" if w_up_t is None else "jax_twell_ffn_warp_gated"
+    weights = (w_down,) if w_up_t is None else (w_up_t, w_down)
+    flag = () if skip is None else (jnp.asarray(skip).astype(jnp.int32),)
+    return kernel_call(name if skip is None else name + "_unless", out, vmap_method="sequential")(
+        x, act.values, act.cols, act.counts, *weights, *flag, **attrs)
 
 
 # The device backup's split products keep their f32 partial tiles in a scratch of this many
@@ -429,9 +416,9 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
             raise ValueError("sparse_ffn: device_choice needs a backup_kernel that takes the dense flag")
         dense_side = jnp.logical_not(likely)
         if pack is pack_twell and rows_kernel is ffn_rows:  # the kernels: skip their work on the dense side
-            act = pack_twell_unless(g, dense_side, tile=tile, capacity=capacity)
-            y = ffn_rows_unless(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, dense_side,
-                                row_budget=row_budget)
+            act = pack_twell(g, tile=tile, capacity=capacity, skip=dense_side)
+            y = ffn_rows(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget,
+                         skip=dense_side)
         else:
             act = pack(g, tile=tile, capacity=capacity)
             y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)

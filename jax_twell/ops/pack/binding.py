@@ -12,9 +12,12 @@ from jax_twell.formats import TwELL
 __all__ = ["pack_twell"]
 
 
-def pack_twell(a: jax.Array, *, tile: int, capacity: int) -> TwELL:
+def pack_twell(a: jax.Array, *, tile: int, capacity: int, skip: jax.Array | None = None) -> TwELL:
     """TwELL packing of ``a [..., f]`` (bf16, f16 or f32) by ``jax_twell_pack``; the same
-    arrays as :func:`jax_twell.formats.pack_twell_reference`, bit for bit."""
+    arrays as :func:`jax_twell.formats.pack_twell_reference`, bit for bit. ``skip``: a
+    device bool (``jax_twell_pack_unless``); where set the kernel returns at once and the
+    arrays hold anything: for a call whose dense side was chosen on the device, where
+    nothing reads them (:func:`jax_twell.ops.ffn.warp.sparse_ffn`'s device choice)."""
     f = a.shape[-1]
     n_tiles = -(-f // tile)
     lead = a.shape[:-1]
@@ -23,26 +26,11 @@ def pack_twell(a: jax.Array, *, tile: int, capacity: int) -> TwELL:
         jax.ShapeDtypeStruct((*lead, n_tiles, capacity), jnp.int16),
         jax.ShapeDtypeStruct((*lead, n_tiles), jnp.int32),
     )
-    # The handler flattens leading dimensions, so a vmapped call is one launch.
-    call = kernel_call("jax_twell_pack", out_types, vmap_method="broadcast_all")
-    values, cols, counts = call(a, tile=np.int32(tile), capacity=np.int32(capacity))
-    return TwELL(values, cols, counts, f=f, tile=tile)
-
-
-def pack_twell_unless(a: jax.Array, skip: jax.Array, *, tile: int, capacity: int) -> TwELL:
-    """:func:`pack_twell` of ``a [M, f]`` unless the device bool ``skip`` is set
-    (``jax_twell_pack_unless``): then the kernel returns at once and the arrays hold
-    anything. For a call whose dense side was chosen on the device, where nothing reads
-    them (:func:`jax_twell.ops.ffn.warp.sparse_ffn`'s device choice)."""
-    f = a.shape[-1]
-    n_tiles = -(-f // tile)
-    lead = a.shape[:-1]
-    out_types = (
-        jax.ShapeDtypeStruct((*lead, n_tiles, capacity), a.dtype),
-        jax.ShapeDtypeStruct((*lead, n_tiles, capacity), jnp.int16),
-        jax.ShapeDtypeStruct((*lead, n_tiles), jnp.int32),
-    )
-    call = kernel_call("jax_twell_pack_unless", out_types, vmap_method="sequential")
-    values, cols, counts = call(a, jnp.asarray(skip).astype(jnp.int32), tile=np.int32(tile),
-                                capacity=np.int32(capacity))
+    attrs = dict(tile=np.int32(tile), capacity=np.int32(capacity))
+    if skip is None:
+        # The handler flattens leading dimensions, so a vmapped call is one launch.
+        values, cols, counts = kernel_call("jax_twell_pack", out_types, vmap_method="broadcast_all")(a, **attrs)
+    else:
+        values, cols, counts = kernel_call("jax_twell_pack_unless", out_types, vmap_method="sequential")(
+            a, jnp.asarray(skip).astype(jnp.int32), **attrs)
     return TwELL(values, cols, counts, f=f, tile=tile)
