@@ -209,7 +209,10 @@ def test_sparse_ffn_with_the_fused_gate(gated, how):
     inp = synthetic_ffn_inputs(jax.random.key(3), m, d, f, density=0.01, pattern="heavy", dtype=jnp.bfloat16)
     w_gate, w_up = (inp.w_gate, inp.w_up) if gated else (None, inp.w_gate)
     if how == "forced":
-        fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=TILE, capacity=32, side=Side.SPARSE)
+        # the fused gate is the form with the backup's switch (with the device backup the
+        # forced side takes XLA's gate and the pack: test_cuda_ffn_warp.py)
+        fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=TILE, capacity=32, side=Side.SPARSE,
+                                            device_backup=False)
     else:
         rule = DenseCrossover(margin=1e9, layer_min_tokens=0)  # a known fraction the rule sends to the kernels
         # the known layer's fused-gate form is the one with the backup's switch (with the
