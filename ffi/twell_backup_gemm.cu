@@ -36,7 +36,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #pragma GCC diagnostic push
 #include "cute/tensor.hpp"
@@ -59,7 +62,10 @@ constexpr int kListWarps = 8;
 constexpr int kMaxSplit = 8;         // K slices of the down product at most
 constexpr int kMinSliceK = 256;      // a slice keeps at least four of the GEMM's 64-wide K steps
 constexpr int kSplitRowsCap = 1024;  // the partials hold max(M, this) rows: S x count within it
-constexpr int kTileM = 128, kTileN = 128;
+// 128 x 256 tiles: the grouped probe's fastest single-CTA shape (1.06-1.21x of cuBLAS's
+// time, lab/results/grouped_gemm_probe_30e3002.json); 128 x 128 measured ~1.9x of cuBLAS's
+// time on every row at M=16,384 (lab/results/backup_profile_da1f11f_h100.json).
+constexpr int kTileM = 128, kTileN = 256;
 constexpr int64_t kParamBytes = 4096;
 constexpr int64_t kGemmWorkspaceBytes = 512 * 1024;  // each GEMM's TMA descriptors (~50 KB at 132 SMs)
 constexpr int64_t kAlign = 256;
@@ -362,31 +368,72 @@ __global__ __launch_bounds__(256) void ScatterKernel(Operands o, WorkLayout w) {
 }
 
 // One grouped GEMM launch over the device-side arguments `args` (kGroups groups).
+//
+// Every argument of these GEMMs is a device pointer into `work` (shapes, pointer arrays,
+// strides, the TMA descriptors' workspace), so their kernel parameters depend only on where
+// `work` lies and on the device. They are built once per (device, `args`) and kept: CUTLASS's
+// host-side set-up (TMA descriptor templates, the shared-memory attribute) cost ~100 us of
+// host time a call, three GEMMs a call, which the GPU waited for at M=2,048
+// (lab/results/backup_profile_da1f11f_h100.json). Its workspace set-up is a no-op for
+// these kernels (the CTAs write their own descriptors).
 template <class Element, class ElementOut, int kGroups>
 ffi::Error RunGroups(cudaStream_t stream, GroupArgs<Element, ElementOut, kGroups>* args, void* workspace,
                      const char* what) {
   using G = BackupGemm<Element, ElementOut>;
   using Gemm = typename G::Gemm;
-  typename Gemm::Arguments a;
-  a.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  a.problem_shape = {kGroups, args->shapes, nullptr};  // sizes on the device only
-  a.mainloop = {const_cast<const Element**>(args->a), args->stride_a, const_cast<const Element**>(args->b),
-                args->stride_b};
-  a.epilogue.thread.alpha = 1.f;
-  a.epilogue.thread.beta = 0.f;
-  a.epilogue.ptr_C = nullptr;
-  a.epilogue.dC = nullptr;
-  a.epilogue.ptr_D = args->d;
-  a.epilogue.dD = args->stride_d;
-  a.hw_info = CachedHardwareInfo<typename Gemm::GemmKernel>();
-  if (Gemm::get_workspace_size(a) > static_cast<size_t>(kGemmWorkspaceBytes))
-    return ffi::Error::Internal(std::string("jax-twell: ") + what + ": CUTLASS workspace larger than reserved");
-  Gemm gemm;
-  cutlass::Status status = gemm.initialize(a, workspace, stream);
-  if (status != cutlass::Status::kSuccess)
-    return ffi::Error::Internal(std::string("jax-twell: ") + what + ": CUTLASS initialize failed: " +
-                                cutlassGetStatusString(status));
-  status = gemm.run(stream);
+  using Params = typename Gemm::Params;
+  static std::mutex mutex;
+  static auto* cache = new std::map<std::pair<int, const void*>, Params>();  // never freed: outlives XLA's calls
+  constexpr int kMaxDevices = 64;
+  static bool smem_set[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  const auto key = std::make_pair(device, static_cast<const void*>(args));
+  Params params;
+  bool found = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = cache->find(key); it != cache->end()) {
+      params = it->second;
+      found = true;
+    }
+  }
+  if (!found) {
+    typename Gemm::Arguments a;
+    a.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    a.problem_shape = {kGroups, args->shapes, nullptr};  // sizes on the device only
+    a.mainloop = {const_cast<const Element**>(args->a), args->stride_a, const_cast<const Element**>(args->b),
+                  args->stride_b};
+    a.epilogue.thread.alpha = 1.f;
+    a.epilogue.thread.beta = 0.f;
+    a.epilogue.ptr_C = nullptr;
+    a.epilogue.dC = nullptr;
+    a.epilogue.ptr_D = args->d;
+    a.epilogue.dD = args->stride_d;
+    a.hw_info = CachedHardwareInfo<typename Gemm::GemmKernel>();
+    if (Gemm::get_workspace_size(a) > static_cast<size_t>(kGemmWorkspaceBytes))
+      return ffi::Error::Internal(std::string("jax-twell: ") + what + ": CUTLASS workspace larger than reserved");
+    cutlass::Status status = Gemm::GemmKernel::initialize_workspace(a, workspace, stream);
+    if (status != cutlass::Status::kSuccess)
+      return ffi::Error::Internal(std::string("jax-twell: ") + what + ": CUTLASS initialize failed: " +
+                                  cutlassGetStatusString(status));
+    params = Gemm::GemmKernel::to_underlying_arguments(a, workspace);
+    std::lock_guard<std::mutex> lock(mutex);
+    if (cache->size() >= 4096) cache->clear();  // XLA's buffers rarely move; bound the map if they do
+    (*cache)[key] = params;
+  }
+  constexpr int smem = Gemm::GemmKernel::SharedStorageSize;
+  if (smem >= (48 << 10) && (device < 0 || device >= kMaxDevices || !smem_set[device])) {
+    if (cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<typename Gemm::GemmKernel>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        err != cudaSuccess) {
+      cudaGetLastError();
+      return ffi::Error::Internal(std::string("jax-twell: ") + what + ": shared memory attribute: " +
+                                  cudaGetErrorString(err));
+    }
+    if (device >= 0 && device < kMaxDevices) smem_set[device] = true;
+  }
+  const cutlass::Status status = Gemm::run(params, stream);
   if (status != cutlass::Status::kSuccess)
     return ffi::Error::Internal(std::string("jax-twell: ") + what + ": CUTLASS run failed: " +
                                 cutlassGetStatusString(status));
