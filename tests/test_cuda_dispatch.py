@@ -920,9 +920,12 @@ def test_the_module_keeps_its_weights_check_with_the_decode_layout():
     assert ffn.weights_finite is None
 
 
-# The two device backups' stand-ins: the mma.sync kernel's contract (the per-call choice a
-# lax.cond) and the wgmma kernel's, which takes the choice as a device flag (no conditional).
-DEVICE_BACKUPS = {"cond": (warp.backup_rows_reference, 1), "flag": (warp.backup_rows_gemm_reference, 0)}
+# The device backups' stand-ins: the mma.sync kernel's contract and the wgmma kernel's, the
+# per-call choice a lax.cond; and the wgmma kernel's with the rule's floor of the form with
+# no conditional set, where the choice is the backup's device flag.
+# name: (kernel, conditionals in the per-call form, rule fields)
+DEVICE_BACKUPS = {"cond": (warp.backup_rows_reference, 1, {}), "gemm_cond": (warp.backup_rows_gemm_reference, 1, {}),
+                  "flag": (warp.backup_rows_gemm_reference, 0, {"per_call_min_tokens_no_conditional": 0})}
 
 
 @pytest.mark.parametrize("backup", sorted(DEVICE_BACKUPS))
@@ -933,11 +936,11 @@ def test_warp_path_with_the_device_backup(stand_ins, gated, backup):
     at all, the per-call form only the sample's choice (none where the backup takes it as
     a device flag); every side computes the dense formula, with rows past the switch's
     largest size and with non-finite operands."""
-    kernel, per_call_conds = DEVICE_BACKUPS[backup]
+    kernel, per_call_conds, fields = DEVICE_BACKUPS[backup]
     kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=kernel)
     inp = case(m=1100, f=704, density=0.005, full=200, empty=5, key=14)  # 200 rows: past the switch's M/8
     w_gate = inp.w_gate if gated else None
-    rule = DenseCrossover(**NO_FIXED)
+    rule = DenseCrossover(**NO_FIXED, **fields)
 
     def call(side=Side.AUTO, active_fraction=None):
         return lambda x, wd: cuda_ffn(x, w_gate, inp.w_up, wd, tile=256, capacity=8, kernel="warp", rule=rule, side=side,
@@ -979,16 +982,17 @@ def test_the_per_call_choice_with_the_device_backup_uses_the_plans_rule(stand_in
     given: sparse rows under the default margin (the warp stand-in's mark shows), the
     dense formula itself where the rule's margin leaves the sparse side no room (with the
     flag: the backup over every row)."""
-    kernels = dataclasses.replace(stand_ins(mark=True), warp_backup=DEVICE_BACKUPS[backup][0])
+    kernel, _, fields = DEVICE_BACKUPS[backup]
+    kernels = dataclasses.replace(stand_ins(mark=True), warp_backup=kernel)
     inp = case(m=1100, f=704, density=0.005, key=16)
 
     def call(rule):
         return jax.jit(lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, kernel="warp",
                                           rule=rule, kernels=kernels))
 
-    sparse = np.asarray(call(DenseCrossover(**NO_FIXED))(inp.x), np.float32)
+    sparse = np.asarray(call(DenseCrossover(**NO_FIXED, **fields))(inp.x), np.float32)
     assert (sparse == np.float32(WARP_MARK)).all(axis=1).mean() > 0.9  # the sparse side: the stand-in's rows
-    dense = np.asarray(call(DenseCrossover(**dict(NO_FIXED, margin=0.0)))(inp.x), np.float32)
+    dense = np.asarray(call(DenseCrossover(**dict(NO_FIXED, margin=0.0), **fields))(inp.x), np.float32)
     want = np.asarray(xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down), np.float32)
     assert not (dense == np.float32(WARP_MARK)).any()
     np.testing.assert_array_equal(dense, want)

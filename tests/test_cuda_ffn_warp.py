@@ -283,11 +283,12 @@ def test_gemm_backup_dense_flag(gated, m, d, f):
 
 
 @pytest.mark.parametrize("case", ["sparse", "tail", "dense", "nan_x", "nan_w_down", "inf_w_up"])
-@pytest.mark.parametrize("device_choice", [False, True], ids=["cond", "flag"])
-def test_per_call_device_backup_exact(case, device_choice):
+@pytest.mark.parametrize("backup_name,device_choice", [("mma", False), ("wgmma", False), ("wgmma", True)],
+                         ids=["cond", "gemm_cond", "flag"])
+def test_per_call_device_backup_exact(case, backup_name, device_choice):
     """The per-call form with the device backup (no switch) on each side and with
-    non-finite operands: the dense formula's values and NaN; with the choice as a device
-    flag to the wgmma backup (no conditional) as with the ``lax.cond``."""
+    non-finite operands: the dense formula's values and NaN; with either backup behind the
+    ``lax.cond``, and with the choice as a device flag to the wgmma backup (no conditional)."""
     m, d, f = 2048, 256, 1024
     inp = synthetic_ffn_inputs(jax.random.key(21), m, d, f, density=0.3 if case == "dense" else 0.004)
     if case == "tail":
@@ -298,7 +299,7 @@ def test_per_call_device_backup_exact(case, device_choice):
         inp = inp._replace(w_down=inp.w_down.at[9, 5].set(jnp.nan))
     if case == "inf_w_up":
         inp = inp._replace(w_up=inp.w_up.at[4, 11].set(jnp.inf))
-    kernel = warp.backup_rows_gemm if device_choice else warp.backup_rows
+    kernel = warp.backup_rows_gemm if backup_name == "wgmma" else warp.backup_rows
     fn = jax.jit(lambda x, wg, wu, wd: warp.sparse_ffn(x, wg, wu, wd, backup_kernel=kernel,
                                                        columns=lambda: finite_columns(wu, wd),
                                                        device_choice=device_choice))

@@ -94,9 +94,11 @@ class DenseCrossover:
     per_call_min_tokens: int = 8192
     # The same floor where the per-call choice holds no conditional: the sample's choice is
     # a device flag to the wgmma backup (ffi/twell_backup_gemm.cu), whose dense side is
-    # the backup over every row, with the pack and the warp kernel skipped. None: no such
-    # floor, the per-call choice being a lax.cond (the wgmma backup is not the default
-    # until measured; 2,048 with it).
+    # the backup over every row, with the pack and the warp kernel skipped. None (the
+    # default): no such form; the per-call choice is a lax.cond whose dense side runs on
+    # cuBLAS. Setting it turns the form on where the bound backup takes the flag. Measured
+    # on an H100 (ffi/notes/twell_backup.md): that dense side took 1.35x XLA's time on a
+    # fully active call at M=8,192 (its grouped GEMMs at 1.7x cuBLAS's), so it stays off.
     per_call_min_tokens_no_conditional: int | None = None
     per_call_min_d: int = 1024
     # A layer whose fraction is known runs dense below this many tokens past the decode

@@ -93,15 +93,19 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         return xla.ffn(x, w_gate, w_up, w_down)
     device_backup = plan.options.device_backup and kernels.warp_backup is not None and warp.device_backup_supported(f)
     if plan.path == Path.WARP and plan.device_choice and device_backup:
-        # No conditional past the sample's choice: the backup reads its row count on the
-        # device, and y gets the dense formula's NaN by one pass (on the sparse side only).
+        # The backup reads its row count on the device, and y gets the dense formula's NaN
+        # by one pass (on the sparse side only). The sample's choice stays a lax.cond (the
+        # dense side on cuBLAS) unless the rule sets the floor of the form with none: there
+        # the choice is the backup's device flag, its dense side the backup's grouped GEMMs
+        # over every row (1.7x of cuBLAS's time measured, ffi/notes/twell_backup.md).
         def weight_columns():
             return finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
 
         return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=plan.options.tile, capacity=plan.options.capacity,
                                w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
                                backup_kernel=kernels.warp_backup, columns=weight_columns, rule=rule,
-                               device_choice=warp.takes_dense_flag(kernels.warp_backup))
+                               device_choice=(warp.takes_dense_flag(kernels.warp_backup)
+                                              and rule.per_call_min_tokens_no_conditional is not None))
     if plan.path == Path.WARP and plan.device_choice:  # the checks run on the sparse side only
         def operands_finite():
             columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
