@@ -118,10 +118,13 @@ __global__ void TwellPackKernel(const Bits* __restrict__ g, Bits* __restrict__ v
                                 int64_t rows, int64_t f, int tile, int capacity,
                                 int n_tiles, bool vector_loads, const int32_t* __restrict__ skip) {
   constexpr int V = 16 / sizeof(Bits);
-  if (skip != nullptr && *skip != 0) return;  // the call runs dense: nothing reads the TwELL
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= rows * n_tiles) return;  // uniform per warp
+  if (skip != nullptr && *skip != 0) {  // the call runs dense: empty tiles (the backup lists no row)
+    if (lane == 0) counts[warp] = 0;
+    return;
+  }
   const int64_t row = warp / n_tiles;
   const int64_t col0 = static_cast<int64_t>(warp % n_tiles) * tile;
   const int64_t tile_end = min(col0 + tile, f);
@@ -157,13 +160,16 @@ __global__ void TwellPackBatchKernel(const Bits* __restrict__ g, Bits* __restric
                                      int16_t* __restrict__ cols, int32_t* __restrict__ counts, int64_t items,
                                      int64_t f, int capacity, int n_tiles, const int32_t* __restrict__ skip) {
   constexpr int V = 16 / sizeof(Bits);
-  if (skip != nullptr && *skip != 0) return;  // the call runs dense: nothing reads the TwELL
   constexpr int kItems = kLoads / kSteps;
   constexpr int kTile = 32 * V * kSteps;
   static_assert(kItems * kSteps == kLoads, "kSteps must divide kLoads");
   const int64_t item0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32 * kItems;
   const int lane = threadIdx.x % 32;
   if (item0 >= items) return;  // uniform per warp
+  if (skip != nullptr && *skip != 0) {  // the call runs dense: empty tiles (the backup lists no row)
+    if (lane < kItems && item0 + lane < items) counts[item0 + lane] = 0;
+    return;
+  }
 
   uint4 raw[kItems][kSteps];
   int64_t row = item0 / n_tiles;  // one division per warp: the pairs follow in (row, tile) order
@@ -287,7 +293,8 @@ ffi::Error TwellPackImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Result<ffi:
 }
 
 // The same with a device flag `skip` (one s32; the per-call choice's "dense"): set, the
-// kernels return at once and the outputs are left unwritten (nothing reads them then).
+// kernels write zero counts and return (values and cols are left unwritten): every tile
+// reads as empty, so a backup after the warp kernel lists no row.
 ffi::Error TwellPackUnlessImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::Buffer<ffi::S32> skip,
                                ffi::Result<ffi::AnyBuffer> values, ffi::Result<ffi::Buffer<ffi::S16>> cols,
                                ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t tile, int32_t capacity) {

@@ -27,7 +27,7 @@ __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 BUILD_NOTE = "cuda_build.txt"  # written by ffi/CMakeLists.txt: what the build did, and why
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
@@ -60,6 +60,8 @@ HANDLERS = {
     "jax_twell_decode_fused": "JaxTwellDecodeFused",
     "jax_twell_decode_rows_gated": "JaxTwellDecodeRowsGated",
     "jax_twell_decode_rows": "JaxTwellDecodeRows",
+    "jax_twell_dense_ffn_if_gated": "JaxTwellDenseFfnIfGated",
+    "jax_twell_dense_ffn_if": "JaxTwellDenseFfnIf",
 }
 _REGISTERED: set[str] = set()
 
@@ -186,6 +188,14 @@ def _load() -> tuple[KernelStatus, ctypes.CDLL | None]:
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
             _REGISTERED.add(target)
     return KernelStatus(True, "", library=str(path), ffi_api=built, device=device.device_kind), lib
+
+
+def dense_if_available() -> bool:
+    """True when the kernels are available and the library was built with cuBLASLt's
+    header (``jax_twell_dense_ffn_if*``: the per-call form's dense side on cuBLAS, chosen
+    on the device; ffi/twell_dense_if.cu)."""
+    state, lib = _load()
+    return bool(state.available and lib is not None and lib.jax_twell_dense_if_available())
 
 
 def kernel_status() -> KernelStatus:

@@ -923,9 +923,12 @@ def test_the_module_keeps_its_weights_check_with_the_decode_layout():
 # The device backups' stand-ins: the mma.sync kernel's contract and the wgmma kernel's, the
 # per-call choice a lax.cond; and the wgmma kernel's with the rule's floor of the form with
 # no conditional set, where the choice is the backup's device flag.
-# name: (kernel, conditionals in the per-call form, rule fields)
-DEVICE_BACKUPS = {"cond": (warp.backup_rows_reference, 1, {}), "gemm_cond": (warp.backup_rows_gemm_reference, 1, {}),
-                  "flag": (warp.backup_rows_gemm_reference, 0, {"per_call_min_tokens_no_conditional": 0})}
+# With the dense side's kernel (warp.dense_ffn_if's contract), no conditional either.
+# name: (kernel, conditionals in the per-call form, rule fields, FFNKernels.warp_dense)
+DEVICE_BACKUPS = {"cond": (warp.backup_rows_reference, 1, {}, None),
+                  "gemm_cond": (warp.backup_rows_gemm_reference, 1, {}, None),
+                  "flag": (warp.backup_rows_gemm_reference, 0, {"per_call_min_tokens_no_conditional": 0}, None),
+                  "dense_if": (warp.backup_rows_reference, 0, {}, warp.dense_ffn_if_reference)}
 
 
 @pytest.mark.parametrize("backup", sorted(DEVICE_BACKUPS))
@@ -936,8 +939,8 @@ def test_warp_path_with_the_device_backup(stand_ins, gated, backup):
     at all, the per-call form only the sample's choice (none where the backup takes it as
     a device flag); every side computes the dense formula, with rows past the switch's
     largest size and with non-finite operands."""
-    kernel, per_call_conds, fields = DEVICE_BACKUPS[backup]
-    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=kernel)
+    kernel, per_call_conds, fields, dense = DEVICE_BACKUPS[backup]
+    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=kernel, warp_dense=dense)
     inp = case(m=1100, f=704, density=0.005, full=200, empty=5, key=14)  # 200 rows: past the switch's M/8
     w_gate = inp.w_gate if gated else None
     rule = DenseCrossover(**NO_FIXED, **fields)
@@ -982,8 +985,8 @@ def test_the_per_call_choice_with_the_device_backup_uses_the_plans_rule(stand_in
     given: sparse rows under the default margin (the warp stand-in's mark shows), the
     dense formula itself where the rule's margin leaves the sparse side no room (with the
     flag: the backup over every row)."""
-    kernel, _, fields = DEVICE_BACKUPS[backup]
-    kernels = dataclasses.replace(stand_ins(mark=True), warp_backup=kernel)
+    kernel, _, fields, dense = DEVICE_BACKUPS[backup]
+    kernels = dataclasses.replace(stand_ins(mark=True), warp_backup=kernel, warp_dense=dense)
     inp = case(m=1100, f=704, density=0.005, key=16)
 
     def call(rule):

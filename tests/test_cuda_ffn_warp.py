@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax_twell._kernels import dense_if_available
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops.ffn import reference
 from jax_twell.ops.ffn import cuda, warp
@@ -250,6 +251,8 @@ def test_unless_kernels_match_when_not_skipped(gated):
     got = jax.jit(lambda a, s: pack_twell(a, tile=256, capacity=32, skip=s))(g, jnp.asarray(False))
     for a, b in zip((want.values, want.cols, want.counts), (got.values, got.cols, got.counts)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    skipped = jax.jit(lambda a, s: pack_twell(a, tile=256, capacity=32, skip=s))(g, jnp.asarray(True))
+    assert not np.asarray(skipped.counts).any()  # set: empty tiles, so a backup lists no row
     w_up_t = inp.w_up.T if gated else None
     y0 = warp.ffn_rows(inp.x, want, w_up_t, inp.w_down)
     y1 = jax.jit(lambda x, a, wu, wd, s: warp.ffn_rows(x, a, wu, wd, skip=s))(inp.x, want, w_up_t, inp.w_down,
@@ -283,12 +286,16 @@ def test_gemm_backup_dense_flag(gated, m, d, f):
 
 
 @pytest.mark.parametrize("case", ["sparse", "tail", "dense", "nan_x", "nan_w_down", "inf_w_up"])
-@pytest.mark.parametrize("backup_name,device_choice", [("mma", False), ("wgmma", False), ("wgmma", True)],
-                         ids=["cond", "gemm_cond", "flag"])
+@pytest.mark.parametrize("backup_name,device_choice", [("mma", False), ("wgmma", False), ("wgmma", True),
+                                                        ("mma", "dense_if")],
+                         ids=["cond", "gemm_cond", "flag", "dense_if"])
 def test_per_call_device_backup_exact(case, backup_name, device_choice):
     """The per-call form with the device backup (no switch) on each side and with
     non-finite operands: the dense formula's values and NaN; with either backup behind the
-    ``lax.cond``, and with the choice as a device flag to the wgmma backup (no conditional)."""
+    ``lax.cond``, with the choice as a device flag to the wgmma backup, and with the dense
+    side on cuBLAS in a conditional graph node (the last two with no conditional)."""
+    if device_choice == "dense_if" and not dense_if_available():
+        pytest.skip("the library was built without cuBLASLt's header")
     m, d, f = 2048, 256, 1024
     inp = synthetic_ffn_inputs(jax.random.key(21), m, d, f, density=0.3 if case == "dense" else 0.004)
     if case == "tail":
@@ -300,9 +307,10 @@ def test_per_call_device_backup_exact(case, backup_name, device_choice):
     if case == "inf_w_up":
         inp = inp._replace(w_up=inp.w_up.at[4, 11].set(jnp.inf))
     kernel = warp.backup_rows_gemm if backup_name == "wgmma" else warp.backup_rows
+    dense_kernel = warp.dense_ffn_if if device_choice == "dense_if" else None
     fn = jax.jit(lambda x, wg, wu, wd: warp.sparse_ffn(x, wg, wu, wd, backup_kernel=kernel,
                                                        columns=lambda: finite_columns(wu, wd),
-                                                       device_choice=device_choice))
+                                                       device_choice=device_choice is True, dense_kernel=dense_kernel))
     y = np.asarray(fn(*inp), np.float32)
     want = np.asarray(xla.ffn(*inp), np.float32)
     assert np.array_equal(np.isnan(y), np.isnan(want)), case
@@ -357,3 +365,26 @@ def test_op_with_the_device_backup(layer, m):
     fn = jax.jit(lambda x, wg, wu, wd: ffn_cuda.sparse_ffn(x, wg, wu, wd, layer=info, options=options, kernels=kernels))
     y = fn(*inp)
     assert_close(y, xla.ffn(*inp), fused_tolerance(jnp.bfloat16, f), f"{layer} m={m}")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("m,d,f", [(2048, 256, 1024), (67, 72, 200), (1, 8, 8)])
+def test_dense_ffn_if(gated, dtype, m, d, f):
+    """The dense side on cuBLAS behind a device flag (ffi/twell_dense_if.cu): unset, y is
+    y_in bit for bit; set, every row is the dense formula's. Called again with other
+    operands (a new graph) and with the first ones (the kept one), each still right."""
+    if not dense_if_available():
+        pytest.skip("the library was built without cuBLASLt's header")
+    fn = jax.jit(lambda x, g, wu, wd, y, flag: warp.dense_ffn_if(x, g, wu, wd, y, flag))
+    for key in (m + 11, m + 12, m + 11):
+        inp = synthetic_ffn_inputs(jax.random.key(key), m, d, f, density=0.3, dtype=dtype)
+        w_act = inp.w_gate if gated else inp.w_up
+        w_up = inp.w_up if gated else None
+        g = relu_matmul(inp.x, w_act)
+        sentinel = jnp.full(inp.x.shape, 3.0, dtype)
+        kept = np.asarray(fn(inp.x, g, w_up, inp.w_down, sentinel, jnp.asarray(False)), np.float32)
+        np.testing.assert_array_equal(kept, np.full(inp.x.shape, 3.0, np.float32))
+        got = np.asarray(fn(inp.x, g, w_up, inp.w_down, sentinel, jnp.asarray(True)), np.float32)
+        want = np.asarray(xla.up_down(inp.x, g, w_up, inp.w_down).astype(dtype), np.float32)
+        assert_close(got, want, fused_tolerance(dtype, f), f"dense_ffn_if m={m} d={d} f={f}")

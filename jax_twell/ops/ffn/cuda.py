@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_twell._kernels import dense_if_available
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import stats, xla
 from jax_twell.ops.common import all_finite, as_dense_nonfinite, finite_columns
@@ -39,6 +40,10 @@ class FFNKernels:
     warp_backup(x, g, act, w_up, w_down, y, *, row_budget) -> y with those rows computed
     densely, their count read on the device (:func:`warp.backup_rows`, the default; measured
     in ffi/notes/twell_backup.md); None: the ``lax.switch`` over static sizes.
+    warp_dense(x, g, w_up, w_down, y, dense) -> y, the dense formula where the device flag
+    is set (:func:`warp.dense_ffn_if`, cuBLAS in a CUDA graph's conditional node): with it
+    the per-call form holds no conditional and its dense side runs on cuBLAS; None (the
+    default until measured on a GPU): the per-call choice is a ``lax.cond``.
     """
 
     pack: Callable = pack_binding.pack_twell
@@ -50,6 +55,7 @@ class FFNKernels:
     decode_rows: Callable = binding.decode_ffn_rows
     warp_rows: Callable = warp.ffn_rows
     warp_backup: Callable | None = warp.backup_rows
+    warp_dense: Callable | None = None
 
 
 BINDINGS = FFNKernels()
@@ -101,11 +107,15 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         def weight_columns():
             return finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
 
+        dense_kernel = kernels.warp_dense
+        if dense_kernel is warp.dense_ffn_if and not dense_if_available():  # built without cuBLASLt's header
+            dense_kernel = None
         return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=plan.options.tile, capacity=plan.options.capacity,
                                w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
                                backup_kernel=kernels.warp_backup, columns=weight_columns, rule=rule,
                                device_choice=(warp.takes_dense_flag(kernels.warp_backup)
-                                              and rule.per_call_min_tokens_no_conditional is not None))
+                                              and rule.per_call_min_tokens_no_conditional is not None),
+                               dense_kernel=dense_kernel)
     if plan.path == Path.WARP and plan.device_choice:  # the checks run on the sparse side only
         def operands_finite():
             columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite

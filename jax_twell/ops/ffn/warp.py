@@ -12,11 +12,13 @@ XLA's dense FFN for the whole call past its largest size.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_twell._kernels import kernel_call
+from jax_twell._kernels import dense_if_available, kernel_call
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import stats, xla
 from jax_twell.ops.common import as_dense_nonfinite
@@ -258,6 +260,44 @@ def backup_rows_gemm_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget:
     return backup_rows_reference(x, g, act, w_up, w_down, y, row_budget=row_budget, w_act=w_act, dense=dense)
 
 
+_DENSE_IF_WORKSPACE_BYTES = 32 << 20  # cuBLASLt's scratch (ffi/twell_dense_if.cu)
+
+
+def dense_if_work_bytes(m: int, f: int, itemsize: int, *, gated: bool) -> int:
+    """Bytes of :func:`dense_ffn_if`'s scratch (the kernel checks the same layout): u
+    ``[M, f]`` (gated), cuBLASLt's 32 MiB workspace, and slack for aligning the base."""
+    u = -(-(m * f * itemsize) // _GEMM_ALIGN) * _GEMM_ALIGN if gated else 0
+    return u + _DENSE_IF_WORKSPACE_BYTES + _GEMM_ALIGN
+
+
+def dense_ffn_if(x, g, w_up, w_down, y, dense):
+    """y, or where the device bool ``dense`` is set the dense formula's
+    ``(g * (x @ w_up)) @ w_down`` (``g @ w_down`` with ``w_up`` None), on cuBLAS's GEMMs
+    (``jax_twell_dense_ffn_if*``, ffi/twell_dense_if.cu): a CUDA graph whose conditional
+    node reads the flag on the device, so the choice costs no host round trip. Not inside
+    XLA's command buffers (its graph cannot be captured). Needs
+    :func:`jax_twell._kernels.dense_if_available`."""
+    m, d = y.shape
+    f = w_down.shape[0]
+    gated = w_up is not None
+    flag = jnp.asarray(dense).astype(jnp.int32)
+    out = jax.ShapeDtypeStruct((m, d), y.dtype)
+    work = jax.ShapeDtypeStruct((dense_if_work_bytes(m, f, jnp.dtype(y.dtype).itemsize, gated=gated),), jnp.uint8)
+    if not gated:
+        y, _ = kernel_call("jax_twell_dense_ffn_if", (out, work), vmap_method="sequential", aliases={2: 0})(
+            g, w_down, y, flag)
+        return y
+    y, _ = kernel_call("jax_twell_dense_ffn_if_gated", (out, work), vmap_method="sequential", aliases={4: 0})(
+        x, g, w_up, w_down, y, flag)
+    return y
+
+
+def dense_ffn_if_reference(x, g, w_up, w_down, y, dense):
+    """:func:`dense_ffn_if`'s contract in XLA operations (its stand-in on the CPU)."""
+    full = xla.up_down(x, g, w_up, w_down).astype(y.dtype)
+    return jnp.where(jnp.asarray(dense, bool), full, y)
+
+
 # Backups that take the per-call choice as a device flag (``dense=``): with them the
 # per-call form holds no conditional (sparse_ffn's device_choice).
 _TAKES_DENSE_FLAG = (backup_rows_gemm, backup_rows_gemm_reference)
@@ -367,7 +407,8 @@ def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_bud
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
                row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows, finite=True,
-               backup_kernel=None, columns=None, rule: DenseCrossover | None = None, device_choice: bool = False):
+               backup_kernel=None, columns=None, rule: DenseCrossover | None = None, device_choice: bool = False,
+               dense_kernel=None):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
     g; a sample of its rows (:func:`likely_sparse`) chooses: dense, the dense up and down
     products from the same g (no gate recompute, no pack, no count of all of g); sparse,
@@ -385,7 +426,11 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     ``DenseCrossover()``; see :func:`likely_sparse`). ``device_choice`` (with a
     ``backup_kernel`` that takes a ``dense`` flag, :func:`backup_rows_gemm`): no
     conditional at all; the sample's choice reaches the backup as a device flag, and a
-    dense call is the backup over every row from x and g."""
+    dense call is the backup over every row from x and g. ``dense_kernel``
+    (:func:`dense_ffn_if` or its reference; with ``backup_kernel``): no conditional
+    either, the dense side on cuBLAS: the pack (writing empty tiles), the warp kernel and
+    the backup (listing no row) on the dense side find nothing to do, then
+    ``dense_kernel`` computes y there from x and g."""
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -411,6 +456,21 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile, capacity=capacity, row_budget=row_budget,
                            backup=backup, rule=None if backup_kernel is None else rule or DenseCrossover(),
                            transposed=w_up_t is not None or not gated, gated=gated)
+    if dense_kernel is not None:
+        if backup_kernel is None:
+            raise ValueError("sparse_ffn: dense_kernel needs a backup_kernel (the rows past the warp kernel's layout)")
+        dense_side = jnp.logical_not(likely)
+        if pack is pack_twell and rows_kernel is ffn_rows:  # the kernels: skip their work on the dense side
+            act = pack_twell(g, tile=tile, capacity=capacity, skip=dense_side)
+            y = ffn_rows(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget,
+                         skip=dense_side)
+        else:  # stand-ins: the dense side's empty tiles as the pack's skip leaves them
+            act = pack(g, tile=tile, capacity=capacity)
+            act = dataclasses.replace(act, counts=jnp.where(dense_side, 0, act.counts))
+            y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
+        y = backup_kernel(x if gated else None, g, act, w_up if gated else None, w_down, y, row_budget=row_budget)
+        y = dense_kernel(x, g, w_up if gated else None, w_down, y, dense_side)
+        return as_dense_nonfinite(y, x, columns())
     if device_choice:
         if backup_kernel is None:
             raise ValueError("sparse_ffn: device_choice needs a backup_kernel that takes the dense flag")

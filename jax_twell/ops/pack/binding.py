@@ -15,9 +15,10 @@ __all__ = ["pack_twell"]
 def pack_twell(a: jax.Array, *, tile: int, capacity: int, skip: jax.Array | None = None) -> TwELL:
     """TwELL packing of ``a [..., f]`` (bf16, f16 or f32) by ``jax_twell_pack``; the same
     arrays as :func:`jax_twell.formats.pack_twell_reference`, bit for bit. ``skip``: a
-    device bool (``jax_twell_pack_unless``); where set the kernel returns at once and the
-    arrays hold anything: for a call whose dense side was chosen on the device, where
-    nothing reads them (:func:`jax_twell.ops.ffn.warp.sparse_ffn`'s device choice)."""
+    device bool (``jax_twell_pack_unless``); where set the kernel writes zero counts and
+    returns (values and columns hold anything): for a call whose dense side was chosen on
+    the device (:func:`jax_twell.ops.ffn.warp.sparse_ffn`'s device choice), whose backup
+    then lists no row."""
     f = a.shape[-1]
     n_tiles = -(-f // tile)
     lead = a.shape[:-1]
