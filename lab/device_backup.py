@@ -18,7 +18,9 @@ gate, no g: the device backup recomputes its rows' gate), backup_empty (the devi
 backup alone on an activation with no row to back up) and backup_all (every row backed
 up: the backup's products over all M rows); the *_gemm variants run the same on the
 wgmma backup (ffi/twell_backup_gemm.cu); percall_flag is the per-call form with no
-conditional at all (the sample's choice a device flag to that backup).
+conditional at all (the sample's choice a device flag to that backup); percall_dense_if
+(and _gemm) the per-call form with its dense side on cuBLAS in a CUDA graph's conditional
+node (ffi/twell_dense_if.cu), no conditional either.
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ from jax_twell.ops.pack.binding import pack_twell  # noqa: E402
 
 
 def variants():
-    def percall(device, kernel=warp.backup_rows, flag=False):
+    def percall(device, kernel=warp.backup_rows, flag=False, dense_kernel=None):
         def fn(x, wg, wu, wd, wut, cols):
             if device:
                 return warp.sparse_ffn(x, wg, wu, wd, backup_kernel=kernel, device_choice=flag,
-                                       columns=lambda: finite_columns(wu, wd))
+                                       columns=lambda: finite_columns(wu, wd), dense_kernel=dense_kernel)
             return warp.sparse_ffn(x, wg, wu, wd, finite=lambda: all_finite(x) & finite_columns(wu, wd).all())
         return fn
 
@@ -93,6 +95,9 @@ def variants():
         "backup_empty": backup_only(warp.ROW_BUDGET), "backup_all": backup_only(0),
         # the same on the wgmma backup (ffi/twell_backup_gemm.cu)
         "percall_gemm": percall(True, gemm), "percall_flag": percall(True, gemm, True), "known_kept_gemm": known_device(True, gemm),
+        # the dense side on cuBLAS in a conditional graph node (ffi/twell_dense_if.cu), no conditional
+        "percall_dense_if": percall(True, dense_kernel=warp.dense_ffn_if),
+        "percall_dense_if_gemm": percall(True, gemm, dense_kernel=warp.dense_ffn_if),
         "known_fused_gemm": known_device_fused(gemm),
         "backup_empty_gemm": backup_only(warp.ROW_BUDGET, gemm), "backup_all_gemm": backup_only(0, gemm),
     }
