@@ -102,11 +102,14 @@ def test_a_call_that_knows_nothing_runs_dense_where_its_choice_would_cost_more()
     assert plan_ffn(rule.per_call_min_tokens, d, f, BF16, gated=True, options=cond).path == Path.WARP
     rule = dataclasses.replace(rule, per_call_min_tokens_no_conditional=2048)  # the choice as a device flag
     floor = rule.per_call_min_tokens_no_conditional
+    on_device = FFNOptions(rule=rule, choice_on_device=True)
     for m in (1, 64, 512, floor - 1):
-        assert plan_ffn(m, d, f, BF16, gated=True, options=FFNOptions(rule=rule)).path == Path.DENSE, m
-    assert plan_ffn(floor, d, f, BF16, gated=True, options=FFNOptions(rule=rule)).path == Path.WARP
+        assert plan_ffn(m, d, f, BF16, gated=True, options=on_device).path == Path.DENSE, m
+    assert plan_ffn(floor, d, f, BF16, gated=True, options=on_device).path == Path.WARP
+    # the same rule with kernels whose choice is a conditional: the higher floor
+    assert plan_ffn(floor, d, f, BF16, gated=True, options=FFNOptions(rule=rule)).path == Path.DENSE
     # without the device backup the choice is a conditional: the higher floor
-    switch = FFNOptions(device_backup=False, rule=rule)
+    switch = FFNOptions(device_backup=False, rule=rule, choice_on_device=True)
     for m in (floor, rule.per_call_min_tokens - 1):
         assert plan_ffn(m, d, f, BF16, gated=True, options=switch).path == Path.DENSE, m
     assert plan_ffn(rule.per_call_min_tokens, d, f, BF16, gated=True, options=switch).path == Path.WARP

@@ -152,6 +152,11 @@ class FFNOptions:
         their count on the device (no conditional; ffi/twell_backup.cu) where it takes
         the shape; False: a ``lax.switch`` over static backup sizes. A known layer with
         it and ``w_up.T`` given runs sparse from ``rule.layer_min_tokens_no_conditional``.
+      choice_on_device: the per-call choice holds no conditional (the dense side behind a
+        device flag: ``FFNKernels.warp_dense``, or the wgmma backup's flag); then a call
+        with nothing known of its layer runs sparse from
+        ``rule.per_call_min_tokens_no_conditional`` where that is set. Set by
+        :func:`jax_twell.ops.ffn.cuda.sparse_ffn` from the kernels it is given.
     """
 
     tile: int = 256
@@ -161,6 +166,7 @@ class FFNOptions:
     fused_gate: bool = True
     gate_variant: int | None = None
     device_backup: bool = True
+    choice_on_device: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "kernel", Kernel(self.kernel))  # a Kernel or its name
@@ -214,10 +220,11 @@ def _kernel(options: FFNOptions, m: int, d: int, f: int, gated: bool) -> Kernel:
 def _per_call_min_tokens(rule: DenseCrossover, options: FFNOptions, d: int, f: int, dtype) -> int:
     """Tokens below which a call with nothing known of its layer runs dense: the rule's
     ``per_call_min_tokens_no_conditional`` where one is set and the per-call choice holds
-    no conditional (the device backup, which takes the choice as a device flag, and the
-    warp kernel take the shape), else its ``per_call_min_tokens``. Never raises
+    no conditional (``options.choice_on_device``, the device backup and the warp kernel
+    taking the shape), else its ``per_call_min_tokens``. Never raises
     ``per_call_min_tokens``."""
     no_conditional = (rule.per_call_min_tokens_no_conditional is not None and options.device_backup
+                      and options.choice_on_device
                       and options.kernel == Kernel.AUTO and layout.warp_supported(d, dtype)
                       and layout.device_backup_supported(f))
     if not no_conditional:

@@ -72,10 +72,28 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, layer: LayerInfo = LayerInfo(), optio
     (a serving layer's cache), else computed in the call."""
     w_act = w_gate if w_gate is not None else w_up
     m, d = x.shape
+    options = dataclasses.replace(options, choice_on_device=_choice_on_device(kernels, options.rule))
     plan = plan_ffn(m, d, w_act.shape[1], x.dtype, gated=w_gate is not None, layer=layer, options=options,
                     w_up_t=w_up_t is not None, w_act_t=w_act_t is not None)
     return run(plan, x, w_gate, w_up, w_down, w_up_t=w_up_t, w_act_t=w_act_t, weights_finite=weights_finite,
                kernels=kernels)
+
+
+def _dense_kernel(kernels: FFNKernels):
+    """The bound dense side behind a device flag, where it can run (None: none)."""
+    if kernels.warp_dense is warp.dense_ffn_if and not dense_if_available():  # built without cuBLASLt's header
+        return None
+    return kernels.warp_dense
+
+
+def _choice_on_device(kernels: FFNKernels, rule) -> bool:
+    """Whether the per-call choice holds no conditional with these kernels: a dense side
+    behind a device flag, or the wgmma backup's own flag where the rule sets the floor of
+    that form (:class:`jax_twell.ops.plan.FFNOptions`' ``choice_on_device``)."""
+    if kernels.warp_backup is None:
+        return False
+    return _dense_kernel(kernels) is not None or (warp.takes_dense_flag(kernels.warp_backup)
+                                                  and rule.per_call_min_tokens_no_conditional is not None)
 
 
 def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, weights_finite=None,
@@ -107,9 +125,7 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         def weight_columns():
             return finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
 
-        dense_kernel = kernels.warp_dense
-        if dense_kernel is warp.dense_ffn_if and not dense_if_available():  # built without cuBLASLt's header
-            dense_kernel = None
+        dense_kernel = _dense_kernel(kernels)
         return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=plan.options.tile, capacity=plan.options.capacity,
                                w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
                                backup_kernel=kernels.warp_backup, columns=weight_columns, rule=rule,
