@@ -148,7 +148,8 @@ struct LtGemm {
 
 struct LtState {
   cublasLtHandle_t handle = nullptr;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int>, LtGemm> gemms;  // (m, n, k, dtype)
+  // (m, n, k, dtype, alignments of cuBLASLt's A, B, C)
+  std::map<std::tuple<int64_t, int64_t, int64_t, int, std::tuple<uint32_t, uint32_t, uint32_t>>, LtGemm> gemms;
   cudaStream_t capture = nullptr;  // the stream the IF body is captured on
 };
 
@@ -170,7 +171,17 @@ struct LtState {
 
 ffi::Error Internal(const std::string& what) { return ffi::Error::Internal("jax-twell: dense_ffn_if: " + what); }
 
-ffi::Error MakeGemm(LtState& st, int64_t m, int64_t n, int64_t k, cudaDataType_t type, LtGemm* g) {
+// The largest power of two up to 256 that divides an address: the alignment cuBLASLt's
+// algorithm may assume of that operand (it assumes 256 bytes unless told).
+uint32_t Alignment(const void* ptr) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(ptr) | 256;
+  return static_cast<uint32_t>(v & (~v + 1));
+}
+
+// The operands' alignments (cuBLASLt's A, B and C/D: see LtGemm) are part of the choice.
+using Aligns = std::tuple<uint32_t, uint32_t, uint32_t>;
+
+ffi::Error MakeGemm(LtState& st, int64_t m, int64_t n, int64_t k, cudaDataType_t type, Aligns al, LtGemm* g) {
   const LtApi& lt = Lt();
   LT_CHECK(lt.desc_create(&g->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t no = CUBLAS_OP_N;
@@ -183,6 +194,11 @@ ffi::Error MakeGemm(LtState& st, int64_t m, int64_t n, int64_t k, cudaDataType_t
   LT_CHECK(lt.pref_create(&pref));
   const size_t ws = kLtWorkspaceBytes;
   LT_CHECK(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  const uint32_t a_align = std::get<0>(al), b_align = std::get<1>(al), c_align = std::get<2>(al);
+  LT_CHECK(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &a_align, sizeof(a_align)));
+  LT_CHECK(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &b_align, sizeof(b_align)));
+  LT_CHECK(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &c_align, sizeof(c_align)));
+  LT_CHECK(lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &c_align, sizeof(c_align)));
   cublasLtMatmulHeuristicResult_t pick{};
   int found = 0;
   LT_CHECK(lt.heuristic(st.handle, g->op, g->first, g->second, g->out, g->out, pref, 1, &pick, &found));
@@ -193,12 +209,15 @@ ffi::Error MakeGemm(LtState& st, int64_t m, int64_t n, int64_t k, cudaDataType_t
   return ffi::Error::Success();
 }
 
-ffi::Error GetGemm(LtState& st, int64_t m, int64_t n, int64_t k, cudaDataType_t type, const LtGemm** out) {
-  const auto key = std::make_tuple(m, n, k, static_cast<int>(type));
+// C [m, n] = A [m, k] @ B [k, n] for these operands' alignments (cuBLASLt's A is B here).
+ffi::Error GetGemm(LtState& st, int64_t m, int64_t n, int64_t k, cudaDataType_t type, const void* a, const void* b,
+                   const void* c, const LtGemm** out) {
+  const Aligns al{Alignment(b), Alignment(a), Alignment(c)};
+  const auto key = std::make_tuple(m, n, k, static_cast<int>(type), al);
   auto it = st.gemms.find(key);
   if (it == st.gemms.end()) {
     LtGemm g;
-    if (auto e = MakeGemm(st, m, n, k, type, &g); e.failure()) return e;
+    if (auto e = MakeGemm(st, m, n, k, type, al, &g); e.failure()) return e;
     it = st.gemms.emplace(key, g).first;
   }
   *out = &it->second;
@@ -262,9 +281,10 @@ ffi::Error Build(LtState& st, const Call& c, cudaGraphExec_t update, cudaGraphEx
   void* workspace = base + (c.gated ? AlignUp(c.m * c.f * esize) : 0);
   const LtGemm *up = nullptr, *down = nullptr;
   if (c.gated) {
-    if (auto e = GetGemm(st, c.m, c.f, c.d, type, &up); e.failure()) return e;
+    if (auto e = GetGemm(st, c.m, c.f, c.d, type, c.x, c.w_up, u, &up); e.failure()) return e;
   }
-  if (auto e = GetGemm(st, c.m, c.d, c.f, type, &down); e.failure()) return e;
+  const void* h_in = c.gated ? u : c.g;
+  if (auto e = GetGemm(st, c.m, c.d, c.f, type, h_in, c.w_down, c.y, &down); e.failure()) return e;
 
   cudaGraph_t graph;
   CUDA_CHECK(cudaGraphCreate(&graph, 0));
