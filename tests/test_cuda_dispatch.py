@@ -999,3 +999,19 @@ def test_the_per_call_choice_with_the_device_backup_uses_the_plans_rule(stand_in
     want = np.asarray(xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down), np.float32)
     assert not (dense == np.float32(WARP_MARK)).any()
     np.testing.assert_array_equal(dense, want)
+
+
+def test_the_choice_is_on_the_device_only_where_the_kernels_hold_no_conditional():
+    """``FFNOptions.choice_on_device`` (which lowers the per-call floor to the rule's
+    no-conditional one) follows the bound kernels: a dense side behind a device flag that
+    can run, or the wgmma backup's flag where the rule sets that floor; never the
+    bindings' default, a dense_ffn_if that is unavailable here, or no device backup."""
+    rule = DenseCrossover()
+    floor = dataclasses.replace(rule, per_call_min_tokens_no_conditional=2048)
+    on = ffn_cuda._choice_on_device
+    assert not on(FFNKernels(), rule) and not on(FFNKernels(), floor)
+    assert on(FFNKernels(warp_dense=warp.dense_ffn_if_reference), rule)
+    assert on(FFNKernels(warp_dense=warp.dense_ffn_if), rule) == warp.dense_if_available()  # False on the CPU
+    assert not on(FFNKernels(warp_backup=None, warp_dense=warp.dense_ffn_if_reference), rule)
+    gemm = FFNKernels(warp_backup=warp.backup_rows_gemm_reference)
+    assert on(gemm, floor) and not on(gemm, rule)
