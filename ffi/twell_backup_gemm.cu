@@ -384,8 +384,6 @@ ffi::Error RunGroups(cudaStream_t stream, GroupArgs<Element, ElementOut, kGroups
   using Params = typename Gemm::Params;
   static std::mutex mutex;
   static auto* cache = new std::map<std::pair<int, const void*>, Params>();  // never freed: outlives XLA's calls
-  constexpr int kMaxDevices = 64;
-  static bool smem_set[kMaxDevices] = {};
   int device = 0;
   cudaGetDevice(&device);
   const auto key = std::make_pair(device, static_cast<const void*>(args));
@@ -418,20 +416,21 @@ ffi::Error RunGroups(cudaStream_t stream, GroupArgs<Element, ElementOut, kGroups
       return ffi::Error::Internal(std::string("jax-twell: ") + what + ": CUTLASS initialize failed: " +
                                   cutlassGetStatusString(status));
     params = Gemm::GemmKernel::to_underlying_arguments(a, workspace);
+    // The kernel's shared memory on this device: set with every new entry (the first call
+    // on each device is one), not per call.
+    constexpr int smem = Gemm::GemmKernel::SharedStorageSize;
+    if (smem >= (48 << 10)) {
+      if (cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<typename Gemm::GemmKernel>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+          err != cudaSuccess) {
+        cudaGetLastError();
+        return ffi::Error::Internal(std::string("jax-twell: ") + what + ": shared memory attribute: " +
+                                    cudaGetErrorString(err));
+      }
+    }
     std::lock_guard<std::mutex> lock(mutex);
     if (cache->size() >= 4096) cache->clear();  // XLA's buffers rarely move; bound the map if they do
     (*cache)[key] = params;
-  }
-  constexpr int smem = Gemm::GemmKernel::SharedStorageSize;
-  if (smem >= (48 << 10) && (device < 0 || device >= kMaxDevices || !smem_set[device])) {
-    if (cudaError_t err = cudaFuncSetAttribute(cutlass::device_kernel<typename Gemm::GemmKernel>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-        err != cudaSuccess) {
-      cudaGetLastError();
-      return ffi::Error::Internal(std::string("jax-twell: ") + what + ": shared memory attribute: " +
-                                  cudaGetErrorString(err));
-    }
-    if (device >= 0 && device < kMaxDevices) smem_set[device] = true;
   }
   const cutlass::Status status = Gemm::run(params, stream);
   if (status != cutlass::Status::kSuccess)

@@ -8,18 +8,14 @@ Usage: python lab/backup_profile.py --configs 16384:uniform:1.0,2048:uniform
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import device_backup  # noqa: E402
 from timeline import dispatch_us, summarise, traced  # noqa: E402
-
-from jax_twell.ops.common import finite_columns  # noqa: E402
 
 
 def main():
@@ -34,12 +30,7 @@ def main():
     out = []
     vs = device_backup.variants()
     for spec in a.configs.split(","):
-        parts = spec.split(":")
-        m, family = int(parts[0]), parts[1]
-        density = float(parts[2]) if len(parts) > 2 else 0.005
-        key = jax.random.key(m * 7 + a.d + a.f + device_backup.FAMILIES.index(family))
-        x, wg, wu, wd = device_backup.family_inputs(key, m, a.d, a.f, density, family)
-        args = (x, wg, wu, wd, jnp.asarray(wu.T), finite_columns(wu, wd))
+        m, family, density, args = device_backup.config_inputs(spec, a.d, a.f, 0.005)
         for name in a.only.split(","):
             fn = jax.jit(vs[name])
             s = summarise(traced(fn, args, a.calls), a.calls, f"{name} {family}@{density} m={m}")
@@ -48,10 +39,7 @@ def main():
             top = list(s.get("kernels_us", {}).items())[:9]
             print(f"{s['label']}: span {s.get('span_us_per_call', 0):.0f} us, busy {s.get('busy_us_per_call', 0):.0f}, "
                   f"dispatch {s['dispatch_us']:.0f}; " + "; ".join(f"{k[:60]} {v:.0f}" for k, v in top), flush=True)
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]),
-                           commit=os.environ.get("JAX_TWELL_COMMIT"), rows=out), fh, indent=1)
+    device_backup.write_rows(a.out, out)
 
 
 if __name__ == "__main__":

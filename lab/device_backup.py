@@ -103,6 +103,25 @@ def variants():
     }
 
 
+def config_inputs(spec: str, d: int, f: int, density: float):
+    """``M:family[:density]`` -> (M, family, density, the variants' arguments): x and the
+    weights of that family, ``w_up.T`` and the weights' finite columns."""
+    parts = spec.split(":")
+    m, family = int(parts[0]), parts[1]
+    density = float(parts[2]) if len(parts) > 2 else density
+    key = jax.random.key(m * 7 + d + f + FAMILIES.index(family))
+    x, wg, wu, wd = family_inputs(key, m, d, f, density, family)
+    return m, family, density, (x, wg, wu, wd, jnp.asarray(wu.T), finite_columns(wu, wd))
+
+
+def write_rows(path: str | None, rows: list) -> None:
+    """The rows as JSON with the jax version, the device and $JAX_TWELL_COMMIT (no path: nothing)."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]),
+                           commit=os.environ.get("JAX_TWELL_COMMIT"), rows=rows), fh, indent=1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default="2048:uniform,2048:tail,8192:uniform,16384:uniform,16384:tail,"
@@ -116,12 +135,7 @@ def main():
     a = p.parse_args()
     rows = []
     for spec in a.configs.split(","):
-        parts = spec.split(":")
-        m, family = int(parts[0]), parts[1]
-        density = float(parts[2]) if len(parts) > 2 else a.density
-        key = jax.random.key(m * 7 + a.d + a.f + FAMILIES.index(family))
-        x, wg, wu, wd = family_inputs(key, m, a.d, a.f, density, family)
-        args = (x, wg, wu, wd, jnp.asarray(wu.T), finite_columns(wu, wd))
+        m, family, density, args = config_inputs(spec, a.d, a.f, a.density)
         vs = variants()
         if a.only:
             keep = {"xla", *a.only.split(",")}
@@ -142,10 +156,7 @@ def main():
         print(f"{family}@{density} m={m}: " + "  ".join(
             f"{k} {v:.3f}ms ({row['speedup'][k]:.2f}x{', err %.0e' % err[k] if k in err else ''})"
             for k, v in row["ms"].items()), flush=True)
-    if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]),
-                           commit=os.environ.get("JAX_TWELL_COMMIT"), rows=rows), fh, indent=1)
+    write_rows(a.out, rows)
 
 
 if __name__ == "__main__":

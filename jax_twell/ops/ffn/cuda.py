@@ -129,8 +129,7 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=plan.options.tile, capacity=plan.options.capacity,
                                w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
                                backup_kernel=kernels.warp_backup, columns=weight_columns, rule=rule,
-                               device_choice=(warp.takes_dense_flag(kernels.warp_backup)
-                                              and rule.per_call_min_tokens_no_conditional is not None),
+                               device_choice=dense_kernel is None and _choice_on_device(kernels, rule),
                                dense_kernel=dense_kernel)
     if plan.path == Path.WARP and plan.device_choice:  # the checks run on the sparse side only
         def operands_finite():

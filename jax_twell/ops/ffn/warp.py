@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_twell._kernels import dense_if_available, kernel_call
+from jax_twell._kernels import dense_if_available, kernel_call  # noqa: F401  (dense_if_available re-exported)
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import stats, xla
 from jax_twell.ops.common import as_dense_nonfinite
@@ -456,9 +456,10 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile, capacity=capacity, row_budget=row_budget,
                            backup=backup, rule=None if backup_kernel is None else rule or DenseCrossover(),
                            transposed=w_up_t is not None or not gated, gated=gated)
-    if dense_kernel is not None:
+    if dense_kernel is not None or device_choice:  # no conditional: the choice a device flag
         if backup_kernel is None:
-            raise ValueError("sparse_ffn: dense_kernel needs a backup_kernel (the rows past the warp kernel's layout)")
+            raise ValueError("sparse_ffn: dense_kernel and device_choice need a backup_kernel "
+                             "(the rows past the warp kernel's layout)")
         dense_side = jnp.logical_not(likely)
         if pack is pack_twell and rows_kernel is ffn_rows:  # the kernels: skip their work on the dense side
             act = pack_twell(g, tile=tile, capacity=capacity, skip=dense_side)
@@ -468,21 +469,12 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
             act = pack(g, tile=tile, capacity=capacity)
             act = dataclasses.replace(act, counts=jnp.where(dense_side, 0, act.counts))
             y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
-        y = backup_kernel(x if gated else None, g, act, w_up if gated else None, w_down, y, row_budget=row_budget)
-        y = dense_kernel(x, g, w_up if gated else None, w_down, y, dense_side)
-        return as_dense_nonfinite(y, x, columns())
-    if device_choice:
-        if backup_kernel is None:
-            raise ValueError("sparse_ffn: device_choice needs a backup_kernel that takes the dense flag")
-        dense_side = jnp.logical_not(likely)
-        if pack is pack_twell and rows_kernel is ffn_rows:  # the kernels: skip their work on the dense side
-            act = pack_twell(g, tile=tile, capacity=capacity, skip=dense_side)
-            y = ffn_rows(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget,
-                         skip=dense_side)
-        else:
-            act = pack(g, tile=tile, capacity=capacity)
-            y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
-        y = backup_kernel(x if gated else None, g, act, w_up if gated else None, w_down, y, row_budget=row_budget,
-                          dense=dense_side)
+        w_up_k = w_up if gated else None
+        if dense_kernel is not None:  # the backup lists no row on the dense side; the dense kernel writes y there
+            y = backup_kernel(x if gated else None, g, act, w_up_k, w_down, y, row_budget=row_budget)
+            y = dense_kernel(x, g, w_up_k, w_down, y, dense_side)
+        else:  # the backup's own flag: every row from x and g on the dense side
+            y = backup_kernel(x if gated else None, g, act, w_up_k, w_down, y, row_budget=row_budget,
+                              dense=dense_side)
         return as_dense_nonfinite(y, x, columns())
     return jax.lax.cond(likely, sparse, dense, None)
