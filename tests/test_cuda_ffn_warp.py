@@ -343,9 +343,10 @@ def test_with_device_backup_matches_reference(spec):
 
 
 @pytest.mark.parametrize("layer", ["per_call", "known", "forced"])
-@pytest.mark.parametrize("m", [1100, 2048])
+@pytest.mark.parametrize("m", [1100, 2048, 8192])
 def test_op_with_the_device_backup(layer, m):
-    """The inference op with ``FFNKernels.warp_backup`` set: the per-call form (one
+    """The inference op with the default ``FFNKernels.warp_backup`` (the mma.sync backup
+    below ``GEMM_BACKUP_MIN_TOKENS``, the wgmma one from there): the per-call form (one
     conditional), a known layer and a forced one (none: XLA's gate, the pack, the warp
     kernel and the device backup), with fully active rows (the plans are checked on the CPU
     in test_cuda_dispatch.py)."""
@@ -358,7 +359,8 @@ def test_op_with_the_device_backup(layer, m):
     # bound (M/16), so that its sparse side runs.
     full = m // 30 if layer == "per_call" else m // 6
     inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + 41), m, d, f, density=0.005), full=full, empty=3)
-    kernels = dataclasses.replace(ffn_cuda.BINDINGS, warp_backup=warp.backup_rows)
+    kernels = ffn_cuda.BINDINGS
+    assert kernels.warp_backup is warp.backup_rows_by_size
     info = {"per_call": LayerInfo(), "known": LayerInfo(active_fraction=0.001), "forced": LayerInfo(side=Side.SPARSE)}[layer]
     rule = DenseCrossover(per_call_min_tokens=0, layer_min_tokens=0)
     options = FFNOptions(kernel=Kernel.WARP, rule=rule)

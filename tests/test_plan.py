@@ -282,8 +282,13 @@ def test_a_known_layer_on_the_warp_path_is_priced_by_its_backed_up_rows():
     # transpose if not kept
     cost = rule.warp_cost(m, d, f, 2, 0.0107, 0.0195, 0.005)
     want = (m * f * 2 / rule.warp_pack_bandwidth + 0.005 * m * f * 2 * d * 2 / rule.warp_entry_bandwidth
-            + 0.0195 * m * 4 * d * f / rule.warp_backup_flops + rule.warp_fixed_overhead)
+            + 0.0195 * m * 4 * d * f / rule.warp_backup_gemm_flops + rule.warp_fixed_overhead)
     assert cost == pytest.approx(want)
+    # below GEMM_BACKUP_MIN_TOKENS the backup runs on mma.sync, priced at its own rate
+    small = layout.GEMM_BACKUP_MIN_TOKENS - 8
+    backed = rule.warp_seconds(0.0, 100.0, small, d, f, 2) - rule.warp_seconds(0.0, 0.0, small, d, f, 2)
+    assert backed == pytest.approx(100 * 4 * d * f / rule.warp_backup_flops)
+    assert rule.warp_backup_gemm_flops > rule.warp_backup_flops
     assert rule.warp_cost(m, d, f, 2, 0.0107, 0.0195, 0.005, transposed=False) > cost
     with pytest.raises(ValueError, match="overflow_fraction"):
         rule.warp_cost(m, d, f, 2, 0.01, 1.5)

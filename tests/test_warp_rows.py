@@ -199,3 +199,23 @@ def test_backup_rows_reference_fills_only_backed_up_rows():
     assert np.all(y[~left] == 7.0)
     np.testing.assert_allclose(y[left], np.asarray(xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down))[left], rtol=2e-5,
                                atol=2e-5)
+
+
+def test_the_default_backup_is_chosen_by_the_token_count(monkeypatch):
+    """backup_rows_by_size: the wgmma backup from GEMM_BACKUP_MIN_TOKENS tokens, the
+    mma.sync one below, with the arguments passed through."""
+    calls = []
+
+    def stand_in(name):
+        def kernel(x, g, act, w_up, w_down, y, *, row_budget, w_act, chunk_rows):
+            calls.append((name, y.shape[0], row_budget, w_act, chunk_rows))
+            return y
+        return kernel
+
+    monkeypatch.setattr(warp, "backup_rows", stand_in("mma"))
+    monkeypatch.setattr(warp, "backup_rows_gemm", stand_in("wgmma"))
+    edge = warp.GEMM_BACKUP_MIN_TOKENS
+    for m in (1, edge - 1, edge, 2 * edge):
+        warp.backup_rows_by_size(None, None, None, None, None, jnp.zeros((m, 8)), row_budget=17, w_act="w")
+    assert calls == [("mma", 1, 17, "w", None), ("mma", edge - 1, 17, "w", None),
+                     ("wgmma", edge, 17, "w", None), ("wgmma", 2 * edge, 17, "w", None)]

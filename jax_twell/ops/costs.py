@@ -126,6 +126,11 @@ class DenseCrossover:
     # within 2% of the fused gate, ~47 us over XLA's gate at M=16,384: lab/results/nocond_056f859.json).
     warp_entry_bandwidth: float = 6.0e12
     warp_backup_flops: float = 9.0e13
+    # The same from layout.GEMM_BACKUP_MIN_TOKENS tokens, where the backup runs on wgmma
+    # (ffi/twell_backup_gemm.cu). One H100, M=16,384, 2% of the tokens at 10-50% of f (319
+    # rows): 71 us less than the mma.sync backup, ~1.6e14 with its launches; every row
+    # backed up ~4.4e14 (ffi/notes/twell_backup.md).
+    warp_backup_gemm_flops: float = 1.6e14
     warp_fixed_overhead: float = 2.0e-5
     warp_pack_bandwidth: float = 3.5e12
     count_sample_rows: int = 1024  # rows of g the per-call choice counts, at most
@@ -289,14 +294,17 @@ class DenseCrossover:
                      gated: bool = True):
         """Seconds of the warp path past the gate for ``m`` tokens (floats, or device arrays
         for a per-call choice): the pack of g, ``kept_entries`` on its kernel,
-        ``backed_rows`` on the device backup's products, its fixed costs, and w_up's
-        transpose where not ``transposed``. Not ``gated``: the non-gated FFN, whose entries
+        ``backed_rows`` on the device backup's products (at ``warp_backup_gemm_flops`` from
+        ``layout.GEMM_BACKUP_MIN_TOKENS`` tokens, where the backup runs on wgmma, else
+        ``warp_backup_flops``), its fixed costs, and w_up's transpose where not
+        ``transposed``. Not ``gated``: the non-gated FFN, whose entries
         read a row of Wd only and whose backed-up rows do the down product only (half the
         gated one's, as its dense side past the gate: :meth:`dense_side_cost`)."""
         half = 1.0 if gated else 0.5
+        backup_flops = self.warp_backup_gemm_flops if m >= layout.GEMM_BACKUP_MIN_TOKENS else self.warp_backup_flops
         return (m * f * itemsize / self.warp_pack_bandwidth
                 + half * (kept_entries * (2.0 * d * itemsize / self.warp_entry_bandwidth)
-                          + backed_rows * (4.0 * d * f / self.warp_backup_flops)) + self.warp_fixed_overhead
+                          + backed_rows * (4.0 * d * f / backup_flops)) + self.warp_fixed_overhead
                 + (0.0 if transposed or not gated else 2.0 * d * f * itemsize / self.transpose_bandwidth))
 
     def dense_side_cost(self, m: int, d: int, f: int, itemsize: int, gated: bool = True) -> float:

@@ -270,6 +270,15 @@ WARP_ROW_BUDGET = 64  # entries a row may hold and stay on the kernel (past it: 
 WARP_MIN_TOKENS = 2048  # from here the warp path measured at least XLA's dense FFN (M=2,048: 1.00x)
 
 
+# Tokens from which the warp path's device backup runs on wgmma (ffi/twell_backup_gemm.cu)
+# rather than mma.sync (ffi/twell_backup.cu). One H100, bf16, d=2048, f=5632, against the
+# same call on the mma.sync backup: M=16,384 with 2% of the tokens at 10-50% of f, 1.406 ->
+# 1.335 ms (known layer) and 1.456 -> 1.397 ms (per call); every row backed up 6.6 -> 2.4
+# ms; an empty backup at M=2,048 15 us slower (its CUTLASS launches), at 16,384 within the
+# noise (ffi/notes/twell_backup.md, "Second GPU run").
+GEMM_BACKUP_MIN_TOKENS = 8192
+
+
 def device_backup_supported(f: int) -> bool:
     """Whether the device backup (``jax_twell.ops.ffn.warp.backup_rows``) takes an FFN of
     ``f`` neurons (its products copy rows in 16-byte pieces: f a multiple of 8; the warp

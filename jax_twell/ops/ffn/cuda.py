@@ -38,7 +38,8 @@ class FFNKernels:
     w_down, *, w_up_t) -> y; decode_rows(x, w_act_t, w_down, *, w_up_t) -> y;
     warp_rows(x, act, w_up_t, w_down, *, row_budget) -> y (zeros on the rows left to the backup);
     warp_backup(x, g, act, w_up, w_down, y, *, row_budget) -> y with those rows computed
-    densely, their count read on the device (:func:`warp.backup_rows`, the default; measured
+    densely, their count read on the device (:func:`warp.backup_rows_by_size`, the default:
+    the wgmma backup from ``GEMM_BACKUP_MIN_TOKENS`` tokens, the mma.sync one below; measured
     in ffi/notes/twell_backup.md); None: the ``lax.switch`` over static sizes.
     warp_dense(x, g, w_up, w_down, y, dense) -> y, the dense formula where the device flag
     is set (:func:`warp.dense_ffn_if`, cuBLAS in a CUDA graph's conditional node): with it
@@ -54,7 +55,7 @@ class FFNKernels:
     decode_gate: Callable = binding.decode_ffn_gate
     decode_rows: Callable = binding.decode_ffn_rows
     warp_rows: Callable = warp.ffn_rows
-    warp_backup: Callable | None = warp.backup_rows
+    warp_backup: Callable | None = warp.backup_rows_by_size
     warp_dense: Callable | None = None
 
 

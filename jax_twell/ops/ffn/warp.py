@@ -25,7 +25,7 @@ from jax_twell.ops.common import as_dense_nonfinite
 from jax_twell.ops.costs import DenseCrossover
 from jax_twell.ops.layout import WARP_MAX_D as MAX_D  # noqa: F401  (the names the tests use)
 from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
-from jax_twell.ops.layout import device_backup_supported  # noqa: F401  (re-exported)
+from jax_twell.ops.layout import GEMM_BACKUP_MIN_TOKENS, device_backup_supported  # noqa: F401  (re-exported)
 from jax_twell.ops.layout import warp_backup_size as backup_size
 from jax_twell.ops.layout import warp_supported as supported  # noqa: F401
 from jax_twell.ops.pack.binding import pack_twell
@@ -239,6 +239,18 @@ def backup_rows_gemm(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW
     y, *_ = kernel_call("jax_twell_ffn_backup_gemm_gated", (out, rows, work(True, False)), vmap_method="sequential",
                         aliases={5: 0})(x, g, act.counts, w_up, w_down, y, flag, **attrs)
     return y
+
+
+def backup_rows_by_size(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
+                        chunk_rows: int | None = None):
+    """:func:`backup_rows`'s contract on the backup that measured faster for this call's
+    size (the default device backup): :func:`backup_rows_gemm` from
+    :data:`~jax_twell.ops.layout.GEMM_BACKUP_MIN_TOKENS` tokens (its grouped GEMMs run
+    backed-up rows at several times the mma.sync kernel's rate, and a call of that size
+    hides their launches), :func:`backup_rows` below (fewer launches: an empty backup a
+    few microseconds). The choice is static (the token count of y)."""
+    kernel = backup_rows_gemm if y.shape[0] >= GEMM_BACKUP_MIN_TOKENS else backup_rows
+    return kernel(x, g, act, w_up, w_down, y, row_budget=row_budget, w_act=w_act, chunk_rows=chunk_rows)
 
 
 def backup_rows_reference(x, g, act: TwELL, w_up, w_down, y, *, row_budget: int = ROW_BUDGET, w_act=None,
