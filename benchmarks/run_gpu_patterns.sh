@@ -46,7 +46,7 @@ fi
 if [ -d "${ANCHOR:-.anchor}" ]; then
   wait $anchor_build; echo "anchor build rc=$?"
   for f in "$npz"/*.npz; do
-    timeout 200 python3 "${ANCHOR:-.anchor}/bench_public.py" "$f" --mode ${ANCHOR_MODE:-inference} 2>>"$OUT/anchor.log" \
+    timeout ${ANCHOR_SECONDS:-200} python3 "${ANCHOR:-.anchor}/bench_public.py" "$f" --mode ${ANCHOR_MODE:-inference} 2>>"$OUT/anchor.log" \
       | tail -1 >> "$OUT/public.jsonl"
   done
   python3 - "$OUT/public.jsonl" <<'EOF'
