@@ -271,12 +271,14 @@ WARP_MIN_TOKENS = 2048  # from here the warp path measured at least XLA's dense 
 
 
 # Tokens from which the warp path's device backup runs on wgmma (ffi/twell_backup_gemm.cu)
-# rather than mma.sync (ffi/twell_backup.cu). One H100, bf16, d=2048, f=5632, against the
-# same call on the mma.sync backup: M=16,384 with 2% of the tokens at 10-50% of f, 1.406 ->
-# 1.335 ms (known layer) and 1.456 -> 1.397 ms (per call); every row backed up 6.6 -> 2.4
-# ms; an empty backup at M=2,048 15 us slower (its CUTLASS launches), at 16,384 within the
-# noise (ffi/notes/twell_backup.md, "Second GPU run").
-GEMM_BACKUP_MIN_TOKENS = 8192
+# rather than mma.sync (ffi/twell_backup.cu). bf16, d=2048, f=5632, against the same call
+# on the mma.sync backup (ffi/notes/twell_backup.md, "Second GPU run" and after): a known
+# layer with log-normal row rates at M=4,096 0.440 -> 0.349 ms (1.00x -> 1.26x of XLA,
+# H200), at 8,192 0.770 -> 0.601 ms; M=16,384 with 2% of the tokens at 10-50% of f 1.406 ->
+# 1.335 ms (H100); every row backed up 6.6 -> 2.4 ms; an empty backup (uniform rows) at
+# M=2,048 15 us slower (its CUTLASS launches), at 16,384 within the noise. Real
+# activations have tails, so from 4,096 tokens.
+GEMM_BACKUP_MIN_TOKENS = 4096
 
 
 def device_backup_supported(f: int) -> bool:
