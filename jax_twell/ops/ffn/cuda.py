@@ -44,7 +44,8 @@ class FFNKernels:
     warp_dense(x, g, w_up, w_down, y, dense) -> y, the dense formula where the device flag
     is set (:func:`warp.dense_ffn_if`, cuBLAS in a CUDA graph's conditional node): with it
     the per-call form holds no conditional and its dense side runs on cuBLAS; None (the
-    default until measured on a GPU): the per-call choice is a ``lax.cond``.
+    default: measured slower than the ``lax.cond`` form, as it splits XLA's command
+    buffers; ffi/notes/twell_backup.md): the per-call choice is a ``lax.cond``.
     """
 
     pack: Callable = pack_binding.pack_twell
