@@ -19,7 +19,7 @@ fi
 if [ -n "${SANITIZE_K:-}" ]; then  # e.g. SANITIZE_K="wgmma and odd_shapes"
   for tool in memcheck racecheck; do
     # XLA's command buffers off: under them the sanitizer's process crashed before any report
-    XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" timeout ${SANITIZE_SECONDS:-120} compute-sanitizer --tool $tool \
+    XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_enable_command_buffer=" timeout ${SANITIZE_SECONDS:-240} compute-sanitizer --tool $tool \
       --print-limit 20 python3 -m pytest -q -x -m gpu tests/test_cuda_ffn_warp.py -k "$SANITIZE_K" \
       > "$OUT/sanitizer_$tool.log" 2>&1
     echo "compute-sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
