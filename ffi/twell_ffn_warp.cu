@@ -22,6 +22,11 @@
 //      buffered slots; both add them in the same order), rounded as the reference rounds u
 //      and h; then h * Wd[j, :] is added into the accumulators;
 //   4. writes y[t] once, rounded to the element type. No atomics: deterministic.
+//      Given the weights' finite columns (a [d] u8 mask, `columns`), the row takes the
+//      dense formula's NaN where that formula is not finite and the sum is: every element
+//      of a row whose x holds a NaN or Inf (one block-wide vote over the x the warps hold),
+//      and the masked-off columns. The op's separate pass over y for the same rule is then
+//      not needed (the backed-up rows compute the dense formula itself).
 // Traffic: per entry a d-row of Wu^T and a d-row of Wd (L2 hits where the weights fit the
 // 50 MB L2: d=2048, f=5632 bf16 is 46 MB), plus x and y once per row and 6 bytes per
 // stored slot of the layout. Other forms measured (registers only, more stages, one warp a
@@ -31,6 +36,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "async_mma.cuh"
 #include "common.h"
@@ -48,7 +54,42 @@ struct Shapes {
   int64_t rows;
   int d, n_tiles, tile, capacity, max_entries;
   const int32_t* skip;  // device flag (the *_unless handlers): set, the kernel does nothing
+  const uint8_t* columns;  // [d] the weights' finite columns (nullptr: no NaN rule in the kernel)
 };
+
+// The element type's exponent bits and quiet NaN (bf16 or f16 bit patterns).
+template <typename E>
+struct Special {
+  static constexpr uint32_t kExp = std::is_same_v<E, Bf16> ? 0x7F80u : 0x7C00u;
+  static constexpr uint32_t kNaN = std::is_same_v<E, Bf16> ? 0x7FC0u : 0x7E00u;
+};
+
+// bits with the dense formula's NaN where `poison` holds and bits is finite (a NaN or Inf
+// already there is what the dense sum gives too).
+template <typename E>
+__device__ __forceinline__ uint32_t Poisoned(uint32_t bits, bool poison) {
+  return poison && (bits & Special<E>::kExp) != Special<E>::kExp ? Special<E>::kNaN : bits;
+}
+
+// Eight bytes of the columns' mask, loaded where it is used: a volatile load the compiler
+// does not hoist above the loop over entries (where eight more live registers would cost
+// the kernel occupancy).
+__device__ __forceinline__ uint2 LoadMask8(const uint8_t* p) {
+  uint2 r;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+template <typename E>
+__device__ __forceinline__ bool AnyNonFinite8(const uint4& a) {
+  const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    bad |= (w[i] & Special<E>::kExp) == Special<E>::kExp ||
+           (w[i] & (Special<E>::kExp << 16)) == (Special<E>::kExp << 16);
+  return bad;
+}
 
 // Sixteen bytes of 2-byte elements from read-only global memory; the compiler may reorder
 // these (no volatile), so several rows' loads are in flight together.
@@ -198,15 +239,33 @@ __global__ __launch_bounds__(kSplit * kLanes) void TwellWarpFfnKernel(
   }
   CpAsyncWaitAll();
 
-  // 4. y[t], rounded once.
+  // 4. y[t], rounded once. With the finite columns given, first a CTA-wide vote on x[t]
+  // (every thread of the CTA reaches it: no exit since step 2's barrier), from the x the
+  // gated kernel holds or, non-gated, loaded here (nothing kept live across step 3).
+  const bool check = s.columns != nullptr;  // uniform over the grid
+  bool row_bad = false;
+  if (check) {
+    bool bad = false;
+#pragma unroll
+    for (int ii = 0; ii < kPart; ++ii) {
+      const int c = (part * kPart + ii) * kChunk + lane * kV;
+      if (c < d) bad |= AnyNonFinite8<E>(kGated ? xr[ii] : LoadRow16(x + row * d + c));
+    }
+    row_bad = __syncthreads_or(bad);
+  }
 #pragma unroll
   for (int ii = 0; ii < kPart; ++ii) {
     const int c = (part * kPart + ii) * kChunk + lane * kV;
     if (c < d) {
       uint4 out;
       uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+      // 8 columns' finite flags, one byte each (all set where no columns are given)
+      const uint2 mask = check ? LoadMask8(s.columns + c) : make_uint2(~0u, ~0u);
+      const uint8_t* ok = reinterpret_cast<const uint8_t*>(&mask);
 #pragma unroll
-      for (int v = 0; v < kV / 2; ++v) o[v] = E::FromFloat(acc[ii][2 * v]) | (E::FromFloat(acc[ii][2 * v + 1]) << 16);
+      for (int v = 0; v < kV / 2; ++v)
+        o[v] = Poisoned<E>(E::FromFloat(acc[ii][2 * v]), row_bad || ok[2 * v] == 0) |
+               (Poisoned<E>(E::FromFloat(acc[ii][2 * v + 1]), row_bad || ok[2 * v + 1] == 0) << 16);
       *reinterpret_cast<uint4*>(y_row + c) = out;
     }
   }
@@ -244,8 +303,8 @@ ffi::Error LaunchTyped(cudaStream_t stream, const Shapes& s, const void* x, cons
 template <bool kGated>
 ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                             ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up_t,
-                            ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, int32_t tile,
-                            int32_t max_entries, const int32_t* skip = nullptr) {
+                            ffi::AnyBuffer w_down, ffi::Buffer<ffi::U8> columns, ffi::Result<ffi::AnyBuffer> y,
+                            int32_t tile, int32_t max_entries, const int32_t* skip = nullptr) {
   const char* op = kGated ? "twell_ffn_warp (gated)" : "twell_ffn_warp";
   auto x_dims = x.dimensions();
   if (x_dims.size() != 2) return Invalid(std::string(op) + ": x must have shape [M, d]");
@@ -276,9 +335,13 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
     return Invalid(std::string(op) + ": max_entries must be in [0, " + std::to_string(kMaxList) + "]");
   if (f > (int64_t{1} << 30) || rows > (int64_t{1} << 40))
     return Invalid(std::string(op) + ": f must be < 2^30");
+  if (columns.element_count() != 0 && !SameDims(columns.dimensions(), {d}))
+    return Invalid(std::string(op) + ": columns must be the weights' [d] finite columns (u8) or empty");
+  if (reinterpret_cast<uintptr_t>(columns.untyped_data()) % 8 != 0 && columns.element_count() != 0)
+    return Invalid(std::string(op) + ": columns must be 8-byte aligned");
   if (rows == 0) return ffi::Error::Success();
   const Shapes s{rows, static_cast<int>(d), static_cast<int>(n_tiles), tile, static_cast<int>(capacity), max_entries,
-                 skip};
+                 skip, columns.element_count() != 0 ? columns.typed_data() : nullptr};
   const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
   switch (dtype) {
     case ffi::DataType::BF16:
@@ -294,15 +357,16 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
 
 ffi::Error TwellWarpFfnGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                              ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up_t,
-                             ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y, int32_t tile,
-                             int32_t max_entries) {
-  return TwellWarpFfnImpl<true>(stream, x, values, cols, counts, w_up_t, w_down, y, tile, max_entries);
+                             ffi::AnyBuffer w_down, ffi::Buffer<ffi::U8> columns, ffi::Result<ffi::AnyBuffer> y,
+                             int32_t tile, int32_t max_entries) {
+  return TwellWarpFfnImpl<true>(stream, x, values, cols, counts, w_up_t, w_down, columns, y, tile, max_entries);
 }
 
 ffi::Error TwellWarpFfnUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                                ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down,
-                               ffi::Result<ffi::AnyBuffer> y, int32_t tile, int32_t max_entries) {
-  return TwellWarpFfnImpl<false>(stream, x, values, cols, counts, w_down, w_down, y, tile, max_entries);
+                               ffi::Buffer<ffi::U8> columns, ffi::Result<ffi::AnyBuffer> y, int32_t tile,
+                               int32_t max_entries) {
+  return TwellWarpFfnImpl<false>(stream, x, values, cols, counts, w_down, w_down, columns, y, tile, max_entries);
 }
 
 // The same with a device flag `skip` (one s32; the per-call choice's "dense"): set, the
@@ -315,20 +379,20 @@ ffi::Error SkipFlag(ffi::Buffer<ffi::S32> skip, const char* op, const int32_t** 
 
 ffi::Error TwellWarpFfnGatedUnless(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                                    ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_up_t,
-                                   ffi::AnyBuffer w_down, ffi::Buffer<ffi::S32> skip, ffi::Result<ffi::AnyBuffer> y,
-                                   int32_t tile, int32_t max_entries) {
+                                   ffi::AnyBuffer w_down, ffi::Buffer<ffi::U8> columns, ffi::Buffer<ffi::S32> skip,
+                                   ffi::Result<ffi::AnyBuffer> y, int32_t tile, int32_t max_entries) {
   const int32_t* flag = nullptr;
   if (auto e = SkipFlag(skip, "twell_ffn_warp (gated)", &flag); e.failure()) return e;
-  return TwellWarpFfnImpl<true>(stream, x, values, cols, counts, w_up_t, w_down, y, tile, max_entries, flag);
+  return TwellWarpFfnImpl<true>(stream, x, values, cols, counts, w_up_t, w_down, columns, y, tile, max_entries, flag);
 }
 
 ffi::Error TwellWarpFfnUngatedUnless(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer values,
                                      ffi::Buffer<ffi::S16> cols, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer w_down,
-                                     ffi::Buffer<ffi::S32> skip, ffi::Result<ffi::AnyBuffer> y, int32_t tile,
-                                     int32_t max_entries) {
+                                     ffi::Buffer<ffi::U8> columns, ffi::Buffer<ffi::S32> skip,
+                                     ffi::Result<ffi::AnyBuffer> y, int32_t tile, int32_t max_entries) {
   const int32_t* flag = nullptr;
   if (auto e = SkipFlag(skip, "twell_ffn_warp", &flag); e.failure()) return e;
-  return TwellWarpFfnImpl<false>(stream, x, values, cols, counts, w_down, w_down, y, tile, max_entries, flag);
+  return TwellWarpFfnImpl<false>(stream, x, values, cols, counts, w_down, w_down, columns, y, tile, max_entries, flag);
 }
 
 }  // namespace
@@ -343,6 +407,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarpGated, jax_twell::TwellWarpFfnGated
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::AnyBuffer>()  // w_up_t [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()  // columns [d] or []
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("max_entries"),
@@ -356,6 +421,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarp, jax_twell::TwellWarpFfnUngated,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S16>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()  // columns [d] or []
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("tile")
                                   .Attr<int32_t>("max_entries"),
@@ -370,6 +436,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarpGatedUnless, jax_twell::TwellWarpFf
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::AnyBuffer>()  // w_up_t [f, d]
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()  // columns [d] or []
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // skip []
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("tile")
@@ -384,6 +451,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarpUnless, jax_twell::TwellWarpFfnUnga
                                   .Arg<xla::ffi::Buffer<xla::ffi::S16>>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()
                                   .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()  // columns [d] or []
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // skip []
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("tile")

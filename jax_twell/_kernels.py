@@ -27,7 +27,7 @@ __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 BUILD_NOTE = "cuda_build.txt"  # written by ffi/CMakeLists.txt: what the build did, and why
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 18
+ABI_VERSION = 19
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {

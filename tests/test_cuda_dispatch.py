@@ -23,7 +23,7 @@ from jax_twell.ops import layout
 from jax_twell.ops import plan
 from jax_twell.ops.ffn import reference as ffn_reference
 from jax_twell.ops.ffn import warp
-from jax_twell.ops import xla
+from jax_twell.ops import common, xla
 from cuda_calls import cuda_ffn
 from jax_twell.ops import common
 from jax_twell.ops.ffn.api import sparse_ffn_for_layer
@@ -72,9 +72,12 @@ def stand_ins():
         def gate_pack(x, w, *, tile, capacity, variant=None):
             return stand_in_gate(x, w, tile=tile, capacity=capacity)
 
-        def warp_rows(x, act, w_up_t, w_down, *, row_budget):
-            y = jnp.full(x.shape, WARP_MARK, x.dtype) if mark else ffn_reference.twell_ffn(
-                x, act, None, None if w_up_t is None else w_up_t.T, w_down)
+        def warp_rows(x, act, w_up_t, w_down, *, row_budget, columns=None):
+            if not mark:
+                return warp.ffn_rows_reference(x, act, w_up_t, w_down, row_budget=row_budget, columns=columns)
+            y = jnp.full(x.shape, WARP_MARK, x.dtype)
+            if columns is not None:  # the kernel's NaN rule on the marks
+                y = common.as_dense_nonfinite(y, x, columns)
             return jnp.where(warp.backed_up(act, row_budget)[:, None], jnp.zeros((), x.dtype), y)
 
         return FFNKernels(pack=stand_in_pack, gate_pack=gate_pack, row=row, blocked=blocked, warp_rows=warp_rows,

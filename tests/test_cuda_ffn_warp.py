@@ -390,3 +390,59 @@ def test_dense_ffn_if(gated, dtype, m, d, f):
         got = np.asarray(fn(inp.x, g, w_up, inp.w_down, sentinel, jnp.asarray(True)), np.float32)
         want = np.asarray(xla.up_down(inp.x, g, w_up, inp.w_down).astype(dtype), np.float32)
         assert_close(got, want, fused_tolerance(dtype, f), f"dense_ffn_if m={m} d={d} f={f}")
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("m,d,f", [(300, 2048, 5632), (67, 72, 200), (130, 264, 1032), (5, 8, 8)])
+def test_kernel_nan_rule_matches_reference(gated, dtype, m, d, f):
+    """ffn_rows with the weights' finite columns: the rows it computes carry the dense
+    formula's NaN (a NaN and an Inf in x's rows, two columns masked off, the row vote
+    across both warps of a row at d=2048 and over one warp at d<=256) as the reference
+    puts it; the rows it leaves are zero; without columns the same rows are the plain
+    sums. Per element: NaN exactly where the reference has NaN."""
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + d), m, d, f, density=0.01, dtype=dtype),
+                            full=min(2, m - 2))
+    x = inp.x.at[1, d - 1].set(jnp.inf).at[m - 1, 0].set(jnp.nan)
+    act = _act(inp.x, inp.w_gate, 256, 32)  # the activation of finite x, so the poisoned rows are kept rows
+    w_up_t = inp.w_up.T if gated else None
+    cols = jnp.ones((d,), bool).at[d // 2].set(False).at[3].set(False)
+    for columns in (None, cols):
+        y = np.asarray(warp.ffn_rows(x, act, w_up_t, inp.w_down, columns=columns), np.float32)
+        want = np.asarray(warp.ffn_rows_reference(x, act, w_up_t, inp.w_down, columns=columns), np.float32)
+        assert np.array_equal(np.isnan(y), np.isnan(want)), f"NaN pattern, columns={columns is not None}"
+        assert np.array_equal(np.isinf(y), np.isinf(want))
+        ok = np.isfinite(want)
+        assert_close(np.where(ok, y, 0), np.where(ok, want, 0), fused_tolerance(dtype, f), f"m={m} d={d} f={f}")
+    left = np.asarray(warp.backed_up(act, warp.ROW_BUDGET))
+    assert np.all(y[left] == 0)
+    assert np.isnan(y[m - 1]).all() or left[m - 1]  # a NaN in x poisons its whole row
+
+
+def test_op_nan_rule_in_the_kernel():
+    """The per-call op and a known layer with the NaN rule in the warp kernel (no pass over
+    y): a NaN in x's row, an Inf in w_down's column, a NaN in w_up: the dense formula's
+    NaN pattern exactly, every other element close to it."""
+    from jax_twell.ops.ffn import cuda as ffn_cuda
+    from jax_twell.ops.plan import FFNOptions, Kernel, LayerInfo
+    from jax_twell.ops.costs import DenseCrossover
+
+    m, d, f = 2048, 2048, 5632
+    base = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(5), m, d, f, density=0.005), full=20, empty=3)
+    rule = DenseCrossover(per_call_min_tokens=0, layer_min_tokens=0)
+    options = FFNOptions(kernel=Kernel.WARP, rule=rule)
+    for case in ("x_nan", "w_down_inf", "w_up_nan"):
+        inp = base
+        if case == "x_nan":
+            inp = inp._replace(x=inp.x.at[17, 4].set(jnp.nan))
+        elif case == "w_down_inf":
+            inp = inp._replace(w_down=inp.w_down.at[9, 100].set(jnp.inf))
+        else:
+            inp = inp._replace(w_up=inp.w_up.at[3, 70].set(jnp.nan))
+        want = np.asarray(xla.ffn(*inp), np.float32)
+        for info in (LayerInfo(), LayerInfo(active_fraction=0.001)):
+            fn = jax.jit(lambda x, wg, wu, wd: ffn_cuda.sparse_ffn(x, wg, wu, wd, layer=info, options=options))
+            y = np.asarray(fn(*inp), np.float32)
+            assert np.array_equal(np.isnan(y), np.isnan(want)), f"{case} {info}"
+            ok = np.isfinite(want)
+            assert_close(np.where(ok, y, 0), np.where(ok, want, 0), fused_tolerance(jnp.bfloat16, f), f"{case}")

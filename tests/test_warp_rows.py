@@ -9,7 +9,7 @@ import pytest
 
 from jax_twell.formats import pack_twell_reference, relu_matmul
 from jax_twell.ops import common, xla
-from jax_twell.ops.ffn import reference, warp
+from jax_twell.ops.ffn import warp
 from jax_twell.testing import synthetic_ffn_inputs, with_extreme_rows
 
 
@@ -40,10 +40,7 @@ def test_supported():
     assert not warp.supported(2048, jnp.float32)
 
 
-def _ref_rows(x, act, w_up_t, w_down, *, row_budget):
-    """The warp kernel's contract from the reference: y, zeros on the rows it leaves."""
-    y = reference.twell_ffn(x, act, None, None if w_up_t is None else w_up_t.T, w_down)
-    return jnp.where(warp.backed_up(act, row_budget)[:, None], jnp.zeros((), x.dtype), y)
+_ref_rows = warp.ffn_rows_reference  # the warp kernel's contract: y, zeros on the rows it leaves
 
 
 def _ref_gate(x, w, *, tile, capacity):
@@ -219,3 +216,32 @@ def test_the_default_backup_is_chosen_by_the_token_count(monkeypatch):
         warp.backup_rows_by_size(None, None, None, None, None, jnp.zeros((m, 8)), row_budget=17, w_act="w")
     assert calls == [("mma", 1, 17, "w", None), ("mma", edge - 1, 17, "w", None),
                      ("wgmma", edge, 17, "w", None), ("wgmma", 2 * edge, 17, "w", None)]
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_rows_reference_puts_the_dense_formulas_nan_on_its_rows(gated):
+    """ffn_rows' contract with ``columns``: the rows it computes carry the NaN of
+    as_dense_nonfinite (rows of non-finite x, non-finite columns), the rows it leaves stay
+    zero, an Inf already in y is kept, and without columns nothing is added."""
+    m, d, f = 48, 64, 512
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(9), m, d, f, density=0.02, dtype=jnp.float32), full=2)
+    x = inp.x.at[3, 5].set(jnp.inf).at[7, 0].set(jnp.nan)
+    # the sparse gate's activation in both forms (non-gated, it is the hidden itself)
+    act = pack_twell_reference(relu_matmul(inp.x, inp.w_gate), tile=256, capacity=32)
+    w_up_t = inp.w_up.T if gated else None
+    cols = jnp.ones((d,), bool).at[11].set(False).at[40].set(False)
+    plain = np.asarray(warp.ffn_rows_reference(x, act, w_up_t, inp.w_down))
+    y = np.asarray(warp.ffn_rows_reference(x, act, w_up_t, inp.w_down, columns=cols))
+    left = np.asarray(warp.backed_up(act, warp.ROW_BUDGET))
+    assert left.sum() == 2 and not left[3] and not left[7]
+    assert np.all(y[left] == 0) and np.all(plain[left] == 0)
+    bad = np.zeros((m, d), bool)
+    bad[[3, 7], :] = True
+    bad[:, [11, 40]] = True
+    bad[left] = False
+    assert np.all(np.isnan(y[bad & np.isfinite(plain)]))
+    assert np.array_equal(y[~bad], plain[~bad])
+    # every Inf the sum already holds stays (the dense formula's sum has it too); none is added
+    assert np.array_equal(np.isinf(y), np.isinf(plain))
+    with pytest.raises(ValueError, match="columns must have shape"):
+        warp.ffn_rows(inp.x.astype(jnp.bfloat16), act, None, inp.w_down.astype(jnp.bfloat16), columns=cols[:5])

@@ -22,6 +22,7 @@ from jax_twell._kernels import dense_if_available, kernel_call  # noqa: F401  (d
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import stats, xla
 from jax_twell.ops.common import as_dense_nonfinite
+from jax_twell.ops.ffn import reference
 from jax_twell.ops.costs import DenseCrossover
 from jax_twell.ops.layout import WARP_MAX_D as MAX_D  # noqa: F401  (the names the tests use)
 from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
@@ -80,23 +81,49 @@ def _rows_of(a, idx):
     return a.at[idx].get(mode="fill", fill_value=0)
 
 
-def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, skip=None):
+def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, skip=None, columns=None):
     """``jax_twell_ffn_warp[_gated]``: y for the rows that fit, zeros for the others.
 
     x: ``[M, d]`` bf16/f16; act: TwELL ``[M, n_tiles, capacity]`` of the activation;
     w_up_t: ``[f, d]`` (``w_up.T``; None for the non-gated FFN, where the activation is
     the hidden); w_down: ``[f, d]``. ``skip``: a device bool (the ``_unless`` handlers);
     where set the kernel's CTAs return at once and y holds anything (the per-call
-    choice's dense side, where the backup writes every row). Returns y ``[M, d]``.
+    choice's dense side, where the backup writes every row). ``columns``: the weights'
+    ``[d]`` bool :func:`~jax_twell.ops.common.finite_columns`; given, the rows the kernel
+    computes carry the dense formula's NaN as
+    :func:`~jax_twell.ops.common.as_dense_nonfinite` puts it (a row of non-finite x, the
+    columns not finite), inside the kernel instead of a pass over y. Returns y ``[M, d]``
+    (:func:`ffn_rows_reference` is the contract).
     """
     m, d = x.shape
     out = jax.ShapeDtypeStruct((m, d), x.dtype)
     attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget))
     name = "jax_twell_ffn_warp" if w_up_t is None else "jax_twell_ffn_warp_gated"
     weights = (w_down,) if w_up_t is None else (w_up_t, w_down)
+    if columns is None:
+        mask = jnp.zeros((0,), jnp.uint8)
+    else:
+        if tuple(columns.shape) != (d,):
+            raise ValueError(f"ffn_rows: columns must have shape [d] = [{d}], got {tuple(columns.shape)}")
+        mask = columns.astype(jnp.uint8)
     flag = () if skip is None else (jnp.asarray(skip).astype(jnp.int32),)
     return kernel_call(name if skip is None else name + "_unless", out, vmap_method="sequential")(
-        x, act.values, act.cols, act.counts, *weights, *flag, **attrs)
+        x, act.values, act.cols, act.counts, *weights, mask, *flag, **attrs)
+
+
+def ffn_rows_reference(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, skip=None, columns=None):
+    """:func:`ffn_rows`' contract in XLA operations (its stand-in on the CPU): the TwELL
+    FFN of the rows that fit, zeros on the rows left to the backup, the dense formula's
+    NaN on the computed rows where ``columns`` is given. ``skip`` set: zeros everywhere
+    (the kernel leaves y undefined; the backup writes every row)."""
+    y = reference.twell_ffn(x, act, None, None if w_up_t is None else w_up_t.T, w_down)
+    left = backed_up(act, row_budget)[:, None]
+    if columns is not None:
+        y = as_dense_nonfinite(y, x, columns)
+    y = jnp.where(left, jnp.zeros((), x.dtype), y)
+    if skip is not None:
+        y = jnp.where(jnp.asarray(skip, bool), jnp.zeros((), x.dtype), y)
+    return y
 
 
 # The device backup's split products keep their f32 partial tiles in a scratch of this many
@@ -327,12 +354,14 @@ def ffn_with_backup(x, g, act: TwELL, w_up, w_down, columns, *, w_up_t=None, row
     packed from, or None (then ``w_act``, the activation's weight, recomputes the backed-up
     rows' activation). ``columns``: the ``[d]`` bool
     :func:`jax_twell.ops.common.finite_columns` of the weights; y gets the dense formula's
-    NaN where x or those columns are not finite (one elementwise pass). ``w_up`` None: the
-    non-gated FFN (g is its activation)."""
+    NaN where x or those columns are not finite (``rows_kernel`` puts it on its rows, the
+    backup computes the dense formula on the others). ``w_up`` None: the non-gated FFN (g
+    is its activation)."""
     gated = w_up is not None
-    y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
-    y = backup_kernel(x if gated or g is None else None, g, act, w_up, w_down, y, row_budget=row_budget, w_act=w_act)
-    return as_dense_nonfinite(y, x, columns)
+    # The rows kernel puts the dense formula's NaN on its rows (no pass over y); the
+    # backed-up rows are the dense formula itself.
+    y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget, columns=columns)
+    return backup_kernel(x if gated or g is None else None, g, act, w_up, w_down, y, row_budget=row_budget, w_act=w_act)
 
 
 def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budget: int = ROW_BUDGET,
@@ -473,14 +502,16 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
             raise ValueError("sparse_ffn: dense_kernel and device_choice need a backup_kernel "
                              "(the rows past the warp kernel's layout)")
         dense_side = jnp.logical_not(likely)
+        cols = columns()
         if pack is pack_twell and rows_kernel is ffn_rows:  # the kernels: skip their work on the dense side
             act = pack_twell(g, tile=tile, capacity=capacity, skip=dense_side)
             y = ffn_rows(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget,
-                         skip=dense_side)
+                         skip=dense_side, columns=cols)
         else:  # stand-ins: the dense side's empty tiles as the pack's skip leaves them
             act = pack(g, tile=tile, capacity=capacity)
             act = dataclasses.replace(act, counts=jnp.where(dense_side, 0, act.counts))
-            y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget)
+            y = rows_kernel(x, act, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget,
+                            columns=cols)
         w_up_k = w_up if gated else None
         if dense_kernel is not None:  # the backup lists no row on the dense side; the dense kernel writes y there
             y = backup_kernel(x if gated else None, g, act, w_up_k, w_down, y, row_budget=row_budget)
@@ -488,5 +519,5 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
         else:  # the backup's own flag: every row from x and g on the dense side
             y = backup_kernel(x if gated else None, g, act, w_up_k, w_down, y, row_budget=row_budget,
                               dense=dense_side)
-        return as_dense_nonfinite(y, x, columns())
+        return y  # the rows kernel's rows carry the dense formula's NaN; the others are that formula
     return jax.lax.cond(likely, sparse, dense, None)
