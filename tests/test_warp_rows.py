@@ -243,5 +243,12 @@ def test_rows_reference_puts_the_dense_formulas_nan_on_its_rows(gated):
     assert np.array_equal(y[~bad], plain[~bad])
     # every Inf the sum already holds stays (the dense formula's sum has it too); none is added
     assert np.array_equal(np.isinf(y), np.isinf(plain))
+    # a row with no entry sums nothing: its non-finite x shows only through columns
+    empty = with_extreme_rows(inp, full=2, empty=1)
+    xe = empty.x.at[2, 9].set(jnp.nan)
+    act_e = pack_twell_reference(relu_matmul(empty.x, empty.w_gate), tile=256, capacity=32)
+    assert int(act_e.counts[2].sum()) == 0
+    assert np.all(np.asarray(warp.ffn_rows_reference(xe, act_e, w_up_t, empty.w_down))[2] == 0)
+    assert np.all(np.isnan(np.asarray(warp.ffn_rows_reference(xe, act_e, w_up_t, empty.w_down, columns=cols))[2]))
     with pytest.raises(ValueError, match="columns must have shape"):
         warp.ffn_rows(inp.x.astype(jnp.bfloat16), act, None, inp.w_down.astype(jnp.bfloat16), columns=cols[:5])

@@ -22,7 +22,6 @@ from jax_twell._kernels import dense_if_available, kernel_call  # noqa: F401  (d
 from jax_twell.formats import TwELL, relu_matmul
 from jax_twell.ops import stats, xla
 from jax_twell.ops.common import as_dense_nonfinite
-from jax_twell.ops.ffn import reference
 from jax_twell.ops.costs import DenseCrossover
 from jax_twell.ops.layout import WARP_MAX_D as MAX_D  # noqa: F401  (the names the tests use)
 from jax_twell.ops.layout import WARP_ROW_BUDGET as ROW_BUDGET
@@ -115,8 +114,14 @@ def ffn_rows_reference(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_B
     """:func:`ffn_rows`' contract in XLA operations (its stand-in on the CPU): the TwELL
     FFN of the rows that fit, zeros on the rows left to the backup, the dense formula's
     NaN on the computed rows where ``columns`` is given. ``skip`` set: zeros everywhere
-    (the kernel leaves y undefined; the backup writes every row)."""
-    y = reference.twell_ffn(x, act, None, None if w_up_t is None else w_up_t.T, w_down)
+    (the kernel leaves y undefined; the backup writes every row). The sums run over the
+    stored entries only, as the kernel's do: without ``columns`` a row with no entry is
+    zero whatever its x (the dense reference's ``0 * NaN`` would make it NaN)."""
+    a = act.to_dense(x, None)
+    if w_up_t is not None:
+        u = jnp.matmul(x, w_up_t.T, preferred_element_type=jnp.float32).astype(x.dtype)
+        a = a * jnp.where(a != 0, u, jnp.zeros((), x.dtype))
+    y = jnp.matmul(a, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
     left = backed_up(act, row_budget)[:, None]
     if columns is not None:
         y = as_dense_nonfinite(y, x, columns)
