@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# One GPU session for an A/B of two builds: the working tree's (library .carry/nan/*.so.gz)
-# against a copy of another commit's package, lab and library (.carry/main/). No install:
+# One GPU session for an A/B of two builds: the working tree's package with the library
+# .carry/b/libjax_twell_cuda.so.gz (B) against .carry/a/ (A): another commit's package, lab
+# and library, or its library alone (then A runs the working tree's package). No install:
 # both run from source (PYTHONPATH), each with its own library. Runs the working tree's GPU
 # tests (TESTS, TESTS_K) while compute-sanitizer memcheck and racecheck run over SANITIZE_K
-# (RACE_K for racecheck), then lab/device_backup.py over CONFIGS for each of SIDES (default: b a). Results under $OUT.
+# (RACE_K for racecheck), then lab/device_backup.py over CONFIGS for each of SIDES (default: b a),
+# then lab/timeline.py for each RULE:M:PATTERN of TIMELINES on the working tree's build. Results under $OUT.
 set -uo pipefail
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-gunzip -kf .carry/nan/libjax_twell_cuda.so.gz .carry/main/libjax_twell_cuda.so.gz
-B_LIB=$PWD/.carry/nan/libjax_twell_cuda.so A_LIB=$PWD/.carry/main/libjax_twell_cuda.so
+for z in .carry/b/libjax_twell_cuda.so.gz .carry/a/libjax_twell_cuda.so.gz; do [ -f $z ] && gunzip -kf $z; done
+B_LIB=$PWD/.carry/b/libjax_twell_cuda.so A_LIB=$PWD/.carry/a/libjax_twell_cuda.so
+A_DIR=$PWD; [ -d .carry/a/jax_twell ] && A_DIR=$PWD/.carry/a
 b() { PYTHONPATH=$PWD JAX_TWELL_CUDA_LIB=$B_LIB "$@"; }
-a() { (cd .carry/main && PYTHONPATH=$PWD JAX_TWELL_CUDA_LIB=$A_LIB "$@"); }
+a() { (cd "$A_DIR" && PYTHONPATH=$A_DIR JAX_TWELL_CUDA_LIB=$A_LIB "$@"); }
 b python3 -c "import jax, jax_twell as jt; print(jt.__file__, jax.__version__, jax.devices()); print(jt.kernel_status())"
-a python3 -c "import jax_twell as jt; print(jt.__file__); print(jt.kernel_status())"
+[ -f "$A_LIB" ] && a python3 -c "import jax_twell as jt; print(jt.__file__); print(jt.kernel_status())"
 pids=()
 if [ -n "${SANITIZE_K:-}" ]; then
   for tool in memcheck racecheck; do
@@ -37,3 +40,10 @@ if [ -n "${CONFIGS:-}" ]; then
     [ -f "$OUT/device_backup_$side.json" ] && cp "$OUT/device_backup_$side.json" "$OUT/device_backup_${side}_$(date +%s).json"
   done
 fi
+for spec in ${TIMELINES:-}; do  # e.g. TIMELINES="auto:16384:uniform forced:2048:uniform"
+  IFS=: read -r rule m pattern <<< "$spec"
+  for side in ${TIMELINE_SIDES:-b}; do
+  $side timeout ${TIMELINE_SECONDS:-90} python3 lab/timeline.py --kernel warp --rule $rule --m $m --pattern ${pattern:-uniform} \
+    --out "$OUT/timeline_${side}_${rule}_${m}_${pattern:-uniform}.json" 2>&1 | grep -v "^WARNING" | tail -${TIMELINE_LINES:-30}
+  done
+done
