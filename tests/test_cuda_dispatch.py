@@ -23,7 +23,7 @@ from jax_twell.ops import layout
 from jax_twell.ops import plan
 from jax_twell.ops.ffn import reference as ffn_reference
 from jax_twell.ops.ffn import warp
-from jax_twell.ops import common, xla
+from jax_twell.ops import xla
 from cuda_calls import cuda_ffn
 from jax_twell.ops import common
 from jax_twell.ops.ffn.api import sparse_ffn_for_layer
