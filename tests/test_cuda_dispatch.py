@@ -934,16 +934,20 @@ DEVICE_BACKUPS = {"cond": (warp.backup_rows_reference, 1, {}, None),
                   "dense_if": (warp.backup_rows_reference, 0, {}, warp.dense_ffn_if_reference)}
 
 
+@pytest.mark.parametrize("from_g", [False, True], ids=["pack", "from_g"])
 @pytest.mark.parametrize("backup", sorted(DEVICE_BACKUPS))
 @pytest.mark.parametrize("gated", [True, False])
-def test_warp_path_with_the_device_backup(stand_ins, gated, backup):
+def test_warp_path_with_the_device_backup(stand_ins, gated, backup, from_g):
     """With a backup that reads its row count on the device (``FFNKernels.warp_backup``,
     here its reference contract): a known or forced layer's warp path holds no conditional
     at all, the per-call form only the sample's choice (none where the backup takes it as
     a device flag); every side computes the dense formula, with rows past the switch's
-    largest size and with non-finite operands."""
+    largest size and with non-finite operands. With ``warp_rows_g`` (the rows listed from
+    g in the kernel, as the bindings do) the known layer and the per-call form's sparse
+    side run no pack; the forms with no conditional keep it (their kernels' skip flag)."""
     kernel, per_call_conds, fields, dense = DEVICE_BACKUPS[backup]
-    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=kernel, warp_dense=dense)
+    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=kernel, warp_dense=dense,
+                                  warp_rows_g=warp.ffn_rows_from_g_reference if from_g else None)
     inp = case(m=1100, f=704, density=0.005, full=200, empty=5, key=14)  # 200 rows: past the switch's M/8
     w_gate = inp.w_gate if gated else None
     rule = DenseCrossover(**NO_FIXED, **fields)
@@ -956,8 +960,13 @@ def test_warp_path_with_the_device_backup(stand_ins, gated, backup):
         text = str(jax.make_jaxpr(fn)(inp.x, inp.w_down))
         return text.count(" cond[")
 
-    for fn, n_cond in ((call(Side.SPARSE), 0), (call(active_fraction=0.005), 0), (call(), per_call_conds)):
-        assert "stand_in_gate" not in str(jax.make_jaxpr(fn)(inp.x, inp.w_down))  # below the fused gate's bound
+    for fn, n_cond, per_call in ((call(Side.SPARSE), 0, False), (call(active_fraction=0.005), 0, False),
+                                 (call(), per_call_conds, True)):
+        text = str(jax.make_jaxpr(fn)(inp.x, inp.w_down))
+        assert "stand_in_gate" not in text  # below the fused gate's bound
+        # the pack runs unless the rows are listed from g (the per-call forms with no
+        # conditional keep it: their kernels take the dense side's skip flag)
+        assert ("stand_in_pack" in text) == (not from_g or (per_call and per_call_conds == 0))
         assert conditionals(fn) == n_cond
         for x, w_down in ((inp.x, inp.w_down), (inp.x.at[3, 1].set(jnp.nan), inp.w_down),
                           (inp.x, inp.w_down.at[2, 5].set(jnp.inf))):
