@@ -34,6 +34,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -428,12 +429,23 @@ int FromGCtasPerSm() {
 }
 
 // Dynamic shared memory that holds the kernel to `ctas` CTAs an SM (at least what it needs).
+// The device's shared memory an SM is read once a device (the handler runs on the device
+// current to XLA's stream).
 int PaddedSmemBytes(int needed, int ctas) {
-  int device = 0, per_sm = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess)
-    return needed;
-  const int reserved = 1024;  // the runtime's own shared memory a CTA
+  constexpr int kDevices = 64;
+  static std::atomic<int> per_sm_of[kDevices] = {};    // usable shared memory an SM
+  static std::atomic<int> reserved_of[kDevices] = {};  // the runtime's own a CTA
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return needed;
+  int per_sm = per_sm_of[device].load(std::memory_order_acquire);
+  int reserved = reserved_of[device].load(std::memory_order_relaxed);
+  if (per_sm == 0) {
+    if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess)
+      return needed;
+    reserved_of[device].store(reserved, std::memory_order_relaxed);
+    per_sm_of[device].store(per_sm, std::memory_order_release);
+  }
   const int padded = (per_sm / ctas - reserved) / 128 * 128;
   return padded > needed ? padded : needed;
 }
@@ -495,7 +507,8 @@ ffi::Error TwellWarpFfnFromGImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
     return Invalid(std::string(op) + ": g must be 16-byte aligned");
   if (max_entries < 0 || max_entries > kMaxList)
     return Invalid(std::string(op) + ": max_entries must be in [0, " + std::to_string(kMaxList) + "]");
-  if (f > (int64_t{1} << 30) || rows > (int64_t{1} << 40)) return Invalid(std::string(op) + ": f must be < 2^30");
+  if (f > (int64_t{1} << 30)) return Invalid(std::string(op) + ": f must be < 2^30");
+  if (rows >= (int64_t{1} << 31)) return Invalid(std::string(op) + ": M must be < 2^31 (a CTA a row)");
   if (columns.element_count() != 0 && !SameDims(columns.dimensions(), {d}))
     return Invalid(std::string(op) + ": columns must be the weights' [d] finite columns (u8) or empty");
   if (reinterpret_cast<uintptr_t>(columns.untyped_data()) % 8 != 0 && columns.element_count() != 0)
@@ -564,8 +577,8 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
                    ", got " + std::to_string(d));
   if (max_entries < 0 || max_entries > kMaxList)
     return Invalid(std::string(op) + ": max_entries must be in [0, " + std::to_string(kMaxList) + "]");
-  if (f > (int64_t{1} << 30) || rows > (int64_t{1} << 40))
-    return Invalid(std::string(op) + ": f must be < 2^30");
+  if (f > (int64_t{1} << 30)) return Invalid(std::string(op) + ": f must be < 2^30");
+  if (rows >= (int64_t{1} << 31)) return Invalid(std::string(op) + ": M must be < 2^31 (a CTA a row)");
   if (columns.element_count() != 0 && !SameDims(columns.dimensions(), {d}))
     return Invalid(std::string(op) + ": columns must be the weights' [d] finite columns (u8) or empty");
   if (reinterpret_cast<uintptr_t>(columns.untyped_data()) % 8 != 0 && columns.element_count() != 0)

@@ -448,13 +448,25 @@ def test_op_nan_rule_in_the_kernel():
             assert_close(np.where(ok, y, 0), np.where(ok, want, 0), fused_tolerance(jnp.bfloat16, f), f"{case}")
 
 
-def _crowd(g, rows, width=48):
-    """g with its first ``rows`` rows active on ``width`` neighbouring columns only (one
-    TwELL tile of 256 past its capacity of 32 at width > 32, the row within the budget of
-    64): rows the kernel reading g keeps where the TwELL kernel leaves them to the backup."""
+def _crowd(g, start, rows, width=48):
+    """g with rows ``start .. start + rows`` active on ``width`` neighbouring columns only
+    (one TwELL tile of 256 past its capacity of 32 at width > 32, the row within the budget
+    of 64): rows the kernel reading g keeps where the TwELL kernel leaves them to the
+    backup. ``start`` past with_extreme_rows' full and empty rows, which stay as they are."""
     cols = jnp.arange(g.shape[1])
     row = jnp.where((cols >= 8) & (cols < 8 + width), jnp.asarray(1.5, g.dtype), jnp.zeros((), g.dtype))
-    return g.at[:rows].set(jnp.broadcast_to(row, (rows, g.shape[1])))
+    return g.at[start:start + rows].set(jnp.broadcast_to(row, (rows, g.shape[1])))
+
+
+def _odd_values(g, row):
+    """g with row ``row`` holding the bit patterns the kernel's test must tell apart: -0
+    (not an entry), NaN and a negative value (entries, as ``g != 0`` has them) and a
+    subnormal (an entry), beside its own entries."""
+    f = g.shape[1]
+    tiny = jnp.finfo(g.dtype).smallest_subnormal
+    vals = jnp.asarray([-0.0, jnp.nan, -2.0, tiny], g.dtype)
+    idx = jnp.asarray([0, f // 3, f // 2, f - 1])
+    return g.at[row, idx].set(vals)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
@@ -468,11 +480,16 @@ def test_kernel_from_g_matches_reference(gated, dtype, m, d, f):
     budgets 64, 12 and 0; rows whose entries crowd one tile are kept."""
     inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + d + 3), m, d, f, density=0.01, dtype=dtype),
                             full=min(2, m - 1), empty=min(1, m - 1))
-    w_act = inp.w_gate if gated else inp.w_up
-    g = relu_matmul(inp.x, w_act)  # the activation of finite x, so the poisoned rows stay rows
-    crowded = f >= 256 and m >= 8
+    # the sparse gate's activation in both forms (non-gated, it is the hidden itself), of
+    # finite x, so that the poisoned rows below stay rows
+    g = relu_matmul(inp.x, inp.w_gate)
+    full_rows = min(2, m - 1)  # with_extreme_rows' full rows come first, then the empty one
+    first = full_rows + min(1, m - 1)
+    crowded = f >= 256 and m >= first + 4
     if crowded:
-        g = _crowd(g, 3)
+        g = _crowd(g, first, 3)
+    if m >= first + 5:
+        g = _odd_values(g, first + 3)
     x = inp.x
     if m >= 5:
         x = x.at[m - 2, d - 1].set(jnp.inf).at[m - 1, 0].set(jnp.nan)
@@ -494,8 +511,11 @@ def test_kernel_from_g_matches_reference(gated, dtype, m, d, f):
             ok = np.isfinite(want)
             assert_close(np.where(ok, y, 0), np.where(ok, want, 0), fused_tolerance(dtype, f), what)
             if crowded and budget == 64:  # kept, and not zero: past the TwELL tile's capacity
-                assert np.asarray(warp.backed_up(pack_twell_reference(g, tile=256, capacity=32), 64))[:3].all()
-                assert not left[:3].any() and np.abs(y[:3]).max() > 0, what
+                crowd = slice(first, first + 3)
+                assert np.asarray(warp.backed_up(pack_twell_reference(g, tile=256, capacity=32), 64))[crowd].all()
+                assert not left[crowd].any() and np.abs(np.where(ok, y, 0)[crowd]).max() > 0, what
+            if budget == 0 and full_rows:  # every row with an entry leaves; the full rows have f
+                assert np.all(np.asarray(counts.counts)[:full_rows, 0] == f) and left[:full_rows].all(), what
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
@@ -504,14 +524,15 @@ def test_from_g_with_backup_matches_dense(gated, m, d, f, backup):
     """ffn_from_g_with_backup: the kernel reading g and either device backup over the rows
     it leaves (fully active, empty and crowded rows, rows past the budget): the dense
     formula of that g on every row, and the same bits when run again (deterministic)."""
-    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + 7), m, d, f, density=0.005), full=m // 20 + 1,
-                            empty=3)
+    full = m // 20 + 1
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + 7), m, d, f, density=0.005), full=full, empty=3)
     w_up = inp.w_up if gated else None
 
     def fn(x, g, wu, wd):
         return warp.ffn_from_g_with_backup(x, g, wu, wd, finite_columns(wu, wd), backup_kernel=backup)
 
-    g = _crowd(relu_matmul(inp.x, inp.w_gate), 4)
+    g = _crowd(relu_matmul(inp.x, inp.w_gate), full + 3, 4)
+    assert int((np.asarray(g) != 0).sum(axis=1).max()) > warp.ROW_BUDGET  # the backup has rows to compute
     run = jax.jit(fn)
     y = run(inp.x, g, w_up, inp.w_down)
     want = xla.up_down(inp.x, g, w_up, inp.w_down)

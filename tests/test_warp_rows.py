@@ -172,13 +172,24 @@ def test_per_call_form_with_device_backup_exact(case, from_g):
     w_gate = None if case == "ungated" else inp.w_gate
     w_up_k = inp.w_up if w_gate is not None else None
 
+    seen = []
+
+    def rows_from_g(*args, **kwargs):  # the reference, noting that the sparse side took it
+        seen.append("from_g")
+        return warp.ffn_rows_from_g_reference(*args, **kwargs)
+
+    def rows(*args, **kwargs):
+        seen.append("pack")
+        return _ref_rows(*args, **kwargs)
+
     def fn(x, wg, wu, wd):
-        return warp.sparse_ffn(x, wg, wu, wd, pack=pack_twell_reference, rows_kernel=_ref_rows,
+        return warp.sparse_ffn(x, wg, wu, wd, pack=pack_twell_reference, rows_kernel=rows,
                                backup_kernel=warp.backup_rows_reference,
                                columns=lambda: common.finite_columns(wu if wg is not None else None, wd),
-                               rows_from_g=warp.ffn_rows_from_g_reference if from_g else None)
+                               rows_from_g=rows_from_g if from_g else None)
 
     y = np.asarray(jax.jit(fn)(inp.x, w_gate, inp.w_up, inp.w_down))
+    assert seen == ["from_g" if from_g else "pack"]  # traced once: the sparse side's rows step
     want = np.asarray(xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down))
     assert np.array_equal(np.isnan(y), np.isnan(want))
     ok = np.isfinite(want)

@@ -13,6 +13,7 @@ XLA's dense FFN for the whole call past its largest size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +132,7 @@ def ffn_rows_reference(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_B
     return y
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["counts"], meta_fields=["capacity"])
 @dataclasses.dataclass(frozen=True)
 class RowCounts:
     """The rows' entry counts as the backup reads them, where no TwELL layout was made
@@ -172,16 +174,26 @@ def ffn_rows_from_g(x, g, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, colum
     return y, RowCounts(counts)
 
 
+def _entries(g):
+    """``g``'s entries by their bits, as the kernels test them: any bit but the sign set (so
+    -0 is none, NaN and subnormals are entries, whatever the platform's flushing of
+    subnormals in comparisons)."""
+    bits = jax.lax.bitcast_convert_type(g, jnp.dtype(f"uint{8 * g.dtype.itemsize}"))
+    return (bits & ~(np.array(1, bits.dtype) << (8 * g.dtype.itemsize - 1))) != 0
+
+
 def ffn_rows_from_g_reference(x, g, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, columns=None):
     """:func:`ffn_rows_from_g`'s contract in XLA operations (its stand-in on the CPU): the
-    FFN of g's non-zeros (``g != 0``: NaN counts, -0 does not) on the rows holding at most
-    ``row_budget`` of them, zeros on the others, the dense formula's NaN on the computed
-    rows where ``columns`` is given; the counts of each row's non-zeros."""
-    counts = jnp.sum(g != 0, axis=-1, dtype=jnp.int32)[:, None]
-    a = g
+    FFN of g's entries (any bit but the sign set: NaN and subnormals count, -0 does not) on
+    the rows holding at most ``row_budget`` of them, zeros on the others, the dense
+    formula's NaN on the computed rows where ``columns`` is given; each row's count of
+    entries."""
+    entry = _entries(g)
+    counts = jnp.sum(entry, axis=-1, dtype=jnp.int32)[:, None]
+    a = jnp.where(entry, g, jnp.zeros((), g.dtype))
     if w_up_t is not None:
         u = jnp.matmul(x, w_up_t.T, preferred_element_type=jnp.float32).astype(x.dtype)
-        a = a * jnp.where(a != 0, u, jnp.zeros((), x.dtype))
+        a = a * jnp.where(entry, u, jnp.zeros((), x.dtype))
     y = jnp.matmul(a, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
     if columns is not None:
         y = as_dense_nonfinite(y, x, columns)
@@ -559,7 +571,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
         return xla.up_down(x, g, w_up if gated else None, w_down)
 
     def sparse(_):
-        if backup_kernel is not None and rows_from_g is not None:
+        if from_g:
             return ffn_from_g_with_backup(x, g, w_up if gated else None, w_down, columns(), w_up_t=w_up_t,
                                           row_budget=row_budget, rows_kernel=rows_from_g, backup_kernel=backup_kernel)
         act = pack(g, tile=tile, capacity=capacity)
@@ -574,7 +586,11 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
             lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
             lambda: dense(None))
 
-    likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile, capacity=capacity, row_budget=row_budget,
+    from_g = backup_kernel is not None and rows_from_g is not None and dense_kernel is None and not device_choice
+    # The sample priced by the sparse side's own rule: with the rows listed from g, a row
+    # is backed up by the row budget alone (a tile's capacity of the budget cannot bind).
+    likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile,
+                           capacity=row_budget if from_g else capacity, row_budget=row_budget,
                            backup=backup, rule=None if backup_kernel is None else rule or DenseCrossover(),
                            transposed=w_up_t is not None or not gated, gated=gated)
     if dense_kernel is not None or device_choice:  # no conditional: the choice a device flag
