@@ -96,6 +96,8 @@ def variants():
 
     return {
         "xla": lambda x, wg, wu, wd, wut, cols: xla.ffn(x, wg, wu, wd),
+        # the dense side the plan runs: the gate and up products kept apart (no concatenation)
+        "xla_unmerged": lambda x, wg, wu, wd, wut, cols: xla.ffn_unmerged(x, wg, wu, wd),
         "default": lambda x, wg, wu, wd, wut, cols: jt.sparse_ffn(x, wg, wu, wd),
         "percall_switch": percall(False), "percall_device": percall(True),
         "known_switch": known_switch, "known_device": known_device(False), "known_device_kept": known_device(True),

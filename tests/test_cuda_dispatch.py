@@ -1027,3 +1027,25 @@ def test_the_choice_is_on_the_device_only_where_the_kernels_hold_no_conditional(
     assert not on(FFNKernels(warp_backup=None, warp_dense=warp.dense_ffn_if_reference), rule)
     gemm = FFNKernels(warp_backup=warp.backup_rows_gemm_reference)
     assert on(gemm, floor) and not on(gemm, rule)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_dense_side_keeps_the_gate_and_up_products_apart(stand_ins, gated, dtype):
+    """A call the plan runs dense (nothing known, below the per-call floor) runs
+    xla.ffn_unmerged: the gated FFN's gate and up products behind an optimization barrier
+    on x (XLA's GPU pipeline would otherwise merge them over a concatenation of their
+    weights made on every call), with the dense formula's values bit for bit, NaN
+    included; the non-gated FFN has one product of x and no barrier."""
+    inp = case(m=64, d=64, f=256, density=0.05, full=2, empty=2, key=31)
+    inp = inp._replace(x=inp.x.astype(dtype).at[5, 3].set(jnp.nan), w_gate=inp.w_gate.astype(dtype),
+                       w_up=inp.w_up.astype(dtype), w_down=inp.w_down.astype(dtype))
+    w_gate = inp.w_gate if gated else None
+    fn = lambda x: cuda_ffn(x, w_gate, inp.w_up, inp.w_down, rule=DenseCrossover(), kernels=stand_ins(mark=True))
+    text = str(jax.make_jaxpr(fn)(inp.x))
+    assert ("optimization_barrier" in text) == gated
+    assert "stand_in_pack" not in text and "stand_in_gate" not in text  # the dense plan
+    y = np.asarray(jax.jit(fn)(inp.x), np.float32)
+    want = np.asarray(jax.jit(xla.ffn)(inp.x, w_gate, inp.w_up, inp.w_down), np.float32)
+    np.testing.assert_array_equal(y, want)
+    assert np.isnan(y[5]).all()
