@@ -590,9 +590,10 @@ def test_activation_weight_by_neuron_picks_the_rows_kernel(decode_stand_ins, sta
 @pytest.mark.parametrize("kernel", FUSED_KERNELS)
 @pytest.mark.parametrize("gated", [True, False])
 def test_known_active_fraction_past_decode_sizes(stand_ins, kernel, gated):
-    """Past decode sizes a known fraction where the rule predicts dense gives XLA's dense FFN
-    itself (same jaxpr: no counts, no pack, no device branch); where it predicts sparse, the
-    per-call device choice still runs on the true counts."""
+    """Past decode sizes a known fraction where the rule predicts dense gives the dense FFN
+    itself (the same jaxpr as xla.ffn_unmerged, the plan's dense side: no counts, no pack,
+    no device branch); where it predicts sparse, the per-call device choice still runs on
+    the true counts."""
     kernels = stand_ins(mark=False)
     rule = DenseCrossover(**NO_FIXED)
     inp = case(m=1100, key=5)
@@ -601,7 +602,7 @@ def test_known_active_fraction_past_decode_sizes(stand_ins, kernel, gated):
     assert not rule.sparse_predicted(1100, 128, 700, 2, 1.0, kernel=kernel)
     with pytest.raises(ValueError, match="active_fraction"):
         rule.sparse_predicted(1100, 128, 700, 2, -0.1)
-    dense_jaxpr = str(jax.make_jaxpr(lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd))(inp.x, w_gate, inp.w_up, inp.w_down))
+    dense_jaxpr = str(jax.make_jaxpr(xla.ffn_unmerged)(inp.x, w_gate, inp.w_up, inp.w_down))
     for fraction, dense in [(1.0, True), (0.0, False)]:
         fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=8, kernel=kernel, active_fraction=fraction, rule=rule, kernels=kernels)
         jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down))
