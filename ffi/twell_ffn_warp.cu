@@ -413,6 +413,24 @@ ffi::Error LaunchTyped(cudaStream_t stream, const Shapes& s, const void* x, cons
   return LaunchChunks<E, kGated, 8>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
 }
 
+// The checks both handlers make: d within the kernels' registers, the row budget within
+// the list, f and M within the grid and the columns' words, the finite columns' mask.
+ffi::Error CheckRowShapes(const char* op, int64_t rows, int64_t d, int64_t f, int32_t max_entries,
+                          ffi::Buffer<ffi::U8>& columns) {
+  if (d % kV != 0 || d > kMaxChunks * kChunk)
+    return Invalid(std::string(op) + ": d must be a multiple of 8 and at most " + std::to_string(kMaxChunks * kChunk) +
+                   ", got " + std::to_string(d));
+  if (max_entries < 0 || max_entries > kMaxList)
+    return Invalid(std::string(op) + ": max_entries must be in [0, " + std::to_string(kMaxList) + "]");
+  if (f > (int64_t{1} << 30)) return Invalid(std::string(op) + ": f must be < 2^30");
+  if (rows >= (int64_t{1} << 31)) return Invalid(std::string(op) + ": M must be < 2^31 (a CTA a row)");
+  if (columns.element_count() != 0 && !SameDims(columns.dimensions(), {d}))
+    return Invalid(std::string(op) + ": columns must be the weights' [d] finite columns (u8) or empty");
+  if (reinterpret_cast<uintptr_t>(columns.untyped_data()) % 8 != 0 && columns.element_count() != 0)
+    return Invalid(std::string(op) + ": columns must be 8-byte aligned");
+  return ffi::Error::Success();
+}
+
 // CTAs an SM the kernel reading g runs at: as many as the TwELL kernel's registers allow it
 // (nine), though its own registers would allow eleven (shared memory bounds it there). More
 // rows in flight made the TwELL kernel slower (13 CTAs an SM: +8%, ffi/notes/twell_ffn_warp.md).
@@ -499,20 +517,10 @@ ffi::Error TwellWarpFfnFromGImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   if (g.element_type() != dtype || w_down.element_type() != dtype || y->element_type() != dtype ||
       (kGated && w_up_t.element_type() != dtype))
     return Invalid(std::string(op) + ": x, g, weights and y must share one dtype");
-  if (d % kV != 0 || d > kMaxChunks * kChunk)
-    return Invalid(std::string(op) + ": d must be a multiple of 8 and at most " + std::to_string(kMaxChunks * kChunk) +
-                   ", got " + std::to_string(d));
+  if (auto e = CheckRowShapes(op, rows, d, f, max_entries, columns); e.failure()) return e;
   if (f % kV != 0) return Invalid(std::string(op) + ": f must be a multiple of 8, got " + std::to_string(f));
   if (reinterpret_cast<uintptr_t>(g.untyped_data()) % 16 != 0)
     return Invalid(std::string(op) + ": g must be 16-byte aligned");
-  if (max_entries < 0 || max_entries > kMaxList)
-    return Invalid(std::string(op) + ": max_entries must be in [0, " + std::to_string(kMaxList) + "]");
-  if (f > (int64_t{1} << 30)) return Invalid(std::string(op) + ": f must be < 2^30");
-  if (rows >= (int64_t{1} << 31)) return Invalid(std::string(op) + ": M must be < 2^31 (a CTA a row)");
-  if (columns.element_count() != 0 && !SameDims(columns.dimensions(), {d}))
-    return Invalid(std::string(op) + ": columns must be the weights' [d] finite columns (u8) or empty");
-  if (reinterpret_cast<uintptr_t>(columns.untyped_data()) % 8 != 0 && columns.element_count() != 0)
-    return Invalid(std::string(op) + ": columns must be 8-byte aligned");
   if (rows == 0) return ffi::Error::Success();
   const Shapes s{rows, static_cast<int>(d), 1, static_cast<int>(f), 0, max_entries, nullptr,
                  columns.element_count() != 0 ? columns.typed_data() : nullptr};
@@ -572,17 +580,7 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   if (values.element_type() != dtype || w_down.element_type() != dtype || y->element_type() != dtype ||
       (kGated && w_up_t.element_type() != dtype))
     return Invalid(std::string(op) + ": x, values, weights and y must share one dtype");
-  if (d % kV != 0 || d > kMaxChunks * kChunk)
-    return Invalid(std::string(op) + ": d must be a multiple of 8 and at most " + std::to_string(kMaxChunks * kChunk) +
-                   ", got " + std::to_string(d));
-  if (max_entries < 0 || max_entries > kMaxList)
-    return Invalid(std::string(op) + ": max_entries must be in [0, " + std::to_string(kMaxList) + "]");
-  if (f > (int64_t{1} << 30)) return Invalid(std::string(op) + ": f must be < 2^30");
-  if (rows >= (int64_t{1} << 31)) return Invalid(std::string(op) + ": M must be < 2^31 (a CTA a row)");
-  if (columns.element_count() != 0 && !SameDims(columns.dimensions(), {d}))
-    return Invalid(std::string(op) + ": columns must be the weights' [d] finite columns (u8) or empty");
-  if (reinterpret_cast<uintptr_t>(columns.untyped_data()) % 8 != 0 && columns.element_count() != 0)
-    return Invalid(std::string(op) + ": columns must be 8-byte aligned");
+  if (auto e = CheckRowShapes(op, rows, d, f, max_entries, columns); e.failure()) return e;
   if (rows == 0) return ffi::Error::Success();
   const Shapes s{rows, static_cast<int>(d), static_cast<int>(n_tiles), tile, static_cast<int>(capacity), max_entries,
                  skip, columns.element_count() != 0 ? columns.typed_data() : nullptr};

@@ -81,6 +81,16 @@ def _rows_of(a, idx):
     return a.at[idx].get(mode="fill", fill_value=0)
 
 
+def _columns_mask(columns, d: int, op: str) -> jax.Array:
+    """The warp kernels' ``columns`` operand: the weights' ``[d]`` finite columns as u8, or
+    an empty array (no NaN rule in the kernel)."""
+    if columns is None:
+        return jnp.zeros((0,), jnp.uint8)
+    if tuple(columns.shape) != (d,):
+        raise ValueError(f"{op}: columns must have shape [d] = [{d}], got {tuple(columns.shape)}")
+    return columns.astype(jnp.uint8)
+
+
 def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, skip=None, columns=None):
     """``jax_twell_ffn_warp[_gated]``: y for the rows that fit, zeros for the others.
 
@@ -100,12 +110,7 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, ski
     attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget))
     name = "jax_twell_ffn_warp" if w_up_t is None else "jax_twell_ffn_warp_gated"
     weights = (w_down,) if w_up_t is None else (w_up_t, w_down)
-    if columns is None:
-        mask = jnp.zeros((0,), jnp.uint8)
-    else:
-        if tuple(columns.shape) != (d,):
-            raise ValueError(f"ffn_rows: columns must have shape [d] = [{d}], got {tuple(columns.shape)}")
-        mask = columns.astype(jnp.uint8)
+    mask = _columns_mask(columns, d, "ffn_rows")
     flag = () if skip is None else (jnp.asarray(skip).astype(jnp.int32),)
     return kernel_call(name if skip is None else name + "_unless", out, vmap_method="sequential")(
         x, act.values, act.cols, act.counts, *weights, mask, *flag, **attrs)
@@ -163,12 +168,7 @@ def ffn_rows_from_g(x, g, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, colum
     out = (jax.ShapeDtypeStruct((m, d), x.dtype), jax.ShapeDtypeStruct((m, 1), jnp.int32))
     name = "jax_twell_ffn_warp_from_g" if w_up_t is None else "jax_twell_ffn_warp_from_g_gated"
     weights = (w_down,) if w_up_t is None else (w_up_t, w_down)
-    if columns is None:
-        mask = jnp.zeros((0,), jnp.uint8)
-    else:
-        if tuple(columns.shape) != (d,):
-            raise ValueError(f"ffn_rows_from_g: columns must have shape [d] = [{d}], got {tuple(columns.shape)}")
-        mask = columns.astype(jnp.uint8)
+    mask = _columns_mask(columns, d, "ffn_rows_from_g")
     y, counts = kernel_call(name, out, vmap_method="sequential")(
         x, g, *weights, mask, max_entries=np.int32(row_budget))
     return y, RowCounts(counts)
@@ -566,6 +566,9 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     w_act = w_gate if gated else w_up
     backup = backup_size(m)
     g = relu_matmul(x, w_act)
+    # The form with a conditional lists the rows from g where given such a kernel; the forms
+    # with none keep the pack (their kernels take the dense side's skip flag).
+    from_g = backup_kernel is not None and rows_from_g is not None and dense_kernel is None and not device_choice
 
     def dense(_):
         return xla.up_down(x, g, w_up if gated else None, w_down)
@@ -586,7 +589,6 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
             lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
             lambda: dense(None))
 
-    from_g = backup_kernel is not None and rows_from_g is not None and dense_kernel is None and not device_choice
     # The sample priced by the sparse side's own rule: with the rows listed from g, a row
     # is backed up by the row budget alone (a tile's capacity of the budget cannot bind).
     likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile,
