@@ -944,7 +944,7 @@ def test_warp_path_with_the_device_backup(stand_ins, gated, backup, from_g):
     at all, the per-call form only the sample's choice (none where the backup takes it as
     a device flag); every side computes the dense formula, with rows past the switch's
     largest size and with non-finite operands. With ``warp_rows_g`` (the rows listed from
-    g in the kernel, as the bindings do) the known layer and the per-call form's sparse
+    g in the kernel; the bindings keep the pack, measured faster) the known layer and the per-call form's sparse
     side run no pack; the forms with no conditional keep it (their kernels' skip flag)."""
     kernel, per_call_conds, fields, dense = DEVICE_BACKUPS[backup]
     kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=kernel, warp_dense=dense,

@@ -38,9 +38,10 @@ class FFNKernels:
     w_down, *, w_up_t) -> y; decode_rows(x, w_act_t, w_down, *, w_up_t) -> y;
     warp_rows(x, act, w_up_t, w_down, *, row_budget) -> y (zeros on the rows left to the backup);
     warp_rows_g(x, g, w_up_t, w_down, *, row_budget, columns) -> (y, RowCounts): the same
-    rows listed from g by the kernel itself (:func:`warp.ffn_rows_from_g`, no pack; the
-    bindings' choice wherever g is written and the device backup runs); None (the
-    default of a stand-in set): the pack and ``warp_rows``.
+    rows listed from g by the kernel itself (:func:`warp.ffn_rows_from_g`, no pack), used
+    wherever g is written and the device backup runs; None (the bindings' default): the
+    pack and ``warp_rows``, measured 1-2% faster at M=2,048-16,384 on an H100
+    (``ffi/notes/twell_ffn_warp.md``, "The rows listed from g, measured").
     warp_backup(x, g, act, w_up, w_down, y, *, row_budget) -> y with those rows computed
     densely, their count read on the device (:func:`warp.backup_rows_by_size`, the default:
     the wgmma backup from ``GEMM_BACKUP_MIN_TOKENS`` tokens, the mma.sync one below; measured
@@ -65,7 +66,7 @@ class FFNKernels:
     warp_rows_g: Callable | None = None
 
 
-BINDINGS = FFNKernels(warp_rows_g=warp.ffn_rows_from_g)
+BINDINGS = FFNKernels()
 
 
 def sparse_ffn(x, w_gate, w_up, w_down, *, layer: LayerInfo = LayerInfo(), options: FFNOptions = FFNOptions(),
