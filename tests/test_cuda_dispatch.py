@@ -1034,7 +1034,7 @@ def test_the_choice_is_on_the_device_only_where_the_kernels_hold_no_conditional(
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_the_dense_side_keeps_the_gate_and_up_products_apart(stand_ins, gated, dtype):
     """A call the plan runs dense (nothing known, below the per-call floor) runs
-    xla.ffn_unmerged: the gated FFN's gate and up products behind an optimization barrier
+    xla.ffn_unmerged up to xla.UNMERGED_MAX_TOKENS tokens: the gated FFN's gate and up products behind an optimization barrier
     on x (XLA's GPU pipeline would otherwise merge them over a concatenation of their
     weights made on every call), with the dense formula's values bit for bit, NaN
     included; the non-gated FFN has one product of x and no barrier."""
@@ -1050,3 +1050,11 @@ def test_the_dense_side_keeps_the_gate_and_up_products_apart(stand_ins, gated, d
     want = np.asarray(jax.jit(xla.ffn)(inp.x, w_gate, inp.w_up, inp.w_down), np.float32)
     np.testing.assert_array_equal(y, want)
     assert np.isnan(y[5]).all()
+    # past UNMERGED_MAX_TOKENS the dense side is XLA's own FFN (its merge pays there)
+    big = case(m=xla.UNMERGED_MAX_TOKENS + 8, d=16, f=32, density=0.05, full=2, empty=2, key=32)
+    w_gate_big = big.w_gate if gated else None
+    fn = lambda x: cuda_ffn(x, w_gate_big, big.w_up, big.w_down, rule=DenseCrossover(), kernels=stand_ins(mark=True))
+    text = str(jax.make_jaxpr(fn)(big.x))
+    assert "optimization_barrier" not in text and "stand_in_pack" not in text
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(big.x), np.float32),
+                                  np.asarray(jax.jit(xla.ffn)(big.x, w_gate_big, big.w_up, big.w_down), np.float32))

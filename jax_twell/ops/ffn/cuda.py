@@ -121,8 +121,8 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
     rule = plan.options.rule
     if plan.path == Path.EMPTY:
         return jnp.zeros((0, d), x.dtype)
-    if plan.path == Path.DENSE:  # the gate and up products apart (no per-call concatenation of their weights)
-        return xla.ffn_unmerged(x, w_gate, w_up, w_down)
+    if plan.path == Path.DENSE:  # small M: the gate and up products apart (no concatenation of their weights)
+        return xla.dense_side(x, w_gate, w_up, w_down)
     device_backup = plan.options.device_backup and kernels.warp_backup is not None and warp.device_backup_supported(f)
     if plan.path == Path.WARP and plan.device_choice and device_backup:
         # The backup reads its row count on the device, and y gets the dense formula's NaN
@@ -224,7 +224,7 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
 
     def dense(_):
         if g is None:
-            return xla.ffn_unmerged(x, w_gate, w_up, w_down)
+            return xla.dense_side(x, w_gate, w_up, w_down)
         return xla.up_down(x, g, w_up_k, w_down)
 
     if not plan.blocked:
