@@ -34,7 +34,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -122,63 +124,31 @@ struct RowSmem {
   static constexpr int kWarpStageBytes = 2 * kPart * kChunk * 2;   // its part of Wu^T[j] and Wd[j]
   static constexpr int kStageBytes = kSplit * kWarpStageBytes;
   static constexpr int kBytes = kStages * kStageBytes + kMaxList * 8 + 2 * kSplit * 4;
+  // The kernel reading g: a list per warp, the partial slots, and the warps' entry counts.
+  static constexpr int kBytesFromG = kStages * kStageBytes + 2 * kMaxList * 8 + 2 * kSplit * 4 + kSplit * 4;
 };
 
-template <typename E, bool kGated, int kChunks, int kSplit>
-__global__ __launch_bounds__(kSplit * kLanes) void TwellWarpFfnKernel(
-    const Shapes s, const uint16_t* __restrict__ x, const uint16_t* __restrict__ values,
-    const int16_t* __restrict__ cols, const int32_t* __restrict__ counts,
-    const uint16_t* __restrict__ w_up_t, const uint16_t* __restrict__ w_down, uint16_t* __restrict__ y) {
+// Entry e of a row's list: one list (the TwELL kernel), or two (the kernel reading g: the
+// first warp's entries at [0, n0), the second's from kMaxList on), in column order either way.
+template <bool kTwoLists>
+__device__ __forceinline__ int Slot(int e, int n0) {
+  if constexpr (kTwoLists) return e < n0 ? e : e - n0 + kMaxList;
+  return e;
+}
+
+// Steps 3 and 4 of a row that fits, once its n entries are listed (both kernels): every
+// thread of the CTA enters (a barrier a gated entry, one vote at the end).
+template <typename E, bool kGated, int kChunks, int kSplit, bool kTwoLists>
+__device__ __forceinline__ void RowProducts(const Shapes& s, const uint16_t* __restrict__ x,
+                                            const uint16_t* __restrict__ w_up_t, const uint16_t* __restrict__ w_down,
+                                            uint16_t* __restrict__ y_row, int64_t row, uint8_t* smem,
+                                            const int* list_col, const uint32_t* list_g, float* partial, int n0,
+                                            int n) {
   using Smem = RowSmem<kChunks, kSplit>;
   constexpr int kPart = Smem::kPart;
-  static_assert(kChunks % kSplit == 0, "the warps share d's chunks evenly");
-  extern __shared__ __align__(16) uint8_t smem[];
-  int* list_col = reinterpret_cast<int*>(smem + kStages * Smem::kStageBytes);
-  uint32_t* list_g = reinterpret_cast<uint32_t*>(list_col + kMaxList);
-  float* partial = reinterpret_cast<float*>(list_g + kMaxList);  // [2 slots][kSplit warps]
   const int lane = threadIdx.x % kLanes;
   const int part = threadIdx.x / kLanes;
-  const int64_t row = blockIdx.x;
   const int d = s.d;
-  if (s.skip != nullptr && *s.skip != 0) return;  // the call runs dense (y is written by its backup)
-  const int32_t* row_counts = counts + row * s.n_tiles;
-  uint16_t* y_row = y + row * d;
-
-  // 1. Does the row fit? (the op's backup takes it otherwise; the same rule on both sides)
-  int total = 0;
-  bool over = false;
-  for (int k = lane; k < s.n_tiles; k += kLanes) {
-    const int c = row_counts[k];
-    total += c;
-    over |= c > s.capacity;
-  }
-  total = __reduce_add_sync(kFullMask, total);
-  over = __any_sync(kFullMask, over);
-  if (over || total > s.max_entries) {  // every warp takes the same exit
-    for (int c = threadIdx.x * kV; c < d; c += kSplit * kChunk)
-      *reinterpret_cast<uint4*>(y_row + c) = make_uint4(0, 0, 0, 0);
-    return;
-  }
-  // 2. The entries, listed by warp 0 (a lane walks its own tile: the tiles' loads are independent).
-  if (part == 0) {
-    const int64_t slot_row = row * s.n_tiles;
-    int base = 0;
-    for (int k0 = 0; k0 < s.n_tiles; k0 += kLanes) {
-      const int k = k0 + lane;
-      const int c = k < s.n_tiles ? row_counts[k] : 0;
-      const int incl = WarpInclusiveSum(c, lane);
-      const int start = base + incl - c;
-      for (int i = 0; i < c; ++i) {
-        const int64_t slot = (slot_row + k) * s.capacity + i;
-        list_col[start + i] = k * s.tile + cols[slot];
-        list_g[start + i] = values[slot];
-      }
-      base += __shfl_sync(kFullMask, incl, kLanes - 1);
-    }
-  }
-  __syncthreads();
-  const int n = total;
-
   // 3. This warp's chunks: i = part * kPart + ii.
   uint4 xr[kPart];
   float acc[kPart][kV];
@@ -192,7 +162,7 @@ __global__ __launch_bounds__(kSplit * kLanes) void TwellWarpFfnKernel(
   const uint32_t stage0 = SmemAddr(smem) + part * Smem::kWarpStageBytes;
   auto prefetch = [&](int e) {
     if (e < n) {
-      const int64_t j = list_col[e];
+      const int64_t j = list_col[Slot<kTwoLists>(e, n0)];
       const uint32_t st = stage0 + (e % kStages) * Smem::kStageBytes;
 #pragma unroll
       for (int ii = 0; ii < kPart; ++ii) {
@@ -212,7 +182,7 @@ __global__ __launch_bounds__(kSplit * kLanes) void TwellWarpFfnKernel(
     prefetch(e + kStages - 1);
     CpAsyncWaitPending<kStages - 1>();
     const uint8_t* st = smem + part * Smem::kWarpStageBytes + (e % kStages) * Smem::kStageBytes;
-    float h = E::ToFloat(list_g[e]);
+    float h = E::ToFloat(list_g[Slot<kTwoLists>(e, n0)]);
     if constexpr (kGated) {
       float p = 0.f;
 #pragma unroll
@@ -271,6 +241,152 @@ __global__ __launch_bounds__(kSplit * kLanes) void TwellWarpFfnKernel(
   }
 }
 
+template <typename E, bool kGated, int kChunks, int kSplit>
+__global__ __launch_bounds__(kSplit * kLanes) void TwellWarpFfnKernel(
+    const Shapes s, const uint16_t* __restrict__ x, const uint16_t* __restrict__ values,
+    const int16_t* __restrict__ cols, const int32_t* __restrict__ counts,
+    const uint16_t* __restrict__ w_up_t, const uint16_t* __restrict__ w_down, uint16_t* __restrict__ y) {
+  using Smem = RowSmem<kChunks, kSplit>;
+  static_assert(kChunks % kSplit == 0, "the warps share d's chunks evenly");
+  extern __shared__ __align__(16) uint8_t smem[];
+  int* list_col = reinterpret_cast<int*>(smem + kStages * Smem::kStageBytes);
+  uint32_t* list_g = reinterpret_cast<uint32_t*>(list_col + kMaxList);
+  float* partial = reinterpret_cast<float*>(list_g + kMaxList);  // [2 slots][kSplit warps]
+  const int lane = threadIdx.x % kLanes;
+  const int part = threadIdx.x / kLanes;
+  const int64_t row = blockIdx.x;
+  const int d = s.d;
+  if (s.skip != nullptr && *s.skip != 0) return;  // the call runs dense (y is written by its backup)
+  const int32_t* row_counts = counts + row * s.n_tiles;
+  uint16_t* y_row = y + row * d;
+
+  // 1. Does the row fit? (the op's backup takes it otherwise; the same rule on both sides)
+  int total = 0;
+  bool over = false;
+  for (int k = lane; k < s.n_tiles; k += kLanes) {
+    const int c = row_counts[k];
+    total += c;
+    over |= c > s.capacity;
+  }
+  total = __reduce_add_sync(kFullMask, total);
+  over = __any_sync(kFullMask, over);
+  if (over || total > s.max_entries) {  // every warp takes the same exit
+    for (int c = threadIdx.x * kV; c < d; c += kSplit * kChunk)
+      *reinterpret_cast<uint4*>(y_row + c) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  // 2. The entries, listed by warp 0 (a lane walks its own tile: the tiles' loads are independent).
+  if (part == 0) {
+    const int64_t slot_row = row * s.n_tiles;
+    int base = 0;
+    for (int k0 = 0; k0 < s.n_tiles; k0 += kLanes) {
+      const int k = k0 + lane;
+      const int c = k < s.n_tiles ? row_counts[k] : 0;
+      const int incl = WarpInclusiveSum(c, lane);
+      const int start = base + incl - c;
+      for (int i = 0; i < c; ++i) {
+        const int64_t slot = (slot_row + k) * s.capacity + i;
+        list_col[start + i] = k * s.tile + cols[slot];
+        list_g[start + i] = values[slot];
+      }
+      base += __shfl_sync(kFullMask, incl, kLanes - 1);
+    }
+  }
+  __syncthreads();
+  RowProducts<E, kGated, kChunks, kSplit, false>(s, x, w_up_t, w_down, y_row, row, smem, list_col, list_g, partial,
+                                                 total, total);
+}
+
+
+// The same row, listed from the dense activation g [M, f] (XLA's gate matmul output) instead
+// of a TwELL layout: no pack kernel, no tile capacity. Warp w scans its share of g[t]'s
+// 16-byte pieces (f / 8 of them, split evenly over the warps) with streaming loads (used
+// once: evict first, so they displace few weight rows in L2), lists its non-zeros (the
+// pack's test: any bit but the sign set, so NaN counts and -0 does not) in its own list,
+// and counts them. The row is backed up when it holds more than max_entries entries; its
+// count goes to counts[t] either way (the backup applies the same rule to it).
+constexpr int kScanBatch = 4;  // 16-byte pieces a lane loads before it lists any
+
+// Compiled for nine CTAs an SM (77 registers for bf16, gated, d = 2,048, no spills; 126
+// and eight CTAs without the bound); the launch then holds it to kFromGCtasPerSm by its
+// shared memory (below).
+template <typename E, bool kGated, int kChunks, int kSplit>
+__global__ __launch_bounds__(kSplit * kLanes, 9) void TwellWarpFfnFromGKernel(
+    const Shapes s, int f, const uint16_t* __restrict__ x, const uint16_t* __restrict__ g,
+    const uint16_t* __restrict__ w_up_t, const uint16_t* __restrict__ w_down, uint16_t* __restrict__ y,
+    int32_t* __restrict__ counts) {
+  using Smem = RowSmem<kChunks, kSplit>;
+  static_assert(kChunks % kSplit == 0, "the warps share d's chunks evenly");
+  extern __shared__ __align__(16) uint8_t smem[];
+  int* list_col = reinterpret_cast<int*>(smem + kStages * Smem::kStageBytes);  // [kSplit lists][kMaxList]
+  uint32_t* list_g = reinterpret_cast<uint32_t*>(list_col + 2 * kMaxList);
+  float* partial = reinterpret_cast<float*>(list_g + 2 * kMaxList);  // [2 slots][kSplit warps]
+  int* warp_count = reinterpret_cast<int*>(partial + 2 * kSplit);
+  const int lane = threadIdx.x % kLanes;
+  const int part = threadIdx.x / kLanes;
+  const int64_t row = blockIdx.x;
+  const int d = s.d;
+  if (s.skip != nullptr && *s.skip != 0) return;
+  uint16_t* y_row = y + row * d;
+
+  // 1-2. This warp's pieces of g[t], listed in column order.
+  const int pieces = f / kV;
+  const int per = (pieces + kSplit - 1) / kSplit;
+  const int p_begin = part * per;
+  const int p_end = min(pieces, p_begin + per);
+  const uint4* g_row = reinterpret_cast<const uint4*>(g + row * f);
+  int* my_col = list_col + part * kMaxList;
+  uint32_t* my_g = list_g + part * kMaxList;
+  int base = 0;
+  for (int p0 = p_begin; p0 < p_end; p0 += kScanBatch * kLanes) {
+    uint4 v[kScanBatch];
+#pragma unroll
+    for (int b = 0; b < kScanBatch; ++b) {
+      const int q = p0 + b * kLanes + lane;
+      v[b] = q < p_end ? __ldcs(g_row + q) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int b = 0; b < kScanBatch; ++b) {
+      const uint32_t w[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+      uint32_t mask = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        mask |= ((w[i] & 0x7FFFu) != 0 ? 1u : 0u) << (2 * i) | ((w[i] & 0x7FFF0000u) != 0 ? 1u : 0u) << (2 * i + 1);
+      if (__ballot_sync(kFullMask, mask != 0) == 0) continue;  // uniform over the warp
+      const int c = __popc(mask);
+      const int incl = WarpInclusiveSum(c, lane);
+      int slot = base + incl - c;
+      const int col0 = (p0 + b * kLanes + lane) * kV;
+      const uint64_t lo = (uint64_t{w[1]} << 32) | w[0], hi = (uint64_t{w[3]} << 32) | w[2];
+      while (mask != 0) {
+        const int i = __ffs(mask) - 1;
+        mask &= mask - 1;
+        if (slot < kMaxList) {
+          my_col[slot] = col0 + i;
+          my_g[slot] = static_cast<uint32_t>((i < 4 ? lo >> (16 * i) : hi >> (16 * (i - 4))) & 0xFFFFu);
+        }
+        ++slot;
+      }
+      base += __shfl_sync(kFullMask, incl, kLanes - 1);
+    }
+  }
+  if (lane == 0) warp_count[part] = base;
+  __syncthreads();
+  const int n0 = warp_count[0];
+  int total = n0;
+#pragma unroll
+  for (int w = 1; w < kSplit; ++w) total += warp_count[w];
+  if (threadIdx.x == 0) counts[row] = total;
+  if (total > s.max_entries) {  // every warp takes the same exit
+    for (int c = threadIdx.x * kV; c < d; c += kSplit * kChunk)
+      *reinterpret_cast<uint4*>(y_row + c) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  static_assert(kSplit <= 2, "two lists: the first warp's, then the second's");
+  RowProducts<E, kGated, kChunks, kSplit, true>(s, x, w_up_t, w_down, y_row, row, smem, list_col, list_g, partial,
+                                                n0, total);
+}
+
 template <typename E, bool kGated, int kChunks>
 ffi::Error LaunchChunks(cudaStream_t stream, const Shapes& s, const void* x, const void* values, const int16_t* cols,
                         const int32_t* counts, const void* w_up_t, const void* w_down, void* y) {
@@ -295,6 +411,142 @@ ffi::Error LaunchTyped(cudaStream_t stream, const Shapes& s, const void* x, cons
   if (chunks <= 4) return LaunchChunks<E, kGated, 4>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
   if (chunks <= 6) return LaunchChunks<E, kGated, 6>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
   return LaunchChunks<E, kGated, 8>(stream, s, x, values, cols, counts, w_up_t, w_down, y);
+}
+
+// The checks both handlers make: d within the kernels' registers, the row budget within
+// the list, f and M within the grid and the columns' words, the finite columns' mask.
+ffi::Error CheckRowShapes(const char* op, int64_t rows, int64_t d, int64_t f, int32_t max_entries,
+                          ffi::Buffer<ffi::U8>& columns) {
+  if (d % kV != 0 || d > kMaxChunks * kChunk)
+    return Invalid(std::string(op) + ": d must be a multiple of 8 and at most " + std::to_string(kMaxChunks * kChunk) +
+                   ", got " + std::to_string(d));
+  if (max_entries < 0 || max_entries > kMaxList)
+    return Invalid(std::string(op) + ": max_entries must be in [0, " + std::to_string(kMaxList) + "]");
+  if (f > (int64_t{1} << 30)) return Invalid(std::string(op) + ": f must be < 2^30");
+  if (rows >= (int64_t{1} << 31)) return Invalid(std::string(op) + ": M must be < 2^31 (a CTA a row)");
+  if (columns.element_count() != 0 && !SameDims(columns.dimensions(), {d}))
+    return Invalid(std::string(op) + ": columns must be the weights' [d] finite columns (u8) or empty");
+  if (reinterpret_cast<uintptr_t>(columns.untyped_data()) % 8 != 0 && columns.element_count() != 0)
+    return Invalid(std::string(op) + ": columns must be 8-byte aligned");
+  return ffi::Error::Success();
+}
+
+// CTAs an SM the kernel reading g runs at: as many as the TwELL kernel's registers allow it
+// (nine), though its own registers would allow eleven (shared memory bounds it there). More
+// rows in flight made the TwELL kernel slower (13 CTAs an SM: +8%, ffi/notes/twell_ffn_warp.md).
+// JAX_TWELL_WARP_CTAS (1-32) overrides it, for measuring.
+constexpr int kFromGCtasPerSm = 9;
+
+int FromGCtasPerSm() {
+  static const int ctas = [] {
+    const char* v = std::getenv("JAX_TWELL_WARP_CTAS");
+    const int n = v != nullptr ? std::atoi(v) : 0;
+    return n >= 1 && n <= 32 ? n : kFromGCtasPerSm;
+  }();
+  return ctas;
+}
+
+// Dynamic shared memory that holds the kernel to `ctas` CTAs an SM (at least what it needs).
+// The device's shared memory an SM is read once a device (the handler runs on the device
+// current to XLA's stream).
+int PaddedSmemBytes(int needed, int ctas) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> per_sm_of[kDevices] = {};    // usable shared memory an SM
+  static std::atomic<int> reserved_of[kDevices] = {};  // the runtime's own a CTA
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return needed;
+  int per_sm = per_sm_of[device].load(std::memory_order_acquire);
+  int reserved = reserved_of[device].load(std::memory_order_relaxed);
+  if (per_sm == 0) {
+    if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess)
+      return needed;
+    reserved_of[device].store(reserved, std::memory_order_relaxed);
+    per_sm_of[device].store(per_sm, std::memory_order_release);
+  }
+  const int padded = (per_sm / ctas - reserved) / 128 * 128;
+  return padded > needed ? padded : needed;
+}
+
+template <typename E, bool kGated, int kChunks>
+ffi::Error LaunchChunksFromG(cudaStream_t stream, const Shapes& s, int f, const void* x, const void* g,
+                             const void* w_up_t, const void* w_down, void* y, int32_t* counts) {
+  constexpr int kSplit = kChunks % 2 == 0 ? 2 : 1;
+  auto kernel = TwellWarpFfnFromGKernel<E, kGated, kChunks, kSplit>;
+  const int bytes = PaddedSmemBytes(RowSmem<kChunks, kSplit>::kBytesFromG, FromGCtasPerSm());
+  if (bytes > 48 * 1024 && cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) != cudaSuccess)
+    return LaunchStatus("TwellWarpFfnFromGKernel (shared memory)");
+  kernel<<<static_cast<unsigned>(s.rows), kSplit * kLanes, bytes, stream>>>(
+      s, f, static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(g), static_cast<const uint16_t*>(w_up_t),
+      static_cast<const uint16_t*>(w_down), static_cast<uint16_t*>(y), counts);
+  return LaunchStatus("TwellWarpFfnFromGKernel");
+}
+
+template <typename E, bool kGated>
+ffi::Error LaunchTypedFromG(cudaStream_t stream, const Shapes& s, int f, const void* x, const void* g,
+                            const void* w_up_t, const void* w_down, void* y, int32_t* counts) {
+  const int chunks = static_cast<int>(CeilDiv(s.d, kChunk));
+  if (chunks <= 1) return LaunchChunksFromG<E, kGated, 1>(stream, s, f, x, g, w_up_t, w_down, y, counts);
+  if (chunks <= 2) return LaunchChunksFromG<E, kGated, 2>(stream, s, f, x, g, w_up_t, w_down, y, counts);
+  if (chunks <= 4) return LaunchChunksFromG<E, kGated, 4>(stream, s, f, x, g, w_up_t, w_down, y, counts);
+  if (chunks <= 6) return LaunchChunksFromG<E, kGated, 6>(stream, s, f, x, g, w_up_t, w_down, y, counts);
+  return LaunchChunksFromG<E, kGated, 8>(stream, s, f, x, g, w_up_t, w_down, y, counts);
+}
+
+// Operands: x [M, d], g [M, f] (the activation: relu of the gate matmul, rounded), gated:
+// w_up_t [f, d]; w_down [f, d]; columns [d] u8 or empty. Results: y [M, d] (zeros on the
+// rows past max_entries), counts [M, 1] (s32, each row's non-zeros of g). Attribute:
+// max_entries (at most kMaxList).
+template <bool kGated>
+ffi::Error TwellWarpFfnFromGImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_up_t,
+                                 ffi::AnyBuffer w_down, ffi::Buffer<ffi::U8> columns, ffi::Result<ffi::AnyBuffer> y,
+                                 ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t max_entries) {
+  const char* op = kGated ? "twell_ffn_warp_from_g (gated)" : "twell_ffn_warp_from_g";
+  auto x_dims = x.dimensions();
+  if (x_dims.size() != 2) return Invalid(std::string(op) + ": x must have shape [M, d]");
+  const int64_t rows = x_dims[0], d = x_dims[1];
+  auto wd_dims = w_down.dimensions();
+  if (wd_dims.size() != 2 || wd_dims[1] != d) return Invalid(std::string(op) + ": w_down must have shape [f, d]");
+  const int64_t f = wd_dims[0];
+  if (!SameDims(g.dimensions(), {rows, f})) return Invalid(std::string(op) + ": g must have shape [M, f]");
+  if (kGated && !SameDims(w_up_t.dimensions(), {f, d}))
+    return Invalid(std::string(op) + ": w_up_t must have shape [f, d]");
+  if (!SameDims(y->dimensions(), {rows, d})) return Invalid(std::string(op) + ": y must have x's shape");
+  if (!SameDims(counts->dimensions(), {rows, 1})) return Invalid(std::string(op) + ": counts must have shape [M, 1]");
+  const auto dtype = x.element_type();
+  if (g.element_type() != dtype || w_down.element_type() != dtype || y->element_type() != dtype ||
+      (kGated && w_up_t.element_type() != dtype))
+    return Invalid(std::string(op) + ": x, g, weights and y must share one dtype");
+  if (auto e = CheckRowShapes(op, rows, d, f, max_entries, columns); e.failure()) return e;
+  if (f % kV != 0) return Invalid(std::string(op) + ": f must be a multiple of 8, got " + std::to_string(f));
+  if (reinterpret_cast<uintptr_t>(g.untyped_data()) % 16 != 0)
+    return Invalid(std::string(op) + ": g must be 16-byte aligned");
+  if (rows == 0) return ffi::Error::Success();
+  const Shapes s{rows, static_cast<int>(d), 1, static_cast<int>(f), 0, max_entries, nullptr,
+                 columns.element_count() != 0 ? columns.typed_data() : nullptr};
+  const void* up_t = kGated ? w_up_t.untyped_data() : nullptr;
+  switch (dtype) {
+    case ffi::DataType::BF16:
+      return LaunchTypedFromG<Bf16, kGated>(stream, s, static_cast<int>(f), x.untyped_data(), g.untyped_data(), up_t,
+                                            w_down.untyped_data(), y->untyped_data(), counts->typed_data());
+    case ffi::DataType::F16:
+      return LaunchTypedFromG<F16, kGated>(stream, s, static_cast<int>(f), x.untyped_data(), g.untyped_data(), up_t,
+                                           w_down.untyped_data(), y->untyped_data(), counts->typed_data());
+    default:
+      return Invalid(std::string(op) + ": x must be bf16 or f16");
+  }
+}
+
+ffi::Error TwellWarpFfnFromGGated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_up_t,
+                                  ffi::AnyBuffer w_down, ffi::Buffer<ffi::U8> columns, ffi::Result<ffi::AnyBuffer> y,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t max_entries) {
+  return TwellWarpFfnFromGImpl<true>(stream, x, g, w_up_t, w_down, columns, y, counts, max_entries);
+}
+
+ffi::Error TwellWarpFfnFromGUngated(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer g, ffi::AnyBuffer w_down,
+                                    ffi::Buffer<ffi::U8> columns, ffi::Result<ffi::AnyBuffer> y,
+                                    ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t max_entries) {
+  return TwellWarpFfnFromGImpl<false>(stream, x, g, w_down, w_down, columns, y, counts, max_entries);
 }
 
 // Operands: x [M, d], values [M, n_tiles, capacity], cols (s16, same), counts [M, n_tiles]
@@ -328,17 +580,7 @@ ffi::Error TwellWarpFfnImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   if (values.element_type() != dtype || w_down.element_type() != dtype || y->element_type() != dtype ||
       (kGated && w_up_t.element_type() != dtype))
     return Invalid(std::string(op) + ": x, values, weights and y must share one dtype");
-  if (d % kV != 0 || d > kMaxChunks * kChunk)
-    return Invalid(std::string(op) + ": d must be a multiple of 8 and at most " + std::to_string(kMaxChunks * kChunk) +
-                   ", got " + std::to_string(d));
-  if (max_entries < 0 || max_entries > kMaxList)
-    return Invalid(std::string(op) + ": max_entries must be in [0, " + std::to_string(kMaxList) + "]");
-  if (f > (int64_t{1} << 30) || rows > (int64_t{1} << 40))
-    return Invalid(std::string(op) + ": f must be < 2^30");
-  if (columns.element_count() != 0 && !SameDims(columns.dimensions(), {d}))
-    return Invalid(std::string(op) + ": columns must be the weights' [d] finite columns (u8) or empty");
-  if (reinterpret_cast<uintptr_t>(columns.untyped_data()) % 8 != 0 && columns.element_count() != 0)
-    return Invalid(std::string(op) + ": columns must be 8-byte aligned");
+  if (auto e = CheckRowShapes(op, rows, d, f, max_entries, columns); e.failure()) return e;
   if (rows == 0) return ffi::Error::Success();
   const Shapes s{rows, static_cast<int>(d), static_cast<int>(n_tiles), tile, static_cast<int>(capacity), max_entries,
                  skip, columns.element_count() != 0 ? columns.typed_data() : nullptr};
@@ -455,5 +697,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarpUnless, jax_twell::TwellWarpFfnUnga
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // skip []
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarpFromGGated, jax_twell::TwellWarpFfnFromGGated,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [M, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // g [M, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_up_t [f, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()  // columns [d] or []
+                                  .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [M, 1]
+                                  .Attr<int32_t>("max_entries"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxTwellFfnWarpFromG, jax_twell::TwellWarpFfnFromGUngated,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x [M, d]
+                                  .Arg<xla::ffi::AnyBuffer>()  // g [M, f]
+                                  .Arg<xla::ffi::AnyBuffer>()  // w_down [f, d]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()  // columns [d] or []
+                                  .Ret<xla::ffi::AnyBuffer>()  // y [M, d]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [M, 1]
                                   .Attr<int32_t>("max_entries"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -12,6 +12,6 @@ int jax_twell_ffi_api_minor() { return XLA_FFI_API_MINOR; }
 // Bumped whenever a handler's signature (operands, results, attributes) or what it computes
 // changes (15: the warp-per-token FFN handlers, attributes tile and max_entries), so the
 // Python side never binds a stale library.
-int jax_twell_abi_version() { return 19; }
+int jax_twell_abi_version() { return 20; }
 
 }  // extern "C"

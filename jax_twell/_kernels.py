@@ -27,7 +27,7 @@ __all__ = ["kernels_available", "kernel_status", "kernel_call", "KernelStatus", 
 LIBRARY_NAME = "libjax_twell_cuda.so"
 BUILD_NOTE = "cuda_build.txt"  # written by ffi/CMakeLists.txt: what the build did, and why
 # Bumped together with jax_twell_abi_version() in ffi/version.cc.
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 # FFI target name -> exported handler symbol. The one registration table.
 HANDLERS = {
@@ -37,6 +37,8 @@ HANDLERS = {
     "jax_twell_ffn": "JaxTwellFfn",
     "jax_twell_ffn_warp_gated": "JaxTwellFfnWarpGated",
     "jax_twell_ffn_warp": "JaxTwellFfnWarp",
+    "jax_twell_ffn_warp_from_g_gated": "JaxTwellFfnWarpFromGGated",
+    "jax_twell_ffn_warp_from_g": "JaxTwellFfnWarpFromG",
     "jax_twell_ffn_backup_gated": "JaxTwellFfnBackupGated",
     "jax_twell_ffn_backup": "JaxTwellFfnBackup",
     "jax_twell_ffn_backup_gated_from_x": "JaxTwellFfnBackupGatedFromX",

@@ -48,11 +48,12 @@ from jax_twell.ops.pack.binding import pack_twell  # noqa: E402
 
 
 def variants():
-    def percall(device, kernel=warp.backup_rows, flag=False, dense_kernel=None):
+    def percall(device, kernel=warp.backup_rows, flag=False, dense_kernel=None, from_g=None):
         def fn(x, wg, wu, wd, wut, cols):
             if device:
                 return warp.sparse_ffn(x, wg, wu, wd, backup_kernel=kernel, device_choice=flag,
-                                       columns=lambda: finite_columns(wu, wd), dense_kernel=dense_kernel)
+                                       columns=lambda: finite_columns(wu, wd), dense_kernel=dense_kernel,
+                                       rows_from_g=from_g)
             return warp.sparse_ffn(x, wg, wu, wd, finite=lambda: all_finite(x) & finite_columns(wu, wd).all())
         return fn
 
@@ -67,6 +68,13 @@ def variants():
             act = pack_twell(g, tile=256, capacity=32)
             return warp.ffn_with_backup(x, g, act, wu, wd, cols if kept else finite_columns(wu, wd),
                                         w_up_t=wut if kept else None, backup_kernel=kernel)
+        return fn
+
+    def known_from_g(kept, kernel):
+        def fn(x, wg, wu, wd, wut, cols):
+            g = relu_matmul(x, wg)
+            return warp.ffn_from_g_with_backup(x, g, wu, wd, cols if kept else finite_columns(wu, wd),
+                                               w_up_t=wut if kept else None, backup_kernel=kernel)
         return fn
 
     def known_device_fused(kernel=warp.backup_rows):
@@ -88,6 +96,8 @@ def variants():
 
     return {
         "xla": lambda x, wg, wu, wd, wut, cols: xla.ffn(x, wg, wu, wd),
+        # the dense side the plan runs: the gate and up products kept apart (no concatenation)
+        "xla_unmerged": lambda x, wg, wu, wd, wut, cols: xla.ffn_unmerged(x, wg, wu, wd),
         "default": lambda x, wg, wu, wd, wut, cols: jt.sparse_ffn(x, wg, wu, wd),
         "percall_switch": percall(False), "percall_device": percall(True),
         "known_switch": known_switch, "known_device": known_device(False), "known_device_kept": known_device(True),
@@ -99,6 +109,9 @@ def variants():
         "percall_dense_if": percall(True, dense_kernel=warp.dense_ffn_if),
         "percall_dense_if_gemm": percall(True, gemm, dense_kernel=warp.dense_ffn_if),
         "known_fused_gemm": known_device_fused(gemm),
+        # the rows listed from g by the warp kernel itself (no pack): ffn_rows_from_g
+        "percall_from_g": percall(True, gemm, from_g=warp.ffn_rows_from_g),
+        "known_kept_from_g": known_from_g(True, gemm),
         "backup_empty_gemm": backup_only(warp.ROW_BUDGET, gemm), "backup_all_gemm": backup_only(0, gemm),
     }
 

@@ -15,6 +15,8 @@ B_LIB=$PWD/.carry/b/libjax_twell_cuda.so A_LIB=$PWD/.carry/a/libjax_twell_cuda.s
 A_DIR=$PWD; [ -d .carry/a/jax_twell ] && A_DIR=$PWD/.carry/a
 b() { PYTHONPATH=$PWD JAX_TWELL_CUDA_LIB=$B_LIB "$@"; }
 a() { (cd "$A_DIR" && PYTHONPATH=$A_DIR JAX_TWELL_CUDA_LIB=$A_LIB "$@"); }
+# side c: B's build with the environment C_ENV (e.g. C_ENV="JAX_TWELL_WARP_CTAS=11")
+c() { env ${C_ENV:-} PYTHONPATH=$PWD JAX_TWELL_CUDA_LIB=$B_LIB "$@"; }
 b python3 -c "import jax, jax_twell as jt; print(jt.__file__, jax.__version__, jax.devices()); print(jt.kernel_status())"
 [ -f "$A_LIB" ] && a python3 -c "import jax_twell as jt; print(jt.__file__); print(jt.kernel_status())"
 pids=()

@@ -590,9 +590,10 @@ def test_activation_weight_by_neuron_picks_the_rows_kernel(decode_stand_ins, sta
 @pytest.mark.parametrize("kernel", FUSED_KERNELS)
 @pytest.mark.parametrize("gated", [True, False])
 def test_known_active_fraction_past_decode_sizes(stand_ins, kernel, gated):
-    """Past decode sizes a known fraction where the rule predicts dense gives XLA's dense FFN
-    itself (same jaxpr: no counts, no pack, no device branch); where it predicts sparse, the
-    per-call device choice still runs on the true counts."""
+    """Past decode sizes a known fraction where the rule predicts dense gives the dense FFN
+    itself (the same jaxpr as xla.ffn_unmerged, the plan's dense side: no counts, no pack,
+    no device branch); where it predicts sparse, the per-call device choice still runs on
+    the true counts."""
     kernels = stand_ins(mark=False)
     rule = DenseCrossover(**NO_FIXED)
     inp = case(m=1100, key=5)
@@ -601,7 +602,7 @@ def test_known_active_fraction_past_decode_sizes(stand_ins, kernel, gated):
     assert not rule.sparse_predicted(1100, 128, 700, 2, 1.0, kernel=kernel)
     with pytest.raises(ValueError, match="active_fraction"):
         rule.sparse_predicted(1100, 128, 700, 2, -0.1)
-    dense_jaxpr = str(jax.make_jaxpr(lambda x, wg, wu, wd: xla.ffn(x, wg, wu, wd))(inp.x, w_gate, inp.w_up, inp.w_down))
+    dense_jaxpr = str(jax.make_jaxpr(xla.ffn_unmerged)(inp.x, w_gate, inp.w_up, inp.w_down))
     for fraction, dense in [(1.0, True), (0.0, False)]:
         fn = lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=8, kernel=kernel, active_fraction=fraction, rule=rule, kernels=kernels)
         jaxpr = str(jax.make_jaxpr(fn)(inp.x, w_gate, inp.w_up, inp.w_down))
@@ -934,16 +935,20 @@ DEVICE_BACKUPS = {"cond": (warp.backup_rows_reference, 1, {}, None),
                   "dense_if": (warp.backup_rows_reference, 0, {}, warp.dense_ffn_if_reference)}
 
 
+@pytest.mark.parametrize("from_g", [False, True], ids=["pack", "from_g"])
 @pytest.mark.parametrize("backup", sorted(DEVICE_BACKUPS))
 @pytest.mark.parametrize("gated", [True, False])
-def test_warp_path_with_the_device_backup(stand_ins, gated, backup):
+def test_warp_path_with_the_device_backup(stand_ins, gated, backup, from_g):
     """With a backup that reads its row count on the device (``FFNKernels.warp_backup``,
     here its reference contract): a known or forced layer's warp path holds no conditional
     at all, the per-call form only the sample's choice (none where the backup takes it as
     a device flag); every side computes the dense formula, with rows past the switch's
-    largest size and with non-finite operands."""
+    largest size and with non-finite operands. With ``warp_rows_g`` (the rows listed from
+    g in the kernel; the bindings keep the pack, measured faster) the known layer and the per-call form's sparse
+    side run no pack; the forms with no conditional keep it (their kernels' skip flag)."""
     kernel, per_call_conds, fields, dense = DEVICE_BACKUPS[backup]
-    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=kernel, warp_dense=dense)
+    kernels = dataclasses.replace(stand_ins(mark=False), warp_backup=kernel, warp_dense=dense,
+                                  warp_rows_g=warp.ffn_rows_from_g_reference if from_g else None)
     inp = case(m=1100, f=704, density=0.005, full=200, empty=5, key=14)  # 200 rows: past the switch's M/8
     w_gate = inp.w_gate if gated else None
     rule = DenseCrossover(**NO_FIXED, **fields)
@@ -956,8 +961,13 @@ def test_warp_path_with_the_device_backup(stand_ins, gated, backup):
         text = str(jax.make_jaxpr(fn)(inp.x, inp.w_down))
         return text.count(" cond[")
 
-    for fn, n_cond in ((call(Side.SPARSE), 0), (call(active_fraction=0.005), 0), (call(), per_call_conds)):
-        assert "stand_in_gate" not in str(jax.make_jaxpr(fn)(inp.x, inp.w_down))  # below the fused gate's bound
+    for fn, n_cond, per_call in ((call(Side.SPARSE), 0, False), (call(active_fraction=0.005), 0, False),
+                                 (call(), per_call_conds, True)):
+        text = str(jax.make_jaxpr(fn)(inp.x, inp.w_down))
+        assert "stand_in_gate" not in text  # below the fused gate's bound
+        # the pack runs unless the rows are listed from g (the per-call forms with no
+        # conditional keep it: their kernels take the dense side's skip flag)
+        assert ("stand_in_pack" in text) == (not from_g or (per_call and per_call_conds == 0))
         assert conditionals(fn) == n_cond
         for x, w_down in ((inp.x, inp.w_down), (inp.x.at[3, 1].set(jnp.nan), inp.w_down),
                           (inp.x, inp.w_down.at[2, 5].set(jnp.inf))):
@@ -1018,3 +1028,33 @@ def test_the_choice_is_on_the_device_only_where_the_kernels_hold_no_conditional(
     assert not on(FFNKernels(warp_backup=None, warp_dense=warp.dense_ffn_if_reference), rule)
     gemm = FFNKernels(warp_backup=warp.backup_rows_gemm_reference)
     assert on(gemm, floor) and not on(gemm, rule)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_dense_side_keeps_the_gate_and_up_products_apart(stand_ins, gated, dtype):
+    """A call the plan runs dense (nothing known, below the per-call floor) runs
+    xla.ffn_unmerged up to xla.UNMERGED_MAX_TOKENS tokens: the gated FFN's gate and up products behind an optimization barrier
+    on x (XLA's GPU pipeline would otherwise merge them over a concatenation of their
+    weights made on every call), with the dense formula's values bit for bit, NaN
+    included; the non-gated FFN has one product of x and no barrier."""
+    inp = case(m=64, d=64, f=256, density=0.05, full=2, empty=2, key=31)
+    inp = inp._replace(x=inp.x.astype(dtype).at[5, 3].set(jnp.nan), w_gate=inp.w_gate.astype(dtype),
+                       w_up=inp.w_up.astype(dtype), w_down=inp.w_down.astype(dtype))
+    w_gate = inp.w_gate if gated else None
+    fn = lambda x: cuda_ffn(x, w_gate, inp.w_up, inp.w_down, rule=DenseCrossover(), kernels=stand_ins(mark=True))
+    text = str(jax.make_jaxpr(fn)(inp.x))
+    assert ("optimization_barrier" in text) == gated
+    assert "stand_in_pack" not in text and "stand_in_gate" not in text  # the dense plan
+    y = np.asarray(jax.jit(fn)(inp.x), np.float32)
+    want = np.asarray(jax.jit(xla.ffn)(inp.x, w_gate, inp.w_up, inp.w_down), np.float32)
+    np.testing.assert_array_equal(y, want)
+    assert np.isnan(y[5]).all()
+    # past UNMERGED_MAX_TOKENS the dense side is XLA's own FFN (its merge pays there)
+    big = case(m=xla.UNMERGED_MAX_TOKENS + 8, d=16, f=32, density=0.05, full=2, empty=2, key=32)
+    w_gate_big = big.w_gate if gated else None
+    fn = lambda x: cuda_ffn(x, w_gate_big, big.w_up, big.w_down, rule=DenseCrossover(), kernels=stand_ins(mark=True))
+    text = str(jax.make_jaxpr(fn)(big.x))
+    assert "optimization_barrier" not in text and "stand_in_pack" not in text
+    np.testing.assert_array_equal(np.asarray(jax.jit(fn)(big.x), np.float32),
+                                  np.asarray(jax.jit(xla.ffn)(big.x, w_gate_big, big.w_up, big.w_down), np.float32))

@@ -446,3 +446,105 @@ def test_op_nan_rule_in_the_kernel():
             assert np.array_equal(np.isnan(y), np.isnan(want)), f"{case} {info}"
             ok = np.isfinite(want)
             assert_close(np.where(ok, y, 0), np.where(ok, want, 0), fused_tolerance(jnp.bfloat16, f), f"{case}")
+
+
+def _crowd(g, start, rows, width=48):
+    """g with rows ``start .. start + rows`` active on ``width`` neighbouring columns only
+    (one TwELL tile of 256 past its capacity of 32 at width > 32, the row within the budget
+    of 64): rows the kernel reading g keeps where the TwELL kernel leaves them to the
+    backup. ``start`` past with_extreme_rows' full and empty rows, which stay as they are."""
+    cols = jnp.arange(g.shape[1])
+    row = jnp.where((cols >= 8) & (cols < 8 + width), jnp.asarray(1.5, g.dtype), jnp.zeros((), g.dtype))
+    return g.at[start:start + rows].set(jnp.broadcast_to(row, (rows, g.shape[1])))
+
+
+def _odd_values(g, row):
+    """g with row ``row`` holding the bit patterns the kernel's test must tell apart: -0
+    (not an entry), NaN and a negative value (entries, as ``g != 0`` has them) and a
+    subnormal (an entry), beside its own entries."""
+    f = g.shape[1]
+    tiny = jnp.finfo(g.dtype).smallest_subnormal
+    vals = jnp.asarray([-0.0, jnp.nan, -2.0, tiny], g.dtype)
+    idx = jnp.asarray([0, f // 3, f // 2, f - 1])
+    return g.at[row, idx].set(vals)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("m,d,f", [(300, 2048, 5632), (257, 2048, 1408), (67, 72, 200), (130, 264, 1032),
+                                   (33, 1040, 3000), (1, 8, 8), (5, 8, 8), (96, 512, 1408)])
+def test_kernel_from_g_matches_reference(gated, dtype, m, d, f):
+    """ffn_rows_from_g (the rows listed from g in the kernel) against its reference: the
+    counts exactly, zeros on the rows past the budget (fully active rows), the kept rows
+    close, with and without the NaN rule (a NaN and an Inf in x, two columns masked);
+    budgets 64, 12 and 0; rows whose entries crowd one tile are kept."""
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + d + 3), m, d, f, density=0.01, dtype=dtype),
+                            full=min(2, m - 1), empty=min(1, m - 1))
+    # the sparse gate's activation in both forms (non-gated, it is the hidden itself), of
+    # finite x, so that the poisoned rows below stay rows
+    g = relu_matmul(inp.x, inp.w_gate)
+    full_rows = min(2, m - 1)  # with_extreme_rows' full rows come first, then the empty one
+    first = full_rows + min(1, m - 1)
+    crowded = f >= 256 and m >= first + 4
+    if crowded:
+        g = _crowd(g, first, 3)
+    if m >= first + 5:
+        g = _odd_values(g, first + 3)
+    x = inp.x
+    if m >= 5:
+        x = x.at[m - 2, d - 1].set(jnp.inf).at[m - 1, 0].set(jnp.nan)
+    w_up_t = inp.w_up.T if gated else None
+    cols = jnp.ones((d,), bool).at[d // 2].set(False).at[3].set(False)
+    fn = jax.jit(warp.ffn_rows_from_g, static_argnames=("row_budget",))
+    for budget in (64, 12, 0):
+        for columns in (None, cols):
+            y, counts = fn(x, g, w_up_t, inp.w_down, row_budget=budget, columns=columns)
+            want, want_counts = warp.ffn_rows_from_g_reference(x, g, w_up_t, inp.w_down, row_budget=budget,
+                                                               columns=columns)
+            np.testing.assert_array_equal(np.asarray(counts.counts), np.asarray(want_counts.counts))
+            y, want = np.asarray(y, np.float32), np.asarray(want, np.float32)
+            what = f"m={m} d={d} f={f} budget={budget} columns={columns is not None}"
+            assert np.array_equal(np.isnan(y), np.isnan(want)), what
+            assert np.array_equal(np.isinf(y), np.isinf(want)), what
+            left = np.asarray(want_counts.counts)[:, 0] > budget
+            assert np.all(y[left] == 0), what
+            ok = np.isfinite(want)
+            assert_close(np.where(ok, y, 0), np.where(ok, want, 0), fused_tolerance(dtype, f), what)
+            if crowded and budget == 64:  # kept, and not zero: past the TwELL tile's capacity
+                crowd = slice(first, first + 3)
+                assert np.asarray(warp.backed_up(pack_twell_reference(g, tile=256, capacity=32), 64))[crowd].all()
+                assert not left[crowd].any() and np.abs(np.where(ok, y, 0)[crowd]).max() > 0, what
+            if budget == 0 and full_rows:  # every row with an entry leaves; the full rows have f
+                assert np.all(np.asarray(counts.counts)[:full_rows, 0] == f) and left[:full_rows].all(), what
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("m,d,f", [(2048, 2048, 5632), (300, 256, 1024), (77, 72, 200)])
+def test_from_g_with_backup_matches_dense(gated, m, d, f, backup):
+    """ffn_from_g_with_backup: the kernel reading g and either device backup over the rows
+    it leaves (fully active, empty and crowded rows, rows past the budget): the dense
+    formula of that g on every row, and the same bits when run again (deterministic)."""
+    full = m // 20 + 1
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(m + 7), m, d, f, density=0.005), full=full, empty=3)
+    w_up = inp.w_up if gated else None
+
+    def fn(x, g, wu, wd):
+        return warp.ffn_from_g_with_backup(x, g, wu, wd, finite_columns(wu, wd), backup_kernel=backup)
+
+    g = _crowd(relu_matmul(inp.x, inp.w_gate), full + 3, 4)
+    assert int((np.asarray(g) != 0).sum(axis=1).max()) > warp.ROW_BUDGET  # the backup has rows to compute
+    run = jax.jit(fn)
+    y = run(inp.x, g, w_up, inp.w_down)
+    want = xla.up_down(inp.x, g, w_up, inp.w_down)
+    assert_close(y, want, fused_tolerance(jnp.bfloat16, f), f"m={m} d={d} f={f}")
+    np.testing.assert_array_equal(np.asarray(run(inp.x, g, w_up, inp.w_down), np.float32), np.asarray(y, np.float32))
+
+
+def test_from_g_bad_operands_are_refused():
+    """The kernel reading g refuses f not a multiple of 8 and mismatched shapes by name."""
+    inp = synthetic_ffn_inputs(jax.random.key(1), 16, 64, 100, density=0.05)
+    g = relu_matmul(inp.x, inp.w_gate)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        warp.ffn_rows_from_g(inp.x, g, inp.w_up.T, inp.w_down)
+    with pytest.raises(ValueError, match="g must be"):
+        warp.ffn_rows_from_g(inp.x, g[:, :96], inp.w_up.T, inp.w_down)

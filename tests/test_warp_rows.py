@@ -153,12 +153,13 @@ def test_per_call_form_exact(case):
         assert np.isnan(y[5]).all() and np.isfinite(np.delete(y, 5, axis=0)).all()
 
 
+@pytest.mark.parametrize("from_g", [False, True], ids=["pack", "from_g"])
 @pytest.mark.parametrize("case", ["sparse", "many_full_rows", "dense", "nan_x", "nan_w_down", "ungated"])
-def test_per_call_form_with_device_backup_exact(case):
+def test_per_call_form_with_device_backup_exact(case, from_g):
     """The per-call form whose backup reads its row count on the device (no switch), with
     the kernels replaced by their contracts: any number of backed-up rows (here past the
     switch's largest size, which ran dense there), the sample's dense side, and the dense
-    formula's NaN from x and from a weight."""
+    formula's NaN from x and from a weight; with the pack or with the rows listed from g."""
     m, d, f = 1024, 64, 512
     inp = synthetic_ffn_inputs(jax.random.key(6), m, d, f, density=0.3 if case == "dense" else 0.003,
                                dtype=jnp.float32)
@@ -171,12 +172,24 @@ def test_per_call_form_with_device_backup_exact(case):
     w_gate = None if case == "ungated" else inp.w_gate
     w_up_k = inp.w_up if w_gate is not None else None
 
+    seen = []
+
+    def rows_from_g(*args, **kwargs):  # the reference, noting that the sparse side took it
+        seen.append("from_g")
+        return warp.ffn_rows_from_g_reference(*args, **kwargs)
+
+    def rows(*args, **kwargs):
+        seen.append("pack")
+        return _ref_rows(*args, **kwargs)
+
     def fn(x, wg, wu, wd):
-        return warp.sparse_ffn(x, wg, wu, wd, pack=pack_twell_reference, rows_kernel=_ref_rows,
+        return warp.sparse_ffn(x, wg, wu, wd, pack=pack_twell_reference, rows_kernel=rows,
                                backup_kernel=warp.backup_rows_reference,
-                               columns=lambda: common.finite_columns(wu if wg is not None else None, wd))
+                               columns=lambda: common.finite_columns(wu if wg is not None else None, wd),
+                               rows_from_g=rows_from_g if from_g else None)
 
     y = np.asarray(jax.jit(fn)(inp.x, w_gate, inp.w_up, inp.w_down))
+    assert seen == ["from_g" if from_g else "pack"]  # traced once: the sparse side's rows step
     want = np.asarray(xla.ffn(inp.x, w_gate, inp.w_up, inp.w_down))
     assert np.array_equal(np.isnan(y), np.isnan(want))
     ok = np.isfinite(want)
@@ -252,3 +265,36 @@ def test_rows_reference_puts_the_dense_formulas_nan_on_its_rows(gated):
     assert np.all(np.isnan(np.asarray(warp.ffn_rows_reference(xe, act_e, w_up_t, empty.w_down, columns=cols))[2]))
     with pytest.raises(ValueError, match="columns must have shape"):
         warp.ffn_rows(inp.x.astype(jnp.bfloat16), act, None, inp.w_down.astype(jnp.bfloat16), columns=cols[:5])
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+def test_rows_from_g_reference_is_the_packed_rows_reference(gated):
+    """ffn_rows_from_g's contract: on rows whose tiles fit, the TwELL rows' contract of the
+    same g; its counts are g's non-zeros a row (NaN counts, -0 does not); a row is left by
+    the budget alone (a row crowding one tile past capacity stays), with and without the
+    NaN rule."""
+    m, d, f = 64, 32, 512
+    inp = with_extreme_rows(synthetic_ffn_inputs(jax.random.key(4), m, d, f, density=0.02, dtype=jnp.float32), full=2)
+    g = relu_matmul(inp.x, inp.w_gate)
+    g = g.at[5, :40].set(1.0)  # 40 entries in the first tile (capacity 8 below), within the budget
+    g = g.at[6].set(0.0).at[6, 3].set(-0.0).at[6, 9].set(jnp.nan)
+    x = inp.x.at[9, 1].set(jnp.nan)
+    act = pack_twell_reference(g, tile=256, capacity=8)
+    w_up_t = inp.w_up.T if gated else None
+    cols = jnp.ones((d,), bool).at[4].set(False)
+    for columns in (None, cols):
+        y, counts = warp.ffn_rows_from_g_reference(x, g, w_up_t, inp.w_down, columns=columns)
+        counts = np.asarray(counts.counts)[:, 0]
+        np.testing.assert_array_equal(counts, np.asarray(jnp.sum(act.counts, axis=-1)))
+        assert counts[6] == 1 and counts[5] >= 40
+        y = np.asarray(y)
+        packed = np.asarray(warp.ffn_rows_reference(x, act, w_up_t, inp.w_down, row_budget=warp.ROW_BUDGET,
+                                                    columns=columns))
+        fits = ~np.asarray(warp.backed_up(act, warp.ROW_BUDGET))
+        assert not fits[5] and counts[5] <= warp.ROW_BUDGET  # the packed rows leave it, g's keep it
+        np.testing.assert_array_equal(np.isnan(y[fits]), np.isnan(packed[fits]))
+        ok = np.isfinite(packed[fits])
+        np.testing.assert_allclose(np.where(ok, y[fits], 0), np.where(ok, packed[fits], 0), rtol=1e-6, atol=1e-6)
+        assert np.isnan(y[6]).all()  # the NaN entry's row
+        assert np.all(y[counts > warp.ROW_BUDGET] == 0) and (counts > warp.ROW_BUDGET).sum() == 2
+        assert np.abs(np.nan_to_num(y[5])).max() > 0

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jax_twell.ops.stats import hidden_stats
 
-__all__ = ["ffn", "ffn_with_aux", "ffn_with_aux_vjp", "up_down", "gather_ffn", "gather_width"]
+__all__ = ["ffn", "ffn_unmerged", "dense_side", "UNMERGED_MAX_TOKENS", "ffn_with_aux", "ffn_with_aux_vjp", "up_down", "gather_ffn", "gather_width"]
 
 
 def _hidden(x, w_gate, w_up):
@@ -38,6 +38,43 @@ def ffn(x, w_gate, w_up, w_down):
     """Dense ReLU FFN ``y [..., d]`` for ``x [..., d]`` (see jax_twell.sparse_ffn)."""
     h, _ = _hidden(x, w_gate, w_up)
     return jnp.matmul(h, w_down)
+
+
+def ffn_unmerged(x, w_gate, w_up, w_down):
+    """:func:`ffn`'s value with the gate and up products kept as two matmuls: the dense
+    side the CUDA implementation runs at small M (:func:`dense_side`).
+
+    Where the two products' outputs are small (M=2,048 at d=2,048, f=5,632), XLA's GPU
+    pipeline merges the two matmuls of x into one over the concatenated ``[w_gate, w_up]``
+    and writes that concatenation on every call: 29 us of a 236 us call on an H100, where
+    the gate and up products apart (as the per-call form's dense side runs them: the
+    ReLU in the gate GEMM's epilogue, g * u in the up GEMM's) took 219 us
+    (``ffi/notes/limits.md``, "At 126f645"). An optimization barrier on x between the two
+    keeps them apart; it adds no kernel. The same values as :func:`ffn`; non-gated, the
+    FFN has one product of x and is :func:`ffn` itself."""
+    if w_gate is None:
+        return ffn(x, None, w_up, w_down)
+    g = jax.nn.relu(jnp.matmul(x, w_gate))
+    g, x_up = jax.lax.optimization_barrier((g, x))
+    return up_down(x_up, g, w_up, w_down)
+
+
+# Up to this many tokens the plan's dense side keeps the gate and up products apart
+# (:func:`ffn_unmerged`); past it, XLA's own FFN. The concatenation XLA makes to merge the
+# two products costs the same at every M (it copies both weights), so the crossover is a
+# token count whatever d and f: on an H200 (d=2,048, f=5,632) the products apart took
+# 1.09x / 1.27x / 1.05x of XLA's speed at M=64 / 512 / 2,048 and 0.95x / 0.99x at 4,096 /
+# 8,192 (``lab/results/dense_side_sweep_ac5ab93_h200.json``); 1.08x at 2,048 on an H100.
+UNMERGED_MAX_TOKENS = 2048
+
+
+def dense_side(x, w_gate, w_up, w_down):
+    """The dense FFN the CUDA implementation runs where sparsity would not pay: :func:`ffn`'s
+    value, computed as :func:`ffn_unmerged` up to :data:`UNMERGED_MAX_TOKENS` tokens (x's
+    leading dimension) and as :func:`ffn` past them."""
+    if x.shape[0] <= UNMERGED_MAX_TOKENS:
+        return ffn_unmerged(x, w_gate, w_up, w_down)
+    return ffn(x, w_gate, w_up, w_down)
 
 
 def ffn_with_aux(x, w_gate, w_up, w_down):

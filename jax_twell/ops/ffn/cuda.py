@@ -37,6 +37,11 @@ class FFNKernels:
     -> (y, ...); decode(x, g, w_up, w_down, *, w_up_t) -> y; decode_gate(x, w_act, w_up,
     w_down, *, w_up_t) -> y; decode_rows(x, w_act_t, w_down, *, w_up_t) -> y;
     warp_rows(x, act, w_up_t, w_down, *, row_budget) -> y (zeros on the rows left to the backup);
+    warp_rows_g(x, g, w_up_t, w_down, *, row_budget, columns) -> (y, RowCounts): the same
+    rows listed from g by the kernel itself (:func:`warp.ffn_rows_from_g`, no pack), used
+    wherever g is written and the device backup runs; None (the bindings' default): the
+    pack and ``warp_rows``, measured 1-2% faster at M=2,048-16,384 on an H100
+    (``ffi/notes/twell_ffn_warp.md``, "The rows listed from g, measured").
     warp_backup(x, g, act, w_up, w_down, y, *, row_budget) -> y with those rows computed
     densely, their count read on the device (:func:`warp.backup_rows_by_size`, the default:
     the wgmma backup from ``GEMM_BACKUP_MIN_TOKENS`` tokens, the mma.sync one below; measured
@@ -58,6 +63,7 @@ class FFNKernels:
     warp_rows: Callable = warp.ffn_rows
     warp_backup: Callable | None = warp.backup_rows_by_size
     warp_dense: Callable | None = None
+    warp_rows_g: Callable | None = None
 
 
 BINDINGS = FFNKernels()
@@ -115,8 +121,8 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
     rule = plan.options.rule
     if plan.path == Path.EMPTY:
         return jnp.zeros((0, d), x.dtype)
-    if plan.path == Path.DENSE:
-        return xla.ffn(x, w_gate, w_up, w_down)
+    if plan.path == Path.DENSE:  # small M: the gate and up products apart (no concatenation of their weights)
+        return xla.dense_side(x, w_gate, w_up, w_down)
     device_backup = plan.options.device_backup and kernels.warp_backup is not None and warp.device_backup_supported(f)
     if plan.path == Path.WARP and plan.device_choice and device_backup:
         # The backup reads its row count on the device, and y gets the dense formula's NaN
@@ -132,7 +138,7 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
                                w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
                                backup_kernel=kernels.warp_backup, columns=weight_columns, rule=rule,
                                device_choice=dense_kernel is None and _choice_on_device(kernels, rule),
-                               dense_kernel=dense_kernel)
+                               dense_kernel=dense_kernel, rows_from_g=kernels.warp_rows_g)
     if plan.path == Path.WARP and plan.device_choice:  # the checks run on the sparse side only
         def operands_finite():
             columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
@@ -148,6 +154,9 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         # XLA's dense FFN) for 2% on uniform rows (lab/results/device_backup_ee16371.json).
         tile, capacity = plan.options.tile, plan.options.capacity
         g = relu_matmul(x, w_act)
+        if kernels.warp_rows_g is not None:  # the rows listed from g in the kernel: no pack
+            return warp.ffn_from_g_with_backup(x, g, w_up_k, w_down, columns, w_up_t=w_up_t,
+                                               rows_kernel=kernels.warp_rows_g, backup_kernel=kernels.warp_backup)
         act = kernels.pack(g, tile=tile, capacity=capacity)
         return warp.ffn_with_backup(x, g, act, w_up_k, w_down, columns, w_up_t=w_up_t, rows_kernel=kernels.warp_rows,
                                     backup_kernel=kernels.warp_backup, w_act=w_act)
@@ -215,7 +224,7 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
 
     def dense(_):
         if g is None:
-            return xla.ffn(x, w_gate, w_up, w_down)
+            return xla.dense_side(x, w_gate, w_up, w_down)
         return xla.up_down(x, g, w_up_k, w_down)
 
     if not plan.blocked:

@@ -13,6 +13,7 @@ XLA's dense FFN for the whole call past its largest size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,16 @@ def _rows_of(a, idx):
     return a.at[idx].get(mode="fill", fill_value=0)
 
 
+def _columns_mask(columns, d: int, op: str) -> jax.Array:
+    """The warp kernels' ``columns`` operand: the weights' ``[d]`` finite columns as u8, or
+    an empty array (no NaN rule in the kernel)."""
+    if columns is None:
+        return jnp.zeros((0,), jnp.uint8)
+    if tuple(columns.shape) != (d,):
+        raise ValueError(f"{op}: columns must have shape [d] = [{d}], got {tuple(columns.shape)}")
+    return columns.astype(jnp.uint8)
+
+
 def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, skip=None, columns=None):
     """``jax_twell_ffn_warp[_gated]``: y for the rows that fit, zeros for the others.
 
@@ -99,12 +110,7 @@ def ffn_rows(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, ski
     attrs = dict(tile=np.int32(act.tile), max_entries=np.int32(row_budget))
     name = "jax_twell_ffn_warp" if w_up_t is None else "jax_twell_ffn_warp_gated"
     weights = (w_down,) if w_up_t is None else (w_up_t, w_down)
-    if columns is None:
-        mask = jnp.zeros((0,), jnp.uint8)
-    else:
-        if tuple(columns.shape) != (d,):
-            raise ValueError(f"ffn_rows: columns must have shape [d] = [{d}], got {tuple(columns.shape)}")
-        mask = columns.astype(jnp.uint8)
+    mask = _columns_mask(columns, d, "ffn_rows")
     flag = () if skip is None else (jnp.asarray(skip).astype(jnp.int32),)
     return kernel_call(name if skip is None else name + "_unless", out, vmap_method="sequential")(
         x, act.values, act.cols, act.counts, *weights, mask, *flag, **attrs)
@@ -129,6 +135,70 @@ def ffn_rows_reference(x, act: TwELL, w_up_t, w_down, *, row_budget: int = ROW_B
     if skip is not None:
         y = jnp.where(jnp.asarray(skip, bool), jnp.zeros((), x.dtype), y)
     return y
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["counts"], meta_fields=["capacity"])
+@dataclasses.dataclass(frozen=True)
+class RowCounts:
+    """The rows' entry counts as the backup reads them, where no TwELL layout was made
+    (:func:`ffn_rows_from_g`): ``counts`` ``[M, 1]`` int32, one "tile" a row with no
+    capacity of its own, so a row is backed up by the row budget alone
+    (:func:`backed_up` and the backup kernels apply the same rule to it)."""
+
+    counts: jax.Array
+    capacity: int = 2**31 - 1
+
+
+def ffn_rows_from_g(x, g, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, columns=None):
+    """``jax_twell_ffn_warp_from_g[_gated]``: :func:`ffn_rows` listing each row's entries
+    from the dense activation ``g`` itself (no pack kernel, no TwELL, no tile capacity).
+
+    x: ``[M, d]`` bf16/f16; g: ``[M, f]`` the activation (``relu(x @ w_gate)`` rounded to
+    x's dtype; f a multiple of 8); w_up_t: ``[f, d]`` (None: non-gated, g is the hidden);
+    w_down: ``[f, d]``; ``columns``: as in :func:`ffn_rows`. A row with more than
+    ``row_budget`` non-zeros is left to the backup (zeros here). Returns ``(y [M, d],
+    RowCounts)``, the counts being each row's non-zeros of g, what the backup lists its
+    rows from (:func:`ffn_rows_from_g_reference` is the contract)."""
+    m, d = x.shape
+    f = g.shape[-1]
+    if g.shape != (m, f) or w_down.shape != (f, d):
+        raise ValueError(f"ffn_rows_from_g: g must be [M, f] and w_down [f, d], got {g.shape} and {w_down.shape}")
+    if f % 8 != 0:
+        raise ValueError(f"ffn_rows_from_g: f must be a multiple of 8, got {f}")
+    out = (jax.ShapeDtypeStruct((m, d), x.dtype), jax.ShapeDtypeStruct((m, 1), jnp.int32))
+    name = "jax_twell_ffn_warp_from_g" if w_up_t is None else "jax_twell_ffn_warp_from_g_gated"
+    weights = (w_down,) if w_up_t is None else (w_up_t, w_down)
+    mask = _columns_mask(columns, d, "ffn_rows_from_g")
+    y, counts = kernel_call(name, out, vmap_method="sequential")(
+        x, g, *weights, mask, max_entries=np.int32(row_budget))
+    return y, RowCounts(counts)
+
+
+def _entries(g):
+    """``g``'s entries by their bits, as the kernels test them: any bit but the sign set (so
+    -0 is none, NaN and subnormals are entries, whatever the platform's flushing of
+    subnormals in comparisons)."""
+    bits = jax.lax.bitcast_convert_type(g, jnp.dtype(f"uint{8 * g.dtype.itemsize}"))
+    return (bits & ~(np.array(1, bits.dtype) << (8 * g.dtype.itemsize - 1))) != 0
+
+
+def ffn_rows_from_g_reference(x, g, w_up_t, w_down, *, row_budget: int = ROW_BUDGET, columns=None):
+    """:func:`ffn_rows_from_g`'s contract in XLA operations (its stand-in on the CPU): the
+    FFN of g's entries (any bit but the sign set: NaN and subnormals count, -0 does not) on
+    the rows holding at most ``row_budget`` of them, zeros on the others, the dense
+    formula's NaN on the computed rows where ``columns`` is given; each row's count of
+    entries."""
+    entry = _entries(g)
+    counts = jnp.sum(entry, axis=-1, dtype=jnp.int32)[:, None]
+    a = jnp.where(entry, g, jnp.zeros((), g.dtype))
+    if w_up_t is not None:
+        u = jnp.matmul(x, w_up_t.T, preferred_element_type=jnp.float32).astype(x.dtype)
+        a = a * jnp.where(entry, u, jnp.zeros((), x.dtype))
+    y = jnp.matmul(a, w_down, preferred_element_type=jnp.float32).astype(x.dtype)
+    if columns is not None:
+        y = as_dense_nonfinite(y, x, columns)
+    y = jnp.where(counts > row_budget, jnp.zeros((), x.dtype), y)
+    return y, RowCounts(counts)
 
 
 # The device backup's split products keep their f32 partial tiles in a scratch of this many
@@ -369,6 +439,17 @@ def ffn_with_backup(x, g, act: TwELL, w_up, w_down, columns, *, w_up_t=None, row
     return backup_kernel(x if gated or g is None else None, g, act, w_up, w_down, y, row_budget=row_budget, w_act=w_act)
 
 
+def ffn_from_g_with_backup(x, g, w_up, w_down, columns, *, w_up_t=None, row_budget: int = ROW_BUDGET,
+                           rows_kernel=ffn_rows_from_g, backup_kernel=backup_rows):
+    """:func:`ffn_with_backup` with the rows listed from g by the warp kernel itself
+    (:func:`ffn_rows_from_g`): no pack, and a row is backed up by the row budget alone.
+    g: ``[M, f]`` the activation; the rest as in :func:`ffn_with_backup`."""
+    gated = w_up is not None
+    y, counts = rows_kernel(x, g, _up_t(w_up, w_up_t) if gated else None, w_down, row_budget=row_budget,
+                            columns=columns)
+    return backup_kernel(x if gated else None, g, counts, w_up, w_down, y, row_budget=row_budget)
+
+
 def ffn_from_gate(x, act: TwELL, w_gate, w_up, w_down, *, w_up_t=None, row_budget: int = ROW_BUDGET,
                   backup: int | None = None, rows_kernel=ffn_rows, finite=True):
     """The FFN from the packed gate ``act``: the warp kernel for the rows that fit, the
@@ -454,7 +535,7 @@ def likely_sparse(g, *, d: int, itemsize: int, tile: int, capacity: int, row_bud
 def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, w_up_t=None,
                row_budget: int = ROW_BUDGET, pack=pack_twell, rows_kernel=ffn_rows, finite=True,
                backup_kernel=None, columns=None, rule: DenseCrossover | None = None, device_choice: bool = False,
-               dense_kernel=None):
+               dense_kernel=None, rows_from_g=None):
     """Inference FFN with the choice made per call on the device: XLA's gate matmul writes
     g; a sample of its rows (:func:`likely_sparse`) chooses: dense, the dense up and down
     products from the same g (no gate recompute, no pack, no count of all of g); sparse,
@@ -476,17 +557,26 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
     (:func:`dense_ffn_if` or its reference; with ``backup_kernel``): no conditional
     either, the dense side on cuBLAS: the pack (writing empty tiles), the warp kernel and
     the backup (listing no row) on the dense side find nothing to do, then
-    ``dense_kernel`` computes y there from x and g."""
+    ``dense_kernel`` computes y there from x and g. ``rows_from_g`` (:func:`ffn_rows_from_g`
+    or its reference; with ``backup_kernel``, in the form with a conditional): the sparse
+    side lists the rows' entries from g in the warp kernel (:func:`ffn_from_g_with_backup`)
+    instead of the pack and ``rows_kernel``."""
     m, d = x.shape
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     backup = backup_size(m)
     g = relu_matmul(x, w_act)
+    # The form with a conditional lists the rows from g where given such a kernel; the forms
+    # with none keep the pack (their kernels take the dense side's skip flag).
+    from_g = backup_kernel is not None and rows_from_g is not None and dense_kernel is None and not device_choice
 
     def dense(_):
         return xla.up_down(x, g, w_up if gated else None, w_down)
 
     def sparse(_):
+        if from_g:
+            return ffn_from_g_with_backup(x, g, w_up if gated else None, w_down, columns(), w_up_t=w_up_t,
+                                          row_budget=row_budget, rows_kernel=rows_from_g, backup_kernel=backup_kernel)
         act = pack(g, tile=tile, capacity=capacity)
         if backup_kernel is not None:
             return ffn_with_backup(x, g, act, w_up if gated else None, w_down, columns(), w_up_t=w_up_t,
@@ -499,7 +589,10 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, tile: int = 256, capacity: int = 32, 
             lambda idx: xla.up_down(_rows_of(x, idx), _rows_of(g, idx), w_up if gated else None, w_down),
             lambda: dense(None))
 
-    likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile, capacity=capacity, row_budget=row_budget,
+    # The sample priced by the sparse side's own rule: with the rows listed from g, a row
+    # is backed up by the row budget alone (a tile's capacity of the budget cannot bind).
+    likely = likely_sparse(g, d=d, itemsize=x.dtype.itemsize, tile=tile,
+                           capacity=row_budget if from_g else capacity, row_budget=row_budget,
                            backup=backup, rule=None if backup_kernel is None else rule or DenseCrossover(),
                            transposed=w_up_t is not None or not gated, gated=gated)
     if dense_kernel is not None or device_choice:  # no conditional: the choice a device flag
