@@ -187,6 +187,15 @@ def test_the_rule_picks_the_branch_on_the_device(stand_ins):
     )
     assert (run(cheap_blocked, sparse_inp, kernel="blocked", kernels=kernels) == BLOCKED_MARK).all()
     assert (run(DenseCrossover(), sparse_inp, kernel="blocked", side=Side.SPARSE, kernels=kernels) == BLOCKED_MARK).all()
+    # Overflowed tiles cost the blocked kernels a recompute each: a few fully active rows
+    # (entries within the workspace) send the call dense, as the penalty prices them.
+    tail_inp = case(m=1100, density=0.005, full=8, empty=0, key=9)
+    assert int(stats.gate_counts(relu_matmul(tail_inp.x, tail_inp.w_gate), tile=256, capacity=8)[1]) >= 8
+    y_tail = run(cheap_blocked, tail_inp, kernel="blocked", kernels=kernels)
+    np.testing.assert_array_equal(y_tail, np.asarray(
+        xla.ffn(tail_inp.x, tail_inp.w_gate, tail_inp.w_up, tail_inp.w_down), np.float32))
+    free_overflow = dataclasses.replace(cheap_blocked, blocked_overflow_penalty=0.0)
+    assert (run(free_overflow, tail_inp, kernel="blocked", kernels=kernels) == BLOCKED_MARK).all()
     full_inp = case(m=1100, density=0.005, full=1100, empty=0, key=7)  # every tile overflows
     g = relu_matmul(full_inp.x, full_inp.w_gate)
     assert int(stats.gate_counts(g, tile=256, capacity=8)[2]) > layout.blocked_max_entries(1100, 700, 256, 8)

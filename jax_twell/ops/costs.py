@@ -70,6 +70,11 @@ class DenseCrossover:
     blocked_weight_bandwidth: float = 1.68e12  # blocked kernel: bytes/s of its per-block weight slabs
     blocked_pair_rate: float = 3.22e12  # blocked kernel: pair-columns/s of its up and down steps
     blocked_fixed_overhead: float = 3.2e-4  # blocked kernel: seconds of pack, layout and finish
+    # blocked kernels: seconds per overflowed tile (its recompute from x and the [d, f] weights,
+    # and its tile-wide entries): the union kernel took 17.35 ms at M=8,192 with 2% of the
+    # tokens at 10-50% of f (~2,900 overflowed tiles; 0.70 ms on uniform rows), one H200,
+    # benchmarks/results/patterns_extra_806b553.json
+    blocked_overflow_penalty: float = 5.7e-6
     union_row_bandwidth: float = 5.39e12  # union products: bytes/s of the union rows of Wu^T and Wd
     union_fixed_overhead: float = 6.8e-5  # union products: fixed seconds after the gate
     union_transpose_bandwidth: float = 3.1e12  # union products: bytes/s of an in-call transpose of w_up
@@ -246,12 +251,15 @@ class DenseCrossover:
                 + transpose)
 
     def kernel_cost(self, nnz, m: int, d: int, f: int, itemsize: int, union_products: bool, union=None,
-                    transposed: bool = True, active_fraction: float | None = None):
+                    transposed: bool = True, active_fraction: float | None = None, n_overflow=0.0):
         """The blocked kernel's price: :meth:`union_cost` with union products, else
-        :meth:`blocked_cost`."""
+        :meth:`blocked_cost`; plus :attr:`blocked_overflow_penalty` for each of
+        ``n_overflow`` overflowed tiles (a device value, or a float)."""
         if union_products:
-            return self.union_cost(nnz, m, d, f, itemsize, union, transposed, active_fraction)
-        return self.blocked_cost(nnz, m, d, f, itemsize)
+            cost = self.union_cost(nnz, m, d, f, itemsize, union, transposed, active_fraction)
+        else:
+            cost = self.blocked_cost(nnz, m, d, f, itemsize)
+        return cost + n_overflow * self.blocked_overflow_penalty
 
     def sparse_predicted(self, m: int, d: int, f: int, itemsize: int, active_fraction: float,
                          transposed: bool = False, kernel: str = "row", union_fraction: float | None = None) -> bool:

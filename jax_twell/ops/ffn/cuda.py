@@ -238,8 +238,10 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
         union = None
         if plan.union_priced:  # the union measured on a sample of g's blocks where g exists
             union = plan.layer.union_fraction if g is None else stats.sampled_block_union(g, rows=plan.sample_rows)
+        # Overflowed tiles priced as the blocked kernels pay them (a recompute each): heavy-tailed
+        # rows otherwise sent calls 10-20x slower than dense to them.
         blocked_cost = rule.kernel_cost(nnz, m, d, f, itemsize, plan.union_priced, union, plan.transposed,
-                                        plan.layer.active_fraction)
+                                        plan.layer.active_fraction, n_overflow=n_over)
         any_sparse = use_row | (blocked_cost < rule.margin * rule.dense_cost(m, d, f, itemsize))
         if prefer_blocked is None:
             prefer_blocked = blocked_cost < row_cost
