@@ -253,3 +253,35 @@ def test_bench_patterns_reads_back_the_npz_it_writes(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_patterns.main(["--npz", str(tmp_path / "absent.npz")])
     assert "no such file" in capsys.readouterr().err
+
+
+def test_bench_floor_sweeps_reports_and_gates(tmp_path, capsys, monkeypatch):
+    """bench_floor: its configurations are parsed and checked (mode infer by default, bad
+    items refused with the format named); a run writes a row per configuration with both
+    times, the ratio and the error; a row below the floor makes the exit status 1 and is
+    listed, and one above it does not."""
+    import json
+
+    import bench_floor
+
+    assert bench_floor.parse_configs("64:32:48:0.05:tail") == [(64, 32, 48, 0.05, "tail", "infer")]
+    assert bench_floor.parse_configs("8:8:16:1.0:full16:train")[0][5] == "train"
+    for bad, says in (("64:32:48:tail", "M:d:f:density"), ("64:32:48:0.1:zipf", "family"),
+                      ("64:32:48:0.1:tail:serve", "mode"), ("0:32:48:0.1:tail", "positive"),
+                      ("64:32:48:1.5:tail", "positive")):
+        with pytest.raises(SystemExit, match=says):
+            bench_floor.parse_configs(bad)
+    assert all(c in bench_floor.FAMILIES for c in {c[4] for c in bench_floor.parse_configs(bench_floor.GRID)})
+    out = tmp_path / "floor.json"
+    args = ["--configs", "32:16:48:0.1:tail,16:8:16:0.5:uniform:train", "--min-seconds", "0.001", "--out", str(out)]
+    assert bench_floor.main([*args, "--floor", "0"]) == 0
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["rows"]] == ["infer", "train"] and not result["failed"]
+    for r in result["rows"]:
+        assert r["ms"]["xla"] > 0 and r["ms"]["default"] > 0 and r["holds"]
+        assert r["ratio"] == pytest.approx(r["ms"]["xla"] / r["ms"]["default"])
+        assert r["rel_error"] < 1e-2
+    assert bench_floor.main([*args, "--floor", "1e9"]) == 1
+    assert "below: infer M=32" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_floor.main(["--modes", "serve"])
