@@ -72,8 +72,9 @@ def family_inputs(key, m: int, d: int, f: int, p: float, family: str):
     """FFN operands (bf16) whose rows fire at :func:`family_rates`."""
     inp = synthetic_ffn_inputs(key, m, d, f, density=p, pattern="uniform", dtype=jnp.float32)
     rates = family_rates(jax.random.fold_in(key, 1), m, p, family)
-    # Rate 1 (fully active rows): a control value far below every pre-activation.
-    ctrl = jnp.where(rates >= 1.0, -50.0, jax.scipy.special.ndtri(1.0 - jnp.minimum(rates, 0.999)))
+    # Rate 1 (fully active rows): a control value far below every pre-activation; rate 0
+    # (empty rows) as 1e-7 (a finite control value: no Inf in x).
+    ctrl = jnp.where(rates >= 1.0, -50.0, jax.scipy.special.ndtri(1.0 - jnp.clip(rates, 1e-7, 0.999)))
     x = inp.x.at[:, 0].set(ctrl)
     return tuple(a.astype(jnp.bfloat16) for a in (x, inp.w_gate, inp.w_up, inp.w_down))
 

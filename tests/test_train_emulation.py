@@ -640,3 +640,48 @@ def test_kept_token_order_composes_with_vmap_and_grad(emulated_kernels):
         np.testing.assert_array_equal(np.asarray(ys[i]), np.asarray(y))
         for a, b in zip(gs, g):
             np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b))
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("full,sparse", [(0, True), (5, True), (30, True), (100, False)],
+                         ids=["none", "bucket_8", "bucket_80", "past_the_buckets"])
+def test_rows_past_the_width_go_to_the_dense_backup(emulated_kernels, gated, full, sparse):
+    """Rows past the hybrid width (here fully active tokens) are computed dense over their
+    gathered rows at the smallest static size that holds them (300 tokens: 8, 24, 80 rows):
+    the kernels see those rows empty, the call stays on the sparse side, and y, the L1
+    term, the statistics and every gradient are the dense formula's. More rows than the
+    largest size: the call runs dense."""
+    seen = []
+
+    def forward(x, act, *a, **k):
+        jax.debug.callback(lambda c: seen.append(np.asarray(c).sum(axis=-1)), act.counts)
+        return _emulated_forward(x, act, *a, **k)
+
+    kernels = dataclasses.replace(emulated_kernels, forward=forward)
+    assert layout.train_backup_buckets(300) == (0, 8, 24, 80)
+    x, wg, wu, wd, dy = make_case(300, 64, 520, 0.01, "uniform", gated, key=21)
+    rows = np.random.default_rng(full).choice(300, full, replace=False)
+    wg_or_wu = wg if gated else wu
+    # rows along the activation weight's column sums: most neurons fire, far past the width (128 of 520)
+    x = x.at[rows, :].set(jnp.sign(jnp.asarray(wg_or_wu, jnp.float32).sum(axis=1)).astype(x.dtype) * 2.0)
+    fn = functools.partial(cuda_ffn_train, width=128, side=Side.SPARSE, kernels=kernels)
+    (y, l1), grads = grads_of(jax.jit(lambda *a: fn(*a)[:2]), x, wg, wu, wd, dy)
+    (y_ref, l1_ref), g_ref = grads_of(lambda *a: train_reference.ffn_with_aux(*a, width=16, backup_capacity=None)[:2],
+                                      x, wg, wu, wd, dy)
+    jax.block_until_ready(grads)
+    active = np.asarray(relu_matmul(x, wg_or_wu)) != 0
+    over = active.sum(-1) > 128
+    assert over.sum() >= full and (over.sum() <= 80) == sparse
+    assert KERNEL_CALLS == (["forward", "backward"] if sparse else [])
+    if sparse:
+        assert np.all(seen[-1][over] == 0) and np.array_equal(seen[-1][~over], active[~over].sum(-1))
+    for name, g, r in zip(["dx", "dw_gate", "dw_up", "dw_down"], grads, g_ref):
+        if r is None:
+            assert g is None
+            continue
+        assert_close(g, r, GRAD_TOL, f"{name} full={full}")
+    assert_close(y, y_ref, GRAD_TOL, "y")
+    np.testing.assert_allclose(l1, l1_ref, rtol=2e-2)
+    _, _, counts, fired = fn(x, wg, wu, wd)
+    np.testing.assert_array_equal(counts, active.sum(-1))
+    np.testing.assert_array_equal(fired, active.any(0))

@@ -372,6 +372,12 @@ class TrainCrossover:
     fixed_overhead: float = 0.2491e-3  # seconds every sparse step pays
     margin: float = 1.0  # sparse runs where predicted below this fraction of dense's time
     min_tokens: int = 256  # tokens below which the kernels are never traced
+    # The dense backup of rows past the hybrid width (XLA's step over the gathered rows,
+    # its g and u recomputed in the backward: 11 products of the dense step's 9, on few
+    # rows) and its fixed cost (the bucket's switch, the row list, gathers and scatters).
+    # Not fitted yet: set from the products' count and a small-product rate.
+    backup_factor: float = 1.6
+    backup_fixed: float = 40e-6
 
     def dense_cost(self, m: int, d: int, f: int) -> float:
         """Seconds of XLA's dense forward + backward past the gate matmul."""
@@ -427,9 +433,18 @@ class TrainCrossover:
             return False
         return self.sparse_fixed_cost(m, d, f, itemsize) < self.margin * self.dense_cost(m, d, f)
 
-    def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int) -> jax.Array:
-        """``[]`` bool on the device: True where the sparse kernels should run."""
-        return self.sparse_cost(nnz, n_overflow, m, d, f, itemsize) < self.margin * self.dense_cost(m, d, f)
+    def backup_cost(self, rows, m: int, d: int, f: int) -> jax.Array:
+        """``[]`` f32 seconds of the dense backup over ``rows`` (a device value: the static
+        bucket the call's rows past the width fill; 0 costs nothing) of ``m`` tokens."""
+        rows = jnp.asarray(rows).astype(jnp.float32)
+        return jnp.where(rows > 0, rows / max(m, 1) * self.backup_factor * self.dense_cost(m, d, f)
+                         + self.backup_fixed, 0.0)
+
+    def use_sparse(self, nnz, n_overflow, m: int, d: int, f: int, itemsize: int, backup_rows=0) -> jax.Array:
+        """``[]`` bool on the device: True where the sparse kernels (and the dense backup
+        over ``backup_rows`` rows) should run."""
+        cost = self.sparse_cost(nnz, n_overflow, m, d, f, itemsize) + self.backup_cost(backup_rows, m, d, f)
+        return cost < self.margin * self.dense_cost(m, d, f)
 
 
 # The fit of the steps the stationary walks replace (the forward's down step and dx as union

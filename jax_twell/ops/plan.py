@@ -354,8 +354,10 @@ class TrainOptions:
     Attributes:
       width: the hybrid format's row width: statistics count rows past it
         (``FFNAux.rows_over_capacity``) and the kernels' entry budget is ``width`` a token.
-      backup_capacity: rows past ``width`` the sparse side takes at most (None: all); a
-        call with more runs dense (exact).
+      backup_capacity: rows past ``width`` the sparse side takes at most, computed dense
+        over their gathered rows (the hybrid format's backup; sizes
+        :func:`jax_twell.ops.layout.train_backup_buckets`, None: up to a quarter of the
+        tokens); a call with more runs dense (exact).
       rule: the cost model; None: :func:`default_train_rule` for the steps that run.
       tensor_cores: the up, down and dh steps on tensor cores (False: the bit-exact CUDA-core steps).
       dx_tensor_cores: dx on tensor cores too (None: as ``tensor_cores``).

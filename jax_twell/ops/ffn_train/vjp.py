@@ -2,7 +2,9 @@
 
 Forward: the gate as TwELL, then (where the plan leaves it to the device, by the rule;
 always, by the entry budget) the sparse forward kernel keeping sparse residuals, or the
-dense formula. Backward: the sparse backward kernel on those residuals, or XLA's
+dense formula. The rows past the hybrid width are the dense backup's: the kernels see them
+empty, and XLA computes them (forward and backward) over their gathered rows, at the
+smallest of a few static sizes that holds them. Backward: the sparse backward kernel on those residuals, or XLA's
 autodiff of the dense formula (recomputing g and u: nothing ``[M, f]`` was kept). The
 device steps are the bindings of :mod:`jax_twell.ops.ffn_train.binding`, or the stand-ins
 a test passes as ``kernels`` (tests/test_train_emulation.py stands the NumPy model in).
@@ -18,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_twell.formats import relu_matmul
-from jax_twell.ops import layout, xla
+from jax_twell.ops import layout, stats, xla
 from jax_twell.ops.common import all_finite, as_varying, mesh_axes, sum_over_shards
 from jax_twell.ops.ffn import binding as ffn_binding
 from jax_twell.ops.ffn_train import binding
@@ -67,6 +69,27 @@ def _train_ffn(x, w_gate, w_up, w_down, plan, kernels):
     return out
 
 
+def _without_rows(act, idx):
+    """``act`` with the rows ``idx`` (``m`` where none: dropped) emptied: no entry, no
+    overflowed tile (the kernels leave those rows to the backup)."""
+    drop = dict(mode="drop")
+    return dataclasses.replace(act, values=act.values.at[idx].set(0, **drop), cols=act.cols.at[idx].set(0, **drop),
+                               counts=act.counts.at[idx].set(0, **drop))
+
+
+def _backup_rows(act, plan: TrainPlan, m: int):
+    """The rows past the hybrid width (their entries, overflowed tiles at full width, over
+    ``plan.width``): ``(buckets, idx [largest bucket] int32 (m past the last row), n_rows,
+    branch)``, ``branch`` the smallest bucket that holds them (the last where none does)."""
+    buckets = layout.train_backup_buckets(m, plan.backup_capacity)
+    need = jnp.where(act.overflowed, stats.tile_widths(act.f, act.tile), act.counts).sum(axis=-1, dtype=jnp.int32)
+    over = need > plan.width
+    n_rows = over.sum(dtype=jnp.int32)
+    idx = jnp.nonzero(over, size=buckets[-1], fill_value=m)[0].astype(jnp.int32)
+    branch = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), n_rows), len(buckets) - 1)
+    return buckets, idx, n_rows, branch
+
+
 def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
     m, d = x.shape
     gated = w_gate is not None
@@ -81,24 +104,44 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
     else:
         act = kernels.pack(g, tile=tile, capacity=capacity)
     counts = act.counts.sum(axis=-1, dtype=jnp.int32)
-    use = ffn_binding.blocked_needed_entries(act) <= plan.max_entries
+    # Rows past the hybrid width go to the dense backup (at the smallest static size that
+    # holds them): the kernels see them empty, so they neither overflow the entry budget
+    # nor widen their 64-token blocks' unions.
+    buckets, idx, n_rows, branch = _backup_rows(act, plan, m)
+    kept = _without_rows(act, idx) if buckets[-1] else act
+    use = (ffn_binding.blocked_needed_entries(kept) <= plan.max_entries) & (n_rows <= buckets[-1])
     if plan.device_choice:
         use = use & plan.rule.use_sparse(
-            act.counts.sum(dtype=jnp.int32), act.overflowed.sum(dtype=jnp.int32), m, d, f, x.dtype.itemsize)
-    if plan.backup_capacity is not None:
-        use = use & ((counts > plan.width).sum(dtype=jnp.int32) <= plan.backup_capacity)
+            kept.counts.sum(dtype=jnp.int32), kept.overflowed.sum(dtype=jnp.int32), m, d, f, x.dtype.itemsize,
+            backup_rows=jnp.asarray(buckets, jnp.int32)[branch])
     use = use & all_finite(x, w_gate, w_up, w_down)  # NaN and Inf as the dense formula has them
     steps = plan.steps
     axes = mesh_axes(x, w_gate, w_up, w_down)
 
+    def backup(size):  # y, L1 and fired neurons of the backed-up rows (y padded to the largest size)
+        def run(_):
+            if size == 0:
+                out = (jnp.zeros((buckets[-1], d), x.dtype), jnp.float32(0), jnp.zeros((f,), bool))
+            else:
+                xb = x.at[idx[:size]].get(mode="fill", fill_value=0)  # past the rows: zero rows, h = 0
+                yb, l1b, _, fired_b = xla.ffn_with_aux(xb, w_gate, w_up, w_down)
+                out = (jnp.pad(yb, ((0, buckets[-1] - size), (0, 0))), l1b * (size / max(m, 1)), fired_b)
+            return as_varying(out, axes)
+        return run
+
     def sparse(_):
         y, res, h_source = kernels.forward(
-            x, act, w_act, w_up if gated else None, w_down, max_entries=plan.max_entries,
+            x, kept, w_act, w_up if gated else None, w_down, max_entries=plan.max_entries,
             tensor_cores=steps.tensor_cores, down_union=steps.down_union, up_union=steps.up_union,
             down_stationary=steps.down_stationary,
         )
         l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
-        return as_varying((y, l1, fired_from_columns(res.col_off, f), res), axes)
+        fired = fired_from_columns(res.col_off, f)
+        if buckets[-1]:
+            yb, l1b, fired_b = jax.lax.switch(branch, [backup(s) for s in buckets], None)
+            y = y.at[idx].set(yb, mode="drop")
+            l1, fired = l1 + l1b, fired | fired_b
+        return as_varying((y, l1, fired, res), axes)
 
     def dense(_):
         gate = relu_matmul(x, w_act) if g is None else g
@@ -111,17 +154,39 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
         return as_varying((y, l1, (gate != 0).any(axis=0), res), axes)
 
     y, l1, fired, res = jax.lax.cond(use, sparse, dense, None)
-    return (y, l1, counts, fired), (x, w_gate, w_up, w_down, use, res)
+    return (y, l1, counts, fired), (x, w_gate, w_up, w_down, use, res, idx, branch)
+
+
+def _add(a, b):
+    """``a + b`` rounded once to ``a``'s dtype (None where ``a`` is: no such weight)."""
+    return None if a is None else (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
 
 
 def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
-    x, w_gate, w_up, w_down, use, res = saved
+    x, w_gate, w_up, w_down, use, res, idx, branch = saved
     dy, dl1, _, _ = cotangents
     use = use & all_finite(dy, dl1)  # a NaN cotangent reaches every gradient through the dense formula
     m = max(x.shape[0], 1)
     l1_grad = dl1.astype(jnp.float32) / m
     steps = plan.steps
     axes = mesh_axes(x, w_gate, w_up, w_down, dy)
+    buckets = layout.train_backup_buckets(x.shape[0], plan.backup_capacity)
+
+    def backup(size):  # the backed-up rows' cotangents by XLA's autodiff, added to the kernels'
+        def run(grads):
+            if size == 0:
+                return grads
+            rows = idx[:size]
+            xb, dyb = (a.at[rows].get(mode="fill", fill_value=0) for a in (x, dy))
+            # Under shard_map the weights enter as varying: their cotangents stay per shard
+            # (no collective inside a branch the shards may not all take), summed below
+            # with the kernels' ones.
+            weights = as_varying((w_gate, w_up, w_down), axes)
+            # their L1 term is sum |h_b| / m: ffn_with_aux's mean over size rows, times size / m
+            db = xla.ffn_with_aux_vjp(xb, *weights, dyb.astype(x.dtype), dl1 * (size / m))
+            dx = grads[0].at[rows].set(db[0].astype(grads[0].dtype), mode="drop")
+            return as_varying((dx, *(_add(a, b) for a, b in zip(grads[1:], db[1:]))), axes)
+        return run
 
     def sparse(_):
         grads = kernels.backward(
@@ -130,6 +195,8 @@ def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
             dh_union=steps.dh_union, dx_stationary=steps.dx_stationary,
         )
         grads = as_varying(grads, axes)
+        if buckets[-1]:
+            grads = jax.lax.switch(branch, [backup(s) for s in buckets], grads)
         return tuple(sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
 
     def dense(_):  # nothing M x f was kept: the dense backward recomputes g and u (2 matmuls)
