@@ -1067,35 +1067,3 @@ def test_the_dense_side_keeps_the_gate_and_up_products_apart(stand_ins, gated, d
     assert "optimization_barrier" not in text and "stand_in_pack" not in text
     np.testing.assert_array_equal(np.asarray(jax.jit(fn)(big.x), np.float32),
                                   np.asarray(jax.jit(xla.ffn)(big.x, w_gate_big, big.w_up, big.w_down), np.float32))
-
-
-def test_the_blocked_choice_reads_the_gate_of_x_sampled_rows(stand_ins):
-    """The blocked kernels' per-call choice (from 2 x the sample's rows) computes the gate
-    of x's sampled rows only (the same rows of g the sample would read: same counts),
-    so the full gate runs inside the sparse branch and the dense side is XLA's own FFN,
-    bit for bit; the sparse side is the blocked kernel's."""
-    kernels = stand_ins(mark=True)
-    rule = DenseCrossover(blocked_pair_rate=1e30, blocked_fixed_overhead=0.0, blocked_weight_bandwidth=1e30, **NO_FIXED)
-    sparse_inp, dense_inp = case(m=1100, density=0.005, full=0, empty=0, key=5), case(m=1100, density=0.3, full=0, empty=0, key=6)
-    rows = rule.sample_rows(1100)
-    g = relu_matmul(sparse_inp.x, sparse_inp.w_gate)
-    from_x = relu_matmul(stats.sampled_rows(sparse_inp.x, rows), sparse_inp.w_gate)
-    assert from_x.shape[0] < 1100 // 2
-    np.testing.assert_array_equal(np.asarray(from_x != 0), np.asarray(stats.sampled_rows(g, rows) != 0))
-    fn = lambda x: cuda_ffn(x, sparse_inp.w_gate, sparse_inp.w_up, sparse_inp.w_down, tile=256, capacity=8,
-                            kernel="blocked", rule=rule, kernels=kernels)
-    top = jax.make_jaxpr(fn)(sparse_inp.x).jaxpr.eqns
-
-    def gates(eqns):  # rows of the products with the gate's weight, outside any conditional
-        out = []
-        for e in eqns:
-            if e.primitive.name == "dot_general" and e.invars[1].aval.shape == sparse_inp.w_gate.shape:
-                out.append(e.invars[0].aval.shape[0])
-            if e.primitive.name in ("pjit", "jit"):
-                out.extend(gates(e.params["jaxpr"].jaxpr.eqns))
-        return out
-
-    assert gates(top) == [from_x.shape[0]]  # outside the conditional: the sample's gate only
-    assert (run(rule, sparse_inp, kernel="blocked", kernels=kernels) == BLOCKED_MARK).all()
-    want = np.asarray(xla.dense_side(dense_inp.x, dense_inp.w_gate, dense_inp.w_up, dense_inp.w_down), np.float32)
-    np.testing.assert_array_equal(run(rule, dense_inp, kernel="blocked", kernels=kernels), want)

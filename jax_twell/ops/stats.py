@@ -115,13 +115,6 @@ def _gate_sample(g: jax.Array, rows: int, block: int = layout.UNION_TOKENS) -> j
     return g[: n_full * block].reshape(n_full, block, f)[:: n_full // n][:n]
 
 
-def sampled_rows(a: jax.Array, rows: int) -> jax.Array:
-    """The rows of ``a [M, n]`` that :func:`sampled_gate_counts` reads of a gate activation
-    with M rows, as ``[S, n]`` (whole 64-row blocks, in order): applied to x, the gate of
-    the result is those rows of g."""
-    return _gate_sample(a, rows).reshape(-1, a.shape[-1])
-
-
 def sampled_gate_counts(g: jax.Array, *, tile: int, capacity: int, rows: int) -> tuple[jax.Array, jax.Array]:
     """Estimates of :func:`gate_counts`' first two values (active pairs, overflowed tiles)
     from about ``rows`` rows of ``g [M, f]`` (whole 64-row blocks evenly spaced), scaled to

@@ -206,32 +206,18 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
     f = w_act.shape[1]
     rule, tile, capacity = plan.options.rule, plan.options.tile, plan.options.capacity
     itemsize = x.dtype.itemsize
-    sample = None
     if plan.fused_gate:  # exact counts from the packed gate; g is never written
         g = None
         gate = kernels.gate_pack(x, w_act, tile=tile, capacity=capacity, variant=plan.gate_variant)
         nnz = gate.counts.sum(dtype=jnp.int32).astype(jnp.float32)
         n_over = gate.overflowed.sum(dtype=jnp.int32).astype(jnp.float32)
-    elif plan.blocked and plan.device_choice and m >= 2 * plan.sample_rows:
-        # The choice from the gate of x's sampled rows (the rows of g the sample would read):
-        # the dense side is then XLA's own FFN, its gate and up products merged as XLA runs
-        # them (the dense side reusing g runs them apart: 0.95x of XLA fully active at d=4,096,
-        # f=11,008, M=16,384 on an H100), and g is computed on the sparse side only.
-        g = None
-        sample = relu_matmul(stats.sampled_rows(x, plan.sample_rows), w_act)
-        nnz, n_over = stats.sampled_gate_counts(sample, tile=tile, capacity=capacity, rows=sample.shape[0])
-        nnz, n_over = nnz * (m / sample.shape[0]), n_over * (m / sample.shape[0])
     else:
         g = relu_matmul(x, w_act)
         nnz, n_over = stats.sampled_gate_counts(g, tile=tile, capacity=capacity, rows=plan.sample_rows)
     use_row = rule.use_sparse(nnz, n_over, m, d, f, itemsize, plan.transposed)
 
     def packed():
-        if g is not None:
-            return kernels.pack(g, tile=tile, capacity=capacity)
-        if sample is not None:  # the gate on the sparse side
-            return kernels.pack(relu_matmul(x, w_act), tile=tile, capacity=capacity)
-        return gate
+        return gate if g is None else kernels.pack(g, tile=tile, capacity=capacity)
 
     def row_kernel(act):
         return kernels.row(x, act, w_act, w_up_k, w_down, w_up_t)
@@ -251,10 +237,7 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
         row_cost = rule.row_cost(nnz, n_over, d, f, itemsize, plan.transposed, m)
         union = None
         if plan.union_priced:  # the union measured on a sample of g's blocks where g exists
-            if sample is not None:  # its whole 64-row blocks, every one of them
-                union = stats.sampled_block_union(sample, rows=sample.shape[0])
-            else:
-                union = plan.layer.union_fraction if g is None else stats.sampled_block_union(g, rows=plan.sample_rows)
+            union = plan.layer.union_fraction if g is None else stats.sampled_block_union(g, rows=plan.sample_rows)
         # Overflowed tiles priced as the blocked kernels pay them (a recompute each): heavy-tailed
         # rows otherwise sent calls 10-20x slower than dense to them.
         blocked_cost = rule.kernel_cost(nnz, m, d, f, itemsize, plan.union_priced, union, plan.transposed,
