@@ -2,10 +2,11 @@
 
 Forward: the gate as TwELL, then (where the plan leaves it to the device, by the rule;
 always, by the entry budget) the sparse forward kernel keeping sparse residuals, or the
-dense formula. The rows past the hybrid width are the dense backup's: the kernels see them
-empty, and XLA computes them (forward and backward) over their gathered rows, at the
-smallest of a few static sizes that holds them. Backward: the sparse backward kernel on those residuals, or XLA's
-autodiff of the dense formula (recomputing g and u: nothing ``[M, f]`` was kept). The
+dense formula. Backward: the sparse backward kernel on those residuals, or XLA's autodiff
+of the dense formula (recomputing g and u: nothing ``[M, f]`` was kept). On the sparse
+side the rows past the hybrid width are the dense backup's: the kernels see them empty,
+and XLA computes them, forward and backward, over their gathered rows, at the smallest of
+a few static sizes that holds them (``layout.train_backup_buckets``). The
 device steps are the bindings of :mod:`jax_twell.ops.ffn_train.binding`, or the stand-ins
 a test passes as ``kernels`` (tests/test_train_emulation.py stands the NumPy model in).
 """
