@@ -23,6 +23,7 @@ __all__ = [
     "blocked_ffn",
     "blocked_call",
     "blocked_needed_entries",
+    "row_needed_entries",
     "gate_pack",
     "decode_ffn",
     "decode_gate_splits",
@@ -66,10 +67,16 @@ def twell_ffn(x, act: TwELL, w_act, w_up, w_down, w_up_t=None):
     return call(x, act.values, act.cols, act.counts, w_act, w_up, w_up_t, w_down, tile=np.int32(act.tile))
 
 
+def row_needed_entries(act: TwELL) -> jax.Array:
+    """``[..., M]`` int32: entries the blocked kernel needs for each row of ``act`` (its
+    stored entries, plus the full width of each overflowed tile, recomputed from the weights)."""
+    return jnp.where(act.overflowed, stats.tile_widths(act.f, act.tile), act.counts).sum(axis=-1, dtype=jnp.int32)
+
+
 def blocked_needed_entries(act: TwELL) -> jax.Array:
-    """``[]`` int32: entries the blocked kernel needs for ``act`` (stored entries, plus the
-    full width of every overflowed tile, recomputed from the weights)."""
-    return jnp.where(act.overflowed, stats.tile_widths(act.f, act.tile), act.counts).sum(dtype=jnp.int32)
+    """``[]`` int32: entries the blocked kernel needs for ``act`` (:func:`row_needed_entries`
+    of every row)."""
+    return row_needed_entries(act).sum(dtype=jnp.int32)
 
 
 def blocked_call(x, act: TwELL, w_act, w_up, w_down, w_up_t, *, max_entries: int, tensor_cores: bool = False,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_twell.formats import relu_matmul
-from jax_twell.ops import layout, stats, xla
+from jax_twell.ops import layout, xla
 from jax_twell.ops.common import all_finite, as_varying, mesh_axes, sum_over_shards
 from jax_twell.ops.ffn import binding as ffn_binding
 from jax_twell.ops.ffn_train import binding
@@ -81,14 +81,16 @@ def _without_rows(act, idx):
 def _backup_rows(act, plan: TrainPlan, m: int):
     """The rows past the hybrid width (their entries, overflowed tiles at full width, over
     ``plan.width``): ``(buckets, idx [largest bucket] int32 (m past the last row), n_rows,
-    branch)``, ``branch`` the smallest bucket that holds them (the last where none does)."""
+    branch, kept_entries)``, ``branch`` the smallest bucket that holds them (the last where
+    none does), ``kept_entries`` what the kernels need for the other rows (all of them are
+    emptied wherever ``n_rows`` fits the largest bucket, the only case the kernels run)."""
     buckets = layout.train_backup_buckets(m, plan.backup_capacity)
-    need = jnp.where(act.overflowed, stats.tile_widths(act.f, act.tile), act.counts).sum(axis=-1, dtype=jnp.int32)
+    need = ffn_binding.row_needed_entries(act)
     over = need > plan.width
     n_rows = over.sum(dtype=jnp.int32)
     idx = jnp.nonzero(over, size=buckets[-1], fill_value=m)[0].astype(jnp.int32)
     branch = jnp.minimum(jnp.searchsorted(jnp.asarray(buckets, jnp.int32), n_rows), len(buckets) - 1)
-    return buckets, idx, n_rows, branch
+    return buckets, idx, n_rows, branch, jnp.where(over, 0, need).sum(dtype=jnp.int32)
 
 
 def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
@@ -108,9 +110,9 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
     # Rows past the hybrid width go to the dense backup (at the smallest static size that
     # holds them): the kernels see them empty, so they neither overflow the entry budget
     # nor widen their 64-token blocks' unions.
-    buckets, idx, n_rows, branch = _backup_rows(act, plan, m)
+    buckets, idx, n_rows, branch, kept_entries = _backup_rows(act, plan, m)
     kept = _without_rows(act, idx) if buckets[-1] else act
-    use = (ffn_binding.blocked_needed_entries(kept) <= plan.max_entries) & (n_rows <= buckets[-1])
+    use = (kept_entries <= plan.max_entries) & (n_rows <= buckets[-1])
     if plan.device_choice:
         use = use & plan.rule.use_sparse(
             kept.counts.sum(dtype=jnp.int32), kept.overflowed.sum(dtype=jnp.int32), m, d, f, x.dtype.itemsize,
