@@ -8,8 +8,13 @@
 #   STAGES   any of: corpus (gather the training text and train the BPE once, below), sparse
 #            (train the sparse model), relu (train the dense-ReLU baseline on the same tokens:
 #            same data, tokenizer, seed, batches and schedule, no L1), bench (the benchmark of
-#            the sparse run), stats (print both runs' last metrics and held-out CE); default:
-#            all five
+#            the sparse run), stats (print both runs' last metrics and held-out CE),
+#            activations (the sparse run's FFN inputs and weights at its first, middle and
+#            last layer on ACT_TOKENS held-out tokens, default 16,384, by
+#            benchmarks/trained_activations.py, then benchmarks/bench_floor.py on them: the
+#            default calls against XLA, inference and training step, and the published
+#            kernels on the same operands where ANCHOR names their folder); default: the
+#            first five
 #   PRESET   model shape (default 0.5b); STEPS, BATCH, SEQ, LR, WARMUP, L1: the recipe
 #            (defaults below: 1,400 steps of 16 x 2,048 tokens at L1 2e-4, ten times the
 #            paper's 2e-5, so that the FFNs pass 99% sparsity in about five minutes on one
@@ -113,6 +118,15 @@ EOF
       ;;
     sparse) train_run --preset "$PRESET" workdir="$RUNS/$PRESET-sparse" "${recipe[@]}" "${dargs[@]}" || exit $? ;;
     relu)   train_run --preset "$PRESET" workdir="$RUNS/$PRESET-relu" "${recipe[@]}" "${dargs[@]}" model.ffn=dense_relu l1_coef=0 || exit $? ;;
+    activations)
+      rm -rf "$RUNS/activations"
+      python3 benchmarks/trained_activations.py --workdir "$RUNS/$PRESET-sparse" --out-dir "$RUNS/activations" \
+        --tokens "${ACT_TOKENS:-16384}" || exit $?
+      cp "$RUNS/activations"/*.json "$OUT/"
+      python3 benchmarks/bench_floor.py --configs '' --npz "$RUNS/activations"/*.npz ${ANCHOR:+--anchor "$ANCHOR"} \
+        --out "$OUT/floor_trained_$PRESET.json"
+      echo "bench_floor rc=$? (1: a row below the floor or one that failed)"
+      ;;
     bench)  cli bench --workdir "$RUNS/$PRESET-sparse" --out "$OUT/bench_$PRESET.json" ${BENCH_ARGS:-} || exit $? ;;
     grow)
       [ -n "$GROW" ] || { echo "the grow stage needs GROW=<preset>" >&2; exit 2; }

@@ -9,6 +9,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -285,3 +286,52 @@ def test_bench_floor_sweeps_reports_and_gates(tmp_path, capsys, monkeypatch):
     assert "below: infer M=32" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_floor.main(["--modes", "serve"])
+
+
+def test_bench_floor_runs_files_and_the_published_kernels(tmp_path, capsys, monkeypatch):
+    """bench_floor --npz: a row per file and mode on the file's operands; --anchor: the
+    published kernels' script runs on each row's operands in the row's mode (a stand-in
+    script here that checks it was given the same operands), its figures land in the
+    row with ``vs_public`` = their time over the default's, shapes their inference kernel
+    does not take are skipped with the reason, and a script that gives no result is
+    reported, not fatal. Without that folder the option is refused."""
+    import json
+
+    import bench_floor
+    from common import save_npz
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    operands = bench_floor.family_inputs(jax.random.key(3), 256, 2048, 16, 0.1, "tail")
+    save_npz(tmp_path / "layer0.npz", *operands)
+    save_npz(tmp_path / "odd.npz", *bench_floor.family_inputs(jax.random.key(4), 24, 16, 40, 0.1, "uniform"))
+    anchor = tmp_path / "anchor"
+    anchor.mkdir()
+    (anchor / "bench_public.py").write_text(
+        "import json, sys\n"
+        "import numpy as np\n"
+        "z = np.load(sys.argv[1]); mode = sys.argv[3]\n"
+        "m, d = z['x_bf16'].shape\n"
+        "if d == 16: print('no result'); sys.exit(3)\n"
+        "print('compiling...')\n"
+        "print(json.dumps({'M': m, mode: {'public_ms': 2.5, 'dense_ms': 4.0, 'checksum': int(z['x_bf16'].sum())}}))\n"
+    )
+    out = tmp_path / "floor.json"
+    status = bench_floor.main(["--configs", "", "--npz", str(tmp_path / "layer0.npz"), str(tmp_path / "odd.npz"),
+                               "--anchor", str(anchor), "--anchor-python", sys.executable,
+                               "--min-seconds", "0.001", "--floor", "0", "--out", str(out)])
+    assert status == 0
+    result = json.loads(out.read_text())
+    rows = {(r["name"], r["mode"]): r for r in result["rows"]}
+    assert sorted(rows) == [("layer0", "infer"), ("layer0", "train"), ("odd", "infer"), ("odd", "train")]
+    bits = int(np.asarray(jax.lax.bitcast_convert_type(operands[0], jnp.uint16)).sum())
+    for mode in ("infer", "train"):
+        row = rows["layer0", mode]
+        assert (row["m"], row["d"], row["f"], row["family"], row["source"]) == (256, 2048, 16, "npz", "layer0.npz")
+        assert row["public"]["checksum"] == bits
+        assert row["public"]["vs_public"] == pytest.approx(2.5 / row["ms"]["default"])
+    assert "d = 2048" in rows["odd", "infer"]["public"]["skipped"]
+    assert "exit status 3" in rows["odd", "train"]["public"]["error"]
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    with pytest.raises(SystemExit):
+        bench_floor.main(["--configs", "", "--npz", str(tmp_path / "odd.npz"), "--anchor", str(tmp_path)])
+    assert "no bench_public.py" in capsys.readouterr().err
