@@ -320,14 +320,15 @@ def test_finite_columns_by_sums_is_the_elementwise_check(dtype, gated):
             assert want.all(), name  # the case is finite: only the sums overflow
 
 
-@pytest.mark.parametrize("dtype,m,kernel", [(jnp.bfloat16, 1, True), (jnp.bfloat16, 8, True), (jnp.bfloat16, 64, True),
-                                            (jnp.float32, 1, False), (jnp.float32, 64, False), (jnp.float32, 256, True)],
-                         ids=["bf16-m1", "bf16-m8", "bf16-m64", "f32-m1", "f32-m64", "f32-m256"])
+@pytest.mark.parametrize("dtype,m,kernel", [(jnp.bfloat16, 1, True), (jnp.bfloat16, 8, True), (jnp.bfloat16, 64, False),
+                                            (jnp.bfloat16, 512, True), (jnp.float32, 1, False), (jnp.float32, 64, False),
+                                            (jnp.float32, 256, True)],
+                         ids=["bf16-m1", "bf16-m8", "bf16-m64", "bf16-m512", "f32-m1", "f32-m64", "f32-m256"])
 def test_plain_call_takes_the_kernel_where_the_check_pays(dtype, m, kernel):
     """With nothing kept by a layer the call checks the weights (and transposes w_up)
-    itself: bf16 calls take the kernel at every M (XLA's bf16 matmuls are slow on the
-    CPU), f32 calls only where those passes leave the kernel a bound
-    (cpu.WEIGHT_PASS_ENTRIES)."""
+    itself: bf16 calls of up to cpu.GATE_MAX_M tokens take the kernel at every M (XLA's
+    products of so few bf16 rows are slow on the CPU), f32 calls and longer bf16 ones only
+    where those passes leave the kernel a bound (cpu.WEIGHT_PASS_ENTRIES)."""
     x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(12), m, 64, 256, density=0.01, dtype=dtype)
     hlo = jax.jit(jt.sparse_ffn).lower(x, w_gate, w_up, w_down).as_text()
     assert ("jax_twell_cpu_up_down" in hlo) == kernel
@@ -399,3 +400,46 @@ def test_training_default_leaves_small_calls_to_xla(m, d, f, kernels):
     inp = tuple(synthetic_ffn_inputs(jax.random.key(23), m, d, f, density=0.005, dtype=jnp.float32))
     fn, _ = _train_grads(None, inp, True, jax.random.normal(jax.random.key(24), (m, d), jnp.float32))
     assert ("jax_twell_cpu_backward" in fn.lower(*inp).as_text()) == kernels
+
+
+def test_the_per_call_count_reads_a_sample_of_rows():
+    """The CPU per-call choice's count (cpu.sampled_nonzeros): every row where M is at most
+    the smallest sample (positive entries only: it also reads the product before its
+    ReLU), else M // 8 rows (between the sample's bounds) at warp.sample_row_indices,
+    scaled to M; rows off the sample do not move it, a NaN in the sample makes it NaN."""
+    from jax_twell.ops.ffn import warp
+
+    lo, hi = cpu.COUNT_SAMPLE_ROWS
+    pre = jax.random.normal(jax.random.key(0), (lo, 40))
+    assert float(cpu.sampled_nonzeros(pre)) == float((pre > 0).sum())
+    m, f = 1024, 24
+    rows = min(hi, max(lo, m // 8))
+    sampled = np.asarray(warp.sample_row_indices(m, rows))
+    g = np.zeros((m, f), np.float32)
+    g[sampled[:5]] = 1.0  # five full rows in the sample
+    off = np.setdiff1d(np.arange(m), sampled)
+    g[off[:50], :3] = 2.0  # entries off it
+    assert float(cpu.sampled_nonzeros(jnp.asarray(g))) == 5 * f * m / rows
+    g[sampled[7], 0] = np.nan
+    assert np.isnan(float(cpu.sampled_nonzeros(jnp.asarray(g))))
+    g[sampled[7], 0] = 0.0
+    g[off[60], 0] = np.nan
+    assert float(cpu.sampled_nonzeros(jnp.asarray(g))) == 5 * f * m / rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_cpu_dense_side_products_round_once(dtype):
+    """The CPU paths' products (cpu._matmul): f32 sums rounded once to the operands'
+    dtype, so a bf16 product is the f32 product of the same operands rounded."""
+    a = jax.random.normal(jax.random.key(1), (33, 70), dtype)
+    b = jax.random.normal(jax.random.key(2), (70, 29), dtype)
+    want = np.asarray(jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
+                                 precision=jax.lax.Precision.HIGHEST).astype(dtype), np.float32)
+    got = cpu._matmul(a, b)
+    assert got.dtype == dtype
+    got = np.asarray(got, np.float32)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the f32 sums' order may differ from the reference's by a last bit: a rare tie
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=0)
+        assert (got == want).mean() > 0.99

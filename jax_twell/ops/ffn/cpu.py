@@ -4,9 +4,12 @@ products of cpu/twell_cpu.cc (registered by :mod:`jax_twell._cpu`).
 
 Decoding a token with the dense formula reads every FFN weight once; with 0.5% of the
 neurons active the up and down products need only the active neurons' rows (the gate stays
-dense: a third of the bytes). Each call counts g's non-zero entries on the device and runs
-the kernel only where that count is small enough to win (:data:`SPARSE_MAX_FRACTION`), else
-XLA's dense up and down products from the same g (``lax.cond``: a call pays one side).
+dense: a third of the bytes). Each call counts g's non-zero entries (on a sample of its
+rows) and runs the kernel only where that count is small enough to win
+(:data:`SPARSE_MAX_FRACTION`), else the dense up and down products from the same gate
+product (``lax.cond``: a call pays one side). The dense products of bf16 operands are XLA's
+with f32 results rounded once (:func:`dense_ffn`): XLA's bf16 matmul with a bf16 result is
+3-6x slower on the CPU.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_twell import _cpu
-from jax_twell.formats import TwELL, relu_matmul
+from jax_twell.formats import TwELL
 from jax_twell.ops import xla
 from jax_twell.ops.common import as_dense_nonfinite, as_varying, finite_columns, mesh_axes
+from jax_twell.ops.ffn.warp import sample_row_indices
 
 __all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "UNION_MAX_TOKENS", "UNION_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M", "TWELL_TILE",
-           "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "finite_columns_by_sums", "sparse_max_fraction", "gate",
+           "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "COUNT_SAMPLE_ROWS", "DENSE_GATE_MIN_M", "sampled_nonzeros", "dense_ffn", "finite_columns_by_sums", "sparse_max_fraction", "gate",
            "gate_twell", "up_down", "up_down_twell", "sparse_ffn"]
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel takes; f16 runs dense
@@ -62,6 +66,12 @@ COLUMNS_MAX_FRACTION = 0.02
 # 2.2 / 5.7 ms (XLA's f32 matmul is the faster there).
 GATE_MAX_M = 16
 
+# The bf16 dense side's gate: the kernel's own loop (gate) below this many tokens, XLA's
+# product with f32 results (_matmul) from it. d=2,048, f=5,632: 0.95 / 1.42 / 2.50 ms (the
+# kernel) against 1.87 / 1.73 / 1.79 ms at M = 2 / 4 / 8; d=512, f=1,408: XLA's from M=2.
+# At one token XLA's product is a slow matrix-vector path either way (12.7 against 0.72 ms).
+DENSE_GATE_MIN_M = 6
+
 # The TwELL those bf16 gates pack to (tile, capacity): 128 of 256 columns, so a tile
 # overflows (and its gate is recomputed in the up and down kernel) only past 50% active,
 # above every bound of SPARSE_MAX_FRACTION (with 64, tiles of 20%-active calls overflowed
@@ -74,12 +84,57 @@ TWELL_CAPACITY = 128
 # each), and without a kept w_up.T above COLUMNS_MAX_M tokens it transposes w_up (a read and
 # a write). Each such pass over a [d, f] weight costs about what WEIGHT_PASS_ENTRIES * f
 # active entries cost the kernel, so an f32 call's bound drops by passes * WEIGHT_PASS_ENTRIES
-# / M (at or below zero it runs XLA's dense FFN). Measured (bench_cpu.py, f32, d=2048,
-# f=5632, same VM): the plain call's extra time was ~25 ms at M=128-512, the kernel's ~1.06 us
-# an entry; the plain call lost at M=64 (0.83x at 0.5%) and M=128 at 2.5% (0.88x) with the
-# bound alone. bf16 calls do not pay it: XLA's bf16 matmuls on the CPU run at a tenth of its
-# f32 rate (dense FFN ~50-80 ms at M=1-64), far above the passes (~2.6 ms for the check).
+# / M (at or below zero it runs the dense FFN, :func:`dense_ffn`). Measured (bench_cpu.py,
+# f32, d=2048, f=5632, same VM): the plain call's extra time was ~25 ms at M=128-512, the
+# kernel's ~1.06 us an entry; the plain call lost at M=64 (0.83x at 0.5%) and M=128 at 2.5%
+# (0.88x) with the bound alone. bf16 calls past GATE_MAX_M tokens pay it too: their dense
+# side's products (_matmul) run at the f32 rate or faster, and a plain bf16 call of 64
+# tokens on the kernel took 1.4-1.8x the dense side's time (d=512-2,048, 0.5-2% active).
+# Up to GATE_MAX_M tokens the bf16 dense side's products are matrix-vector-like and slow
+# in XLA (29 ms at one token, d=2,048), and the passes are not priced.
 WEIGHT_PASS_ENTRIES = 1.05
+
+
+# The per-call choice counts g's non-zero entries on M // 8 of its rows, at least
+# COUNT_SAMPLE_ROWS[0] (all of them below) and at most COUNT_SAMPLE_ROWS[1]
+# (:func:`sampled_nonzeros`). XLA's count over the whole of g ran at 1-7 GB/s on the CPU:
+# 0.1 ms of a 0.85 ms dense FFN at M=512, d=128, f=352 and 1.8 ms of 15 ms at M=4,096,
+# d=256, f=704 (f32), so a call that ended dense measured 0.85-0.90x of XLA's FFN there.
+COUNT_SAMPLE_ROWS = (64, 256)
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a @ b`` with f32 sums rounded once to ``a.dtype``. XLA's CPU matmul of two bf16
+    operands with a bf16 result ran 3-6x slower than the same product with an f32
+    result rounded after it (d=128-2,048, f=352-5,632, M=64-512, two cores; jax 0.10.2),
+    and rounded its sums more than once (0.1-0.8% of the elements a unit in the last place
+    away); f32 operands are unchanged."""
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def dense_ffn(x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """The CPU's dense FFN: XLA's (:func:`jax_twell.ops.xla.ffn`) in f32, and in bf16 the
+    same formula with :func:`_matmul`'s products (f32 sums rounded once), 3-4x faster there
+    than XLA's bf16 FFN from 8 tokens on (d=512-2,048; ``lab/results/cpu_dense_side_ab_*.json``)."""
+    if x.dtype != jnp.bfloat16:
+        return xla.ffn(x, w_gate, w_up, w_down)
+    g = jax.nn.relu(_matmul(x, w_up if w_gate is None else w_gate))
+    return _matmul(g if w_gate is None else g * _matmul(x, w_up), w_down)
+
+
+def sampled_nonzeros(g: jax.Array) -> jax.Array:
+    """``[]`` float32: the non-zero entries of ``g = relu(x @ w)`` ``[M, f]`` estimated
+    from :data:`COUNT_SAMPLE_ROWS` of its rows (``warp.sample_row_indices``: one in each
+    of equal blocks, at hashed offsets), scaled to M; exact where they are all of g's rows.
+    ``g`` may also be the product before its ReLU (its positive entries are counted).
+    Summed as ``sign(relu(g))`` (1 where g > 0, else 0): twice as fast as a count of
+    ``g != 0`` on the CPU. A NaN in the sample makes the estimate NaN, which no bound
+    admits (the dense side: exact either way). Only how fast: both sides are exact."""
+    m = g.shape[0]
+    lo, hi = COUNT_SAMPLE_ROWS
+    rows = min(m, max(lo, min(hi, m // 8)))
+    sample = g if rows >= m else jnp.take(g, jnp.asarray(sample_row_indices(m, rows)), axis=0)
+    return jnp.sum(jnp.sign(jax.nn.relu(sample)), dtype=jnp.float32) * np.float32(m / max(rows, 1))
 
 
 def finite_columns_by_sums(w_up: jax.Array | None, w_down: jax.Array) -> jax.Array:
@@ -176,11 +231,11 @@ def up_down(x: jax.Array, g: jax.Array, w_up: jax.Array | None, w_down: jax.Arra
 def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> jax.Array:
     """Inference FFN ``y [M, d]`` for ``x [M, d]`` on the CPU kernel where sparsity pays.
 
-    ``g = relu(x @ w_act)`` (XLA's matmul, or :func:`gate`); if g's non-zero count is at most
-    :func:`sparse_max_fraction` of its entries, :func:`up_down` runs on it, else XLA's dense
-    up and down products (:func:`jax_twell.ops.xla.up_down`); where that bound is 1 (f32
-    calls of up to 4 tokens with the caches kept) the kernel runs with no count and no
-    conditional. The kernel's y gets the dense
+    ``g = relu(x @ w_act)`` (XLA's matmul, or :func:`gate`); if g's non-zero count (on a
+    sample of rows, :func:`sampled_nonzeros`) is at most :func:`sparse_max_fraction` of its
+    entries, :func:`up_down` runs on it, else the dense up and down products (:func:`dense_ffn`'s
+    rounding); where that bound is 1 (f32 calls of up to 4 tokens with the caches kept) the
+    kernel runs with no count and no conditional. The kernel's y gets the dense
     formula's NaN by :func:`~jax_twell.ops.common.as_dense_nonfinite` with
     ``weights_finite`` (the ``[d]`` bool :func:`~jax_twell.ops.common.finite_columns` of
     the up and down weights, where the caller keeps it) or, without it, a check of both
@@ -189,13 +244,13 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
 
     ``w_up_t``: optional ``w_up.T`` (gated). Without it, up to :data:`COLUMNS_MAX_M` tokens
     read w_up's columns (up to :data:`COLUMNS_MAX_FRACTION` active), more transpose it in the
-    call (on the sparse side only). In f32 each pass over a weight that the call makes
-    itself (the check, the transpose) lowers the bound (:data:`WEIGHT_PASS_ENTRIES`): a
-    plain f32 call of few tokens runs XLA's dense FFN. bf16 calls of up to :data:`GATE_MAX_M`
-    tokens pack the gate to TwELL in its own pass (:func:`gate_twell`; g is never written)
-    and run :func:`up_down_twell` on it (their dense side computes g with :func:`gate`);
-    others take XLA's gate matmul and :func:`up_down`. f16 (not a kernel dtype) runs XLA's
-    dense FFN.
+    call (on the sparse side only). In f32, and in bf16 past :data:`GATE_MAX_M` tokens, each
+    pass over a weight that the call makes itself (the check, the transpose) lowers the
+    bound (:data:`WEIGHT_PASS_ENTRIES`): a plain f32 call of few tokens runs XLA's dense FFN.
+    bf16 calls of up to :data:`GATE_MAX_M` tokens pack the gate to TwELL in its own pass
+    (:func:`gate_twell`; g is never written) and run :func:`up_down_twell` on it (their
+    dense side computes g again, :data:`DENSE_GATE_MIN_M`); others take XLA's gate product
+    and :func:`up_down`. f16 (not a kernel dtype) runs XLA's dense FFN.
     """
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
@@ -209,21 +264,20 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
     fraction = sparse_max_fraction(m, union=not twell)
     if columns_layout:
         fraction = min(fraction, COLUMNS_MAX_FRACTION)
-    if x.dtype == jnp.float32:
+    if x.dtype == jnp.float32 or not twell:  # bf16 past GATE_MAX_M: products at the f32 rate or faster
         passes = 2 * (weights_finite is None) + 2 * (gated and w_up_t is None and not columns_layout)
         fraction -= passes * WEIGHT_PASS_ENTRIES / m
         if fraction <= 0:  # the passes cost more than the kernel could save
-            return xla.ffn(x, w_gate, w_up, w_down)
+            return dense_ffn(x, w_gate, w_up, w_down)
     if twell:
         act = gate_twell(x, w_act)
         nnz = jnp.sum(act.counts, dtype=jnp.float32)
     else:
-        g = relu_matmul(x, w_act)
-        # Counted as an f32 sum: XLA's integer count over g ran at a fraction of the
-        # memory's speed on the CPU (5% of a dense call at M=512, f32); every partial sum
-        # is an integer, exact up to 2**24, and beyond that off by far less than the
-        # bound's own margin.
-        nnz = jnp.sum(g != 0, dtype=jnp.float32)
+        # The product before its ReLU goes into the conditional: the dense side fuses the
+        # ReLU into its h = relu(.) * u pass, as XLA's own FFN does (a pass of its own over
+        # [M, f] is ~10% of a dense FFN at d <= 512 on the CPU); the sparse side applies it.
+        pre = _matmul(x, w_act)
+        nnz = sampled_nonzeros(pre)
     few = nnz <= np.float32(fraction * m * f)
 
     def sparse():
@@ -233,12 +287,16 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
         if twell:
             y = up_down_twell(x, act, w_act, w_up_k, w_down, w_up_t=up_t)
         else:
-            y = up_down(x, g, w_up_k, w_down, w_up_t=up_t)
+            y = up_down(x, jax.nn.relu(pre), w_up_k, w_down, w_up_t=up_t)
         columns = finite_columns_by_sums(w_up_k, w_down) if weights_finite is None else weights_finite
         return as_dense_nonfinite(y, x, columns)
 
-    def dense():  # the TwELL side wrote no g: our dense gate again (XLA's bf16 matmul is ~10x slower)
-        return xla.up_down(x, gate(x, w_act) if twell else g, w_up_k, w_down)
+    def dense():  # the TwELL side wrote no g: the gate again (XLA's below DENSE_GATE_MIN_M tokens)
+        if twell:
+            g = jax.nn.relu(_matmul(x, w_act)) if m >= DENSE_GATE_MIN_M else gate(x, w_act)
+        else:
+            g = jax.nn.relu(pre)
+        return _matmul(g if w_up_k is None else g * _matmul(x, w_up_k), w_down)
 
     if fraction >= 1.0:  # the kernel is the faster side at every density: no conditional
         return sparse()
