@@ -126,15 +126,14 @@ def sampled_nonzeros(g: jax.Array) -> jax.Array:
     """``[]`` float32: the non-zero entries of ``g = relu(x @ w)`` ``[M, f]`` estimated
     from :data:`COUNT_SAMPLE_ROWS` of its rows (``warp.sample_row_indices``: one in each
     of equal blocks, at hashed offsets), scaled to M; exact where they are all of g's rows.
-    ``g`` may also be the product before its ReLU (its positive entries are counted).
-    Summed as ``sign(relu(g))`` (1 where g > 0, else 0): twice as fast as a count of
-    ``g != 0`` on the CPU. A NaN in the sample makes the estimate NaN, which no bound
+    Summed as ``sign(g)`` (1 where g > 0, 0 at zero; g has no negative entry): twice as
+    fast as a count of ``g != 0`` on the CPU. A NaN in the sample makes the estimate NaN, which no bound
     admits (the dense side: exact either way). Only how fast: both sides are exact."""
     m = g.shape[0]
     lo, hi = COUNT_SAMPLE_ROWS
     rows = min(m, max(lo, min(hi, m // 8)))
     sample = g if rows >= m else jnp.take(g, jnp.asarray(sample_row_indices(m, rows)), axis=0)
-    return jnp.sum(jnp.sign(jax.nn.relu(sample)), dtype=jnp.float32) * np.float32(m / max(rows, 1))
+    return jnp.sum(jnp.sign(sample), dtype=jnp.float32) * np.float32(m / max(rows, 1))
 
 
 def finite_columns_by_sums(w_up: jax.Array | None, w_down: jax.Array) -> jax.Array:
@@ -273,11 +272,8 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
         act = gate_twell(x, w_act)
         nnz = jnp.sum(act.counts, dtype=jnp.float32)
     else:
-        # The product before its ReLU goes into the conditional: the dense side fuses the
-        # ReLU into its h = relu(.) * u pass, as XLA's own FFN does (a pass of its own over
-        # [M, f] is ~10% of a dense FFN at d <= 512 on the CPU); the sparse side applies it.
-        pre = _matmul(x, w_act)
-        nnz = sampled_nonzeros(pre)
+        g = jax.nn.relu(_matmul(x, w_act))
+        nnz = sampled_nonzeros(g)
     few = nnz <= np.float32(fraction * m * f)
 
     def sparse():
@@ -287,16 +283,16 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
         if twell:
             y = up_down_twell(x, act, w_act, w_up_k, w_down, w_up_t=up_t)
         else:
-            y = up_down(x, jax.nn.relu(pre), w_up_k, w_down, w_up_t=up_t)
+            y = up_down(x, g, w_up_k, w_down, w_up_t=up_t)
         columns = finite_columns_by_sums(w_up_k, w_down) if weights_finite is None else weights_finite
         return as_dense_nonfinite(y, x, columns)
 
-    def dense():  # the TwELL side wrote no g: the gate again (XLA's below DENSE_GATE_MIN_M tokens)
+    def dense():  # the TwELL side wrote no g: the gate again (the kernel's below DENSE_GATE_MIN_M tokens)
         if twell:
-            g = jax.nn.relu(_matmul(x, w_act)) if m >= DENSE_GATE_MIN_M else gate(x, w_act)
+            gd = jax.nn.relu(_matmul(x, w_act)) if m >= DENSE_GATE_MIN_M else gate(x, w_act)
         else:
-            g = jax.nn.relu(pre)
-        return _matmul(g if w_up_k is None else g * _matmul(x, w_up_k), w_down)
+            gd = g
+        return _matmul(gd if w_up_k is None else gd * _matmul(x, w_up_k), w_down)
 
     if fraction >= 1.0:  # the kernel is the faster side at every density: no conditional
         return sparse()
