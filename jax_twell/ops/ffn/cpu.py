@@ -25,8 +25,9 @@ from jax_twell.ops.common import as_dense_nonfinite, as_varying, finite_columns,
 from jax_twell.ops.ffn.warp import sample_row_indices
 
 __all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "UNION_MAX_TOKENS", "UNION_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M", "TWELL_TILE",
-           "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "COUNT_SAMPLE_ROWS", "DENSE_GATE_MIN_M", "sampled_nonzeros", "dense_ffn", "finite_columns_by_sums", "sparse_max_fraction", "gate",
-           "gate_twell", "up_down", "up_down_twell", "sparse_ffn"]
+           "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "COUNT_SAMPLE_ROWS", "DENSE_GATE_MIN_M", "sampled_nonzeros",
+           "dense_ffn", "finite_columns_by_sums", "sparse_max_fraction", "gate", "gate_twell", "up_down",
+           "up_down_twell", "sparse_ffn"]
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel takes; f16 runs dense
 
@@ -118,8 +119,13 @@ def dense_ffn(x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array, w_down: j
     than XLA's bf16 FFN from 8 tokens on (d=512-2,048; ``lab/results/cpu_dense_side_ab_*.json``)."""
     if x.dtype != jnp.bfloat16:
         return xla.ffn(x, w_gate, w_up, w_down)
-    g = jax.nn.relu(_matmul(x, w_up if w_gate is None else w_gate))
-    return _matmul(g if w_gate is None else g * _matmul(x, w_up), w_down)
+    return _dense_up_down(x, jax.nn.relu(_matmul(x, w_up if w_gate is None else w_gate)),
+                          None if w_gate is None else w_up, w_down)
+
+
+def _dense_up_down(x: jax.Array, g: jax.Array, w_up: jax.Array | None, w_down: jax.Array) -> jax.Array:
+    """``(g * (x @ w_up)) @ w_down`` (``g @ w_down`` where ``w_up`` is None) by :func:`_matmul`."""
+    return _matmul(g if w_up is None else g * _matmul(x, w_up), w_down)
 
 
 def sampled_nonzeros(g: jax.Array) -> jax.Array:
@@ -127,8 +133,9 @@ def sampled_nonzeros(g: jax.Array) -> jax.Array:
     from :data:`COUNT_SAMPLE_ROWS` of its rows (``warp.sample_row_indices``: one in each
     of equal blocks, at hashed offsets), scaled to M; exact where they are all of g's rows.
     Summed as ``sign(g)`` (1 where g > 0, 0 at zero; g has no negative entry): twice as
-    fast as a count of ``g != 0`` on the CPU. A NaN in the sample makes the estimate NaN, which no bound
-    admits (the dense side: exact either way). Only how fast: both sides are exact."""
+    fast as a count of ``g != 0`` on the CPU. A NaN in the sample makes the estimate NaN,
+    which no bound admits (the dense side: exact either way). Only how fast: both sides
+    are exact."""
     m = g.shape[0]
     lo, hi = COUNT_SAMPLE_ROWS
     rows = min(m, max(lo, min(hi, m // 8)))
@@ -289,10 +296,9 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
 
     def dense():  # the TwELL side wrote no g: the gate again (the kernel's below DENSE_GATE_MIN_M tokens)
         if twell:
-            gd = jax.nn.relu(_matmul(x, w_act)) if m >= DENSE_GATE_MIN_M else gate(x, w_act)
-        else:
-            gd = g
-        return _matmul(gd if w_up_k is None else gd * _matmul(x, w_up_k), w_down)
+            return _dense_up_down(x, jax.nn.relu(_matmul(x, w_act)) if m >= DENSE_GATE_MIN_M else gate(x, w_act),
+                                  w_up_k, w_down)
+        return _dense_up_down(x, g, w_up_k, w_down)
 
     if fraction >= 1.0:  # the kernel is the faster side at every density: no conditional
         return sparse()
