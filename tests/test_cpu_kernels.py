@@ -442,3 +442,25 @@ def test_the_cpu_dense_side_products_round_once(dtype):
     else:  # the f32 sums' order may differ from the reference's by a last bit: a rare tie
         np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=0)
         assert (got == want).mean() > 0.99
+
+
+def test_long_bf16_calls_take_the_bf16_bounds():
+    """bf16 calls past cpu.GATE_MAX_M tokens, whose dense side runs at the f32 rate or
+    faster, take cpu.BF16_SPARSE_MAX_FRACTION (lower than the f32 bounds); calls of up to
+    GATE_MAX_M tokens and f32 calls keep theirs."""
+    for m in (cpu.GATE_MAX_M + 1, 64, 128, 129, 4096):
+        want = next(b for upto, b in cpu.BF16_SPARSE_MAX_FRACTION if upto is None or m <= upto)
+        assert cpu.sparse_max_fraction(m, union=True, bf16=True) == want
+        assert want < cpu.sparse_max_fraction(m, union=True)
+    assert cpu.sparse_max_fraction(cpu.GATE_MAX_M, bf16=True) == cpu.sparse_max_fraction(cpu.GATE_MAX_M)
+    # M=512 with the caches: 1% active is under the bf16 bound (1.5%), 3% over it; either
+    # side equals the dense formula
+    bound = cpu.sparse_max_fraction(512, union=True, bf16=True)
+    for density, under in ((0.01, True), (0.03, False)):
+        x, w_gate, w_up, w_down = synthetic_ffn_inputs(jax.random.key(9), 512, 64, 512, density=density,
+                                                       dtype=jnp.bfloat16)
+        counted = float(cpu.sampled_nonzeros(jax.nn.relu(cpu._matmul(x, w_gate)))) / (512 * 512)
+        assert (counted <= bound) == under, (density, counted)
+        ok = finite_columns(w_up, w_down)
+        y = jax.jit(lambda x: cpu.sparse_ffn(x, w_gate, w_up, w_down, w_up_t=w_up.T, weights_finite=ok))(x)
+        assert_close(y, dense_f32(x, w_gate, w_up, w_down), fused_tolerance(jnp.bfloat16, 64 + 512), "bf16 bounds")

@@ -25,7 +25,7 @@ from jax_twell.ops.common import as_dense_nonfinite, as_varying, finite_columns,
 from jax_twell.ops.ffn.warp import sample_row_indices
 
 __all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "UNION_MAX_TOKENS", "UNION_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M", "TWELL_TILE",
-           "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "COUNT_SAMPLE_ROWS", "DENSE_GATE_MIN_M", "sampled_nonzeros",
+           "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "COUNT_SAMPLE_ROWS", "DENSE_GATE_MIN_M", "BF16_SPARSE_MAX_FRACTION", "sampled_nonzeros",
            "dense_ffn", "finite_columns_by_sums", "sparse_max_fraction", "gate", "gate_twell", "up_down",
            "up_down_twell", "sparse_ffn"]
 
@@ -39,6 +39,17 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel ta
 # kernel runs only where it is the faster side (M=1 at 50% active measured 0.9x in
 # benchmarks/results/cpu_6c426aea.json: its bound is 25%).
 SPARSE_MAX_FRACTION = ((1, 0.25), (16, 0.12), (128, 0.05), (None, 0.03))
+
+# The same bounds for bf16 calls past GATE_MAX_M tokens, whose dense side runs its products
+# with f32 results (dense_ffn: 3-4x XLA's bf16 FFN), before the weights' passes are taken
+# off (WEIGHT_PASS_ENTRIES). Measured (lab/cpu_bf16_bounds.py, the kernel forced against
+# that dense side, lab/results/cpu_bf16_bounds_0d2592c.json; two runs agreed within ~10%):
+# with the caches kept the kernel took 0.53 / 0.66 / 1.00x the dense side's time at 0.5 / 1 /
+# 2% active (M=512, d=2,048), 0.83 / 1.00 / 1.20x (d=512), 0.55 / 1.03 / 1.00x (M=2,048,
+# d=512), 0.40x / 0.99-1.33x at M=64 (d=2,048 / 512, 0.5-2%); plain calls 0.83 / 1.01 / 1.30x
+# (M=512, d=2,048), 0.64 / 0.96 / 1.13x (M=2,048, d=512). SPARSE_MAX_FRACTION's bounds (3-5%)
+# had been measured against XLA's bf16-result products.
+BF16_SPARSE_MAX_FRACTION = ((128, 0.008), (None, 0.015))
 
 # Up to UNION_MAX_TOKENS tokens (kUnionMaxTokens in cpu/twell_cpu.cc) the kernel on g runs
 # neuron by neuron: each weight row of the tokens' union is read once for all of them, so
@@ -158,11 +169,15 @@ def finite_columns_by_sums(w_up: jax.Array | None, w_down: jax.Array) -> jax.Arr
                         lambda: as_varying(finite_columns(w_up, w_down), axes))
 
 
-def sparse_max_fraction(m: int, union: bool = False) -> float:
+def sparse_max_fraction(m: int, union: bool = False, bf16: bool = False) -> float:
     """The largest active fraction of g at which ``m`` tokens run the kernel (see
     :data:`SPARSE_MAX_FRACTION`; ``union``: the kernel on g, which runs neuron by neuron up
-    to :data:`UNION_MAX_TOKENS` tokens, :data:`UNION_MAX_FRACTION`). 1.0: at every density."""
-    table = UNION_MAX_FRACTION if union and m <= UNION_MAX_TOKENS else SPARSE_MAX_FRACTION
+    to :data:`UNION_MAX_TOKENS` tokens, :data:`UNION_MAX_FRACTION`; ``bf16``: a bf16 call
+    past :data:`GATE_MAX_M` tokens, :data:`BF16_SPARSE_MAX_FRACTION`). 1.0: at every density."""
+    if bf16 and m > GATE_MAX_M:
+        table = BF16_SPARSE_MAX_FRACTION
+    else:
+        table = UNION_MAX_FRACTION if union and m <= UNION_MAX_TOKENS else SPARSE_MAX_FRACTION
     for upto, fraction in table:
         if upto is None or m <= upto:
             return fraction
@@ -267,7 +282,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, *, w_up_t=None, weights_finite=None) -> 
         return xla.ffn(x, w_gate, w_up, w_down)
     columns_layout = gated and w_up_t is None and m <= COLUMNS_MAX_M
     twell = x.dtype == jnp.bfloat16 and m <= GATE_MAX_M  # our gate, packed in its pass
-    fraction = sparse_max_fraction(m, union=not twell)
+    fraction = sparse_max_fraction(m, union=not twell, bf16=x.dtype == jnp.bfloat16)
     if columns_layout:
         fraction = min(fraction, COLUMNS_MAX_FRACTION)
     if x.dtype == jnp.float32 or not twell:  # bf16 past GATE_MAX_M: products at the f32 rate or faster
