@@ -25,8 +25,8 @@ from jax_twell.ops.common import as_dense_nonfinite, as_varying, finite_columns,
 from jax_twell.ops.ffn.warp import sample_row_indices
 
 __all__ = ["DTYPES", "SPARSE_MAX_FRACTION", "UNION_MAX_TOKENS", "UNION_MAX_FRACTION", "COLUMNS_MAX_M", "COLUMNS_MAX_FRACTION", "GATE_MAX_M", "TWELL_TILE",
-           "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "COUNT_SAMPLE_ROWS", "DENSE_GATE_MIN_M", "BF16_SPARSE_MAX_FRACTION", "sampled_nonzeros",
-           "dense_ffn", "finite_columns_by_sums", "sparse_max_fraction", "gate", "gate_twell", "up_down",
+           "TWELL_CAPACITY", "WEIGHT_PASS_ENTRIES", "COUNT_SAMPLE_ROWS", "DENSE_GATE_MIN_M",
+           "BF16_SPARSE_MAX_FRACTION", "sampled_nonzeros", "dense_ffn", "finite_columns_by_sums", "sparse_max_fraction", "gate", "gate_twell", "up_down",
            "up_down_twell", "sparse_ffn"]
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel takes; f16 runs dense
@@ -40,7 +40,7 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # what the kernel ta
 # benchmarks/results/cpu_6c426aea.json: its bound is 25%).
 SPARSE_MAX_FRACTION = ((1, 0.25), (16, 0.12), (128, 0.05), (None, 0.03))
 
-# The same bounds for bf16 calls past GATE_MAX_M tokens, whose dense side runs its products
+# SPARSE_MAX_FRACTION's part for bf16 calls past GATE_MAX_M tokens, whose dense side runs its products
 # with f32 results (dense_ffn: 3-4x XLA's bf16 FFN), before the weights' passes are taken
 # off (WEIGHT_PASS_ENTRIES). Measured (lab/cpu_bf16_bounds.py, the kernel forced against
 # that dense side, lab/results/cpu_bf16_bounds_0d2592c.json; two runs agreed within ~10%):
