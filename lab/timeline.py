@@ -135,10 +135,16 @@ def main():
                    help="forced sparse; the default rule per call; or with --density as the layer's fraction")
     p.add_argument("--calls", type=int, default=6)
     p.add_argument("--train", action="store_true", help="a training step (all gradients) instead of the forward")
+    p.add_argument("--family", default=None, help="a bench_floor row family (tail, pareto, ...) instead of --pattern")
     p.add_argument("--out", default=None)
     add_shape_arguments(p, m=16384)
     a = p.parse_args()
-    inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
+    if a.family:  # bench_floor's row families (tail, pareto, lognormal, full16), bf16
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+        from bench_patterns import family_inputs
+        inp = family_inputs(jax.random.key(0), a.m, a.d, a.f, a.density, a.family)
+    else:
+        inp = synthetic_ffn_inputs(jax.random.key(0), a.m, a.d, a.f, density=a.density, pattern=a.pattern)
     forced = a.rule == "forced"
     layer = LayerInfo(active_fraction=a.density if a.rule == "layer" else None,
                       side=Side.SPARSE if forced else Side.AUTO)
@@ -167,7 +173,7 @@ def main():
     rows[1]["dispatch_us"] = dispatch_us(dense, inp)
     result = dict(
         **run_metadata("timeline_train" if a.train else "timeline_inference"),
-        shape=dict(m=a.m, d=a.d, f=a.f, density=a.density, pattern=a.pattern, kernel=a.kernel, rule=a.rule),
+        shape=dict(m=a.m, d=a.d, f=a.f, density=a.density, pattern=a.family or a.pattern, kernel=a.kernel, rule=a.rule),
         rows=rows,
     )
     if a.out:

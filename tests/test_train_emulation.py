@@ -486,18 +486,23 @@ def test_op_glue_under_a_mesh(emulated_kernels, layout):
 
 def _backward_options_seen(keys, calls, key=14, d=64):
     """The backward call's options ``keys`` for each set of ``TrainOptions`` fields in
-    ``calls`` (the NumPy model standing in for the kernels, passed in)."""
-    seen = []
+    ``calls`` (the NumPy model standing in for the kernels, passed in). The backward is
+    traced once for each static backup size of the sparse side; every trace of one call
+    must ask the same."""
+    seen, traced = [], []
 
     def backward(*args, **kwargs):
-        seen.append(tuple(kwargs[k] for k in keys))
+        traced.append(tuple(kwargs[k] for k in keys))
         return _emulated_backward(*args, **kwargs)
 
     kernels = dataclasses.replace(EMULATED, backward=backward)
     x, wg, wu, wd, dy = make_case(300, d, 520, 0.03, "heavy", True, key=key)
     for kw in calls:
+        traced.clear()
         fn = lambda *a, kw=kw: cuda_ffn_train(*a, width=128, side=Side.SPARSE, kernels=kernels, **kw)[:2]
         grads_of(jax.jit(fn), x, wg, wu, wd, dy)
+        assert traced and len(set(traced)) == 1, (kw, traced)
+        seen.append(traced[0])
     return seen
 
 
@@ -644,10 +649,10 @@ def test_kept_token_order_composes_with_vmap_and_grad(emulated_kernels):
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("full,sparse", [(0, True), (5, True), (30, True), (100, False)],
-                         ids=["none", "bucket_8", "bucket_80", "past_the_buckets"])
+                         ids=["none", "bucket_8", "bucket_40", "past_the_buckets"])
 def test_rows_past_the_width_go_to_the_dense_backup(emulated_kernels, gated, full, sparse):
     """Rows past the hybrid width (here fully active tokens) are computed dense over their
-    gathered rows at the smallest static size that holds them (300 tokens: 8, 24, 80 rows):
+    gathered rows at the smallest static size that holds them (300 tokens: 8, 16, 24, 40, 80 rows):
     the kernels see those rows empty, the call stays on the sparse side, and y, the L1
     term, the statistics and every gradient are the dense formula's. More rows than the
     largest size: the call runs dense."""
@@ -658,7 +663,7 @@ def test_rows_past_the_width_go_to_the_dense_backup(emulated_kernels, gated, ful
         return _emulated_forward(x, act, *a, **k)
 
     kernels = dataclasses.replace(emulated_kernels, forward=forward)
-    assert layout.train_backup_buckets(300) == (0, 8, 24, 80)
+    assert layout.train_backup_buckets(300) == (0, 8, 16, 24, 40, 80)
     x, wg, wu, wd, dy = make_case(300, 64, 520, 0.01, "uniform", gated, key=21)
     rows = np.random.default_rng(full).choice(300, full, replace=False)
     wg_or_wu = wg if gated else wu

@@ -185,11 +185,11 @@ def train_max_entries(m: int, f: int, width: int) -> int:
 
 def train_backup_buckets(m: int, capacity: int | None = None) -> tuple[int, ...]:
     """Static sizes of the training backup (the rows past the hybrid width, computed dense
-    over their gathered rows): 0 (no row), then M/64, M/16 and M/4 rounded up to 8 rows,
+    over their gathered rows): 0 (no row), then M/64, M/32, M/16, M/8 and M/4 rounded up to 8 rows,
     none past ``capacity`` (None: no limit) or M. A call runs the smallest that holds its
     rows; one with more rows than the last runs dense."""
     cap = m if capacity is None else min(m, capacity)
-    return tuple(sorted({min(cap, -(-(m // k or 1) // 8) * 8) for k in (64, 16, 4)} | {0}))
+    return tuple(sorted({min(cap, -(-(m // k or 1) // 8) * 8) for k in (64, 32, 16, 8, 4)} | {0}))
 
 
 def grad_workspace_ints(m: int, f: int, tile: int, max_entries: int) -> int:

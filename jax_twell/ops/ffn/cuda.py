@@ -255,13 +255,17 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
 
     def sparse(_):
         act = packed()
-        if isinstance(prefer_blocked, bool):
-            return blocked_kernel(act) if prefer_blocked else row_kernel(act)
-        return jax.lax.cond(prefer_blocked, blocked_kernel, row_kernel, act)
+        return blocked_kernel(act) if prefer_blocked else row_kernel(act)
 
     if not plan.device_choice:
         return as_dense_nonfinite(sparse(None), x, columns)
-    return jax.lax.cond(any_sparse & finite, sparse, dense, None)
+    if isinstance(prefer_blocked, bool):
+        return jax.lax.cond(any_sparse & finite, sparse, dense, None)
+    # The side and the kernel in one conditional: each conditional holding library calls
+    # reads its index on the host, so a second one nested in the sparse side would make the
+    # host wait for the GPU twice a call.
+    side = jnp.where(any_sparse & finite, jnp.where(prefer_blocked, 2, 1), 0).astype(jnp.int32)
+    return jax.lax.switch(side, [dense, lambda _: row_kernel(packed()), lambda _: blocked_kernel(packed())], None)
 
 
 def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: Kernel | str = Kernel.ROW,

@@ -121,30 +121,27 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
     steps = plan.steps
     axes = mesh_axes(x, w_gate, w_up, w_down)
 
-    def backup(size):  # y, L1 and fired neurons of the backed-up rows (y padded to the largest size)
-        def run(_):
-            if size == 0:
-                out = (jnp.zeros((buckets[-1], d), x.dtype), jnp.float32(0), jnp.zeros((f,), bool))
-            else:
-                xb = x.at[idx[:size]].get(mode="fill", fill_value=0)  # past the rows: zero rows, h = 0
-                yb, l1b, _, fired_b = xla.ffn_with_aux(xb, w_gate, w_up, w_down)
-                out = (jnp.pad(yb, ((0, buckets[-1] - size), (0, 0))), l1b * (size / max(m, 1)), fired_b)
-            return as_varying(out, axes)
-        return run
+    def backup(size):  # y, L1 and fired neurons of the backed-up rows (size > 0)
+        rows = idx[:size]
+        xb = x.at[rows].get(mode="fill", fill_value=0)  # past the rows: zero rows, h = 0
+        yb, l1b, _, fired_b = xla.ffn_with_aux(xb, w_gate, w_up, w_down)
+        return rows, yb, l1b * (size / max(m, 1)), fired_b
 
-    def sparse(_):
-        y, res, h_source = kernels.forward(
-            x, kept, w_act, w_up if gated else None, w_down, max_entries=plan.max_entries,
-            tensor_cores=steps.tensor_cores, down_union=steps.down_union, up_union=steps.up_union,
-            down_stationary=steps.down_stationary,
-        )
-        l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
-        fired = fired_from_columns(res.col_off, f)
-        if buckets[-1]:
-            yb, l1b, fired_b = jax.lax.switch(branch, [backup(s) for s in buckets], None)
-            y = y.at[idx].set(yb, mode="drop")
-            l1, fired = l1 + l1b, fired | fired_b
-        return as_varying((y, l1, fired, res), axes)
+    def sparse(size):  # the kernels, and the backup at this static size (0: none)
+        def run(_):
+            y, res, h_source = kernels.forward(
+                x, kept, w_act, w_up if gated else None, w_down, max_entries=plan.max_entries,
+                tensor_cores=steps.tensor_cores, down_union=steps.down_union, up_union=steps.up_union,
+                down_stationary=steps.down_stationary,
+            )
+            l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
+            fired = fired_from_columns(res.col_off, f)
+            if size:
+                rows, yb, l1b, fired_b = backup(size)
+                y = y.at[rows].set(yb, mode="drop")
+                l1, fired = l1 + l1b, fired | fired_b
+            return as_varying((y, l1, fired, res), axes)
+        return run
 
     def dense(_):
         gate = relu_matmul(x, w_act) if g is None else g
@@ -156,8 +153,12 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
         res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # not read by the dense backward
         return as_varying((y, l1, (gate != 0).any(axis=0), res), axes)
 
-    y, l1, fired, res = jax.lax.cond(use, sparse, dense, None)
-    return (y, l1, counts, fired), (x, w_gate, w_up, w_down, use, res, idx, branch)
+    # One conditional for the side and the backup's size: each conditional holding library
+    # calls reads its index on the host (a device-to-host copy, the GPU waiting for the host
+    # after it), so the backup's size is not a second one nested in the sparse side.
+    side = jnp.where(use, 1 + branch, 0).astype(jnp.int32)
+    y, l1, fired, res = jax.lax.switch(side, [dense] + [sparse(s) for s in buckets], None)
+    return (y, l1, counts, fired), (x, w_gate, w_up, w_down, side, res, idx)
 
 
 def _add(a, b):
@@ -166,46 +167,42 @@ def _add(a, b):
 
 
 def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
-    x, w_gate, w_up, w_down, use, res, idx, branch = saved
+    x, w_gate, w_up, w_down, side, res, idx = saved
     dy, dl1, _, _ = cotangents
-    use = use & all_finite(dy, dl1)  # a NaN cotangent reaches every gradient through the dense formula
+    # a NaN cotangent reaches every gradient through the dense formula
+    side = jnp.where(all_finite(dy, dl1), side, 0)
     m = max(x.shape[0], 1)
     l1_grad = dl1.astype(jnp.float32) / m
     steps = plan.steps
     axes = mesh_axes(x, w_gate, w_up, w_down, dy)
     buckets = layout.train_backup_buckets(x.shape[0], plan.backup_capacity)
+    # Under shard_map the weights enter every branch as varying: their cotangents stay per
+    # shard inside the conditional (the shards may take different branches, and a
+    # collective inside one deadlocks) and are summed after it.
+    weights = as_varying((w_gate, w_up, w_down), axes)
 
-    def backup(size):  # the backed-up rows' cotangents by XLA's autodiff, added to the kernels'
-        def run(grads):
-            if size == 0:
+    def sparse(size):  # the kernels, then the backed-up rows' cotangents by XLA's autodiff
+        def run(_):
+            grads = as_varying(kernels.backward(
+                x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=layout.TRAIN_TILE,
+                tensor_cores=steps.tensor_cores, dx_tensor_cores=steps.dx_tensor_cores, dx_union=steps.dx_union,
+                dh_union=steps.dh_union, dx_stationary=steps.dx_stationary,
+            ), axes)
+            if not size:
                 return grads
             rows = idx[:size]
             xb, dyb = (a.at[rows].get(mode="fill", fill_value=0) for a in (x, dy))
-            # Under shard_map the weights enter as varying: their cotangents stay per shard
-            # (no collective inside a branch the shards may not all take), summed below
-            # with the kernels' ones.
-            weights = as_varying((w_gate, w_up, w_down), axes)
             # their L1 term is sum |h_b| / m: ffn_with_aux's mean over size rows, times size / m
             db = xla.ffn_with_aux_vjp(xb, *weights, dyb.astype(x.dtype), dl1 * (size / m))
             dx = grads[0].at[rows].set(db[0].astype(grads[0].dtype), mode="drop")
             return as_varying((dx, *(_add(a, b) for a, b in zip(grads[1:], db[1:]))), axes)
         return run
 
-    def sparse(_):
-        grads = kernels.backward(
-            x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=layout.TRAIN_TILE,
-            tensor_cores=steps.tensor_cores, dx_tensor_cores=steps.dx_tensor_cores, dx_union=steps.dx_union,
-            dh_union=steps.dh_union, dx_stationary=steps.dx_stationary,
-        )
-        grads = as_varying(grads, axes)
-        if buckets[-1]:
-            grads = jax.lax.switch(branch, [backup(s) for s in buckets], grads)
-        return tuple(sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
-
     def dense(_):  # nothing M x f was kept: the dense backward recomputes g and u (2 matmuls)
-        return xla.ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1)
+        return as_varying(xla.ffn_with_aux_vjp(x, *weights, dy, dl1), axes)
 
-    return jax.lax.cond(use, sparse, dense, None)
+    grads = jax.lax.switch(side, [dense] + [sparse(s) for s in buckets], None)
+    return tuple(sum_over_shards(g, p) for g, p in zip(grads, (x, w_gate, w_up, w_down)))
 
 
 _train_ffn.defvjp(_train_fwd, _train_bwd)
