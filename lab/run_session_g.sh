@@ -18,10 +18,10 @@ for tree in ${TREES:-b a b a}; do
     --out "$OUT/floor_${tree}_$i.json" 2>&1 | grep -v "^WARNING" | tail -4
   echo "$tree rc=${PIPESTATUS[0]}"
 done
-[ -n "${TIMELINE:-tail}" ] && timeout 90 python3 lab/timeline.py --train --rule auto --m 16384 --family ${TIMELINE:-tail} \
+[ "${TIMELINE:-tail}" != none ] && timeout 90 python3 lab/timeline.py --train --rule auto --m 16384 --family ${TIMELINE:-tail} \
   --out "$OUT/timeline_train_${TIMELINE:-tail}.json" 2>&1 | grep -v "^WARNING" | tail -30
 # what the step's conditionals cost: each switch fixed to the branch the rows take
-if [ -n "${PROBE:-1}" ]; then
+if [ "${PROBE:-1}" != 0 ]; then
   timeout 100 python3 lab/sync_probe.py --family uniform --branch 1 --out "$OUT/sync_uniform.json" 2>&1 | grep -v "^WARNING" | tail -2
   timeout 100 python3 lab/sync_probe.py --family tail --branch 3 --out "$OUT/sync_tail.json" 2>&1 | grep -v "^WARNING" | tail -2
   XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE timeout 100 \
