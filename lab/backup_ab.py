@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -94,15 +95,20 @@ def main() -> None:
     key = jax.random.key(0)
     inputs = family_inputs(key, a.m, a.d, a.f, a.density, a.family)
     args = (*inputs, jax.random.normal(jax.random.fold_in(key, 2), (a.m, a.d), jnp.float32))
-    fns = {"xla": step("xla", args), "old": step(None, args, old=True), "new": step(None, args)}
+    variants = {"xla": ("xla", {}), "old": (None, dict(old=True)), "new": (None, {})}
     if a.fine:
-        fns["new_fine"] = step(None, args, fine=True)
+        variants["new_fine"] = (None, dict(fine=True))
+    fns, compile_s = {}, {}
+    for name, (impl, kw) in variants.items():
+        t0 = time.perf_counter()
+        fns[name] = step(impl, args, **kw)
+        compile_s[name] = time.perf_counter() - t0
     want = fns["xla"](*args)
     errs = {k: rel_error(fn(*args), want) for k, fn in fns.items() if k != "xla"}
     times = time_interleaved(fns, args, min_seconds=a.min_seconds, max_reps=200, rounds=a.rounds)
     row = dict(**run_metadata("backup_ab"), m=a.m, d=a.d, f=a.f, density=a.density, family=a.family,
                ms={k: v[0] * 1e3 for k, v in times.items()}, spread={k: v[1] for k, v in times.items()},
-               rel_error=errs)
+               rel_error=errs, compile_s=compile_s)
     print(json.dumps(row))
     if a.out:
         with open(a.out, "w") as fh:
