@@ -128,10 +128,12 @@ def backup_vjp(x, w_gate, w_up, w_down, dy, dl1, *, m: int, grads):
     dw_down)``. g and u are recomputed (the gate and up products apart, as in the forward).
 
     Written out rather than by autodiff, so that every product stays in the operands'
-    dtype and each weight's sum with ``grads`` is a product's epilogue: autodiff's L1 term
-    and the sum with the kernels' gradients in f32 cost three weight-sized f32 passes and
-    a concatenation, more than the products themselves on a few hundred rows.
-    Values: the dense formula's gradients, the weights' sums rounded once."""
+    dtype and each weight's sum with ``grads`` is an add in that dtype that XLA can take
+    into the product's epilogue (cuBLAS's beta = 1): autodiff's L1 term and a sum with the
+    kernels' gradients in f32 cost three weight-sized f32 passes and a concatenation, more
+    than the products themselves on a few hundred rows. Values: the dense formula's
+    gradients in the operands' dtype; each weight's sum is rounded once where XLA fuses
+    the add, twice (the product, then the sum) where it does not."""
     gated = w_gate is not None
     act_w = w_gate if gated else w_up
     dtype = x.dtype
