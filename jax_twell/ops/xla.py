@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jax_twell.ops.stats import hidden_stats
 
-__all__ = ["ffn", "ffn_unmerged", "dense_side", "UNMERGED_MAX_TOKENS", "ffn_with_aux", "ffn_with_aux_vjp", "up_down", "gather_ffn", "gather_width"]
+__all__ = ["ffn", "ffn_unmerged", "dense_side", "UNMERGED_MAX_TOKENS", "ffn_with_aux", "ffn_with_aux_vjp", "backup_forward", "backup_vjp", "up_down", "gather_ffn", "gather_width"]
 
 
 def _hidden(x, w_gate, w_up):
@@ -99,6 +99,66 @@ def ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1):
 
     _, vjp = jax.vjp(loss_terms, x, w_gate, w_up, w_down)
     return vjp((dy, dl1.astype(jnp.float32)))
+
+
+def backup_forward(x, w_gate, w_up, w_down, *, m: int):
+    """The training ops' dense backup over gathered rows ``x [S, d]``: ``(y [S, d], l1 [],
+    fired [f] bool)``, ``l1`` being these rows' ``sum |h|`` over ``m`` (the whole call's
+    token count, so it adds to the kernels' term). Zero rows contribute nothing.
+
+    The same values as :func:`ffn_with_aux` on those rows, with the gate and up products
+    kept apart: merged (XLA joins two products of one operand) they would copy both
+    weights into one on every call, which on a few hundred rows costs more than either
+    product (``ffi/notes/training.md``, "The backup's products")."""
+    act_w = w_gate if w_gate is not None else w_up
+    g = jax.nn.relu(jnp.matmul(x, act_w))
+    if w_gate is None:
+        h = g
+    else:
+        g, x_up = jax.lax.optimization_barrier((g, x))
+        h = g * jnp.matmul(x_up, w_up)
+    y = jnp.matmul(h, w_down)
+    return y, jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1), (g != 0).any(axis=0)
+
+
+def backup_vjp(x, w_gate, w_up, w_down, dy, dl1, *, m: int, grads):
+    """Cotangents of :func:`backup_forward`'s ``(y, l1)`` for ``(dy [S, d], dl1 [])``, the
+    weights' added to ``grads = (dw_gate, dw_up, dw_down)`` (the kernels' cotangents of the
+    other rows; None where there is no such weight): ``(dx [S, d], dw_gate, dw_up,
+    dw_down)``. g and u are recomputed (the gate and up products apart, as in the forward).
+
+    Written out rather than by autodiff, so that every product stays in the operands'
+    dtype and each weight's sum with ``grads`` is an add in that dtype that XLA can take
+    into the product's epilogue (cuBLAS's beta = 1): autodiff's L1 term and a sum with the
+    kernels' gradients in f32 cost three weight-sized f32 passes and a concatenation, more
+    than the products themselves on a few hundred rows. Values: the dense formula's
+    gradients in the operands' dtype; each weight's sum is rounded once where XLA fuses
+    the add, twice (the product, then the sum) where it does not."""
+    gated = w_gate is not None
+    act_w = w_gate if gated else w_up
+    dtype = x.dtype
+    g = jax.nn.relu(jnp.matmul(x, act_w))
+    if gated:
+        g, x_up = jax.lax.optimization_barrier((g, x))
+        u = jnp.matmul(x_up, w_up)
+        h = g * u
+    else:
+        h = g
+    c = (dl1.astype(jnp.float32) / max(m, 1))
+    dh = jnp.matmul(dy, w_down.T) + (jnp.sign(h.astype(jnp.float32)) * c).astype(dtype)
+    dw_gate, dw_up, dw_down = grads
+    dw_down = jnp.matmul(h.T, dy) + dw_down
+    if gated:
+        d_pre = jnp.where(g > 0, dh * u, jnp.zeros((), dtype))
+        du = dh * g
+        dx = jnp.matmul(d_pre, w_gate.T) + jnp.matmul(du, w_up.T)
+        dw_gate = jnp.matmul(x.T, d_pre) + dw_gate
+        dw_up = jnp.matmul(x_up.T, du) + dw_up
+    else:
+        d_pre = jnp.where(g > 0, dh, jnp.zeros((), dtype))
+        dx = jnp.matmul(d_pre, w_up.T)
+        dw_up = jnp.matmul(x.T, d_pre) + dw_up
+    return dx, dw_gate, dw_up, dw_down
 
 
 def gather_width(m: int, f: int, active_per_token: float = 0.01) -> int:

@@ -124,8 +124,8 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
     def backup(size):  # y, L1 and fired neurons of the backed-up rows (size > 0)
         rows = idx[:size]
         xb = x.at[rows].get(mode="fill", fill_value=0)  # past the rows: zero rows, h = 0
-        yb, l1b, _, fired_b = xla.ffn_with_aux(xb, w_gate, w_up, w_down)
-        return rows, yb, l1b * (size / max(m, 1)), fired_b
+        yb, l1b, fired_b = xla.backup_forward(xb, w_gate, w_up, w_down, m=m)
+        return rows, yb, l1b, fired_b
 
     def sparse(size):  # the kernels, and the backup at this static size (0: none)
         def run(_):
@@ -161,11 +161,6 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
     return (y, l1, counts, fired), (x, w_gate, w_up, w_down, side, res, idx)
 
 
-def _add(a, b):
-    """``a + b`` rounded once to ``a``'s dtype (None where ``a`` is: no such weight)."""
-    return None if a is None else (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(a.dtype)
-
-
 def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
     x, w_gate, w_up, w_down, side, res, idx = saved
     dy, dl1, _, _ = cotangents
@@ -192,10 +187,11 @@ def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
                 return grads
             rows = idx[:size]
             xb, dyb = (a.at[rows].get(mode="fill", fill_value=0) for a in (x, dy))
-            # their L1 term is sum |h_b| / m: ffn_with_aux's mean over size rows, times size / m
-            db = xla.ffn_with_aux_vjp(xb, *weights, dyb.astype(x.dtype), dl1 * (size / m))
-            dx = grads[0].at[rows].set(db[0].astype(grads[0].dtype), mode="drop")
-            return as_varying((dx, *(_add(a, b) for a, b in zip(grads[1:], db[1:]))), axes)
+            # the backed-up rows' weight cotangents are added to the kernels' in the
+            # products' epilogues (their L1 term is sum |h| / m, as in the forward)
+            dxb, *dw = xla.backup_vjp(xb, *weights, dyb.astype(x.dtype), dl1, m=m, grads=grads[1:])
+            dx = grads[0].at[rows].set(dxb.astype(grads[0].dtype), mode="drop")
+            return as_varying((dx, *dw), axes)
         return run
 
     def dense(_):  # nothing M x f was kept: the dense backward recomputes g and u (2 matmuls)
