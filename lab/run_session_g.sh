@@ -2,7 +2,7 @@
 # One device call for the written-out backup of the training op: its GPU tests, then tree B
 # (.carry/b) against tree A (.carry/a, the base commit) on the training rows, B A B A, then a
 # GPU trace of B's step on the tail family.
-# Usage: OUT=dir lab/run_session_g.sh   (carry .carry)
+# Usage: OUT=dir lab/run_session_g.sh   (the library built in .carry/main.so, the trees in .carry/a and .carry/b)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAX_TWELL_CUDA=OFF JAX_TWELL_CUDA_LIB=$PWD/.carry/main.so XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }

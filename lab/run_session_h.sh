@@ -2,7 +2,7 @@
 # One device call: the written-out backup old against new in one process (and with sizes at
 # half steps), GPU traces of the new training step and of the inference call on the tail family, then the GPU tests of the
 # training op under a mesh and the op's gradient tests.
-# Usage: OUT=dir lab/run_session_h.sh   (carry .carry)
+# Usage: OUT=dir lab/run_session_h.sh   (the library built in .carry/main.so)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAX_TWELL_CUDA=OFF JAX_TWELL_CUDA_LIB=$PWD/.carry/main.so
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
