@@ -54,9 +54,7 @@ def ffn_unmerged(x, w_gate, w_up, w_down):
     FFN has one product of x and is :func:`ffn` itself."""
     if w_gate is None:
         return ffn(x, None, w_up, w_down)
-    g = jax.nn.relu(jnp.matmul(x, w_gate))
-    g, x_up = jax.lax.optimization_barrier((g, x))
-    return up_down(x_up, g, w_up, w_down)
+    return jnp.matmul(_hidden_apart(x, w_gate, w_up)[3], w_down)
 
 
 # Up to this many tokens the plan's dense side keeps the gate and up products apart
@@ -101,6 +99,18 @@ def ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1):
     return vjp((dy, dl1.astype(jnp.float32)))
 
 
+def _hidden_apart(x, w_gate, w_up):
+    """``(g, u, x_up, h)`` of :func:`_hidden`'s formula with the gate and up products kept
+    apart (an optimization barrier on x between them; ``x_up`` is x after it): non-gated,
+    ``u`` is None and ``h`` is ``g``."""
+    g = jax.nn.relu(jnp.matmul(x, w_gate if w_gate is not None else w_up))
+    if w_gate is None:
+        return g, None, x, g
+    g, x_up = jax.lax.optimization_barrier((g, x))
+    u = jnp.matmul(x_up, w_up)
+    return g, u, x_up, g * u
+
+
 def backup_forward(x, w_gate, w_up, w_down, *, m: int):
     """The training ops' dense backup over gathered rows ``x [S, d]``: ``(y [S, d], l1 [],
     fired [f] bool)``, ``l1`` being these rows' ``sum |h|`` over ``m`` (the whole call's
@@ -110,13 +120,7 @@ def backup_forward(x, w_gate, w_up, w_down, *, m: int):
     kept apart: merged (XLA joins two products of one operand) they would copy both
     weights into one on every call, which on a few hundred rows costs more than either
     product (``ffi/notes/training.md``, "The backup's products")."""
-    act_w = w_gate if w_gate is not None else w_up
-    g = jax.nn.relu(jnp.matmul(x, act_w))
-    if w_gate is None:
-        h = g
-    else:
-        g, x_up = jax.lax.optimization_barrier((g, x))
-        h = g * jnp.matmul(x_up, w_up)
+    g, _, _, h = _hidden_apart(x, w_gate, w_up)
     y = jnp.matmul(h, w_down)
     return y, jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1), (g != 0).any(axis=0)
 
@@ -135,15 +139,8 @@ def backup_vjp(x, w_gate, w_up, w_down, dy, dl1, *, m: int, grads):
     gradients in the operands' dtype; each weight's sum is rounded once where XLA fuses
     the add, twice (the product, then the sum) where it does not."""
     gated = w_gate is not None
-    act_w = w_gate if gated else w_up
     dtype = x.dtype
-    g = jax.nn.relu(jnp.matmul(x, act_w))
-    if gated:
-        g, x_up = jax.lax.optimization_barrier((g, x))
-        u = jnp.matmul(x_up, w_up)
-        h = g * u
-    else:
-        h = g
+    g, u, x_up, h = _hidden_apart(x, w_gate, w_up)
     c = (dl1.astype(jnp.float32) / max(m, 1))
     dh = jnp.matmul(dy, w_down.T) + (jnp.sign(h.astype(jnp.float32)) * c).astype(dtype)
     dw_gate, dw_up, dw_down = grads
