@@ -38,8 +38,8 @@ class TrainKernels:
     pack(g, *, tile, capacity) -> TwELL; gate_pack(x, w, *, tile, capacity) -> TwELL;
     forward(x, act, w_act, w_up, w_down, *, max_entries, tensor_cores, down_union, up_union,
     down_stationary) -> (y, Residuals, h_source); backward(x, dy, w_gate, w_up, w_down, res,
-    l1_grad, *, tile, tensor_cores, dx_tensor_cores, dx_union, dh_union, dx_stationary)
-    -> (dx, dw_gate, dw_up, dw_down).
+    l1_grad, *, tile, tensor_cores, dx_tensor_cores, dx_union, dh_union, dx_stationary,
+    transposed) -> (dx, dw_gate, dw_up, dw_down), ``transposed``: dw_gate and dw_up ``[f, d]``.
     """
 
     pack: Callable = pack_binding.pack_twell
@@ -124,7 +124,9 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
     def backup(size):  # y, L1 and fired neurons of the backed-up rows (size > 0)
         rows = idx[:size]
         xb = x.at[rows].get(mode="fill", fill_value=0)  # past the rows: zero rows, h = 0
-        yb, l1b, fired_b = xla.backup_forward(xb, w_gate, w_up, w_down, m=m)
+        # their gate rows from the call's g where XLA's gate wrote it (a gather, not a product)
+        gb = None if g is None else g.at[rows].get(mode="fill", fill_value=0)
+        yb, l1b, fired_b = xla.backup_forward(xb, w_gate, w_up, w_down, m=m, g=gb)
         return rows, yb, l1b, fired_b
 
     def sparse(size):  # the kernels, and the backup at this static size (0: none)
@@ -176,20 +178,23 @@ def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
     # collective inside one deadlocks) and are summed after it.
     weights = as_varying((w_gate, w_up, w_down), axes)
 
-    def sparse(size):  # the kernels, then the backed-up rows' cotangents by XLA's autodiff
+    def sparse(size):  # the kernels, then the backed-up rows' cotangents, written out
         def run(_):
+            # dw_gate and dw_up come as the kernel writes them, [f, d]: transposed here, or
+            # with the backup's products added in the same pass
             grads = as_varying(kernels.backward(
                 x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=layout.TRAIN_TILE,
                 tensor_cores=steps.tensor_cores, dx_tensor_cores=steps.dx_tensor_cores, dx_union=steps.dx_union,
-                dh_union=steps.dh_union, dx_stationary=steps.dx_stationary,
+                dh_union=steps.dh_union, dx_stationary=steps.dx_stationary, transposed=True,
             ), axes)
             if not size:
-                return grads
+                dx, dw_gate_t, dw_up_t, dw_down = grads
+                return dx, None if dw_gate_t is None else dw_gate_t.T, dw_up_t.T, dw_down
             rows = idx[:size]
             xb, dyb = (a.at[rows].get(mode="fill", fill_value=0) for a in (x, dy))
-            # the backed-up rows' weight cotangents are added to the kernels' in the
-            # products' epilogues (their L1 term is sum |h| / m, as in the forward)
-            dxb, *dw = xla.backup_vjp(xb, *weights, dyb.astype(x.dtype), dl1, m=m, grads=grads[1:])
+            # the backed-up rows' weight cotangents added to the kernels' (their L1 term is
+            # sum |h| / m, as in the forward)
+            dxb, *dw = xla.backup_vjp(xb, *weights, dyb.astype(x.dtype), dl1, m=m, grads=grads[1:], transposed=True)
             dx = grads[0].at[rows].set(dxb.astype(grads[0].dtype), mode="drop")
             return as_varying((dx, *dw), axes)
         return run
