@@ -111,7 +111,7 @@ def _hidden_apart(x, w_gate, w_up):
     return g, u, x_up, g * u
 
 
-def backup_forward(x, w_gate, w_up, w_down, *, m: int, g=None):
+def backup_forward(x, w_gate, w_up, w_down, *, m: int, g=None, hidden: bool = False):
     """The training ops' dense backup over gathered rows ``x [S, d]``: ``(y [S, d], l1 [],
     fired [f] bool)``, ``l1`` being these rows' ``sum |h|`` over ``m`` (the whole call's
     token count, so it adds to the kernels' term). Zero rows contribute nothing.
@@ -121,20 +121,24 @@ def backup_forward(x, w_gate, w_up, w_down, *, m: int, g=None):
     weights into one on every call, which on a few hundred rows costs more than either
     product (``ffi/notes/training.md``, "The backup's products"). ``g [S, f]``: these rows'
     ``relu(x @ w_act)`` where the caller has it (gathered from the whole call's gate), in
-    place of the gate product over the rows."""
+    place of the gate product over the rows. ``hidden``: also returns ``(g, u)`` (u None
+    where not gated), which :func:`backup_vjp` takes in place of recomputing them."""
     if g is None:
-        g, _, _, h = _hidden_apart(x, w_gate, w_up)
+        g, u, _, h = _hidden_apart(x, w_gate, w_up)
     else:
-        h = g if w_gate is None else g * jnp.matmul(x, w_up)
+        u = None if w_gate is None else jnp.matmul(x, w_up)
+        h = g if w_gate is None else g * u
     y = jnp.matmul(h, w_down)
-    return y, jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1), (g != 0).any(axis=0)
+    out = y, jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1), (g != 0).any(axis=0)
+    return (*out, (g, u)) if hidden else out
 
 
-def backup_vjp(x, w_gate, w_up, w_down, dy, dl1, *, m: int, grads, transposed: bool = False):
+def backup_vjp(x, w_gate, w_up, w_down, dy, dl1, *, m: int, grads, transposed: bool = False, hidden=None):
     """Cotangents of :func:`backup_forward`'s ``(y, l1)`` for ``(dy [S, d], dl1 [])``, the
     weights' added to ``grads = (dw_gate, dw_up, dw_down)`` (the kernels' cotangents of the
     other rows; None where there is no such weight): ``(dx [S, d], dw_gate, dw_up,
-    dw_down)``. g and u are recomputed (the gate and up products apart, as in the forward).
+    dw_down)``. g and u are recomputed (the gate and up products apart, as in the forward),
+    or taken from ``hidden = (g, u)`` (:func:`backup_forward`'s, ``hidden=True``).
     ``transposed``: ``grads``' ``dw_gate`` and ``dw_up`` come as ``[f, d]`` (the training
     kernels' layout); the backup's products are then formed ``[f, d]`` too and the sum is
     transposed once, so that the add and the transpose are one pass over the weight
@@ -148,7 +152,11 @@ def backup_vjp(x, w_gate, w_up, w_down, dy, dl1, *, m: int, grads, transposed: b
     (the product, then the sum) unless XLA takes the add into the product."""
     gated = w_gate is not None
     dtype = x.dtype
-    g, u, x_up, h = _hidden_apart(x, w_gate, w_up)
+    if hidden is None:
+        g, u, x_up, h = _hidden_apart(x, w_gate, w_up)
+    else:
+        (g, u), x_up = hidden, x
+        h = g if u is None else g * u
     c = (dl1.astype(jnp.float32) / max(m, 1))
     dh = jnp.matmul(dy, w_down.T) + (jnp.sign(h.astype(jnp.float32)) * c).astype(dtype)
     dw_gate, dw_up, dw_down = grads
