@@ -206,11 +206,14 @@ def _emulated_forward(x, act, w_act, w_up, w_down, *, max_entries, tensor_cores=
 
 
 def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, tensor_cores=False, dx_tensor_cores=False, dx_union=False,
-                       dh_union=False, dx_stationary=False):
+                       dh_union=False, dx_stationary=False, transposed=False):
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
+    # dw_gate and dw_up as the handler writes them ([f, d]) where asked, else as the weights
+    flip = (lambda a: a) if transposed else (lambda a: a.T)
     grad = lambda w: jax.ShapeDtypeStruct(w.shape, x.dtype)
-    shapes = (grad(x), grad(w_act), grad(w_down)) + ((grad(w_up),) if gated else ())
+    grad_t = lambda w: jax.ShapeDtypeStruct(w.shape[::-1] if transposed else w.shape, x.dtype)
+    shapes = (grad(x), grad_t(w_act), grad(w_down)) + ((grad_t(w_up),) if gated else ())
 
     def run(x, dy, w_act, w_up, w_down, res, l1_grad):
         KERNEL_CALLS.append("backward")
@@ -219,8 +222,8 @@ def _emulated_backward(x, dy, w_gate, w_up, w_down, res, l1_grad, *, tile, tenso
         dx, dw_down, dw_act_t, dw_up_t, _, _ = emu.train_backward(
             x, dy, np.asarray(w_act).T, np.asarray(w_up).T if gated else None, w_down, r, float(l1_grad), tile=tile
         )
-        out = (np.asarray(dx), np.asarray(dw_act_t).T, np.asarray(dw_down))
-        return out + ((np.asarray(dw_up_t).T,) if gated else ())
+        out = (np.asarray(dx), flip(np.asarray(dw_act_t)), np.asarray(dw_down))
+        return out + ((flip(np.asarray(dw_up_t)),) if gated else ())
 
     out = _callback(run, shapes, x, dy, w_act, w_up, w_down, res, l1_grad)
     if gated:

@@ -192,6 +192,16 @@ def train_backup_buckets(m: int, capacity: int | None = None) -> tuple[int, ...]
     return tuple(sorted({min(cap, -(-(m // k or 1) // 8) * 8) for k in (64, 32, 16, 8, 4)} | {0}))
 
 
+def train_backup_kept_rows(m: int, capacity: int | None = None) -> int:
+    """Rows of the training backup whose g and u the forward keeps for the backward: the
+    largest size of :func:`train_backup_buckets` up to M/32 (0 where there is none). A
+    call whose backed-up rows fit it skips the backward's recompute of their gate and up
+    products; every call keeps ``[rows, f]`` of each (zeros where unused), so the size
+    stays a small share of M."""
+    limit = -(-(m // 32 or 1) // 8) * 8
+    return max((b for b in train_backup_buckets(m, capacity) if b <= limit), default=0)
+
+
 def grad_workspace_ints(m: int, f: int, tile: int, max_entries: int) -> int:
     """Words of the weight gradients' neuron-major lists (``GradWorkspaceOf``): a 4-word
     record an entry, each tile's list starts, each segment's first record per neuron."""

@@ -111,7 +111,7 @@ def _hidden_apart(x, w_gate, w_up):
     return g, u, x_up, g * u
 
 
-def backup_forward(x, w_gate, w_up, w_down, *, m: int):
+def backup_forward(x, w_gate, w_up, w_down, *, m: int, g=None, hidden: bool = False):
     """The training ops' dense backup over gathered rows ``x [S, d]``: ``(y [S, d], l1 [],
     fired [f] bool)``, ``l1`` being these rows' ``sum |h|`` over ``m`` (the whole call's
     token count, so it adds to the kernels' term). Zero rows contribute nothing.
@@ -119,42 +119,61 @@ def backup_forward(x, w_gate, w_up, w_down, *, m: int):
     The same values as :func:`ffn_with_aux` on those rows, with the gate and up products
     kept apart: merged (XLA joins two products of one operand) they would copy both
     weights into one on every call, which on a few hundred rows costs more than either
-    product (``ffi/notes/training.md``, "The backup's products")."""
-    g, _, _, h = _hidden_apart(x, w_gate, w_up)
+    product (``ffi/notes/training.md``, "The backup's products"). ``g [S, f]``: these rows'
+    ``relu(x @ w_act)`` where the caller has it (gathered from the whole call's gate), in
+    place of the gate product over the rows. ``hidden``: also returns ``(g, u)`` (u None
+    where not gated), which :func:`backup_vjp` takes in place of recomputing them."""
+    if g is None:
+        g, u, _, h = _hidden_apart(x, w_gate, w_up)
+    else:
+        u = None if w_gate is None else jnp.matmul(x, w_up)
+        h = g if w_gate is None else g * u
     y = jnp.matmul(h, w_down)
-    return y, jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1), (g != 0).any(axis=0)
+    out = y, jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1), (g != 0).any(axis=0)
+    return (*out, (g, u)) if hidden else out
 
 
-def backup_vjp(x, w_gate, w_up, w_down, dy, dl1, *, m: int, grads):
+def backup_vjp(x, w_gate, w_up, w_down, dy, dl1, *, m: int, grads, transposed: bool = False, hidden=None):
     """Cotangents of :func:`backup_forward`'s ``(y, l1)`` for ``(dy [S, d], dl1 [])``, the
     weights' added to ``grads = (dw_gate, dw_up, dw_down)`` (the kernels' cotangents of the
     other rows; None where there is no such weight): ``(dx [S, d], dw_gate, dw_up,
-    dw_down)``. g and u are recomputed (the gate and up products apart, as in the forward).
+    dw_down)``. g and u are recomputed (the gate and up products apart, as in the forward),
+    or taken from ``hidden = (g, u)`` (:func:`backup_forward`'s, ``hidden=True``).
+    ``transposed``: ``grads``' ``dw_gate`` and ``dw_up`` come as ``[f, d]`` (the training
+    kernels' layout); the backup's products are then formed ``[f, d]`` too and the sum is
+    transposed once, so that the add and the transpose are one pass over the weight
+    (the results are in the weights' layout either way).
 
     Written out rather than by autodiff, so that every product stays in the operands'
-    dtype and each weight's sum with ``grads`` is an add in that dtype that XLA can take
-    into the product's epilogue (cuBLAS's beta = 1): autodiff's L1 term and a sum with the
-    kernels' gradients in f32 cost three weight-sized f32 passes and a concatenation, more
-    than the products themselves on a few hundred rows. Values: the dense formula's
-    gradients in the operands' dtype; each weight's sum is rounded once where XLA fuses
-    the add, twice (the product, then the sum) where it does not."""
+    dtype and each weight's sum with ``grads`` is one add in that dtype: autodiff's L1 term
+    and a sum with the kernels' gradients in f32 cost three weight-sized f32 passes and a
+    concatenation, more than the products themselves on a few hundred rows. Values: the
+    dense formula's gradients in the operands' dtype; each weight's sum is rounded twice
+    (the product, then the sum) unless XLA takes the add into the product."""
     gated = w_gate is not None
     dtype = x.dtype
-    g, u, x_up, h = _hidden_apart(x, w_gate, w_up)
+    if hidden is None:
+        g, u, x_up, h = _hidden_apart(x, w_gate, w_up)
+    else:
+        (g, u), x_up = hidden, x
+        h = g if u is None else g * u
     c = (dl1.astype(jnp.float32) / max(m, 1))
     dh = jnp.matmul(dy, w_down.T) + (jnp.sign(h.astype(jnp.float32)) * c).astype(dtype)
     dw_gate, dw_up, dw_down = grads
     dw_down = jnp.matmul(h.T, dy) + dw_down
+    # a weight's product with the kernels' part: [d, f], or [f, d] summed and then transposed
+    weight_grad = (lambda a, b, acc: (jnp.matmul(b.T, a) + acc).T) if transposed else \
+        (lambda a, b, acc: jnp.matmul(a.T, b) + acc)
     if gated:
         d_pre = jnp.where(g > 0, dh * u, jnp.zeros((), dtype))
         du = dh * g
         dx = jnp.matmul(d_pre, w_gate.T) + jnp.matmul(du, w_up.T)
-        dw_gate = jnp.matmul(x.T, d_pre) + dw_gate
-        dw_up = jnp.matmul(x_up.T, du) + dw_up
+        dw_gate = weight_grad(x, d_pre, dw_gate)
+        dw_up = weight_grad(x_up, du, dw_up)
     else:
         d_pre = jnp.where(g > 0, dh, jnp.zeros((), dtype))
         dx = jnp.matmul(d_pre, w_up.T)
-        dw_up = jnp.matmul(x.T, d_pre) + dw_up
+        dw_up = weight_grad(x, d_pre, dw_up)
     return dx, dw_gate, dw_up, dw_down
 
 

@@ -143,9 +143,11 @@ def train_forward(x, act: TwELL, w_act, w_up, w_down, *, max_entries: int, w_up_
 def train_backward(
     x, dy, w_gate, w_up, w_down, res: Residuals, l1_grad, *, tile: int, workspace: bool = False,
     tensor_cores: bool = False, dx_tensor_cores: bool = False, dx_union: bool = False, dh_union: bool = False,
-    dx_stationary: bool = False,
+    dx_stationary: bool = False, transposed: bool = False,
 ):
-    """One ``jax_twell_train_bwd[_gated]`` call: ``(dx, dw_gate, dw_up, dw_down)``.
+    """One ``jax_twell_train_bwd[_gated]`` call: ``(dx, dw_gate, dw_up, dw_down)``; with
+    ``transposed``, ``dw_gate`` and ``dw_up`` as the kernel writes them, ``[f, d]`` (the
+    caller transposes them, with whatever it adds to them in the same pass).
     ``tensor_cores``: the dh step on tensor cores (as in :func:`train_forward`). ``dx_tensor_cores``: dx on
     tensor cores too, its coefficients rounded to x's dtype as XLA's dense backward rounds
     them (ffi/notes/training_kernels.md); False, dx on CUDA cores from the f32
@@ -204,6 +206,8 @@ def train_backward(
         if workspace:
             return out[:-1]
         dx, dw_down, dw_gate_t, dw_up_t = out[:4]
+        if transposed:
+            return dx, dw_gate_t, dw_up_t, dw_down
         return dx, dw_gate_t.T, dw_up_t.T, dw_down
     call = kernel_call("jax_twell_train_bwd", outs, vmap_method="sequential")
     out = call(x, dy, w_act_op, w_down, res.seg_start, res.tok_off, res.entries, res.col_off, res.by_col, l1,
@@ -211,6 +215,6 @@ def train_backward(
     if workspace:
         return out[:-1]
     dx, dw_down, dw_up_t = out[:3]
-    return dx, None, dw_up_t.T, dw_down
+    return dx, None, dw_up_t if transposed else dw_up_t.T, dw_down
 
 

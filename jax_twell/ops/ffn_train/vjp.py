@@ -38,8 +38,8 @@ class TrainKernels:
     pack(g, *, tile, capacity) -> TwELL; gate_pack(x, w, *, tile, capacity) -> TwELL;
     forward(x, act, w_act, w_up, w_down, *, max_entries, tensor_cores, down_union, up_union,
     down_stationary) -> (y, Residuals, h_source); backward(x, dy, w_gate, w_up, w_down, res,
-    l1_grad, *, tile, tensor_cores, dx_tensor_cores, dx_union, dh_union, dx_stationary)
-    -> (dx, dw_gate, dw_up, dw_down).
+    l1_grad, *, tile, tensor_cores, dx_tensor_cores, dx_union, dh_union, dx_stationary,
+    transposed) -> (dx, dw_gate, dw_up, dw_down), ``transposed``: dw_gate and dw_up ``[f, d]``.
     """
 
     pack: Callable = pack_binding.pack_twell
@@ -121,11 +121,21 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
     steps = plan.steps
     axes = mesh_axes(x, w_gate, w_up, w_down)
 
-    def backup(size):  # y, L1 and fired neurons of the backed-up rows (size > 0)
+    # The backed-up rows' g and u, kept for the backward where they fit `keep` rows (zeros
+    # otherwise): a small residual that spares the backward two products over the rows.
+    keep = layout.train_backup_kept_rows(m, plan.backup_capacity)
+    no_hidden = lambda: tuple(jnp.zeros((keep, f), x.dtype) for _ in range(2 if gated else 1))
+
+    def backup(size):  # y, L1, fired neurons and kept (g, u) of the backed-up rows (size > 0)
         rows = idx[:size]
         xb = x.at[rows].get(mode="fill", fill_value=0)  # past the rows: zero rows, h = 0
-        yb, l1b, fired_b = xla.backup_forward(xb, w_gate, w_up, w_down, m=m)
-        return rows, yb, l1b, fired_b
+        # their gate rows from the call's g where XLA's gate wrote it (a gather, not a product)
+        gb = None if g is None else g.at[rows].get(mode="fill", fill_value=0)
+        yb, l1b, fired_b, (gh, uh) = xla.backup_forward(xb, w_gate, w_up, w_down, m=m, g=gb, hidden=True)
+        if size > keep:
+            return rows, yb, l1b, fired_b, no_hidden()
+        pad = lambda a: jnp.pad(a, ((0, keep - size), (0, 0)))
+        return rows, yb, l1b, fired_b, tuple(pad(a) for a in (gh, uh) if a is not None)
 
     def sparse(size):  # the kernels, and the backup at this static size (0: none)
         def run(_):
@@ -136,11 +146,12 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
             )
             l1 = h_l1(h_source, res.seg_start[-1], x.dtype, m)
             fired = fired_from_columns(res.col_off, f)
+            hidden = no_hidden()
             if size:
-                rows, yb, l1b, fired_b = backup(size)
+                rows, yb, l1b, fired_b, hidden = backup(size)
                 y = y.at[rows].set(yb, mode="drop")
                 l1, fired = l1 + l1b, fired | fired_b
-            return as_varying((y, l1, fired, res), axes)
+            return as_varying((y, l1, fired, res, hidden), axes)
         return run
 
     def dense(_):
@@ -151,18 +162,18 @@ def _train_fwd(x, w_gate, w_up, w_down, plan: TrainPlan, kernels: TrainKernels):
         stationary = binding.forward_down_stationary(m, d, f, plan.max_entries, gated, steps.down_stationary)
         shapes = binding.residual_shapes(m, act.n_tiles, tile, plan.max_entries, gated, stationary)
         res = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # not read by the dense backward
-        return as_varying((y, l1, (gate != 0).any(axis=0), res), axes)
+        return as_varying((y, l1, (gate != 0).any(axis=0), res, no_hidden()), axes)
 
     # One conditional for the side and the backup's size: each conditional holding library
     # calls reads its index on the host (a device-to-host copy, the GPU waiting for the host
     # after it), so the backup's size is not a second one nested in the sparse side.
     side = jnp.where(use, 1 + branch, 0).astype(jnp.int32)
-    y, l1, fired, res = jax.lax.switch(side, [dense] + [sparse(s) for s in buckets], None)
-    return (y, l1, counts, fired), (x, w_gate, w_up, w_down, side, res, idx)
+    y, l1, fired, res, hidden = jax.lax.switch(side, [dense] + [sparse(s) for s in buckets], None)
+    return (y, l1, counts, fired), (x, w_gate, w_up, w_down, side, res, idx, hidden)
 
 
 def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
-    x, w_gate, w_up, w_down, side, res, idx = saved
+    x, w_gate, w_up, w_down, side, res, idx, hidden = saved
     dy, dl1, _, _ = cotangents
     # a NaN cotangent reaches every gradient through the dense formula
     side = jnp.where(all_finite(dy, dl1), side, 0)
@@ -176,20 +187,28 @@ def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
     # collective inside one deadlocks) and are summed after it.
     weights = as_varying((w_gate, w_up, w_down), axes)
 
-    def sparse(size):  # the kernels, then the backed-up rows' cotangents by XLA's autodiff
+    def sparse(size):  # the kernels, then the backed-up rows' cotangents, written out
         def run(_):
+            # dw_gate and dw_up come as the kernel writes them, [f, d]: transposed here, or
+            # with the backup's products added in the same pass
             grads = as_varying(kernels.backward(
                 x, dy.astype(x.dtype), w_gate, w_up, w_down, res, l1_grad, tile=layout.TRAIN_TILE,
                 tensor_cores=steps.tensor_cores, dx_tensor_cores=steps.dx_tensor_cores, dx_union=steps.dx_union,
-                dh_union=steps.dh_union, dx_stationary=steps.dx_stationary,
+                dh_union=steps.dh_union, dx_stationary=steps.dx_stationary, transposed=True,
             ), axes)
             if not size:
-                return grads
+                dx, dw_gate_t, dw_up_t, dw_down = grads
+                return dx, None if dw_gate_t is None else dw_gate_t.T, dw_up_t.T, dw_down
             rows = idx[:size]
             xb, dyb = (a.at[rows].get(mode="fill", fill_value=0) for a in (x, dy))
-            # the backed-up rows' weight cotangents are added to the kernels' in the
-            # products' epilogues (their L1 term is sum |h| / m, as in the forward)
-            dxb, *dw = xla.backup_vjp(xb, *weights, dyb.astype(x.dtype), dl1, m=m, grads=grads[1:])
+            # the backed-up rows' weight cotangents added to the kernels' (their L1 term is
+            # sum |h| / m, as in the forward)
+            # their g and u as the forward kept them, where it did
+            kept_hidden = None
+            if size <= hidden[0].shape[0]:
+                kept_hidden = (hidden[0][:size], hidden[1][:size] if len(hidden) > 1 else None)
+            dxb, *dw = xla.backup_vjp(xb, *weights, dyb.astype(x.dtype), dl1, m=m, grads=grads[1:], transposed=True,
+                                      hidden=kept_hidden)
             dx = grads[0].at[rows].set(dxb.astype(grads[0].dtype), mode="drop")
             return as_varying((dx, *dw), axes)
         return run
