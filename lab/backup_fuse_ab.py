@@ -7,10 +7,10 @@ as ``[f, d]``, adds them to the kernel's ``[f, d]`` results and transposes once.
 patches all three back to the form before (the gate recomputed in both directions; the
 kernel's results transposed, then the products added: two passes more a weight);
 "gather_only" and "adds_only" keep one of the first two, "no_keep" both of them but not
-the kept rows. XLA's dense step beside them, interleaved in rounds
-(``common.time_interleaved``).
+the kept rows; "keep16" keeps the rows up to M/16 instead of M/32. XLA's dense step beside
+them, interleaved in rounds (``common.time_interleaved``).
 
-Usage: python lab/backup_fuse_ab.py [--m 16384] [--family tail] [--out r.json]
+Usage: python lab/backup_fuse_ab.py [--m 16384] [--family tail] [--variants prev,new] [--out r.json]
 """
 
 from __future__ import annotations
@@ -33,8 +33,15 @@ def vjp_transposed_first(x, w_gate, w_up, w_down, dy, dl1, *, m, grads, transpos
     return _vjp(x, w_gate, w_up, w_down, dy, dl1, m=m, grads=grads, hidden=hidden)
 
 
+def kept_to_m16(m, capacity=None):
+    limit = -(-(m // 16 or 1) // 8) * 8
+    return max((b for b in layout.train_backup_buckets(m, capacity) if b <= limit), default=0)
+
+
 def main() -> None:
-    a = parser(__doc__, family="tail", rounds=9).parse_args()
+    ap = parser(__doc__, family="tail", rounds=9)
+    ap.add_argument("--variants", default="prev,gather_only,adds_only,no_keep,new")
+    a = ap.parse_args()
     args = step_args(a)
     old_fwd = lambda: patched(xla, backup_forward=forward_recomputed)
     old_bwd = lambda: patched(xla, backup_vjp=vjp_transposed_first)
@@ -44,8 +51,10 @@ def main() -> None:
                 "gather_only": lambda: compiled_step(None, args, old_bwd(), no_keep()),
                 "adds_only": lambda: compiled_step(None, args, old_fwd(), no_keep()),
                 "no_keep": lambda: compiled_step(None, args, no_keep()),
-                "new": lambda: compiled_step(None, args)}
-    run("backup_fuse_ab", a, variants, args)
+                "new": lambda: compiled_step(None, args),
+                "keep16": lambda: compiled_step(None, args, patched(layout, train_backup_kept_rows=kept_to_m16))}
+    chosen = {k: variants[k] for k in ["xla", *a.variants.split(",")]}
+    run("backup_fuse_ab", a, chosen, args)
 
 
 if __name__ == "__main__":

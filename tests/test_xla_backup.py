@@ -37,13 +37,14 @@ def _autodiff(x, wg, wu, wd, dy, dl1, m, acc):
     return y, l1, dx, dw
 
 
-@pytest.mark.parametrize("given", ["none", "gate_and_transposed"])
+@pytest.mark.parametrize("given", ["none", "gate_and_transposed", "kept_hidden"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 def test_backup_matches_autodiff_of_the_dense_formula(gated, dtype, given):
     """``given``: the forward takes the rows' gate (``g=``, as gathered from the call's gate)
     and the backward takes ``dw_gate``, ``dw_up`` as ``[f, d]`` (``transposed=True``, the
-    kernels' layout); the results are the same, in the weights' layout."""
+    kernels' layout), and with "kept_hidden" also the forward's g and u (``hidden=``) in
+    place of recomputing them; the results are the same, in the weights' layout."""
     x, wg, wu, wd, dy, acc, m = _case(gated, dtype)
     dl1 = jnp.float32(3.0)
     transposed = given != "none"
@@ -51,8 +52,12 @@ def test_backup_matches_autodiff_of_the_dense_formula(gated, dtype, given):
     if transposed:
         g = jax.nn.relu(jnp.matmul(x, wg if gated else wu))
         acc = [None if a is None else a.T for a in acc[:2]] + acc[2:]
-    y, l1, fired = jax.jit(lambda *a: xla.backup_forward(*a, m=m, g=g))(x, wg, wu, wd)
-    dx, *dw = jax.jit(lambda *a: xla.backup_vjp(*a[:6], m=m, grads=a[6:], transposed=transposed))(
+    y, l1, fired, hidden = jax.jit(lambda *a: xla.backup_forward(*a, m=m, g=g, hidden=True))(x, wg, wu, wd)
+    if given != "kept_hidden":
+        hidden = None
+    elif gated:
+        assert hidden[1].shape == hidden[0].shape == (x.shape[0], wu.shape[1])
+    dx, *dw = jax.jit(lambda *a: xla.backup_vjp(*a[:6], m=m, grads=a[6:], transposed=transposed, hidden=hidden))(
         x, wg, wu, wd, dy, dl1, *acc)
     if transposed:
         acc = [None if a is None else a.T for a in acc[:2]] + acc[2:]

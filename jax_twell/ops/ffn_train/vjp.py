@@ -6,7 +6,9 @@ dense formula. Backward: the sparse backward kernel on those residuals, or XLA's
 of the dense formula (recomputing g and u: nothing ``[M, f]`` was kept). On the sparse
 side the rows past the hybrid width are the dense backup's: the kernels see them empty,
 and XLA computes them, forward and backward, over their gathered rows, at the smallest of
-a few static sizes that holds them (``layout.train_backup_buckets``). The
+a few static sizes that holds them (``layout.train_backup_buckets``); their gate rows come
+from the call's g, and their g and u are kept for the backward up to
+``layout.train_backup_kept_rows``. The
 device steps are the bindings of :mod:`jax_twell.ops.ffn_train.binding`, or the stand-ins
 a test passes as ``kernels`` (tests/test_train_emulation.py stands the NumPy model in).
 """
@@ -202,8 +204,8 @@ def _train_bwd(plan: TrainPlan, kernels: TrainKernels, saved, cotangents):
             rows = idx[:size]
             xb, dyb = (a.at[rows].get(mode="fill", fill_value=0) for a in (x, dy))
             # the backed-up rows' weight cotangents added to the kernels' (their L1 term is
-            # sum |h| / m, as in the forward)
-            # their g and u as the forward kept them, where it did
+            # sum |h| / m, as in the forward), from their g and u as the forward kept them
+            # where it did (else recomputed)
             kept_hidden = None
             if size <= hidden[0].shape[0]:
                 kept_hidden = (hidden[0][:size], hidden[1][:size] if len(hidden) > 1 else None)
