@@ -19,7 +19,7 @@ from step_variants import compiled_step, parser, patched, run, step_args
 
 from jax_twell.ops import layout, xla
 
-_forward, _vjp = xla.backup_forward, xla.backup_vjp
+_forward, _vjp, _kept_rows = xla.backup_forward, xla.backup_vjp, layout.train_backup_kept_rows
 
 
 def forward_recomputed(x, w_gate, w_up, w_down, *, m, g=None, hidden=False):
@@ -34,8 +34,7 @@ def vjp_transposed_first(x, w_gate, w_up, w_down, dy, dl1, *, m, grads, transpos
 
 
 def kept_to_m16(m, capacity=None):
-    limit = -(-(m // 16 or 1) // 8) * 8
-    return max((b for b in layout.train_backup_buckets(m, capacity) if b <= limit), default=0)
+    return _kept_rows(m, capacity, share=16)
 
 
 def main() -> None:

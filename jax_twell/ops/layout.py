@@ -189,17 +189,21 @@ def train_backup_buckets(m: int, capacity: int | None = None) -> tuple[int, ...]
     none past ``capacity`` (None: no limit) or M. A call runs the smallest that holds its
     rows; one with more rows than the last runs dense."""
     cap = m if capacity is None else min(m, capacity)
-    return tuple(sorted({min(cap, -(-(m // k or 1) // 8) * 8) for k in (64, 32, 16, 8, 4)} | {0}))
+    return tuple(sorted({min(cap, _share_rows(m, k)) for k in (64, 32, 16, 8, 4)} | {0}))
 
 
-def train_backup_kept_rows(m: int, capacity: int | None = None) -> int:
+def _share_rows(m: int, k: int) -> int:
+    """M/k rows (at least one) rounded up to 8."""
+    return -(-(m // k or 1) // 8) * 8
+
+
+def train_backup_kept_rows(m: int, capacity: int | None = None, share: int = 32) -> int:
     """Rows of the training backup whose g and u the forward keeps for the backward: the
-    largest size of :func:`train_backup_buckets` up to M/32 (0 where there is none). A
-    call whose backed-up rows fit it skips the backward's recompute of their gate and up
+    largest size of :func:`train_backup_buckets` up to M/``share`` (0 where there is none).
+    A call whose backed-up rows fit it skips the backward's recompute of their gate and up
     products; every call keeps ``[rows, f]`` of each (zeros where unused), so the size
     stays a small share of M."""
-    limit = -(-(m // 32 or 1) // 8) * 8
-    return max((b for b in train_backup_buckets(m, capacity) if b <= limit), default=0)
+    return max((b for b in train_backup_buckets(m, capacity) if b <= _share_rows(m, share)), default=0)
 
 
 def grad_workspace_ints(m: int, f: int, tile: int, max_entries: int) -> int:

@@ -99,15 +99,20 @@ def ffn_with_aux_vjp(x, w_gate, w_up, w_down, dy, dl1):
     return vjp((dy, dl1.astype(jnp.float32)))
 
 
-def _hidden_apart(x, w_gate, w_up):
+def _hidden_apart(x, w_gate, w_up, g=None, u=None):
     """``(g, u, x_up, h)`` of :func:`_hidden`'s formula with the gate and up products kept
     apart (an optimization barrier on x between them; ``x_up`` is x after it): non-gated,
-    ``u`` is None and ``h`` is ``g``."""
-    g = jax.nn.relu(jnp.matmul(x, w_gate if w_gate is not None else w_up))
+    ``u`` is None and ``h`` is ``g``. ``g`` (and ``u``) given: those products are not formed
+    (nor the barrier, with no gate product to keep apart)."""
+    x_up = x
+    if g is None:
+        g = jax.nn.relu(jnp.matmul(x, w_gate if w_gate is not None else w_up))
+        if w_gate is not None:
+            g, x_up = jax.lax.optimization_barrier((g, x))
     if w_gate is None:
         return g, None, x, g
-    g, x_up = jax.lax.optimization_barrier((g, x))
-    u = jnp.matmul(x_up, w_up)
+    if u is None:
+        u = jnp.matmul(x_up, w_up)
     return g, u, x_up, g * u
 
 
@@ -123,11 +128,7 @@ def backup_forward(x, w_gate, w_up, w_down, *, m: int, g=None, hidden: bool = Fa
     ``relu(x @ w_act)`` where the caller has it (gathered from the whole call's gate), in
     place of the gate product over the rows. ``hidden``: also returns ``(g, u)`` (u None
     where not gated), which :func:`backup_vjp` takes in place of recomputing them."""
-    if g is None:
-        g, u, _, h = _hidden_apart(x, w_gate, w_up)
-    else:
-        u = None if w_gate is None else jnp.matmul(x, w_up)
-        h = g if w_gate is None else g * u
+    g, u, _, h = _hidden_apart(x, w_gate, w_up, g=g)
     y = jnp.matmul(h, w_down)
     out = y, jnp.abs(h.astype(jnp.float32)).sum() / max(m, 1), (g != 0).any(axis=0)
     return (*out, (g, u)) if hidden else out
@@ -152,11 +153,7 @@ def backup_vjp(x, w_gate, w_up, w_down, dy, dl1, *, m: int, grads, transposed: b
     (the product, then the sum) unless XLA takes the add into the product."""
     gated = w_gate is not None
     dtype = x.dtype
-    if hidden is None:
-        g, u, x_up, h = _hidden_apart(x, w_gate, w_up)
-    else:
-        (g, u), x_up = hidden, x
-        h = g if u is None else g * u
+    g, u, x_up, h = _hidden_apart(x, w_gate, w_up, *(hidden or (None, None)))
     c = (dl1.astype(jnp.float32) / max(m, 1))
     dh = jnp.matmul(dy, w_down.T) + (jnp.sign(h.astype(jnp.float32)) * c).astype(dtype)
     dw_gate, dw_up, dw_down = grads
