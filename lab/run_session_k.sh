@@ -7,13 +7,14 @@
 #   PART=trained: the 0.5b preset trained sparse with the L1 recipe (STEPS steps, stopped
 #     after TRAIN_SECONDS), its first, middle and last layers' FFN inputs and weights on
 #     16,384 held-out tokens, and bench_floor.py on them with the published kernels.
-# Usage: OUT=dir PART=synthetic|trained|grid lab/run_session_k.sh
+# Usage: OUT=dir PART="trained synthetic" lab/run_session_k.sh   (any of synthetic, trained, grid, in order)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAX_TWELL_CUDA=OFF JAX_TWELL_CUDA_LIB=$PWD/.carry/main.so
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 T=2048:5632:0.005
-case ${PART:-synthetic} in
+run_part() {
+case $1 in
   synthetic)
     C=${CONFIGS:-16384:$T:tail:train,16384:$T:uniform:train,16384:$T:lognormal:train,65536:$T:uniform:train,16384:$T:tail:infer,16384:$T:uniform:infer,16384:$T:lognormal:infer,2048:$T:uniform:infer,65536:$T:uniform:infer}
     timeout ${FLOOR_SECONDS:-330} python3 benchmarks/bench_floor.py --configs "$C" --anchor .anchor \
@@ -21,7 +22,7 @@ case ${PART:-synthetic} in
     timeout 90 python3 lab/timeline.py --rule auto --kernel auto --m 16384 --calls 6 \
       --out "$OUT/timeline_infer_uniform.json" 2>&1 | grep -v "^WARNING" | tail -25
     # the backed-up rows emptied inside each sparse branch (lab/scatter_ab.py) against main
-    for fd in ${AB_ROWS:-tail:0.005 uniform:0.005 uniform:1.0}; do
+    for fd in ${AB_ROWS-tail:0.005 uniform:0.005 uniform:1.0}; do
       timeout 100 python3 lab/scatter_ab.py --family ${fd%%:*} --density ${fd##*:} \
         --out "$OUT/scatter_ab_${fd%%:*}_${fd##*:}.json" 2>&1 | grep -v "^WARNING" | tail -1 | cut -c1-700
     done
@@ -53,3 +54,5 @@ case ${PART:-synthetic} in
       --out "$OUT/timeline_infer_d4096_full.json" 2>&1 | grep -v "^WARNING" | tail -25
     ;;
 esac
+}
+for part in ${PART:-synthetic}; do run_part $part; done
