@@ -33,7 +33,11 @@ case $1 in
       bash benchmarks/run_gpu_e2e.sh 2>&1 | grep -v "^WARNING" | grep -E "step|sparse|active|error|Error|stage" | tail -25
     tail -2 $RUNS/0.5b-sparse/metrics.jsonl | cut -c1-1500
     cp $RUNS/0.5b-sparse/metrics.jsonl "$OUT/metrics_0.5b.jsonl"
-    STAGES=activations ANCHOR=.anchor OUT=$OUT bash benchmarks/run_gpu_e2e.sh 2>&1 | grep -v "^WARNING" | tail -40
+    timeout 120 python3 benchmarks/trained_activations.py --workdir $RUNS/0.5b-sparse --out-dir $RUNS/activations \
+      --tokens 16384 2>&1 | grep -v "^WARNING" | tail -8
+    cp $RUNS/activations/*.json "$OUT/"
+    timeout ${NPZ_SECONDS:-240} python3 benchmarks/bench_floor.py --configs '' --npz $RUNS/activations/*.npz \
+      --anchor .anchor --out "$OUT/floor_trained_0.5b.json" 2>&1 | grep -v "^WARNING" | tail -14
     ;;
   grid)
     # the never-below-dense rows of bench_floor.py's grid not in PART=synthetic, and odd shapes
