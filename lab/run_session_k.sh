@@ -19,7 +19,7 @@ case $1 in
     C=${CONFIGS:-16384:$T:tail:train,16384:$T:uniform:train,16384:$T:lognormal:train,65536:$T:uniform:train,16384:$T:tail:infer,16384:$T:uniform:infer,16384:$T:lognormal:infer,2048:$T:uniform:infer,65536:$T:uniform:infer}
     timeout ${FLOOR_SECONDS:-330} python3 benchmarks/bench_floor.py --configs "$C" --anchor .anchor \
       --out "$OUT/floor_public_h200.json" 2>&1 | grep -v "^WARNING" | tail -40
-    timeout 90 python3 lab/timeline.py --rule auto --kernel auto --m 16384 --calls 6 \
+    [ "${TIMELINE:-1}" = 1 ] && timeout 90 python3 lab/timeline.py --rule auto --kernel auto --m 16384 --calls 6 \
       --out "$OUT/timeline_infer_uniform.json" 2>&1 | grep -v "^WARNING" | tail -25
     # the backed-up rows emptied inside each sparse branch (lab/scatter_ab.py) against main
     for fd in ${AB_ROWS-tail:0.005 uniform:0.005 uniform:1.0}; do
