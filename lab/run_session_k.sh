@@ -7,7 +7,7 @@
 #   PART=trained: the 0.5b preset trained sparse with the L1 recipe (STEPS steps, stopped
 #     after TRAIN_SECONDS), its first, middle and last layers' FFN inputs and weights on
 #     16,384 held-out tokens, and bench_floor.py on them with the published kernels.
-# Usage: OUT=dir PART="trained synthetic" lab/run_session_k.sh   (any of synthetic, trained, grid, in order)
+# Usage: OUT=dir PART="trained synthetic" lab/run_session_k.sh   (any of synthetic, trained, grid, in order; or auto)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAX_TWELL_CUDA=OFF JAX_TWELL_CUDA_LIB=$PWD/.carry/main.so
 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
@@ -59,4 +59,8 @@ case $1 in
     ;;
 esac
 }
-for part in ${PART:-synthetic}; do run_part $part; done
+PARTS=${PART:-synthetic}
+if [ "$PARTS" = auto ]; then  # the acceptance card's lines where the card is an H200, else the trained layers
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then PARTS=synthetic; else PARTS=trained; fi
+fi
+for part in $PARTS; do run_part $part; done
