@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls for the H200 lines of the speed issue at main (no kernel changed since the
+# Device calls for the lines of the speed issue at main (no kernel changed since the
 # library in .carry/main.so was built).
 #   PART=synthetic: the default calls, XLA's dense FFN and the published kernels on the same
 #     operands in one run (bench_floor.py --anchor), inference and training rows, then a
@@ -7,6 +7,8 @@
 #   PART=trained: the 0.5b preset trained sparse with the L1 recipe (STEPS steps, stopped
 #     after TRAIN_SECONDS), its first, middle and last layers' FFN inputs and weights on
 #     16,384 held-out tokens, and bench_floor.py on them with the published kernels.
+#   PART=grid: bench_floor.py's never-below-dense rows not in PART=synthetic, odd shapes,
+#     and a GPU trace of the fully active d=4,096 inference call.
 # Usage: OUT=dir PART="trained synthetic" lab/run_session_k.sh   (any of synthetic, trained, grid, in order; or auto)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 JAX_TWELL_CUDA=OFF JAX_TWELL_CUDA_LIB=$PWD/.carry/main.so
@@ -18,7 +20,7 @@ case $1 in
   synthetic)
     C=${CONFIGS:-16384:$T:tail:train,16384:$T:uniform:train,16384:$T:lognormal:train,65536:$T:uniform:train,16384:$T:tail:infer,16384:$T:uniform:infer,16384:$T:lognormal:infer,2048:$T:uniform:infer,65536:$T:uniform:infer}
     timeout ${FLOOR_SECONDS:-330} python3 benchmarks/bench_floor.py --configs "$C" --anchor .anchor \
-      --out "$OUT/floor_public_h200.json" 2>&1 | grep -v "^WARNING" | tail -40
+      --out "$OUT/floor_public.json" 2>&1 | grep -v "^WARNING" | tail -40
     [ "${TIMELINE:-1}" = 1 ] && timeout 90 python3 lab/timeline.py --rule auto --kernel auto --m 16384 --calls 6 \
       --out "$OUT/timeline_infer_uniform.json" 2>&1 | grep -v "^WARNING" | tail -25
     # the backed-up rows emptied inside each sparse branch (lab/scatter_ab.py) against main
@@ -50,9 +52,9 @@ case $1 in
     G1=$G1,12345:2048:5640:0.005:tail:infer,100000:1536:4104:0.005:uniform:infer,3000:2048:5632:0.005:lognormal:infer
     G2=2048:$T:uniform:train,16384:2048:5632:0.05:uniform:train,16384:2048:5632:1.0:uniform:train
     G2=$G2,16384:4096:11008:0.005:tail:train,16384:1000:2728:0.005:uniform:train,12345:2048:5640:0.005:tail:train
-    timeout ${FLOOR_SECONDS:-300} python3 benchmarks/bench_floor.py --configs "${CONFIGS:-$G1}" \
+    timeout ${GRID_SECONDS:-300} python3 benchmarks/bench_floor.py --configs "${GRID_CONFIGS:-$G1}" \
       --out "$OUT/floor_grid_infer.json" 2>&1 | grep -v "^WARNING" | tail -40
-    timeout ${TRAIN_SECONDS:-150} python3 benchmarks/bench_floor.py --configs "${CONFIGS2:-$G2}" \
+    timeout ${GRID_TRAIN_SECONDS:-150} python3 benchmarks/bench_floor.py --configs "${GRID_TRAIN_CONFIGS:-$G2}" \
       --out "$OUT/floor_grid_train.json" 2>&1 | grep -v "^WARNING" | tail -12
     timeout 80 python3 lab/timeline.py --rule auto --kernel auto --m 16384 --d 4096 --f 11008 --density 1.0 --calls 4 \
       --out "$OUT/timeline_infer_d4096_full.json" 2>&1 | grep -v "^WARNING" | tail -25
