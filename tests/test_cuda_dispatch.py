@@ -206,21 +206,42 @@ def test_the_pack_runs_only_in_the_sparse_branches(stand_ins):
     kernels = stand_ins(mark=True)
     inp = case(m=1100, key=8)
 
-    def packs_in(eqns):
-        return sum(1 for e in eqns if e.primitive.name in ("pjit", "jit") and e.params.get("name") == "stand_in_pack")
+    def packs_in(eqns):  # nested conditionals included
+        n = 0
+        for e in eqns:
+            n += e.primitive.name in ("pjit", "jit") and e.params.get("name") == "stand_in_pack"
+            if e.primitive.name == "cond":
+                n += max(packs_in(b.jaxpr.eqns) for b in e.params["branches"])
+        return n
+
+    def checks_in(eqns):  # the operands' finite checks (is_finite), nested conditionals included
+        n = 0
+        for e in eqns:
+            n += e.primitive.name == "is_finite"
+            if e.primitive.name == "cond":
+                n += sum(checks_in(b.jaxpr.eqns) for b in e.params["branches"])
+        return n
 
     for kernel in ("row", "blocked"):
         jaxpr = jax.make_jaxpr(
             lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, kernel=kernel, rule=DenseCrossover(**NO_FIXED), kernels=kernels)
         )(inp.x).jaxpr
-        assert packs_in(jaxpr.eqns) == 0, kernel  # a dense decision never packs
         conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+        assert packs_in([e for e in jaxpr.eqns if e not in conds]) == 0, kernel  # a dense decision never packs
         assert len(conds) == 1, kernel
-        per_branch = [packs_in(b.jaxpr.eqns) for b in conds[0].params["branches"]]
+        branches = conds[0].params["branches"]
+        per_branch = [packs_in(b.jaxpr.eqns) for b in branches]
         # the dense side, then each kernel's (row or blocked chosen with the side)
         assert per_branch == ([0, 1] if kernel == "row" else [0, 1, 1]), (kernel, per_branch)
-        # blocked or row is chosen with the side: no branch holds a second conditional
-        assert not any(e.primitive.name == "cond" for b in conds[0].params["branches"] for e in b.jaxpr.eqns)
+        # the operands' checks run on the sparse side only: neither before the choice nor on
+        # the dense side, each sparse branch holding them and one conditional (its dense
+        # products where they fail)
+        top = [e for e in jaxpr.eqns if e.primitive.name != "cond"]
+        assert checks_in(top) == 0 and checks_in(branches[0].jaxpr.eqns) == 0, kernel
+        assert not any(e.primitive.name == "cond" for e in branches[0].jaxpr.eqns), kernel
+        for b in branches[1:]:
+            assert checks_in(b.jaxpr.eqns) > 0, kernel
+            assert sum(e.primitive.name == "cond" for e in b.jaxpr.eqns) == 1, kernel
     # Decode-sized and forced-dense calls are decided at trace time: no pack, no cond.
     jaxpr = jax.make_jaxpr(
         lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, side=Side.DENSE, kernels=kernels)
@@ -868,15 +889,15 @@ def test_device_branches_of_the_blocked_paths(stand_ins, kernel):
     the H200), so the blocked paths keep as few as their choices need: forced, none (the
     entry budget is the handler's own fallback); a known active fraction, one (dense or
     sparse on the call's counts; row or blocked at trace time) of two branches; no
-    fraction, one of three (dense, row or blocked, decided together on the device: a second
-    conditional nested in the sparse side would make the host wait twice). All three
-    compute the FFN."""
+    fraction, one of three (dense, row or blocked, decided together on the device). Each
+    sparse branch holds one more, the operands' finite checks' (so that the dense side
+    reads no operand for them). All three compute the FFN."""
     kernels = stand_ins(mark=False)
     inp = case(m=1100, key=9)
     want = xla.ffn(inp.x, inp.w_gate, inp.w_up, inp.w_down)
     rule = DenseCrossover(**NO_FIXED)
-    for side, fraction, conds, branches in [(Side.SPARSE, None, 0, 0), (Side.AUTO, 0.0, 1, 2),
-                                            (Side.AUTO, None, 1, 3)]:
+    for side, fraction, conds, branches in [(Side.SPARSE, None, 0, 0), (Side.AUTO, 0.0, 1 + 1, 2),
+                                            (Side.AUTO, None, 1 + 2, 3)]:
         fn = lambda x: cuda_ffn(x, inp.w_gate, inp.w_up, inp.w_down, tile=256, capacity=8, kernel=kernel,
                                 active_fraction=fraction, rule=rule, side=side, kernels=kernels)
         jaxpr = jax.make_jaxpr(fn)(inp.x).jaxpr
@@ -920,6 +941,40 @@ def test_non_finite_operands_run_dense_and_a_kept_weight_check_is_used(stand_ins
     bad_x = inp.x.at[4, 0].set(jnp.nan)
     y = call(bad_x, inp.w_down, weights_finite=kept)
     assert np.isnan(y[4]).all() and np.isfinite(np.delete(y, 4, axis=0)).all(), "x is checked in every call"
+
+
+@pytest.mark.parametrize("kernel", ["row", "blocked"])
+def test_per_call_twell_path_checks_its_operands_on_its_sparse_side(stand_ins, kernel):
+    """The TwELL path with its side chosen per call: finite operands run the sparse kernels;
+    a NaN or Inf in x or a weight runs the dense products inside the sparse side (no kernel
+    mark), so y has the dense formula's values and NaN; a caller's ``weights_finite``
+    replaces the weights' check, not x's."""
+    kernels = stand_ins(mark=True)
+    inp = case(m=1100, density=0.005, full=0, empty=0, key=6)
+    rule = DenseCrossover(pair_bandwidth=1e30, **NO_FIXED)  # the sparse side wins wherever it may run
+    options = plan.FFNOptions(tile=256, capacity=8, kernel=kernel, rule=rule)
+    marked = lambda y: np.isin(y, [ROW_MARK, BLOCKED_MARK, WARP_MARK]).mean() > 0.5  # dense y hits a mark rarely
+
+    def call(x, w_down, **kw):
+        fn = lambda x, wd: ffn_cuda.sparse_ffn(x, inp.w_gate, inp.w_up, wd, options=options, kernels=kernels, **kw)
+        text = jax.jit(fn).lower(x, w_down).as_text()
+        assert "stablehlo.case" in text or "stablehlo.if" in text, "the side is chosen on the device"
+        return np.asarray(jax.jit(fn)(x, w_down), np.float32)
+
+    def dense(x, w_down):
+        return np.asarray(xla.ffn(x, inp.w_gate, inp.w_up, w_down), np.float32)
+
+    assert marked(call(inp.x, inp.w_down)), "finite operands: the sparse kernels"
+    for x, w_down, what in ((inp.x.at[4, 0].set(jnp.nan), inp.w_down, "NaN in x"),
+                            (inp.x.at[7, 2].set(-jnp.inf), inp.w_down, "-Inf in x"),
+                            (inp.x, inp.w_down.at[0, 3].set(jnp.inf), "Inf in w_down")):
+        y, want = call(x, w_down), dense(x, w_down)
+        assert not marked(y) and (~np.isfinite(want)).any(), what
+        np.testing.assert_array_equal(y, want, err_msg=what)  # the dense products, bit for bit
+    kept = jnp.ones(inp.x.shape[1], bool)
+    assert marked(call(inp.x, inp.w_down.at[0, 3].set(jnp.inf), weights_finite=kept)), "the kept check replaces the call's"
+    y = call(inp.x.at[4, 0].set(jnp.nan), inp.w_down, weights_finite=kept)
+    assert not marked(y) and np.isnan(y[4]).all(), "x is checked in every call"
 
 
 def test_the_module_keeps_its_weights_check_with_the_decode_layout():

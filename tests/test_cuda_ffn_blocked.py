@@ -328,3 +328,64 @@ def test_blocked_clear_errors():
         ffn_cuda.twell_ffn(x, act, w, w, w.T, kernel="blocked")
     with pytest.raises(ValueError, match="kernel must be one of"):
         ffn_cuda.twell_ffn(x, act, w, w, w.T, kernel="warp")
+
+
+# The per-call TwELL path (the side chosen on the device) with no fixed costs, so that a
+# finite call takes its sparse side at the sizes below.
+_PER_CALL_RULE = dict(fixed_overhead=0.0, transpose_bandwidth=float("inf"), row_full_tokens=1, per_call_min_tokens=0,
+                      per_call_min_d=0, layer_min_tokens=0, layer_min_tokens_no_conditional=0,
+                      warp_fixed_overhead=0.0, warp_pack_bandwidth=float("inf"))
+
+
+def _poison(x, w_gate, w_up, w_down, case):
+    """One NaN or Inf where ``case`` says, on a neuron that fires least (the sparse side
+    never reads its weights) or in one row of x."""
+    w_act = w_up if w_gate is None else w_gate
+    fired = (jax.nn.relu(x.astype(jnp.float32) @ w_act.astype(jnp.float32)) > 0).sum(0)
+    quiet = int(jnp.argmin(fired))
+    if case == "nan_w_up_quiet":
+        return x, w_gate, w_up.at[3, quiet].set(jnp.nan), w_down
+    if case == "inf_w_down_quiet":
+        return x, w_gate, w_up, w_down.at[quiet, 1].set(jnp.inf)
+    if case == "nan_x_row":
+        return x.at[5, 2].set(jnp.nan), w_gate, w_up, w_down
+    if case == "inf_x_row":
+        return x.at[-1, 0].set(-jnp.inf), w_gate, w_up, w_down
+    if case == "nan_w_act":
+        if w_gate is None:
+            return x, None, w_up.at[1, quiet].set(jnp.nan), w_down
+        return x, w_gate.at[1, quiet].set(jnp.nan), w_up, w_down
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["finite", "nan_w_up_quiet", "inf_w_down_quiet", "nan_x_row", "inf_x_row", "nan_w_act"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
+@pytest.mark.parametrize("kernel", ["row", "blocked"])
+def test_per_call_twell_path_is_the_dense_formula_with_nonfinite_operands(kernel, gated, case):
+    """The TwELL path with its side chosen per call on the device, its operands' finite
+    checks on the sparse side only (the stand-in test in test_cuda_dispatch.py shows which
+    side runs): a NaN or Inf in x or a weight gives NaN / Inf exactly where the dense
+    formula (f32) has them, the rest close to it, with the real kernels in the program.
+    (Not compared bit for bit with the forced sparse call: that one packs in the fused
+    gate's epilogue, whose g may differ from XLA's gate by an ulp.)"""
+    if case == "nan_w_up_quiet" and not gated:
+        pytest.skip("non-gated: w_up is the activation's weight (nan_w_act)")
+    from jax_twell.ops.costs import DenseCrossover
+
+    x, inp = _inputs(1100, 256, 700, 0.02, "heavy", jnp.bfloat16, 31, full=2, empty=3)
+    wg, wu = (inp.w_gate, inp.w_up) if gated else (None, inp.w_gate)
+    x, wg, wu, wd = (x, wg, wu, inp.w_down) if case == "finite" else _poison(x, wg, wu, inp.w_down, case)
+    rule = DenseCrossover(**_PER_CALL_RULE)
+    call = jax.jit(lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=8, kernel=kernel, rule=rule))
+    hlo = call.lower(x, wg, wu, wd).as_text()
+    assert ("stablehlo.case" in hlo or "stablehlo.if" in hlo), kernel  # the side chosen on the device
+    assert ("jax_twell_ffn_blocked" in hlo) == (kernel == "blocked") and "jax_twell_ffn" in hlo, kernel
+    y = np.asarray(call(x, wg, wu, wd), np.float64)
+    with jax.default_matmul_precision("highest"):
+        f32 = [None if a is None else a.astype(jnp.float32) for a in (x, wg, wu, wd)]
+        h = jax.nn.relu(f32[0] @ f32[2]) if wg is None else jax.nn.relu(f32[0] @ f32[1]) * (f32[0] @ f32[2])
+        want = np.asarray(h @ f32[3], np.float64)
+    bad = ~np.isfinite(want)
+    assert bad.any() == (case != "finite"), case
+    np.testing.assert_array_equal(~np.isfinite(y), bad, err_msg=f"{kernel} {case}: NaN/Inf where the dense formula has them")
+    assert_close(np.where(bad, 0, y), np.where(bad, 0, want), fused_tolerance(jnp.bfloat16, 700), f"{kernel} {case}")

@@ -147,6 +147,14 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
         return warp.sparse_ffn(x, w_gate, w_up, w_down, tile=plan.options.tile, capacity=plan.options.capacity,
                                w_up_t=w_up_t, pack=kernels.pack, rows_kernel=kernels.warp_rows,
                                finite=operands_finite)
+    if plan.path == Path.TILES and plan.device_choice:  # the checks on the sparse side only
+        def tiles_operands_finite():  # traced where it is called (inside that side)
+            cols = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
+            if weights_finite is None:  # those kernels may recompute a gate tile: its NaN too
+                cols = cols & ~jnp.isnan(w_act).any()
+            return all_finite(x) & cols.all()
+
+        return _run_tiles(plan, x, w_gate, w_up, w_down, w_up_t, kernels, tiles_operands_finite, None)
     columns = finite_columns(w_up_k, w_down) if weights_finite is None else weights_finite
     if plan.path == Path.WARP and device_backup:  # a known layer: no conditional at all
         # XLA's gate and the pack, not the fused gate: with no g the backup recomputes its
@@ -197,8 +205,11 @@ def run(plan: FFNPlan, x, w_gate, w_up, w_down, *, w_up_t=None, w_act_t=None, we
 def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKernels, finite, columns):
     """The TwELL path: the gate as TwELL, then the row or blocked kernel, with sparse or
     dense (and row or blocked) chosen on the device where the plan leaves it; ``finite``
-    (``[]`` bool) joins that choice (dense where false); with no choice on the device,
-    ``columns`` (:func:`~jax_twell.ops.common.finite_columns`) marks y's NaN instead."""
+    (``[]`` bool) joins that choice (dense where false), or, a function returning it, is
+    computed on the sparse side only, which then runs the dense products where it is false
+    (a conditional inside that side: the dense side reads no operand for the check); with
+    no choice on the device, ``columns`` (:func:`~jax_twell.ops.common.finite_columns`)
+    marks y's NaN instead."""
     gated = w_gate is not None
     w_act = w_gate if gated else w_up
     w_up_k = w_up if gated else None
@@ -227,10 +238,19 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
             return xla.dense_side(x, w_gate, w_up, w_down)
         return xla.up_down(x, g, w_up_k, w_down)
 
+    lazy = callable(finite)
+
+    def checked(kernel_side):  # a sparse side that runs the dense products on non-finite operands
+        if not lazy:
+            return kernel_side
+        return lambda _: jax.lax.cond(finite(), kernel_side, dense, None)
+
+    ok = jnp.ones((), bool) if lazy else finite  # what the choice itself reads of the checks
+
     if not plan.blocked:
         if not plan.device_choice:
             return as_dense_nonfinite(row_kernel(packed()), x, columns)
-        return jax.lax.cond(use_row & finite, lambda _: row_kernel(packed()), dense, None)
+        return jax.lax.cond(use_row & ok, checked(lambda _: row_kernel(packed())), dense, None)
 
     prefer_blocked, any_sparse = plan.prefer_blocked, use_row
     if plan.device_choice:
@@ -260,12 +280,14 @@ def _run_tiles(plan: FFNPlan, x, w_gate, w_up, w_down, w_up_t, kernels: FFNKerne
     if not plan.device_choice:
         return as_dense_nonfinite(sparse(None), x, columns)
     if isinstance(prefer_blocked, bool):
-        return jax.lax.cond(any_sparse & finite, sparse, dense, None)
+        return jax.lax.cond(any_sparse & ok, checked(sparse), dense, None)
     # The side and the kernel in one conditional: each conditional holding library calls
     # reads its index on the host, so a second one nested in the sparse side would make the
-    # host wait for the GPU twice a call.
-    side = jnp.where(any_sparse & finite, jnp.where(prefer_blocked, 2, 1), 0).astype(jnp.int32)
-    return jax.lax.switch(side, [dense, lambda _: row_kernel(packed()), lambda _: blocked_kernel(packed())], None)
+    # host wait for the GPU twice a call (the checks' own, where ``finite`` is a function,
+    # is that second one: a sparse call pays it so that a dense one reads no operand twice).
+    side = jnp.where(any_sparse & ok, jnp.where(prefer_blocked, 2, 1), 0).astype(jnp.int32)
+    return jax.lax.switch(side, [dense, checked(lambda _: row_kernel(packed())),
+                                 checked(lambda _: blocked_kernel(packed()))], None)
 
 
 def twell_ffn(x, act: TwELL, w_act, w_up, w_down, *, w_up_t=None, kernel: Kernel | str = Kernel.ROW,
