@@ -18,6 +18,7 @@ from jax_twell.ops import layout
 from jax_twell.ops.ffn import reference as ffn_reference
 from cuda_calls import cuda_ffn
 from jax_twell.ops.plan import Side
+from test_ffn_contract import FFNContract  # its poisoned operands (not a test class here)
 
 pytestmark = pytest.mark.gpu
 
@@ -337,27 +338,6 @@ _PER_CALL_RULE = dict(fixed_overhead=0.0, transpose_bandwidth=float("inf"), row_
                       warp_fixed_overhead=0.0, warp_pack_bandwidth=float("inf"))
 
 
-def _poison(x, w_gate, w_up, w_down, case):
-    """One NaN or Inf where ``case`` says, on a neuron that fires least (the sparse side
-    never reads its weights) or in one row of x."""
-    w_act = w_up if w_gate is None else w_gate
-    fired = (jax.nn.relu(x.astype(jnp.float32) @ w_act.astype(jnp.float32)) > 0).sum(0)
-    quiet = int(jnp.argmin(fired))
-    if case == "nan_w_up_quiet":
-        return x, w_gate, w_up.at[3, quiet].set(jnp.nan), w_down
-    if case == "inf_w_down_quiet":
-        return x, w_gate, w_up, w_down.at[quiet, 1].set(jnp.inf)
-    if case == "nan_x_row":
-        return x.at[5, 2].set(jnp.nan), w_gate, w_up, w_down
-    if case == "inf_x_row":
-        return x.at[-1, 0].set(-jnp.inf), w_gate, w_up, w_down
-    if case == "nan_w_act":
-        if w_gate is None:
-            return x, None, w_up.at[1, quiet].set(jnp.nan), w_down
-        return x, w_gate.at[1, quiet].set(jnp.nan), w_up, w_down
-    raise ValueError(case)
-
-
 @pytest.mark.parametrize("case", ["finite", "nan_w_up_quiet", "inf_w_down_quiet", "nan_x_row", "inf_x_row", "nan_w_act"])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "nongated"])
 @pytest.mark.parametrize("kernel", ["row", "blocked"])
@@ -374,7 +354,7 @@ def test_per_call_twell_path_is_the_dense_formula_with_nonfinite_operands(kernel
 
     x, inp = _inputs(1100, 256, 700, 0.02, "heavy", jnp.bfloat16, 31, full=2, empty=3)
     wg, wu = (inp.w_gate, inp.w_up) if gated else (None, inp.w_gate)
-    x, wg, wu, wd = (x, wg, wu, inp.w_down) if case == "finite" else _poison(x, wg, wu, inp.w_down, case)
+    x, wg, wu, wd = (x, wg, wu, inp.w_down) if case == "finite" else FFNContract._poisoned((x, wg, wu, inp.w_down), case)
     rule = DenseCrossover(**_PER_CALL_RULE)
     call = jax.jit(lambda x, wg, wu, wd: cuda_ffn(x, wg, wu, wd, tile=256, capacity=8, kernel=kernel, rule=rule))
     hlo = call.lower(x, wg, wu, wd).as_text()
