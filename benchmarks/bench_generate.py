@@ -6,8 +6,12 @@ it and bound as it binds it (``ModelSetup.bind``: no calibration, no kept layout
 sparse FFNs take the library's default path). The dense side is the same parameters in the
 same model with ``ffn_implementation="xla"``: XLA's dense FFN, the formula the sparse path
 must equal. For each batch in ``--batch``: greedy ``models.generate`` of ``--new-tokens``
-after a ``--prompt``-token prompt of the run's held-out text, both jitted and compiled ahead,
-timed in interleaved rounds (``common.time_paired``: the speed-up is the median of each
+after a ``--prompt``-token prompt of the run's held-out text, called as a user calls it
+(``generate``'s own programs, compiled by a first untimed call; with ``--compiled``, the
+call jitted whole and compiled ahead instead, the form of the results before this option:
+a traced call cannot measure its prompt, so it serves only what the model knows of its
+layers), timed in
+interleaved rounds (``common.time_paired``: the speed-up is the median of each
 round's own dense / default ratio); tokens/s counts the new tokens
 over the whole call (the prompt's prefill included). The generated tokens of the two sides
 are compared: at temperature 0 they must be identical.
@@ -16,7 +20,7 @@ Also recorded: the machine's logical CPU count and processor, each FFN layer's f
 active neurons on the prompts (``TransformerLM.measure_ffn``), and the run's step.
 
 Usage: python benchmarks/bench_generate.py --workdir runs/small [--batch 1,8]
-       [--prompt 64] [--new-tokens 128] [--rounds 7] [--out results.json]
+       [--prompt 64] [--new-tokens 128] [--rounds 7] [--compiled] [--out results.json]
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="generated tokens (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default: %(default)s)")
     p.add_argument("--min-seconds", type=float, default=1.0, help="shortest timed window (default: %(default)s)")
+    p.add_argument("--compiled", action="store_true",
+                   help="time generate jitted whole and compiled ahead (default: called as a user calls it)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -97,6 +103,7 @@ def main() -> None:
         model=dict(d_model=cfg.model.d_model, d_ff=cfg.model.d_ff, n_layers=cfg.model.n_layers, dtype=str(cfg.model.dtype)),
         run=dict(preset=cfg.preset, batch_size=cfg.batch_size, seq_len=cfg.seq_len, l1_coef=cfg.l1_coef, steps=cfg.steps),
         prompt=args.prompt,
+        timed="generate jitted whole, compiled ahead" if args.compiled else "generate as called",
         new_tokens=args.new_tokens,
         cases=[],
     )
@@ -105,6 +112,9 @@ def main() -> None:
             ids = jnp.asarray(tokens.get(batch, args.prompt, index=3))
             fns = {}
             for name, model in models.items():
+                if not args.compiled:
+                    fns[name] = lambda ids, model=model: generate(model, ids, args.new_tokens, temperature=0.0)
+                    continue
                 graphdef, state = nnx.split(model)
                 fn = jax.jit(lambda state, ids, graphdef=graphdef: generate(
                     nnx.merge(graphdef, state), ids, args.new_tokens, temperature=0.0))
