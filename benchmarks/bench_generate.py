@@ -11,8 +11,9 @@ after a ``--prompt``-token prompt of the run's held-out text, called as a user c
 call jitted whole and compiled ahead instead, the form of the results before this option:
 a traced call cannot measure its prompt, so it serves only what the model knows of its
 layers), timed in interleaved rounds (``common.time_paired``: the speed-up is the median
-of each round's own dense / default ratio); tokens/s counts the new tokens over the whole call (the prompt's prefill included). The generated tokens of the two sides
-are compared: at temperature 0 they must be identical.
+of each round's own dense / default ratio); tokens/s counts the new tokens over the whole
+call (the prompt's prefill included). The generated tokens of the two sides are compared:
+at temperature 0 they must be identical.
 
 Also recorded: the machine's logical CPU count and processor, each FFN layer's fraction of
 active neurons on the prompts (``TransformerLM.measure_ffn``), and the run's step.
